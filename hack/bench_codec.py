@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Codec benchmark: size and speed of sparse deltas on realistic RL steps, beside memcpy.
+
+Scenarios
+  synthetic-lr1e-6  model-shaped tensors (Qwen3-like), fp32 master + Adam-like update, bf16 cast
+  synthetic-lr1e-5  the same at 10x the learning rate (denser; exercises the dense fallback)
+  tiny-qwen3        real training steps of a tiny Qwen3 (pretrained briefly, then AdamW at 1e-6)
+
+Speeds are bytes of one bf16 model state per second, beside memcpy of the same buffers in the
+same run. `--quick` is CI-sized (~3e7 elements); the full mode holds >= 1e9 elements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta
+from sparrowrl.delta.bitview import bits
+from sparrowrl.delta.frame import TensorSpec
+from sparrowrl.delta.statehash import state_hash
+
+console = Console(stderr=True)
+
+
+def model_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen3-shaped tensors: embedding, per-layer attention/MLP projections and norms."""
+    hidden, inter, kv, vocab, layers = (1024, 3072, 512, 8192, 2) if quick else (2048, 6144, 1024, 151936, 14)
+    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + "input_layernorm.weight", (hidden,)), (p + "self_attn.q_proj.weight", (hidden, hidden)),
+                   (p + "self_attn.k_proj.weight", (kv, hidden)), (p + "self_attn.v_proj.weight", (kv, hidden)),
+                   (p + "self_attn.o_proj.weight", (hidden, hidden)), (p + "post_attention_layernorm.weight", (hidden,)),
+                   (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+                   (p + "mlp.down_proj.weight", (hidden, inter))]
+    return shapes + [("model.norm.weight", (hidden,))]
+
+
+def adam_pair(shape: tuple[int, ...], lr: float, gen: torch.Generator, steps: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 before/after the last of `steps` Adam-like steps on fp32 master weights."""
+    if len(shape) == 1:  # norm weights start at 1.0, as in real models
+        w = torch.ones(shape)
+    else:
+        w = (torch.randn(shape, generator=gen) * 0.02).bfloat16().float()
+    drift = torch.randn(shape, generator=gen)
+    m, v = torch.zeros(shape), torch.zeros(shape)
+    for t in range(1, steps + 1):
+        before = w.bfloat16()
+        g = 0.5 * drift + torch.randn(shape, generator=gen)
+        m.mul_(0.9).add_(g, alpha=0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        w -= lr * (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt_() + 1e-8)
+    return before, w.bfloat16()
+
+
+def tiny_qwen3_steps(n_steps: int) -> list[tuple[dict, dict]]:
+    """Real training: a tiny Qwen3 learns a copy task briefly, then RL-like AdamW steps at 1e-6."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg)
+
+    def batch() -> torch.Tensor:
+        half = torch.randint(3, 512, (16, 32))
+        return torch.cat([half, half], dim=1)
+
+    def step(opt) -> None:
+        x = batch()
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    pre = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    for _ in range(40):
+        step(pre)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    snap = lambda: {n: p.detach().bfloat16().clone() for n, p in model.named_parameters()}
+    pairs, prev = [], snap()
+    for _ in range(n_steps):
+        step(opt)
+        cur = snap()
+        pairs.append((prev, cur))
+        prev = cur
+    return pairs
+
+
+def entropy_bound(old: dict, new: dict) -> float:
+    """Bytes per changed element of an ideal i.i.d. coder: per-tensor Bernoulli positions plus
+    the empirical entropy of the bit-pattern differences."""
+    pos_bits, diffs, changed = 0.0, [], 0
+    for k in new:
+        a, b = bits(old[k]), bits(new[k])
+        idx = np.flatnonzero(a != b)
+        p = len(idx) / len(a)
+        if 0 < p < 1:
+            pos_bits += len(a) * -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+        diffs.append((b[idx] - a[idx]).astype(np.uint64))
+        changed += len(idx)
+    d = np.concatenate(diffs)
+    _, counts = np.unique(d, return_counts=True)
+    q = counts / counts.sum()
+    return (pos_bits - changed * (q * np.log2(q)).sum()) / 8 / changed
+
+
+def encode(old: dict, new: dict, base_hash: str) -> bytes:
+    buf = io.BytesIO()
+    w = DeltaWriter(buf, [TensorSpec.of(n, t) for n, t in new.items()], base_version=0, base_hash=base_hash,
+                    target_version=1)
+    w.add((n, old[n], new[n]) for n in new)
+    w.close()
+    return buf.getvalue()
+
+
+def best_of(reps: int, fn, setup=lambda: None) -> float:
+    times = []
+    for _ in range(reps):
+        arg = setup()
+        t = time.perf_counter()
+        fn(arg)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True) -> dict:
+    nbytes = sum(t.numel() * t.element_size() for t in new.values())
+    base_hash = state_hash(old)
+    data = encode(old, new, base_hash)
+    d = DeltaFile(data)
+    state = {k: v.clone() for k, v in old.items()}
+    target = apply_delta(d, state, base_hash=base_hash)
+    assert target == state_hash(new) == d.manifest["target_hash"], "round trip is not bit-exact"
+    s = d.summary()
+    row = {"scenario": name, "elements": s["elements"], "changed": s["changed"], "density": s["changed_fraction"],
+           "payload_bytes": s["payload_bytes"], "dense_bytes": s["dense_bytes"], "ratio_vs_dense": s["ratio_vs_dense"],
+           "bytes_per_changed": s["bytes_per_changed"], "entropy_bound_bytes_per_changed": entropy_bound(old, new),
+           "bit_exact": True}
+    if timed:
+        dst = {k: torch.empty_like(v) for k, v in old.items()}
+        copy = lambda _: [np.copyto(bits(dst[k]), bits(old[k])) for k in old]
+        t_mem = best_of(reps, copy)
+        t_enc = best_of(reps, lambda _: encode(old, new, base_hash))
+        fresh = lambda: {k: v.clone() for k, v in old.items()}
+        t_dec = best_of(reps, lambda st: apply_delta(DeltaFile(data), st, base_hash=base_hash), fresh)
+        row.update(memcpy_GBps=nbytes / t_mem / 1e9, diff_encode_GBps=nbytes / t_enc / 1e9,
+                   decode_apply_GBps=nbytes / t_dec / 1e9, diff_encode_vs_memcpy=t_mem / t_enc)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CI-sized run (~3e7 elements)")
+    ap.add_argument("--out", type=Path, default=Path("bench_codec.json"))
+    args = ap.parse_args()
+    reps = 3 if args.quick else 2
+    rows = []
+    shapes = model_shapes(args.quick)
+    total = sum(int(np.prod(s)) for _, s in shapes)
+    console.print(f"[bold]codec benchmark[/] ({'quick' if args.quick else 'full'}): {total:,} elements, "
+                  f"{len(shapes)} tensors, {os.cpu_count()} cores")
+    for lr in (1e-6, 1e-5):
+        gen = torch.Generator().manual_seed(0)
+        old, new = {}, {}
+        with Progress(console=console, transient=True) as prog:
+            task = prog.add_task(f"generating steps at lr {lr:g}", total=len(shapes))
+            for n, s in shapes:
+                old[n], new[n] = adam_pair(s, lr, gen)
+                prog.advance(task)
+        console.print(f"measuring synthetic lr {lr:g} ...")
+        rows.append(measure(f"synthetic-lr{lr:g}", old, new, reps))
+        del old, new
+    console.print("training tiny Qwen3 ...")
+    tiny = [measure(f"tiny-qwen3 step {i + 1}", a, b, reps, timed=False) for i, (a, b) in enumerate(tiny_qwen3_steps(5))]
+    agg = {"scenario": "tiny-qwen3 (5 steps)", "elements": tiny[0]["elements"],
+           "changed": sum(r["changed"] for r in tiny), "payload_bytes": sum(r["payload_bytes"] for r in tiny),
+           "dense_bytes": sum(r["dense_bytes"] for r in tiny), "bit_exact": all(r["bit_exact"] for r in tiny)}
+    agg.update(density=agg["changed"] / (agg["elements"] * len(tiny)), ratio_vs_dense=agg["payload_bytes"] / agg["dense_bytes"],
+               bytes_per_changed=agg["payload_bytes"] / agg["changed"],
+               entropy_bound_bytes_per_changed=float(np.mean([r["entropy_bound_bytes_per_changed"] for r in tiny])),
+               steps=tiny)
+    rows.append(agg)
+
+    table = Table(title="sparse delta codec (speeds: GB of bf16 state per second)")
+    for col in ("scenario", "elements", "density", "B/changed", "entropy B/chg", "vs dense", "diff+enc", "dec+apply",
+                "memcpy", "enc/memcpy"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        sp = lambda k: f"{r[k]:.2f}" if k in r else "-"
+        table.add_row(r["scenario"], f"{r['elements']:,}", f"{r['density']:.3%}", f"{r['bytes_per_changed']:.3f}",
+                      f"{r['entropy_bound_bytes_per_changed']:.3f}", f"{r['ratio_vs_dense']:.3%}", sp("diff_encode_GBps"),
+                      sp("decode_apply_GBps"), sp("memcpy_GBps"),
+                      f"{r['diff_encode_vs_memcpy']:.0%}" if "diff_encode_vs_memcpy" in r else "-")
+    Console().print(table)
+    result = {"mode": "quick" if args.quick else "full", "cpus": os.cpu_count(), "machine": platform.machine(),
+              "torch": torch.__version__, "targets": {"bytes_per_changed_at_1pct": 1.3, "diff_encode_vs_memcpy": 0.5},
+              "scenarios": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Model weights on disk: one safetensors file, or a Hugging Face folder of safetensors shards.
+
+Writes are atomic (a temporary sibling renamed into place), so a failed command leaves no file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sparrowrl.delta.bitview import DTYPES
+from sparrowrl.delta.frame import TensorSpec
+
+
+class CheckpointError(Exception):
+    """A weights file or folder cannot be read as safetensors."""
+
+
+class Checkpoint:
+    """Read access to a file or shard folder; tensors load one at a time to bound memory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if self.path.is_dir():
+            self.files = sorted(self.path.glob("*.safetensors"))
+            if not self.files:
+                raise CheckpointError(f"{self.path}: folder holds no *.safetensors files")
+        elif self.path.is_file():
+            self.files = [self.path]
+        else:
+            raise CheckpointError(f"{self.path}: no such file or folder")
+        self._stack = ExitStack()
+        self.where: dict[str, object] = {}
+        self.shard_of: dict[str, str] = {}
+        self.metadata: dict[str, dict[str, str]] = {}
+        self.specs: list[TensorSpec] = []
+        try:
+            for f in self.files:
+                h = self._stack.enter_context(safe_open(str(f), framework="pt"))
+                self.metadata[f.name] = h.metadata() or {}
+                for name in h.keys():
+                    if name in self.where:
+                        raise CheckpointError(f"{self.path}: tensor '{name}' appears in two shards")
+                    sl = h.get_slice(name)
+                    dtype = sl.get_dtype()
+                    if dtype not in DTYPES:
+                        raise CheckpointError(f"{f}: tensor '{name}' has unsupported dtype {dtype}")
+                    self.where[name], self.shard_of[name] = h, f.name
+                    self.specs.append(TensorSpec(name, dtype, tuple(sl.get_shape())))
+        except CheckpointError:
+            self.close()
+            raise
+        except Exception as e:  # safetensors raises SafetensorError/OSError on damaged files
+            self.close()
+            raise CheckpointError(f"{self.path}: not a readable safetensors checkpoint ({e})") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for spec in self.specs:
+            yield spec.name, self.get(spec.name)
+
+    def load(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors())
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextmanager
+def atomic_path(out: str | Path, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside `out`; rename it to `out` only if the block succeeds."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    target = tmp if is_dir else tmp / out.name
+    try:
+        yield target
+        if out.is_dir() and not is_dir:
+            raise CheckpointError(f"{out} is a folder; cannot replace it with a file")
+        if is_dir and out.exists():
+            shutil.rmtree(out)
+        os.replace(target, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_like(state: dict[str, torch.Tensor], source: Checkpoint, out: str | Path) -> None:
+    """Write `state` in the layout of `source`: same shards, metadata and side files (config, tokenizer)."""
+    if source.path.is_dir():
+        with atomic_path(out, is_dir=True) as tmp:
+            tmp.mkdir(exist_ok=True)
+            for f in source.path.iterdir():
+                if f.is_file() and f.suffix != ".safetensors":
+                    shutil.copy2(f, tmp / f.name)
+            for f in source.files:
+                part = {n: state[n].contiguous() for n, shard in source.shard_of.items() if shard == f.name}
+                save_file(part, str(tmp / f.name), metadata=source.metadata[f.name] or None)
+    else:
+        with atomic_path(out) as tmp:
+            save_file({n: t.contiguous() for n, t in state.items()}, str(tmp),
+                      metadata=source.metadata[source.files[0].name] or None)
+
+
+def save_state(state: dict[str, torch.Tensor], out: str | Path) -> None:
+    with atomic_path(out) as tmp:
+        save_file({n: t.contiguous() for n, t in state.items()}, str(tmp))

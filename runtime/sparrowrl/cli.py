@@ -1,0 +1,210 @@
+"""The `sparrowrl` command. Failures print one line naming the check that failed and exit 1."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_like, save_state
+from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta
+from sparrowrl.delta.errors import DeltaError, MismatchError
+from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
+from sparrowrl.delta.bitview import bits
+from sparrowrl.store import Store, StoreError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="SparrowRL: sparse delta weight sync for RL.")
+delta_app = typer.Typer(no_args_is_help=True, help="Make, apply and inspect sparse delta checkpoints.")
+store_app = typer.Typer(no_args_is_help=True, help="A store of base snapshots plus delta chains.")
+app.add_typer(delta_app, name="delta")
+app.add_typer(store_app, name="store")
+out = Console()
+err = Console(stderr=True)
+
+Out = Annotated[Path, typer.Option("-o", "--output", help="Where to write; written only if everything verifies.")]
+
+
+def _fail(e: Exception) -> None:
+    err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=err, transient=True)
+
+
+def _checkpoint_hash(ck: Checkpoint, progress: Progress) -> str:
+    task = progress.add_task("hashing base", total=len(ck.specs))
+    total = 0
+    for name, t in ck.tensors():
+        total += tensor_hash(tensor_key(name, t), bits(t))
+        progress.advance(task)
+    return format_hash(total)
+
+
+@delta_app.command("diff")
+def delta_diff(old: Path, new: Path, output: Out,
+               base_version: Annotated[int, typer.Option(help="Version number of OLD.")] = 0,
+               version: Annotated[int, typer.Option(help="Version number of NEW.")] = 1) -> None:
+    """Diff two checkpoints (safetensors files or shard folders) into a delta."""
+    try:
+        with Checkpoint(old) as a, Checkpoint(new) as b, _progress() as progress:
+            if a.specs != b.specs:
+                fa, fb = {s.name: s for s in a.specs}, {s.name: s for s in b.specs}
+                bad = next((n for n in fa if n not in fb or fa[n] != fb[n]), None) or next(n for n in fb if n not in fa)
+                raise MismatchError(f"tensor '{bad}': OLD has {_desc(fa.get(bad))}, NEW has {_desc(fb.get(bad))}")
+            base_hash = _checkpoint_hash(a, progress)
+            task = progress.add_task("diffing", total=len(b.specs))
+            with atomic_path(output) as tmp, open(tmp, "wb") as f:
+                w = DeltaWriter(f, b.specs, base_version=base_version, base_hash=base_hash, target_version=version)
+                for s in b.specs:
+                    w.add([(s.name, a.get(s.name), b.get(s.name))])
+                    progress.advance(task)
+                m = w.close()
+    except (DeltaError, CheckpointError) as e:
+        _fail(e)
+    out.print(f"wrote {output}: {m['changed']:,} of {m['elements']:,} elements changed, "
+              f"{m['file_bytes']:,} bytes ({m['file_bytes'] / max(m['dense_bytes'], 1):.2%} of dense)")
+
+
+def _desc(spec) -> str:
+    return "no such tensor" if spec is None else f"{spec.dtype}{list(spec.shape)}"
+
+
+@delta_app.command("apply")
+def delta_apply(base: Path, delta: Path, output: Out) -> None:
+    """Apply DELTA to BASE; OUT is written only if every check passes."""
+    try:
+        d = DeltaFile.open(delta)
+        with Checkpoint(base) as ck:
+            state = ck.load()
+            h = apply_delta(d, state, verify_full=True)
+            save_like(state, ck, output)
+    except (DeltaError, CheckpointError, OSError) as e:
+        _fail(e)
+    out.print(f"wrote {output}: version {d.manifest['target_version']}, state hash {h} (verified)")
+
+
+@delta_app.command("inspect")
+def delta_inspect(delta: Path, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Versions, hashes, sizes and per-tensor counts of a delta (all checksums are verified)."""
+    try:
+        d = DeltaFile.open(delta)
+        for i in range(len(d.manifest["chunks"])):
+            d.chunk_body(i)
+    except (DeltaError, OSError) as e:
+        _fail(e)
+    s = d.summary()
+    s["tensor_table"] = [{"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape), "numel": spec.numel,
+                          "changed": t["changed"], "chunks": t["chunks"]}
+                         for spec, t in zip(d.tensors, d.manifest["tensors"])]
+    if as_json:
+        print(json.dumps(s, indent=1))
+        return
+    out.print(f"[bold]{delta}[/]  v{s['base_version']} ({s['base_hash']}) -> v{s['target_version']} ({s['target_hash']})")
+    out.print(f"{s['tensors']} tensors, {s['elements']:,} elements, {s['changed']:,} changed ({s['changed_fraction']:.3%}), "
+              f"{s['chunks']} chunks")
+    bpc = f"{s['bytes_per_changed']:.3f}" if s["bytes_per_changed"] else "-"
+    out.print(f"payload {s['payload_bytes']:,} B vs dense {s['dense_bytes']:,} B ({s['ratio_vs_dense']:.3%}), "
+              f"{bpc} B per changed element")
+    t = Table("tensor", "dtype", "shape", "changed", "fraction")
+    for x in s["tensor_table"]:
+        t.add_row(x["name"], x["dtype"], str(x["shape"]), f"{x['changed']:,}", f"{x['changed'] / max(x['numel'], 1):.3%}")
+    out.print(t)
+
+
+def _open_store(path: Path) -> Store:
+    try:
+        return Store(path)
+    except StoreError as e:
+        _fail(e)
+
+
+@store_app.command("init")
+def store_init(store: Path, base: Path,
+               base_every: Annotated[int, typer.Option(help="Write a full snapshot every K versions.")] = 10) -> None:
+    """Create a store whose version 0 is BASE."""
+    try:
+        with Checkpoint(base) as ck:
+            s = Store.init(store, ck.load(), base_every=base_every)
+    except (StoreError, CheckpointError) as e:
+        _fail(e)
+    out.print(f"store {store}: version 0, state hash {s.versions[0].state_hash}")
+
+
+@store_app.command("add")
+def store_add(store: Path, new: Path) -> None:
+    """Diff NEW against the newest version, append it, print the new version number."""
+    s = _open_store(store)
+    try:
+        with Checkpoint(new) as ck:
+            v = s.add(ck.load())
+    except (StoreError, CheckpointError, DeltaError) as e:
+        _fail(e)
+    err.print(f"v{v.version}: {v.changed:,} changed, {v.delta_bytes:,} bytes" + (", base snapshot" if v.base else ""))
+    print(v.version)
+
+
+@store_app.command("materialize")
+def store_materialize(store: Path, version: int, output: Out) -> None:
+    """Write VERSION as a safetensors file (base + delta chain, every step hash-checked)."""
+    s = _open_store(store)
+    try:
+        state = s.materialize(version)
+        save_state(state, output)
+    except (StoreError, CheckpointError, DeltaError) as e:
+        _fail(e)
+    out.print(f"wrote {output}: version {version}, state hash {s.versions[version].state_hash}")
+
+
+@store_app.command("ls")
+def store_ls(store: Path, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """List versions with their hashes, delta sizes and snapshots."""
+    s = _open_store(store)
+    rows = [s.versions[k] for k in sorted(s.versions)]
+    if as_json:
+        print(json.dumps([vars(v) for v in rows], indent=1))
+        return
+    t = Table("version", "state hash", "changed", "delta bytes", "base bytes")
+    for v in rows:
+        t.add_row(str(v.version), v.state_hash, f"{v.changed:,}" if v.delta else "-",
+                  f"{v.delta_bytes:,}" if v.delta else "-", f"{v.base_bytes:,}" if v.base else "-")
+    out.print(t)
+
+
+@store_app.command("plan")
+def store_plan(store: Path, to: Annotated[int, typer.Option("--to", help="Target version.")],
+               have: Annotated[Optional[int], typer.Option("--from", help="Version the receiver holds.")] = None) -> None:
+    """Show the cheapest route (in bytes) from one version to another."""
+    s = _open_store(store)
+    try:
+        p = s.plan(have, to)
+    except StoreError as e:
+        _fail(e)
+    print(json.dumps(vars(p)))
+
+
+@store_app.command("prune")
+def store_prune(store: Path, keep: Annotated[int, typer.Option(help="Keep the newest N versions reachable.")]) -> None:
+    """Remove versions that no longer serve the newest KEEP."""
+    s = _open_store(store)
+    try:
+        removed = s.prune(keep)
+    except StoreError as e:
+        _fail(e)
+    out.print(f"removed {len(removed)} versions" + (f" (v{removed[0]}..v{removed[-1]})" if removed else ""))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Apply a delta by assignment of bit patterns: verify everything, then change weights, or nothing.
+
+Staging decodes every record and computes, from the changed elements alone, the state hash the
+result will have. Only if framing, digests, base hash, tensor table and that target hash all
+check out are the staged bit patterns assigned. A full recomputation afterwards is optional (used
+at base snapshots); if it disagrees, the assignment is rolled back from the staged old values.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+from sparrowrl.delta.bitview import bits, dtype_name, itemsize
+from sparrowrl.delta.errors import MismatchError, VerifyError
+from sparrowrl.delta.extract import unzigzag
+from sparrowrl.delta.frame import DeltaFile, TensorSpec
+from sparrowrl.delta.statehash import format_hash, parse_hash, tensor_hash
+
+_M64 = (1 << 64) - 1
+
+
+@dataclass
+class Slot:
+    """Where one of the delta's tensors lives on the receiver: a writable flat bit-pattern view
+    and the element offset of the tensor inside it. A fused layout (vLLM's qkv_proj, where q, k
+    and v are stacked along dim 0) maps q, k and v to the same view at different offsets."""
+
+    flat: np.ndarray
+    offset: int = 0
+
+    def view(self, numel: int) -> np.ndarray:
+        return self.flat[self.offset:self.offset + numel]
+
+
+SlotMap = Callable[[TensorSpec], Slot]
+
+
+def state_slots(state: Mapping[str, torch.Tensor]) -> SlotMap:
+    """The identity layout: each delta tensor is the state's tensor of the same name."""
+
+    def slot(spec: TensorSpec) -> Slot:
+        t = state.get(spec.name)
+        if t is None:
+            raise MismatchError(f"tensor '{spec.name}' is in the delta but not in the base")
+        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+            raise MismatchError(f"tensor '{spec.name}': delta expects {spec.dtype}{list(spec.shape)}, "
+                                f"base has {dtype_name(t.dtype)}{list(t.shape)}")
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise MismatchError(f"tensor '{spec.name}' must be a contiguous CPU tensor to apply in place")
+        return Slot(bits(t))
+
+    return slot
+
+
+def hash_through(specs: list[TensorSpec], slot_of: SlotMap) -> str:
+    """Full state hash of the receiver as the delta's tensors see it (layout-independent)."""
+    total = 0
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for spec in specs:
+            slot = slot_of(spec)
+            total += tensor_hash(spec.key(), slot.view(spec.numel), pool)
+    return format_hash(total)
+
+
+@dataclass
+class _Staged:
+    view: np.ndarray
+    positions: np.ndarray | None  # None: the whole view
+    old: np.ndarray
+    new: np.ndarray
+
+
+def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = None, *, slot_of: SlotMap | None = None,
+                base_hash: str | None = None, verify_full: bool = False) -> str:
+    """Apply `delta` to `state` (or to the views `slot_of` gives) in place; return the new hash.
+
+    `base_hash` is the receiver's tracked hash; without it the base is hashed in full first.
+    """
+    if slot_of is None:
+        if state is None:
+            raise ValueError("apply_delta needs a state or a slot map")
+        extra = sorted(set(state) - {t.name for t in delta.tensors})
+        if extra:
+            raise MismatchError(f"tensor '{extra[0]}' is in the base but not in the delta")
+        slot_of = state_slots(state)
+    m = delta.manifest
+    slots = [slot_of(spec) for spec in delta.tensors]
+    for spec, slot in zip(delta.tensors, slots):
+        if slot.flat.dtype.itemsize != itemsize(spec.dtype) or slot.offset + spec.numel > slot.flat.shape[0]:
+            raise MismatchError(f"tensor '{spec.name}': receiver slot does not fit {spec.dtype}{list(spec.shape)}")
+    have = base_hash if base_hash is not None else hash_through(delta.tensors, slot_of)
+    if have != m["base_hash"]:
+        raise MismatchError(f"base hash mismatch: delta needs {m['base_hash']} (version {m['base_version']}), "
+                            f"base has {have}")
+
+    staged: list[_Staged] = []
+    hash_delta = [0] * len(delta.tensors)
+    changed = [0] * len(delta.tensors)
+    ends = [-1] * len(delta.tensors)
+    keys = [spec.key() for spec in delta.tensors]
+    for rec in delta.records():
+        tid = rec.tensor_id
+        if rec.start < ends[tid]:
+            raise VerifyError(f"tensor '{delta.tensors[tid].name}': records overlap at element {rec.start}")
+        ends[tid] = rec.start + rec.length
+        view = slots[tid].view(delta.tensors[tid].numel)[rec.start:rec.start + rec.length]
+        if rec.positions is None:
+            old = view.copy()
+            new = old + unzigzag(rec.diffs)
+            pos = np.flatnonzero(rec.diffs)
+            h_old, h_new = old[pos], new[pos]
+        else:
+            pos = rec.positions
+            old = view[pos]
+            new = old + unzigzag(rec.diffs)
+            h_old, h_new = old, new
+        absolute = pos + rec.start
+        hash_delta[tid] += keys[tid].change(absolute, h_old, h_new)
+        changed[tid] += rec.count
+        staged.append(_Staged(view, rec.positions, old, new))
+
+    for spec, t, c, h in zip(delta.tensors, m["tensors"], changed, hash_delta):
+        if c != t["changed"] or format_hash(h) != t["hash_delta"]:
+            raise VerifyError(f"tensor '{spec.name}': staged changes ({c} elements, hash delta {format_hash(h)}) "
+                              f"differ from the manifest ({t['changed']}, {t['hash_delta']})")
+    target = format_hash(parse_hash(have) + sum(hash_delta))
+    if target != m["target_hash"]:
+        raise VerifyError(f"target hash mismatch: manifest promises {m['target_hash']}, staged result is {target}")
+
+    for s in staged:
+        if s.positions is None:
+            s.view[:] = s.new
+        else:
+            s.view[s.positions] = s.new
+    if verify_full:
+        full = hash_through(delta.tensors, slot_of)
+        if full != target:
+            for s in reversed(staged):
+                if s.positions is None:
+                    s.view[:] = s.old
+                else:
+                    s.view[s.positions] = s.old
+            raise VerifyError(f"full state hash after apply is {full}, expected {target}; rolled back")
+    return target

@@ -1,0 +1,335 @@
+"""The delta file: header, chunks, manifest, trailer. Written as a stream, read with every check.
+
+    header   b"SPRWDLTA" | u32 format | u32 json length | json | sha256(json)
+    chunk*   b"SPCK" | u32 index | u32 body length | sha256(index, length, body) | body (records)
+    manifest json: versions, hashes, tensor table with counts, chunk offsets and digests
+    trailer  u64 manifest offset | u64 manifest length | sha256(manifest) | b"SPRWEND1"
+
+Per tensor, the header gives name, dtype and shape; the manifest gives the changed count, the
+hash change, and the span of chunks holding its records (so a receiver can fetch one tensor).
+
+The header names the base and the tensor table, so a receiver can check fit before any chunk
+arrives; each chunk carries its own digest, so it can be verified and staged as it lands; the
+manifest, written last, holds the target hash and binds header and chunks together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from sparrowrl.delta.bitview import DTYPES, bits, dtype_name, itemsize
+from sparrowrl.delta.entropy import Cursor
+from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
+from sparrowrl.delta.records import Changes, Record, decode_record, encode_changes, extract_segment
+from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
+
+FORMAT_VERSION = 1
+MAGIC = b"SPRWDLTA"
+END = b"SPRWEND1"
+CHUNK_MAGIC = b"SPCK"
+_HEAD = struct.Struct("<8sII")
+_CHUNK = struct.Struct("<4sII32s")
+_TRAILER = struct.Struct("<QQ32s8s")
+SEGMENT = 1 << 22
+CHUNK_BYTES = 4 << 20
+_M64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    def key(self) -> TensorKey:
+        return TensorKey(self.name, self.dtype, self.shape, itemsize(self.dtype))
+
+    @staticmethod
+    def of(name: str, t: torch.Tensor) -> "TensorSpec":
+        return TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
+
+
+def _as_bits(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    return bits(x) if isinstance(x, torch.Tensor) else x.reshape(-1)
+
+
+class DeltaWriter:
+    """Streaming encoder: tensors go in as the trainer has them, chunks go out as soon as full.
+
+    Segments are diffed and encoded on a thread pool (numpy and zstd release the GIL), and
+    written in order. The target hash is the base hash plus the change of every record, so the
+    writer never hashes the whole model.
+    """
+
+    def __init__(self, out: BinaryIO, tensors: list[TensorSpec], *, base_version: int, base_hash: str,
+                 target_version: int, chunk_bytes: int = CHUNK_BYTES, segment: int = SEGMENT):
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names):
+            raise MismatchError("tensor table lists a name twice")
+        self.out, self.tensors, self.segment, self.chunk_bytes = out, tensors, segment, chunk_bytes
+        self.ids = {t.name: i for i, t in enumerate(tensors)}
+        self.keys = [t.key() for t in tensors]
+        self.changed = [0] * len(tensors)
+        self.hash_delta = [0] * len(tensors)
+        self.span: list[list[int]] = [[] for _ in tensors]
+        self.done = [False] * len(tensors)
+        self.chunks: list[dict] = []
+        self.buf: list[bytes] = []
+        self.buf_len = 0
+        self.buf_records = 0
+        self.base_hash, self.base_version, self.target_version = base_hash, base_version, target_version
+        self.offset = 0
+        header = json.dumps({
+            "format": FORMAT_VERSION, "base_version": base_version, "base_hash": base_hash,
+            "target_version": target_version, "segment_elements": segment,
+            "tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors],
+        }, separators=(",", ":")).encode()
+        self.header_sha = hashlib.sha256(header).digest()
+        self._write(_HEAD.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.header_sha)
+        self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+
+    def _write(self, data: bytes) -> None:
+        self.out.write(data)
+        self.offset += len(data)
+
+    def _check_pair(self, name: str, old: torch.Tensor | np.ndarray, new: torch.Tensor | np.ndarray) -> int:
+        if name not in self.ids:
+            raise MismatchError(f"tensor '{name}' is not in the delta's tensor table")
+        tid = self.ids[name]
+        spec = self.tensors[tid]
+        for label, t in (("old", old), ("new", new)):
+            if isinstance(t, torch.Tensor) and (tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype):
+                raise MismatchError(f"tensor '{name}': {label} is {dtype_name(t.dtype)}{list(t.shape)}, table says {spec.dtype}{list(spec.shape)}")
+        if self.done[tid]:
+            raise MismatchError(f"tensor '{name}' added twice")
+        return tid
+
+    def add(self, pairs: Iterable[tuple[str, torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]]) -> None:
+        """Diff and encode (name, old, new) triples; at most 2 segments per core in flight.
+
+        CUDA tensors are diffed on the GPU (whole tensor at once), then entropy-coded here; the
+        bytes are the same as from the CPU path.
+        """
+        pending: deque = deque()
+        limit = 2 * (os.cpu_count() or 1)
+        for name, old, new in pairs:
+            tid = self._check_pair(name, old, new)
+            self.done[tid] = True
+            if isinstance(new, torch.Tensor) and new.is_cuda:
+                from sparrowrl.delta import gpu
+
+                jobs = [(self._encode, tid, ch) for ch in gpu.extract_tensor(old, new, self.segment)]
+            else:
+                a, b = _as_bits(old), _as_bits(new)
+                if a.shape[0] != self.tensors[tid].numel or b.shape[0] != a.shape[0]:
+                    raise MismatchError(f"tensor '{name}': element count differs from the table")
+                jobs = [(self._extract_encode, tid, s, a[s:s + self.segment], b[s:s + self.segment])
+                        for s in range(0, a.shape[0], self.segment)]
+            for fn, *args in jobs:
+                pending.append((tid, self.pool.submit(fn, *args)))
+                while len(pending) > limit:
+                    self._take(*pending.popleft())
+        while pending:
+            self._take(*pending.popleft())
+
+    def _extract_encode(self, tid: int, start: int, old: np.ndarray, new: np.ndarray) -> tuple[bytes, int, int]:
+        return self._encode(tid, extract_segment(start, old, new))
+
+    def _encode(self, tid: int, ch: Changes) -> tuple[bytes, int, int]:
+        data = encode_changes(tid, ch)
+        if not data:
+            return data, 0, 0
+        key, pos = self.keys[tid], ch.positions + ch.start
+        return data, len(ch.positions), key.change(pos, ch.old, ch.new)
+
+    def _take(self, tid: int, fut) -> None:
+        data, changed, delta = fut.result()
+        if not data:
+            return
+        self.changed[tid] += changed
+        self.hash_delta[tid] = (self.hash_delta[tid] + delta) & _M64
+        chunk = len(self.chunks)
+        self.span[tid] = [self.span[tid][0] if self.span[tid] else chunk, chunk]
+        self.buf.append(data)
+        self.buf_len += len(data)
+        self.buf_records += 1
+        if self.buf_len >= self.chunk_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.buf:
+            return
+        body = b"".join(self.buf)
+        index = len(self.chunks)
+        digest = hashlib.sha256(struct.pack("<II", index, len(body)) + body).digest()
+        self.chunks.append({"offset": self.offset, "length": _CHUNK.size + len(body),
+                            "sha256": digest.hex(), "records": self.buf_records})
+        self._write(_CHUNK.pack(CHUNK_MAGIC, index, len(body), digest) + body)
+        self.out.flush()
+        self.buf, self.buf_len, self.buf_records = [], 0, 0
+
+    def close(self) -> dict:
+        """Flush, write manifest and trailer; every tensor in the table must have been added."""
+        self.pool.shutdown()
+        missing = [t.name for t, d in zip(self.tensors, self.done) if not d]
+        if missing:
+            raise MismatchError(f"{len(missing)} tensors never added, first: '{missing[0]}'")
+        self._flush()
+        target = (parse_hash(self.base_hash) + sum(self.hash_delta)) & _M64
+        manifest = {
+            "format": FORMAT_VERSION,
+            "base_version": self.base_version, "base_hash": self.base_hash,
+            "target_version": self.target_version, "target_hash": format_hash(target),
+            "header_sha256": self.header_sha.hex(),
+            "elements": sum(t.numel for t in self.tensors),
+            "changed": sum(self.changed),
+            "dense_bytes": sum(t.numel * itemsize(t.dtype) for t in self.tensors),
+            "tensors": [{"changed": c, "hash_delta": format_hash(h), "chunks": span}
+                        for c, h, span in zip(self.changed, self.hash_delta, self.span)],
+            "chunks": self.chunks,
+        }
+        data = json.dumps(manifest, separators=(",", ":")).encode()
+        offset = self.offset
+        self._write(data + _TRAILER.pack(offset, len(data), hashlib.sha256(data).digest(), END))
+        self.out.flush()
+        manifest["file_bytes"] = self.offset
+        return manifest
+
+
+def write_delta(out: BinaryIO, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, base_version: int,
+                base_hash: str, target_version: int, **kw) -> dict:
+    """Diff two in-memory states with the same tensor table into `out`; returns the manifest."""
+    if set(old) != set(new):
+        raise MismatchError(f"old and new states hold different tensors: '{sorted(set(old) ^ set(new))[0]}'")
+    w = DeltaWriter(out, [TensorSpec.of(n, t) for n, t in new.items()], base_version=base_version,
+                    base_hash=base_hash, target_version=target_version, **kw)
+    try:
+        w.add((n, old[n], new[n]) for n in new)
+    finally:
+        w.pool.shutdown()
+    return w.close()
+
+
+class DeltaFile:
+    """A delta read fully into memory and checked: framing, format, every digest, the bindings."""
+
+    def __init__(self, data: bytes, source: str = "delta"):
+        self.data, self.source = data, source
+        self.header = self._read_header()
+        self.manifest = self._read_manifest()
+        self.tensors = [TensorSpec(n, d, tuple(s)) for n, d, s in self.header["tensors"]]
+        self._check_chunks()
+
+    @classmethod
+    def open(cls, path: str | Path) -> "DeltaFile":
+        return cls(Path(path).read_bytes(), str(path))
+
+    def _fail(self, cls, msg: str):
+        raise cls(f"{self.source}: {msg}")
+
+    def _read_header(self) -> dict:
+        d = self.data
+        if len(d) < _HEAD.size or d[:8] != MAGIC:
+            self._fail(FormatError, "not a sparrowrl delta (bad magic)")
+        _, version, n = _HEAD.unpack_from(d)
+        if version != FORMAT_VERSION:
+            self._fail(FormatError, f"unsupported format version {version} (this sparrowrl reads {FORMAT_VERSION})")
+        end = _HEAD.size + n
+        if len(d) < end + 32 + _TRAILER.size:
+            self._fail(FormatError, f"truncated: {len(d)} bytes is shorter than header and trailer")
+        raw, digest = d[_HEAD.size:end], d[end:end + 32]
+        if hashlib.sha256(raw).digest() != digest:
+            self._fail(CorruptError, "header checksum mismatch")
+        self.header_end, self.header_sha = end + 32, digest
+        try:
+            header = json.loads(raw)
+            for n_, dt, shape in header["tensors"]:
+                if dt not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
+                    raise ValueError(f"bad tensor entry {n_!r}")
+            int(header["base_version"]), parse_hash(header["base_hash"]), int(header["target_version"])
+        except (ValueError, KeyError, TypeError) as e:
+            self._fail(CorruptError, f"header does not parse ({e})")
+        return header
+
+    def _read_manifest(self) -> dict:
+        d = self.data
+        offset, length, digest, end = _TRAILER.unpack_from(d, len(d) - _TRAILER.size)
+        if end != END:
+            self._fail(FormatError, "truncated: end marker missing (incomplete download?)")
+        if not self.header_end <= offset <= offset + length == len(d) - _TRAILER.size:
+            self._fail(CorruptError, f"manifest location {offset}+{length} does not fit the file")
+        raw = d[offset:offset + length]
+        if hashlib.sha256(raw).digest() != digest:
+            self._fail(CorruptError, "manifest checksum mismatch")
+        try:
+            m = json.loads(raw)
+            parse_hash(m["target_hash"])
+            [parse_hash(t["hash_delta"]) for t in m["tensors"]]
+        except (ValueError, KeyError, TypeError) as e:
+            self._fail(CorruptError, f"manifest does not parse ({e})")
+        if m.get("header_sha256") != self.header_sha.hex():
+            self._fail(CorruptError, "manifest belongs to a different header")
+        for k in ("base_version", "base_hash", "target_version"):
+            if m[k] != self.header[k]:
+                self._fail(CorruptError, f"manifest {k} {m[k]!r} differs from header {self.header[k]!r}")
+        self.manifest_offset = offset
+        return m
+
+    def _check_chunks(self) -> None:
+        if len(self.manifest["tensors"]) != len(self.tensors):
+            self._fail(CorruptError, "manifest and header list different numbers of tensors")
+        pos = self.header_end
+        for i, c in enumerate(self.manifest["chunks"]):
+            if c.get("offset") != pos or not isinstance(c.get("length"), int) or c["length"] < _CHUNK.size:
+                self._fail(CorruptError, f"chunk {i}: offset/length {c.get('offset')}+{c.get('length')} not contiguous at {pos}")
+            pos += c["length"]
+        if pos != self.manifest_offset:
+            self._fail(CorruptError, f"chunks end at {pos} but the manifest starts at {self.manifest_offset}")
+
+    def chunk_body(self, i: int) -> memoryview:
+        """Chunk i's records, after checking its header and digest against the manifest."""
+        c = self.manifest["chunks"][i]
+        magic, index, n, digest = _CHUNK.unpack_from(self.data, c["offset"])
+        body = memoryview(self.data)[c["offset"] + _CHUNK.size:c["offset"] + c["length"]]
+        if magic != CHUNK_MAGIC or index != i or n != len(body):
+            self._fail(CorruptError, f"chunk {i}: bad chunk header")
+        if digest.hex() != c["sha256"] or hashlib.sha256(struct.pack("<II", index, n) + body).digest() != digest:
+            self._fail(CorruptError, f"chunk {i}: checksum mismatch (expected sha256 {c['sha256'][:16]}…)")
+        return body
+
+    def records(self) -> Iterator[Record]:
+        sizes = [itemsize(t.dtype) for t in self.tensors]
+        numels = [t.numel for t in self.tensors]
+        for i in range(len(self.manifest["chunks"])):
+            cur = Cursor(self.chunk_body(i), f"{self.source}: chunk {i}")
+            while cur.pos < len(cur.buf):
+                yield decode_record(cur, sizes, numels)
+
+    # ---- summary for `delta inspect` ----
+    def summary(self) -> dict:
+        m = self.manifest
+        changed = m["changed"]
+        return {
+            "format": m["format"], "base_version": m["base_version"], "base_hash": m["base_hash"],
+            "target_version": m["target_version"], "target_hash": m["target_hash"],
+            "tensors": len(m["tensors"]), "elements": m["elements"], "changed": changed,
+            "changed_fraction": changed / m["elements"] if m["elements"] else 0.0,
+            "chunks": len(m["chunks"]), "payload_bytes": len(self.data), "dense_bytes": m["dense_bytes"],
+            "bytes_per_changed": len(self.data) / changed if changed else None,
+            "ratio_vs_dense": len(self.data) / m["dense_bytes"] if m["dense_bytes"] else None,
+        }

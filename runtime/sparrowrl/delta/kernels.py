@@ -1,0 +1,180 @@
+"""CPU kernels (numba, GIL-free): one fused pass where numpy needs several.
+
+numpy's `flatnonzero(a != b)` plus two gathers costs three passes and random DRAM reads; the
+fused kernel compares 64-bit words, looks inside the few that differ, and takes the old and new
+bit patterns while they are in cache (measured ~1.6x faster cold, and it runs on every core).
+The hash kernels compute the splitmix64 sums of `statehash` without temporaries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_C1 = np.uint64(0xBF58476D1CE4E5B9)
+_C2 = np.uint64(0x94D049BB133111EB)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def _changed(a, b, aw, bw, idx, va, vb):
+    k = 0
+    per = 8 // a.itemsize
+    for w in range(aw.shape[0]):
+        if aw[w] != bw[w]:
+            base = w * per
+            for j in range(per):
+                x = a[base + j]
+                y = b[base + j]
+                if x != y:
+                    idx[k] = base + j
+                    va[k] = x
+                    vb[k] = y
+                    k += 1
+    for i in range(aw.shape[0] * per, a.shape[0]):
+        if a[i] != b[i]:
+            idx[k] = i
+            va[k] = a[i]
+            vb[k] = b[i]
+            k += 1
+    return k
+
+
+def changed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, old patterns, new patterns) where two flat unsigned arrays differ."""
+    n = a.shape[0]
+    per = 8 // a.dtype.itemsize
+    m = n - n % per
+    idx = np.empty(n, np.int64)
+    va, vb = np.empty_like(a), np.empty_like(b)
+    aw = np.ascontiguousarray(a[:m]).view(np.uint64)
+    bw = np.ascontiguousarray(b[:m]).view(np.uint64)
+    k = _changed(a, b, aw, bw, idx, va, vb)
+    return idx[:k].copy(), va[:k].copy(), vb[:k].copy()
+
+
+@njit(inline="always")
+def _mix(x):
+    x ^= x >> np.uint64(30)
+    x *= _C1
+    x ^= x >> np.uint64(27)
+    x *= _C2
+    x ^= x >> np.uint64(31)
+    return x
+
+
+@njit(inline="always")
+def _h(salt, width, compact, i, v):
+    if compact:
+        return _mix(salt + (i << width) + v)
+    return _mix(_mix(salt + i) ^ v)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def hash_range(salt, width, compact, start, vals):
+    """Sum of h(start + j, vals[j]) over j, mod 2**64."""
+    acc = np.uint64(0)
+    w = np.uint64(width)
+    s = np.uint64(start)
+    for j in range(vals.shape[0]):
+        acc += _h(salt, w, compact, s + np.uint64(j), np.uint64(vals[j]))
+    return acc
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def hash_change(salt, width, compact, idx, old, new):
+    """Sum of h(i, new) - h(i, old) over the changed positions, mod 2**64."""
+    acc = np.uint64(0)
+    w = np.uint64(width)
+    for j in range(idx.shape[0]):
+        i = np.uint64(idx[j])
+        acc += _h(salt, w, compact, i, np.uint64(new[j]))
+        acc -= _h(salt, w, compact, i, np.uint64(old[j]))
+    return acc
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def symbols(idx, old, new, k, width):
+    """One pass from changes to the entropy coder's inputs.
+
+    Gaps g (idx[0], then idx[j] - idx[j-1] - 1) split as q = g >> k (symbol, escaped at 255) and
+    r = g & (2**k - 1); value symbols are the zigzagged wrap-around differences new - old,
+    escaped at 255. Returns q, r, q counts, q escapes, value symbols, value counts, value escapes.
+    """
+    n = idx.shape[0]
+    q = np.empty(n, np.int32)
+    r = np.empty(n, np.int32)
+    qc = np.zeros(256, np.int64)
+    qesc = np.empty(n, np.uint32)
+    v = np.empty(n, np.int32)
+    vc = np.zeros(256, np.int64)
+    vesc = np.empty_like(new)
+    nq = 0
+    nv = 0
+    rmask = (1 << k) - 1
+    w = np.uint64(width)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    prev = -1
+    for j in range(n):
+        g = idx[j] - prev - 1
+        prev = idx[j]
+        qq = g >> k
+        r[j] = g & rmask
+        if qq >= 255:
+            q[j] = 255
+            qesc[nq] = qq
+            nq += 1
+            qc[255] += 1
+        else:
+            q[j] = qq
+            qc[qq] += 1
+        d = (np.uint64(new[j]) - np.uint64(old[j])) & mask
+        sign = d >> (w - np.uint64(1))
+        z = ((d << np.uint64(1)) ^ (np.uint64(0) - sign)) & mask
+        if z >= 255:
+            v[j] = 255
+            vesc[nv] = z
+            nv += 1
+            vc[255] += 1
+        else:
+            v[j] = z
+            vc[z] += 1
+    return q, r, qc, qesc[:nq], v, vc, vesc[:nv]
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def pack_bits(vals, k):
+    """k low bits of each value, concatenated LSB-first into ceil(n * k / 8) bytes."""
+    out = np.zeros((vals.shape[0] * k + 7) // 8, np.uint8)
+    acc = np.uint64(0)
+    nbits = 0
+    pos = 0
+    for j in range(vals.shape[0]):
+        acc |= np.uint64(vals[j]) << np.uint64(nbits)
+        nbits += k
+        while nbits >= 8:
+            out[pos] = np.uint8(acc & np.uint64(0xFF))
+            acc >>= np.uint64(8)
+            nbits -= 8
+            pos += 1
+    if nbits > 0:
+        out[pos] = np.uint8(acc & np.uint64(0xFF))
+    return out
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def unpack_bits(buf, k, n):
+    """Inverse of pack_bits; the caller checks len(buf) == ceil(n * k / 8)."""
+    out = np.empty(n, np.int64)
+    acc = np.uint64(0)
+    nbits = 0
+    pos = 0
+    mask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
+    for j in range(n):
+        while nbits < k:
+            acc |= np.uint64(buf[pos]) << np.uint64(nbits)
+            nbits += 8
+            pos += 1
+        out[j] = np.int64(acc & mask)
+        acc >>= np.uint64(k)
+        nbits -= k
+    return out

@@ -1,0 +1,224 @@
+"""The checkpoint store: storage and transfer are the same object.
+
+    STORE/store.json                     index: every version, its state hash, its files
+    STORE/bases/v00000000.safetensors    a full snapshot every `base_every` versions
+    STORE/deltas/v00000001-<sha>.spd     the immutable delta (v-1 -> v), named by content hash
+
+Any version materializes as (nearest base) + (delta chain); a holder of version u reaches v by
+whichever route is fewer bytes: replaying u+1..v, or a base b <= v plus b+1..v.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from sparrowrl.checkpoint_io import Checkpoint, atomic_path, save_state
+from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
+from sparrowrl.delta.errors import DeltaError
+
+FORMAT = 1
+
+
+class StoreError(Exception):
+    """The store is missing, damaged, or cannot serve the request."""
+
+
+@dataclass
+class Version:
+    version: int
+    state_hash: str
+    delta: str | None = None  # file name under deltas/
+    delta_sha256: str | None = None
+    delta_bytes: int = 0
+    base: str | None = None  # file name under bases/
+    base_bytes: int = 0
+    changed: int = 0
+
+
+@dataclass
+class Plan:
+    """How to reach `target` from `have` (None: from nothing)."""
+
+    have: int | None
+    target: int
+    route: str  # "none", "chain" or "base"
+    base: int | None
+    deltas: list[int] = field(default_factory=list)
+    bytes: int = 0
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "store.json"
+        if not index.is_file():
+            raise StoreError(f"{self.path}: not a sparrowrl store (no store.json)")
+        try:
+            raw = json.loads(index.read_text())
+            if raw.get("format") != FORMAT:
+                raise StoreError(f"{index}: unsupported store format {raw.get('format')}")
+            self.base_every = int(raw["base_every"])
+            self.versions = {int(v["version"]): Version(**v) for v in raw["versions"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"{index}: damaged index ({e})") from None
+
+    # ---- creation and writing ----
+    @classmethod
+    def init(cls, path: str | Path, base: dict[str, torch.Tensor], base_every: int = 10, version: int = 0) -> "Store":
+        path = Path(path)
+        if (path / "store.json").exists():
+            raise StoreError(f"{path}: a store already exists here")
+        if base_every < 1:
+            raise StoreError("base_every must be at least 1")
+        (path / "bases").mkdir(parents=True, exist_ok=True)
+        (path / "deltas").mkdir(exist_ok=True)
+        v = Version(version, state_hash(base))
+        v.base, v.base_bytes = cls._write_base(path, version, base)
+        cls._write_index(path, base_every, {version: v})
+        return cls(path)
+
+    @staticmethod
+    def _write_base(path: Path, version: int, state: dict[str, torch.Tensor]) -> tuple[str, int]:
+        name = f"v{version:08d}.safetensors"
+        save_state(state, path / "bases" / name)
+        return name, (path / "bases" / name).stat().st_size
+
+    @staticmethod
+    def _write_index(path: Path, base_every: int, versions: dict[int, Version]) -> None:
+        data = {"format": FORMAT, "base_every": base_every,
+                "versions": [asdict(versions[k]) for k in sorted(versions)]}
+        with atomic_path(path / "store.json") as tmp:
+            tmp.write_text(json.dumps(data, indent=1))
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One writer at a time; the index is re-read under the lock."""
+        with open(self.path / ".lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            self.__init__(self.path)
+            yield
+
+    @property
+    def newest(self) -> int:
+        return max(self.versions)
+
+    def add(self, new: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None = None) -> Version:
+        """Append `new` as the next version, diffed against the newest (materialized if not given)."""
+        with self._locked():
+            prev = self.versions[self.newest]
+            if old is None:
+                old = self.materialize(prev.version)
+            version = prev.version + 1
+            tmp_path = self.path / "deltas" / f".v{version:08d}.partial"
+            try:
+                with open(tmp_path, "wb") as f:
+                    m = write_delta(f, old, new, base_version=prev.version, base_hash=prev.state_hash,
+                                    target_version=version)
+                digest = _sha256_file(tmp_path)
+                name = f"v{version:08d}-{digest[:16]}.spd"
+                os.replace(tmp_path, self.path / "deltas" / name)
+            finally:
+                tmp_path.unlink(missing_ok=True)
+            v = Version(version, m["target_hash"], name, digest, m["file_bytes"], changed=m["changed"])
+            if version % self.base_every == 0:
+                v.base, v.base_bytes = self._write_base(self.path, version, new)
+            self.versions[version] = v
+            self._write_index(self.path, self.base_every, self.versions)
+            return v
+
+    # ---- reading ----
+    def delta(self, version: int) -> DeltaFile:
+        v = self.versions[version]
+        data = (self.path / "deltas" / v.delta).read_bytes()
+        if hashlib.sha256(data).hexdigest() != v.delta_sha256:
+            raise StoreError(f"delta v{version} ({v.delta}) does not match its content hash")
+        return DeltaFile(data, f"delta v{version}")
+
+    def _chain_ok(self, start: int, end: int) -> bool:
+        return all(self.versions.get(x) is not None and self.versions[x].delta for x in range(start + 1, end + 1))
+
+    def plan(self, have: int | None, target: int) -> Plan:
+        """The cheapest route, in bytes, from version `have` to `target`."""
+        if target not in self.versions:
+            raise StoreError(f"version {target} is not in the store (has {self._span()})")
+        if have == target:
+            return Plan(have, target, "none", None)
+        options: list[Plan] = []
+        if have is not None and have in self.versions and have < target and self._chain_ok(have, target):
+            ds = list(range(have + 1, target + 1))
+            options.append(Plan(have, target, "chain", None, ds, sum(self.versions[d].delta_bytes for d in ds)))
+        for b, vb in self.versions.items():
+            if vb.base and b <= target and self._chain_ok(b, target):
+                ds = list(range(b + 1, target + 1))
+                options.append(Plan(have, target, "base", b, ds, vb.base_bytes + sum(self.versions[d].delta_bytes for d in ds)))
+        if not options:
+            raise StoreError(f"no route to version {target}: no base at or before it with a full delta chain")
+        return min(options, key=lambda p: (p.bytes, p.route != "chain"))
+
+    def materialize(self, target: int, have: tuple[int, dict[str, torch.Tensor], str] | None = None) -> dict[str, torch.Tensor]:
+        """Version `target` in memory, every step hash-checked; the base is verified in full."""
+        p = self.plan(have[0] if have else None, target)
+        if p.route == "none":
+            return have[1]
+        if p.route == "base":
+            with Checkpoint(self.path / "bases" / self.versions[p.base].base) as ck:
+                state = ck.load()
+            h = state_hash(state)
+            if h != self.versions[p.base].state_hash:
+                raise StoreError(f"base v{p.base} hashes to {h}, index says {self.versions[p.base].state_hash}")
+        else:
+            state, h = have[1], have[2]
+        for d in p.deltas:
+            try:
+                h = apply_delta(self.delta(d), state, base_hash=h)
+            except DeltaError as e:
+                raise StoreError(f"replaying delta v{d}: {e}") from None
+            if h != self.versions[d].state_hash:
+                raise StoreError(f"v{d} hashes to {h}, index says {self.versions[d].state_hash}")
+        return state
+
+    def prune(self, keep: int) -> list[int]:
+        """Keep the newest `keep` versions reachable: drop everything before the newest base that
+        serves the oldest kept version. Returns the versions whose files were removed."""
+        if keep < 1:
+            raise StoreError("keep must be at least 1")
+        with self._locked():
+            oldest = self.newest - keep + 1
+            bases = [b for b, v in self.versions.items() if v.base and b <= oldest and self._chain_ok(b, oldest)]
+            if not bases:
+                return []
+            floor = max(bases)
+            removed = []
+            for x in sorted(self.versions):
+                v = self.versions[x]
+                if x < floor:
+                    for sub, f in (("deltas", v.delta), ("bases", v.base)):
+                        if f:
+                            (self.path / sub / f).unlink(missing_ok=True)
+                    del self.versions[x]
+                    removed.append(x)
+                elif x == floor and v.delta:
+                    (self.path / "deltas" / v.delta).unlink(missing_ok=True)
+                    v.delta, v.delta_sha256, v.delta_bytes = None, None, 0
+            self._write_index(self.path, self.base_every, self.versions)
+            return removed
+
+    def _span(self) -> str:
+        return f"v{min(self.versions)}..v{self.newest}"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,58 @@
+import numpy as np
+import pytest
+import torch
+
+from sparrowrl.delta.bitview import DTYPES, bits
+
+
+def random_tensor(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Arbitrary bit patterns: NaN payloads, infinities, subnormals and -0.0 all occur."""
+    t = torch.empty(shape, dtype=DTYPES[dtype][0])
+    b = bits(t)
+    b[:] = rng.integers(0, np.iinfo(b.dtype).max, size=b.shape, dtype=b.dtype, endpoint=True)
+    if dtype == "BOOL":
+        b &= 1
+    return t
+
+
+def mutate(rng: np.random.Generator, t: torch.Tensor, density: float) -> torch.Tensor:
+    """Change about `density` of the elements: +-1 steps, sign flips and arbitrary new patterns."""
+    out = t.clone()
+    b = bits(out)
+    n = b.shape[0]
+    k = int(round(density * n))
+    if k == 0:
+        return out
+    pos = rng.choice(n, size=k, replace=False)
+    kind = rng.integers(0, 4, size=k)
+    one = b.dtype.type(1)
+    top = b.dtype.type(1 << (8 * b.dtype.itemsize - 1))
+    v = b[pos]
+    v = np.where(kind == 0, v + one, v)
+    v = np.where(kind == 1, v - one, v)
+    v = np.where(kind == 2, v ^ top, v)
+    rand = rng.integers(0, np.iinfo(b.dtype).max, size=k, dtype=b.dtype, endpoint=True)
+    v = np.where(kind == 3, rand, v)
+    if t.dtype == torch.bool:
+        v = (b[pos] ^ 1).astype(b.dtype)
+    b[pos] = v
+    return out
+
+
+def adam_step_pair(rng: np.random.Generator, n: int, lr: float = 1e-6, steps: int = 4):
+    """bf16 before/after of an Adam-like step on fp32 master weights (a realistic delta)."""
+    w = torch.from_numpy(rng.standard_normal(n, dtype=np.float32) * 0.02).bfloat16().float()
+    m, v = torch.zeros(n), torch.zeros(n)
+    drift = torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
+    for t in range(1, steps + 1):
+        prev = w.bfloat16()
+        g = 0.5 * drift + torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        w = w - lr * (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + 1e-8)
+    return prev, w.bfloat16()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,122 @@
+"""Bad input: a clear error naming the problem, and the receiver's weights untouched."""
+
+import io
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import mutate, random_tensor
+from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
+from sparrowrl.delta.bitview import bits
+from sparrowrl.delta.errors import CorruptError, DeltaError, FormatError, MismatchError, VerifyError
+from sparrowrl.delta.frame import _CHUNK, _HEAD, _TRAILER
+
+
+@pytest.fixture
+def pair(rng):
+    old = {"a": random_tensor(rng, "BF16", (300, 40)), "b": random_tensor(rng, "F32", (1000,))}
+    new = {"a": mutate(rng, old["a"], 0.02), "b": mutate(rng, old["b"], 0.5)}
+    buf = io.BytesIO()
+    m = write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1,
+                    segment=2048, chunk_bytes=256)
+    assert len(m["chunks"]) >= 3
+    return old, new, buf.getvalue(), m
+
+
+def assert_refused(data: bytes, old: dict, exc=DeltaError, match: str | None = None):
+    state = {k: v.clone() for k, v in old.items()}
+    with pytest.raises(exc, match=match):
+        apply_delta(DeltaFile(data), state)
+    for k in old:
+        assert np.array_equal(bits(state[k]), bits(old[k])), f"{k} was modified by a refused delta"
+
+
+def flip(data: bytes, at: int) -> bytes:
+    b = bytearray(data)
+    b[at] ^= 0x10
+    return bytes(b)
+
+
+def test_corruption_anywhere_is_refused(pair):
+    old, _, data, m = pair
+    regions = {"header": _HEAD.size + 5, "manifest": m["chunks"][-1]["offset"] + m["chunks"][-1]["length"] + 10,
+               "trailer": len(data) - 20}
+    for i, c in enumerate(m["chunks"]):
+        regions[f"chunk {i} header"] = c["offset"] + 5
+        regions[f"chunk {i} body"] = c["offset"] + _CHUNK.size + (c["length"] - _CHUNK.size) // 2
+    for where, at in regions.items():
+        assert_refused(flip(data, at), old)
+
+
+def test_every_byte_position_is_covered(pair):
+    """Flip each byte of a small delta in turn: each one is caught."""
+    old, _, data, _ = pair
+    for at in range(0, len(data), max(1, len(data) // 400)):
+        assert_refused(flip(data, at), old)
+
+
+@pytest.mark.parametrize("cut", [0, 5, 20, 100, -1, -30, -60])
+def test_truncation(pair, cut):
+    old, _, data, _ = pair
+    with pytest.raises((FormatError, CorruptError)):
+        DeltaFile(data[:cut])
+
+
+def test_truncated_download_says_so(pair):
+    _, _, data, _ = pair
+    with pytest.raises(FormatError, match="end marker missing"):
+        DeltaFile(data[:-1])
+
+
+def test_unknown_format_version(pair):
+    _, _, data, _ = pair
+    bad = data[:8] + struct.pack("<I", 99) + data[12:]
+    with pytest.raises(FormatError, match="unsupported format version 99"):
+        DeltaFile(bad)
+
+
+def test_not_a_delta():
+    with pytest.raises(FormatError, match="bad magic"):
+        DeltaFile(b"PK\x03\x04" + bytes(200))
+
+
+def test_wrong_base(pair, rng):
+    old, _, data, m = pair
+    other = {k: mutate(rng, v, 0.001) for k, v in old.items()}
+    assert_refused(data, other, MismatchError, f"base hash mismatch: delta needs {m['base_hash']}")
+
+
+def test_wrong_tracked_base_hash(pair):
+    old, _, data, _ = pair
+    state = {k: v.clone() for k, v in old.items()}
+    with pytest.raises(MismatchError, match="base hash mismatch"):
+        apply_delta(DeltaFile(data), state, base_hash="0123456789abcdef")
+
+
+def test_shape_and_dtype_mismatch(pair):
+    old, _, data, _ = pair
+    reshaped = dict(old, a=old["a"].reshape(40, 300))
+    assert_refused(data, reshaped, MismatchError, r"tensor 'a': delta expects BF16\[300, 40\], base has BF16\[40, 300\]")
+    retyped = dict(old, b=old["b"].to(torch.float64))
+    assert_refused(data, retyped, MismatchError, r"tensor 'b': delta expects F32\[1000\], base has F64\[1000\]")
+
+
+def test_missing_and_extra_tensors(pair):
+    old, _, data, _ = pair
+    assert_refused(data, {"a": old["a"]}, MismatchError, "tensor 'b' is in the delta but not in the base")
+    assert_refused(data, dict(old, c=torch.zeros(3)), MismatchError, "tensor 'c' is in the base but not in the delta")
+
+
+def test_lying_manifest_is_caught_before_any_write(pair):
+    """Re-sign a manifest whose target hash is wrong: staging catches it, nothing changes."""
+    import hashlib, json
+
+    old, _, data, m = pair
+    off, length, _, end = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
+    manifest = json.loads(data[off:off + length])
+    manifest["target_hash"] = "%016x" % (int(manifest["target_hash"], 16) ^ 1)
+    raw = json.dumps(manifest).encode()
+    forged = data[:off] + raw + _TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
+    assert_refused(forged, old, VerifyError, "target hash mismatch")

@@ -1,0 +1,111 @@
+"""The command line, run as real processes on real files."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from conftest import mutate, random_tensor
+from sparrowrl.delta.bitview import bits
+
+EXE = Path(sys.executable).parent / "sparrowrl"
+
+
+def run(*args, ok=True):
+    p = subprocess.run([str(EXE), *map(str, args)], capture_output=True, text=True, timeout=300)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def same_file(a: Path, b: Path) -> bool:
+    x, y = load_file(str(a)), load_file(str(b))
+    return set(x) == set(y) and all(np.array_equal(bits(x[k]), bits(y[k])) for k in x)
+
+
+@pytest.fixture
+def files(rng, tmp_path):
+    old = {"model.embed.weight": random_tensor(rng, "BF16", (500, 64)), "model.norm.weight": random_tensor(rng, "F32", (64,))}
+    new = {k: mutate(rng, v, 0.01) for k, v in old.items()}
+    save_file(old, tmp_path / "old.safetensors", metadata={"format": "pt"})
+    save_file(new, tmp_path / "new.safetensors", metadata={"format": "pt"})
+    return tmp_path
+
+
+def test_diff_apply_inspect(files):
+    run("delta", "diff", files / "old.safetensors", files / "new.safetensors", "-o", files / "d.spd")
+    run("delta", "apply", files / "old.safetensors", files / "d.spd", "-o", files / "out.safetensors")
+    assert same_file(files / "out.safetensors", files / "new.safetensors")
+    info = json.loads(run("delta", "inspect", files / "d.spd", "--json").stdout)
+    for key in ("base_version", "target_version", "base_hash", "target_hash", "tensors", "elements", "changed",
+                "payload_bytes", "dense_bytes", "bytes_per_changed"):
+        assert key in info
+    assert info["elements"] == 500 * 64 + 64 and info["payload_bytes"] == (files / "d.spd").stat().st_size
+    assert "changed" in run("delta", "inspect", files / "d.spd").stdout
+
+
+def test_apply_refuses_and_writes_nothing(files):
+    run("delta", "diff", files / "old.safetensors", files / "new.safetensors", "-o", files / "d.spd")
+    data = bytearray((files / "d.spd").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (files / "bad.spd").write_bytes(bytes(data))
+    p = run("delta", "apply", files / "old.safetensors", files / "bad.spd", "-o", files / "out.safetensors", ok=False)
+    assert p.returncode == 1
+    assert p.stderr.count("\n") == 1 and "checksum mismatch" in p.stderr
+    assert not (files / "out.safetensors").exists()
+    assert [f.name for f in files.iterdir() if f.name.startswith(".")] == []  # no temp leftovers
+    # wrong base: applying to NEW instead of OLD
+    p = run("delta", "apply", files / "new.safetensors", files / "d.spd", "-o", files / "out.safetensors", ok=False)
+    assert p.returncode == 1 and "base hash mismatch" in p.stderr and not (files / "out.safetensors").exists()
+
+
+def test_diff_refuses_mismatched_shapes(files, rng):
+    save_file({"model.embed.weight": random_tensor(rng, "BF16", (64, 500)),
+               "model.norm.weight": random_tensor(rng, "F32", (64,))}, files / "other.safetensors")
+    p = run("delta", "diff", files / "old.safetensors", files / "other.safetensors", "-o", files / "d.spd", ok=False)
+    assert p.returncode == 1 and "model.embed.weight" in p.stderr and "BF16[500, 64]" in p.stderr
+    assert not (files / "d.spd").exists()
+
+
+def test_shard_folders(rng, tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    for d in (old, new):
+        d.mkdir()
+    shards = [{"a": random_tensor(rng, "BF16", (100, 10))}, {"b": random_tensor(rng, "BF16", (30,))}]
+    for i, s in enumerate(shards):
+        save_file(s, old / f"model-0000{i + 1}-of-00002.safetensors")
+        save_file({k: mutate(rng, v, 0.1) for k, v in s.items()}, new / f"model-0000{i + 1}-of-00002.safetensors")
+    (old / "config.json").write_text('{"model_type": "tiny"}')
+    run("delta", "diff", old, new, "-o", tmp_path / "d.spd")
+    run("delta", "apply", old, tmp_path / "d.spd", "-o", tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").read_text() == '{"model_type": "tiny"}'
+    for f in sorted(new.glob("*.safetensors")):
+        assert same_file(tmp_path / "out" / f.name, f)
+
+
+def test_store_commands(files, rng):
+    store = files / "store"
+    run("store", "init", store, files / "old.safetensors", "--base-every", "2")
+    prev = files / "new.safetensors"
+    assert run("store", "add", store, prev).stdout.strip() == "1"
+    state = load_file(str(prev))
+    for v in (2, 3):
+        state = {k: mutate(rng, t, 0.01) for k, t in state.items()}
+        save_file(state, files / f"v{v}.safetensors")
+        assert run("store", "add", store, files / f"v{v}.safetensors").stdout.strip() == str(v)
+    run("store", "materialize", store, 3, "-o", files / "m3.safetensors")
+    assert same_file(files / "m3.safetensors", files / "v3.safetensors")
+    listing = json.loads(run("store", "ls", store, "--json").stdout)
+    assert [v["version"] for v in listing] == [0, 1, 2, 3] and listing[2]["base"]
+    assert "state hash" in run("store", "ls", store).stdout
+    plan = json.loads(run("store", "plan", store, "--from", "1", "--to", "3").stdout)
+    assert plan["route"] in ("chain", "base") and plan["deltas"][-1] == 3
+    run("store", "prune", store, "--keep", "1")
+    assert [v["version"] for v in json.loads(run("store", "ls", store, "--json").stdout)] == [2, 3]
+    p = run("store", "materialize", store, 0, "-o", files / "m0.safetensors", ok=False)
+    assert p.returncode == 1 and "version 0 is not in the store" in p.stderr

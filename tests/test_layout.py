@@ -1,0 +1,30 @@
+"""Tensor-name mapping: apply trainer-layout deltas into a fused receiver layout (qkv_proj)."""
+
+import io
+
+import numpy as np
+import torch
+
+from conftest import mutate, random_tensor
+from sparrowrl.delta import DeltaFile, Slot, apply_delta, state_hash, write_delta
+from sparrowrl.delta.apply import hash_through
+from sparrowrl.delta.bitview import bits
+
+
+def test_apply_into_fused_qkv(rng):
+    q, k, v = (random_tensor(rng, "BF16", (n, 16)) for n in (32, 8, 8))
+    old = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v}
+    new = {n: mutate(rng, t, 0.05) for n, t in old.items()}
+    buf = io.BytesIO()
+    write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1, segment=100)
+
+    qkv = torch.cat([q, k, v]).contiguous()  # the receiver's fused parameter
+    offsets = {"q_proj.weight": 0, "k_proj.weight": q.numel(), "v_proj.weight": q.numel() + k.numel()}
+    slot_of = lambda spec: Slot(bits(qkv), offsets[spec.name])
+    delta = DeltaFile(buf.getvalue())
+    assert hash_through(delta.tensors, slot_of) == state_hash(old)
+    h = apply_delta(delta, slot_of=slot_of, verify_full=True)
+
+    want = torch.cat([new["q_proj.weight"], new["k_proj.weight"], new["v_proj.weight"]])
+    assert np.array_equal(bits(qkv), bits(want))
+    assert h == state_hash(new)

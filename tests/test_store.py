@@ -1,0 +1,89 @@
+"""The checkpoint store: bases every K versions, content-hashed deltas, cheapest plans, pruning."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import mutate, random_tensor
+from sparrowrl.delta import state_hash
+from sparrowrl.delta.bitview import bits
+from sparrowrl.store import Store, StoreError
+
+
+@pytest.fixture
+def chain(rng, tmp_path):
+    states = [{"w": random_tensor(rng, "BF16", (256, 64)), "n": random_tensor(rng, "F32", (64,))}]
+    for _ in range(12):
+        states.append({k: mutate(rng, v, 0.01) for k, v in states[-1].items()})
+    store = Store.init(tmp_path / "s", states[0], base_every=5)
+    for s in states[1:]:
+        store.add(s)
+    return store, states
+
+
+def same(a, b):
+    return set(a) == set(b) and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
+
+
+def test_every_version_materializes_exactly(chain):
+    store, states = chain
+    assert sorted(store.versions) == list(range(13))
+    assert [v for v, x in store.versions.items() if x.base] == [0, 5, 10]
+    for v, s in enumerate(states):
+        assert store.versions[v].state_hash == state_hash(s)
+        assert same(store.materialize(v), s)
+
+
+def test_deltas_are_content_hashed_and_immutable(chain):
+    store, _ = chain
+    for v in range(1, 13):
+        x = store.versions[v]
+        assert x.delta.startswith(f"v{v:08d}-{x.delta_sha256[:16]}")
+    victim = store.path / "deltas" / store.versions[7].delta
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="delta v7 .* does not match its content hash"):
+        store.materialize(8)
+
+
+def test_plan_picks_fewest_bytes(chain):
+    store, _ = chain
+    p = store.plan(6, 8)
+    assert (p.route, p.deltas) == ("chain", [7, 8])
+    far = store.plan(1, 12)  # 11 deltas vs base 10 + 2 deltas: depends on sizes; must be the cheaper one
+    chain_bytes = sum(store.versions[d].delta_bytes for d in range(2, 13))
+    base_bytes = store.versions[10].base_bytes + sum(store.versions[d].delta_bytes for d in (11, 12))
+    assert far.bytes == min(chain_bytes, base_bytes)
+    assert store.plan(None, 7).route == "base" and store.plan(None, 7).base == 5
+    assert store.plan(12, 12).route == "none"
+    with pytest.raises(StoreError, match="version 40 is not in the store"):
+        store.plan(None, 40)
+
+
+def test_catch_up_from_a_held_version(chain):
+    store, states = chain
+    held = {k: v.clone() for k, v in states[3].items()}
+    out = store.materialize(9, have=(3, held, state_hash(held)))
+    assert same(out, states[9])
+
+
+def test_prune_keeps_newest_reachable(chain):
+    store, states = chain
+    removed = store.prune(keep=4)  # keep 9..12: base 5 serves v9
+    assert removed == [0, 1, 2, 3, 4]
+    store = Store(store.path)
+    assert min(store.versions) == 5 and store.versions[5].delta is None
+    for v in range(9, 13):
+        assert same(store.materialize(v), states[v])
+    on_disk = {p.name for p in (store.path / "deltas").iterdir()}
+    assert on_disk == {store.versions[v].delta for v in range(6, 13)}
+
+
+def test_index_survives_reopen(chain, tmp_path):
+    store, _ = chain
+    data = json.loads((store.path / "store.json").read_text())
+    assert data["base_every"] == 5 and len(data["versions"]) == 13
+    with pytest.raises(StoreError, match="not a sparrowrl store"):
+        Store(tmp_path / "nowhere")
