@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CI-sized run (~3e7 elements)")
     ap.add_argument("--out", type=Path, default=Path("bench_codec.json"))
     args = ap.parse_args()
-    reps = 3 if args.quick else 2
+    reps = 5 if args.quick else 3
     rows = []
     shapes = model_shapes(args.quick)
     total = sum(int(np.prod(s)) for _, s in shapes)
@@ -205,7 +205,7 @@ def main() -> None:
                       f"{r['entropy_bound_bytes_per_changed']:.3f}", f"{r['ratio_vs_dense']:.3%}", sp("diff_encode_GBps"),
                       sp("decode_apply_GBps"), sp("memcpy_GBps"),
                       f"{r['diff_encode_vs_memcpy']:.0%}" if "diff_encode_vs_memcpy" in r else "-")
-    Console().print(table)
+    Console(width=150).print(table)
     result = {"mode": "quick" if args.quick else "full", "cpus": os.cpu_count(), "machine": platform.machine(),
               "torch": torch.__version__, "targets": {"bytes_per_changed_at_1pct": 1.3, "diff_encode_vs_memcpy": 0.5},
               "scenarios": rows}

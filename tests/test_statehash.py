@@ -56,3 +56,35 @@ def test_wide_key_form_for_8_byte_dtypes():
     assert not key.compact
     idx = np.arange(4)
     assert key.change(idx, np.zeros(4, np.uint64), np.ones(4, np.uint64)) != 0
+
+
+def reference_hash(state: dict) -> str:
+    """The hash exactly as statehash's docstring defines it, in plain Python integers."""
+    import hashlib
+
+    M = (1 << 64) - 1
+
+    def mix(x):
+        x &= M
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & M
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & M
+        return x ^ (x >> 31)
+
+    total = 0
+    for name, t in state.items():
+        b = bits(t)
+        w = 8 * b.dtype.itemsize
+        dtype = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}[t.dtype]
+        salt = int.from_bytes(hashlib.sha256(f"{name}\0{dtype}\0{list(t.shape)}".encode()).digest()[:8], "little")
+        total += mix(salt)
+        for i, v in enumerate(b.tolist()):
+            total += mix(salt + (i << w) + v) if w < 64 else mix(mix(salt + i) ^ v)
+    return f"{total & M:016x}"
+
+
+def test_hash_matches_its_definition(rng):
+    state = {"a": random_tensor(rng, "BF16", (7, 9)), "b": random_tensor(rng, "F32", (5,)),
+             "c": random_tensor(rng, "F64", (4,))}
+    assert state_hash(state) == reference_hash(state)

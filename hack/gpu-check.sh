@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds, tests and benchmarks every GPU path in one short run (< 5 minutes) on a CUDA machine.
+#
+# The device image has torch, cupy-cuda13x, numba, safetensors, rich, typer, pytest and hypothesis
+# but not constriction or zstandard: carry them as wheels in .whl/ (git-ignored), made here with
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     constriction==0.5.0 zstandard==0.25.0
+# then run it with the device tool: command `bash hack/gpu-check.sh`, carry [".whl"].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/runtime${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, torch.cuda.get_device_name())"
+# GPU tests: byte-identical deltas from CUDA inputs, device hash == CPU hash
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_roundtrip.py 2>&1 | tee "$OUT/gpu-tests.log"
+# benchmark: 2^30 bf16 elements (2 GiB per state)
+python3 hack/bench_gpu.py --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
