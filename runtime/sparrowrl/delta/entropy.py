@@ -86,11 +86,11 @@ def _model(counts: np.ndarray):
     return _Categorical(counts.astype(np.float64), perfect=False)
 
 
-def _ans_decode(words: np.ndarray, steps: list, what: str) -> list[np.ndarray]:
-    """Decode (model, count) steps in order from one ANS stack; the stack must end exactly empty."""
+def _ans_decode(words: np.ndarray, model, count: int, what: str) -> np.ndarray:
+    """Decode `count` symbols from one ANS stack, which must then be exactly empty."""
     try:
         coder = _AnsCoder(words)
-        out = [coder.decode(model, count) if count else np.empty(0, np.int32) for model, count in steps]
+        out = coder.decode(model, count)
         empty = coder.is_empty()
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -145,36 +145,47 @@ def _read_counts(cur: Cursor) -> np.ndarray:
     return counts
 
 
-def ans_values(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray) -> bytes:
-    """Value stream. Layout: counts | n_esc | esc (item size each) | ANS words."""
+def _pack(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray, esc_dtype: str, middle: bytes = b"") -> bytes:
+    """table | u32 n_esc | escapes | middle | ANS words of the symbols."""
     counts = _trim(counts)
     coder = _AnsCoder()
     coder.encode_reverse(sym, _model(counts))
-    return b"".join([_write_counts(counts), struct.pack("<I", len(esc)), esc.tobytes(),
+    return b"".join([_write_counts(counts), struct.pack("<I", len(esc)), esc.astype(esc_dtype).tobytes(), middle,
                      coder.get_compressed().astype("<u4").tobytes()])
 
 
-def ans_values_decode(buf: memoryview, dtype: np.dtype, count: int, what: str) -> np.ndarray:
-    cur = Cursor(buf, what)
+def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int) -> tuple[np.ndarray, memoryview]:
+    """Inverse of _pack: the symbols with escapes substituted (as esc_dtype), and the middle."""
+    what = cur.what
     counts = _read_counts(cur)
     if int(counts.sum()) != count:
         raise CorruptError(f"{what}: symbol table counts {int(counts.sum())} symbols, expected {count}")
     (n_esc,) = cur.unpack("<I")
     if n_esc > count:
         raise CorruptError(f"{what}: {n_esc} escapes for {count} symbols")
-    esc = cur.array(dtype, n_esc)
+    esc = cur.array(esc_dtype, n_esc)
+    middle = cur.take(middle_len)
     rest = cur.take(len(cur.buf) - cur.pos)
     if len(rest) % 4:
         raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
-    (sym,) = _ans_decode(np.frombuffer(rest, "<u4").astype(np.uint32), [(_model(counts), count)], what)
-    out = sym.astype(dtype)
+    sym = _ans_decode(np.frombuffer(rest, "<u4").astype(np.uint32), _model(counts), count, what)
     is_esc = sym == _ALPHABET - 1
     if int(is_esc.sum()) != n_esc:
         raise CorruptError(f"{what}: {int(is_esc.sum())} escape symbols but {n_esc} escaped values")
     if n_esc and (esc < _ALPHABET - 1).any():
         raise CorruptError(f"{what}: escaped value below the escape threshold")
+    out = sym.astype(esc_dtype)
     out[is_esc] = esc
-    return out
+    return out, middle
+
+
+def ans_values(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray) -> bytes:
+    """Value stream: table | n_esc | escapes (item size each) | ANS words."""
+    return _pack(sym, counts, esc, esc.dtype.newbyteorder("<").str)
+
+
+def ans_values_decode(buf: memoryview, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+    return _unpack(Cursor(buf, what), count, np.dtype(dtype).newbyteorder("<").str, 0)[0]
 
 
 def rice_k(last: int, count: int) -> int:
@@ -185,13 +196,8 @@ def rice_k(last: int, count: int) -> int:
 
 
 def ans_gaps(k: int, q: np.ndarray, r: np.ndarray, counts: np.ndarray, esc: np.ndarray) -> bytes:
-    """Position stream. Layout: k | counts(q) | n_esc | esc (u32) | r (k bits each) | ANS words (q)."""
-    counts = _trim(counts)
-    coder = _AnsCoder()
-    coder.encode_reverse(q, _model(counts))
-    return b"".join([struct.pack("<B", k), _write_counts(counts), struct.pack("<I", len(esc)),
-                     esc.astype("<u4").tobytes(), kernels.pack_bits(r, k).tobytes(),
-                     coder.get_compressed().astype("<u4").tobytes()])
+    """Position stream: u8 k | table(q) | n_esc | escapes (u32) | r (k bits each) | ANS words (q)."""
+    return struct.pack("<B", k) + _pack(q, counts, esc, "<u4", kernels.pack_bits(r, k).tobytes())
 
 
 def ans_gaps_decode(buf: memoryview, count: int, what: str) -> np.ndarray:
@@ -199,26 +205,8 @@ def ans_gaps_decode(buf: memoryview, count: int, what: str) -> np.ndarray:
     (k,) = cur.unpack("<B")
     if k > _MAX_K:
         raise CorruptError(f"{what}: Rice parameter {k} out of range")
-    counts = _read_counts(cur)
-    if int(counts.sum()) != count:
-        raise CorruptError(f"{what}: symbol table counts {int(counts.sum())} symbols, expected {count}")
-    (n_esc,) = cur.unpack("<I")
-    if n_esc > count:
-        raise CorruptError(f"{what}: {n_esc} escapes for {count} symbols")
-    esc = cur.array("<u4", n_esc).astype(np.int64)
-    low = np.frombuffer(cur.take((count * k + 7) // 8), np.uint8)
-    rest = cur.take(len(cur.buf) - cur.pos)
-    if len(rest) % 4:
-        raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
-    decoded = _ans_decode(np.frombuffer(rest, "<u4").astype(np.uint32), [(_model(counts), count)], what)
-    q = decoded[0].astype(np.int64)
-    is_esc = q == _ALPHABET - 1
-    if int(is_esc.sum()) != n_esc:
-        raise CorruptError(f"{what}: {int(is_esc.sum())} escape symbols but {n_esc} escaped values")
-    if n_esc and (esc < _ALPHABET - 1).any():
-        raise CorruptError(f"{what}: escaped gap out of range")
-    q[is_esc] = esc
+    q, low = _unpack(cur, count, "<i8", (count * k + 7) // 8)
     g = q << k
     if k:
-        g |= kernels.unpack_bits(low, k, count)
+        g |= kernels.unpack_bits(np.frombuffer(low, np.uint8), k, count)
     return g

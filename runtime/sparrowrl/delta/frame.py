@@ -64,14 +64,10 @@ class TensorSpec:
         return TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
 
 
-def _as_bits(x: torch.Tensor | np.ndarray) -> np.ndarray:
-    return bits(x) if isinstance(x, torch.Tensor) else x.reshape(-1)
-
-
 class DeltaWriter:
     """Streaming encoder: tensors go in as the trainer has them, chunks go out as soon as full.
 
-    Segments are diffed and encoded on a thread pool (numpy and zstd release the GIL), and
+    Segments are diffed and encoded on a thread pool (the numba kernels release the GIL), and
     written in order. The target hash is the base hash plus the change of every record, so the
     writer never hashes the whole model.
     """
@@ -107,19 +103,19 @@ class DeltaWriter:
         self.out.write(data)
         self.offset += len(data)
 
-    def _check_pair(self, name: str, old: torch.Tensor | np.ndarray, new: torch.Tensor | np.ndarray) -> int:
+    def _check_pair(self, name: str, old: torch.Tensor, new: torch.Tensor) -> int:
         if name not in self.ids:
             raise MismatchError(f"tensor '{name}' is not in the delta's tensor table")
         tid = self.ids[name]
         spec = self.tensors[tid]
         for label, t in (("old", old), ("new", new)):
-            if isinstance(t, torch.Tensor) and (tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype):
+            if tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype:
                 raise MismatchError(f"tensor '{name}': {label} is {dtype_name(t.dtype)}{list(t.shape)}, table says {spec.dtype}{list(spec.shape)}")
         if self.done[tid]:
             raise MismatchError(f"tensor '{name}' added twice")
         return tid
 
-    def add(self, pairs: Iterable[tuple[str, torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]]) -> None:
+    def add(self, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """Diff and encode (name, old, new) triples; at most 2 segments per core in flight.
 
         CUDA tensors are diffed on the GPU (whole tensor at once), then entropy-coded here; the
@@ -130,14 +126,12 @@ class DeltaWriter:
         for name, old, new in pairs:
             tid = self._check_pair(name, old, new)
             self.done[tid] = True
-            if isinstance(new, torch.Tensor) and new.is_cuda:
+            if new.is_cuda:
                 from sparrowrl.delta import gpu
 
                 jobs = [(self._encode, tid, ch) for ch in gpu.extract_tensor(old, new, self.segment)]
             else:
-                a, b = _as_bits(old), _as_bits(new)
-                if a.shape[0] != self.tensors[tid].numel or b.shape[0] != a.shape[0]:
-                    raise MismatchError(f"tensor '{name}': element count differs from the table")
+                a, b = bits(old), bits(new)
                 jobs = [(self._extract_encode, tid, s, a[s:s + self.segment], b[s:s + self.segment])
                         for s in range(0, a.shape[0], self.segment)]
             for fn, *args in jobs:

@@ -17,7 +17,9 @@ _C2 = np.uint64(0x94D049BB133111EB)
 
 @njit(nogil=True, cache=True, boundscheck=False)
 def _changed(a, b, aw, bw, idx, va, vb):
+    """Fill idx/va/vb with the changes; -1 if they do not fit (the caller retries larger)."""
     k = 0
+    cap = idx.shape[0]
     per = 8 // a.itemsize
     for w in range(aw.shape[0]):
         if aw[w] != bw[w]:
@@ -26,12 +28,16 @@ def _changed(a, b, aw, bw, idx, va, vb):
                 x = a[base + j]
                 y = b[base + j]
                 if x != y:
+                    if k == cap:
+                        return -1
                     idx[k] = base + j
                     va[k] = x
                     vb[k] = y
                     k += 1
     for i in range(aw.shape[0] * per, a.shape[0]):
         if a[i] != b[i]:
+            if k == cap:
+                return -1
             idx[k] = i
             va[k] = a[i]
             vb[k] = b[i]
@@ -40,16 +46,22 @@ def _changed(a, b, aw, bw, idx, va, vb):
 
 
 def changed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(positions, old patterns, new patterns) where two flat unsigned arrays differ."""
+    """(positions, old patterns, new patterns) where two flat unsigned arrays differ.
+
+    Output buffers are sized for sparse steps (1/16 of the segment) and redone at full size
+    only when more changed, to avoid large allocations on the common path."""
     n = a.shape[0]
     per = 8 // a.dtype.itemsize
     m = n - n % per
-    idx = np.empty(n, np.int64)
-    va, vb = np.empty_like(a), np.empty_like(b)
     aw = np.ascontiguousarray(a[:m]).view(np.uint64)
     bw = np.ascontiguousarray(b[:m]).view(np.uint64)
-    k = _changed(a, b, aw, bw, idx, va, vb)
-    return idx[:k].copy(), va[:k].copy(), vb[:k].copy()
+    for cap in (n // 16 + 64, n):
+        idx = np.empty(cap, np.int64)
+        va, vb = np.empty(cap, a.dtype), np.empty(cap, b.dtype)
+        k = _changed(a, b, aw, bw, idx, va, vb)
+        if k >= 0:
+            return idx[:k].copy(), va[:k].copy(), vb[:k].copy()
+    raise AssertionError("unreachable: a full-size buffer always fits")
 
 
 @njit(inline="always")
