@@ -17,6 +17,7 @@ test: $(STAMP)
 
 # Until the RL runner lands, the demo is the codec benchmark in quick mode.
 demo: $(STAMP)
+	@echo "The RL job (sparrowrl run) is not built yet: running the codec benchmark in quick mode."
 	$(BIN)/python hack/bench_codec.py --quick --out bench-quick.json
 
 bench: $(STAMP)

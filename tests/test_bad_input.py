@@ -46,7 +46,7 @@ def test_corruption_anywhere_is_refused(pair):
     for i, c in enumerate(m["chunks"]):
         regions[f"chunk {i} header"] = c["offset"] + 5
         regions[f"chunk {i} body"] = c["offset"] + _CHUNK.size + (c["length"] - _CHUNK.size) // 2
-    for where, at in regions.items():
+    for at in regions.values():
         assert_refused(flip(data, at), old)
 
 

@@ -1,7 +1,6 @@
 """The command line, run as real processes on real files."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -4,7 +4,6 @@ import hashlib
 import io
 import struct
 
-import numpy as np
 
 from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -75,7 +75,7 @@ class Checkpoint:
     def close(self) -> None:
         self._stack.close()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:

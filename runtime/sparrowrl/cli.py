@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -181,7 +181,7 @@ def store_ls(store: Path, as_json: Annotated[bool, typer.Option("--json", help="
 
 @store_app.command("plan")
 def store_plan(store: Path, to: Annotated[int, typer.Option("--to", help="Target version.")],
-               have: Annotated[Optional[int], typer.Option("--from", help="Version the receiver holds.")] = None) -> None:
+               have: Annotated[int | None, typer.Option("--from", help="Version the receiver holds.")] = None) -> None:
     """Show the cheapest route (in bytes) from one version to another."""
     s = _open_store(store)
     try:

@@ -17,7 +17,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -73,7 +73,7 @@ class Store:
 
     # ---- creation and writing ----
     @classmethod
-    def init(cls, path: str | Path, base: dict[str, torch.Tensor], base_every: int = 10, version: int = 0) -> "Store":
+    def init(cls, path: str | Path, base: dict[str, torch.Tensor], base_every: int = 10, version: int = 0) -> Store:
         path = Path(path)
         if (path / "store.json").exists():
             raise StoreError(f"{path}: a store already exists here")

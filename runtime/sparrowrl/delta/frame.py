@@ -23,7 +23,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ class TensorSpec:
         return TensorKey(self.name, self.dtype, self.shape, itemsize(self.dtype))
 
     @staticmethod
-    def of(name: str, t: torch.Tensor) -> "TensorSpec":
+    def of(name: str, t: torch.Tensor) -> TensorSpec:
         return TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
 
 
@@ -230,7 +231,7 @@ class DeltaFile:
         self._check_chunks()
 
     @classmethod
-    def open(cls, path: str | Path) -> "DeltaFile":
+    def open(cls, path: str | Path) -> DeltaFile:
         return cls(Path(path).read_bytes(), str(path))
 
     def _fail(self, cls, msg: str):
@@ -248,7 +249,8 @@ class DeltaFile:
             self._fail(FormatError, f"truncated: {len(d)} bytes is shorter than header and trailer")
         raw, digest = d[_HEAD.size:end], d[end:end + 32]
         if hashlib.sha256(raw).digest() != digest:
-            self._fail(CorruptError, "header checksum mismatch")
+            self._fail(CorruptError, f"header checksum mismatch: expected {digest.hex()[:16]}, "
+                                     f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
         self.header_end, self.header_sha = end + 32, digest
         try:
             header = json.loads(raw)
@@ -269,7 +271,8 @@ class DeltaFile:
             self._fail(CorruptError, f"manifest location {offset}+{length} does not fit the file")
         raw = d[offset:offset + length]
         if hashlib.sha256(raw).digest() != digest:
-            self._fail(CorruptError, "manifest checksum mismatch")
+            self._fail(CorruptError, f"manifest checksum mismatch: expected {digest.hex()[:16]}, "
+                                     f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
         try:
             m = json.loads(raw)
             parse_hash(m["target_hash"])
@@ -302,8 +305,10 @@ class DeltaFile:
         body = memoryview(self.data)[c["offset"] + _CHUNK.size:c["offset"] + c["length"]]
         if magic != CHUNK_MAGIC or index != i or n != len(body):
             self._fail(CorruptError, f"chunk {i}: bad chunk header")
-        if digest.hex() != c["sha256"] or hashlib.sha256(struct.pack("<II", index, n) + body).digest() != digest:
-            self._fail(CorruptError, f"chunk {i}: checksum mismatch (expected sha256 {c['sha256'][:16]}…)")
+        found = hashlib.sha256(struct.pack("<II", index, n) + body).hexdigest()
+        if found != c["sha256"] or digest.hex() != c["sha256"]:
+            self._fail(CorruptError, f"chunk {i}: checksum mismatch: manifest says sha256 {c['sha256'][:16]}, "
+                                     f"bytes hash to {found[:16]}")
         return body
 
     def records(self) -> Iterator[Record]:
