@@ -6,8 +6,8 @@ Scenarios
   synthetic-lr1e-5  the same at 10x the learning rate (denser; exercises the dense fallback)
   tiny-qwen3        real training steps of a tiny Qwen3 (pretrained briefly, then AdamW at 1e-6)
 
-Speeds are bytes of one bf16 model state per second, beside memcpy of the same buffers in the
-same run. `--quick` is CI-sized (~3e7 elements); the full mode holds >= 1e9 elements.
+Speeds are bytes of one bf16 model state per second, beside memcpy of the same buffers measured
+in the same rounds (medians; the ratio's range over the rounds is in the JSON). `--quick` is CI-sized (~3e7 elements); the full mode holds >= 1e9 elements.
 """
 
 from __future__ import annotations
@@ -127,14 +127,10 @@ def encode(old: dict, new: dict, base_hash: str) -> bytes:
     return buf.getvalue()
 
 
-def best_of(reps: int, fn, setup=lambda: None) -> float:
-    times = []
-    for _ in range(reps):
-        arg = setup()
-        t = time.perf_counter()
-        fn(arg)
-        times.append(time.perf_counter() - t)
-    return min(times)
+def clock(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True) -> dict:
@@ -151,14 +147,20 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True) -> d
            "bytes_per_changed": s["bytes_per_changed"], "entropy_bound_bytes_per_changed": entropy_bound(old, new),
            "bit_exact": True}
     if timed:
+        # memcpy, encode and decode back to back in each round, so that drifts in the machine's
+        # speed (it is shared) hit reference and subject alike; medians over the rounds
         dst = {k: torch.empty_like(v) for k, v in old.items()}
-        copy = lambda _: [np.copyto(bits(dst[k]), bits(old[k])) for k in old]
-        t_mem = best_of(reps, copy)
-        t_enc = best_of(reps, lambda _: encode(old, new, base_hash))
-        fresh = lambda: {k: v.clone() for k, v in old.items()}
-        t_dec = best_of(reps, lambda st: apply_delta(DeltaFile(data), st, base_hash=base_hash), fresh)
+        rounds = []
+        for _ in range(reps):
+            fresh = {k: v.clone() for k, v in old.items()}
+            rounds.append((clock(lambda: [np.copyto(bits(dst[k]), bits(old[k])) for k in old]),
+                           clock(lambda: encode(old, new, base_hash)),
+                           clock(lambda: apply_delta(DeltaFile(data), fresh, base_hash=base_hash))))
+        t_mem, t_enc, t_dec = (float(np.median(x)) for x in zip(*rounds))
+        ratios = [m / e for m, e, _ in rounds]
         row.update(memcpy_GBps=nbytes / t_mem / 1e9, diff_encode_GBps=nbytes / t_enc / 1e9,
-                   decode_apply_GBps=nbytes / t_dec / 1e9, diff_encode_vs_memcpy=t_mem / t_enc)
+                   decode_apply_GBps=nbytes / t_dec / 1e9, diff_encode_vs_memcpy=float(np.median(ratios)),
+                   diff_encode_vs_memcpy_range=[min(ratios), max(ratios)], rounds_seconds=rounds)
     return row
 
 
@@ -167,7 +169,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CI-sized run (~3e7 elements)")
     ap.add_argument("--out", type=Path, default=Path("bench_codec.json"))
     args = ap.parse_args()
-    reps = 5 if args.quick else 3
+    reps = 7 if args.quick else 5
     rows = []
     shapes = model_shapes(args.quick)
     total = sum(int(np.prod(s)) for _, s in shapes)

@@ -120,3 +120,43 @@ def test_lying_manifest_is_caught_before_any_write(pair):
     raw = json.dumps(manifest).encode()
     forged = data[:off] + raw + _TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
     assert_refused(forged, old, VerifyError, "target hash mismatch")
+
+
+def resign_manifest(data: bytes, edit) -> bytes:
+    """A manifest edited and re-signed: checksums pass, so only validation can catch it."""
+    import hashlib, json
+
+    off, length, _, end = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
+    manifest = json.loads(data[off:off + length])
+    edit(manifest)
+    raw = json.dumps(manifest).encode()
+    return data[:off] + raw + _TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.pop("base_version"), "manifest: base_version: Field required"),
+    (lambda m: m.update(chunks={}), "manifest: chunks: Input should be a valid array"),
+    (lambda m: m["chunks"][0].update(offset=40.0), "manifest: chunks.0.offset: Input should be a valid integer"),
+    (lambda m: m["chunks"][0].pop("sha256"), "manifest: chunks.0.sha256: Field required"),
+    (lambda m: m["tensors"][0].update(changed="7"), "manifest: tensors.0.changed: Input should be a valid integer"),
+    (lambda m: m["tensors"][0].update(changed=10**9), "claims 1000000000 changes of 12000 elements"),
+    (lambda m: m.update(target_hash="XYZ"), "manifest: target_hash: String should match pattern"),
+    (lambda m: m.update(extra=1), "manifest: extra: Extra inputs are not permitted"),
+])
+def test_forged_manifests_are_named(pair, edit, message):
+    old, _, data, _ = pair
+    with pytest.raises(CorruptError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        DeltaFile(resign_manifest(data, edit))
+
+
+def test_forged_header_with_absurd_shape(pair):
+    import hashlib, json
+
+    _, _, data, _ = pair
+    _, _, n = _HEAD.unpack_from(data)
+    header = json.loads(data[_HEAD.size:_HEAD.size + n])
+    header["tensors"][0][2] = [2**40, 2**40]
+    raw = json.dumps(header).encode()
+    forged = _HEAD.pack(b"SPRWDLTA", 1, len(raw)) + raw + hashlib.sha256(raw).digest() + data[_HEAD.size + n + 32:]
+    with pytest.raises(CorruptError, match="header: .*elements \\(limit"):
+        DeltaFile(forged)

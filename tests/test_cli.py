@@ -80,6 +80,11 @@ def test_shard_folders(rng, tmp_path):
         save_file(s, old / f"model-0000{i + 1}-of-00002.safetensors")
         save_file({k: mutate(rng, v, 0.1) for k, v in s.items()}, new / f"model-0000{i + 1}-of-00002.safetensors")
     (old / "config.json").write_text('{"model_type": "tiny"}')
+    # the same tensors in another layout (one file, other order) diff against the folder
+    from safetensors.torch import load_file as lf
+    merged = {**lf(str(old / "model-00002-of-00002.safetensors")), **lf(str(old / "model-00001-of-00002.safetensors"))}
+    save_file(merged, tmp_path / "merged.safetensors")
+    run("delta", "diff", tmp_path / "merged.safetensors", new, "-o", tmp_path / "m.spd")
     run("delta", "diff", old, new, "-o", tmp_path / "d.spd")
     run("delta", "apply", old, tmp_path / "d.spd", "-o", tmp_path / "out")
     assert (tmp_path / "out" / "config.json").read_text() == '{"model_type": "tiny"}'

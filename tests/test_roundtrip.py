@@ -99,3 +99,29 @@ def test_cpu_encoding_is_deterministic(rng):
         write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1, segment=4096)
         outs.append(buf.getvalue())
     assert outs[0] == outs[1]
+
+
+def test_clustered_changes_with_huge_gaps(rng):
+    """Bunched changes then a far one: the gap quotient escapes (q >= 255) must round-trip."""
+    old = {"emb": random_tensor(rng, "BF16", (1 << 22,))}
+    new = {"emb": old["emb"].clone()}
+    b = bits(new["emb"])
+    b[1000:2000] += 1  # a dense run: mean gap tiny, so k is 0
+    b[3_000_000] += 1  # then one change three million elements further on
+    b[(1 << 22) - 1] ^= 0x8000
+    m, _ = roundtrip(old, new)
+    assert m["changed"] == 1002
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), runs=st.integers(1, 6))
+def test_clustered_property(seed, runs):
+    """Runs of changes at random places (rows of an embedding, frozen blocks)."""
+    rng = np.random.default_rng(seed)
+    old = {"t": random_tensor(rng, "BF16", (300_000,))}
+    new = {"t": old["t"].clone()}
+    b = bits(new["t"])
+    for _ in range(runs):
+        s = int(rng.integers(0, 299_000))
+        b[s:s + int(rng.integers(1, 1000))] += 1
+    roundtrip(old, new, segment=1 << 17)

@@ -56,10 +56,10 @@ def delta_diff(old: Path, new: Path, output: Out,
     """Diff two checkpoints (safetensors files or shard folders) into a delta."""
     try:
         with Checkpoint(old) as a, Checkpoint(new) as b, _progress() as progress:
-            if a.specs != b.specs:
-                fa, fb = {s.name: s for s in a.specs}, {s.name: s for s in b.specs}
-                bad = next((n for n in fa if n not in fb or fa[n] != fb[n]), None) or next(n for n in fb if n not in fa)
-                raise MismatchError(f"tensor '{bad}': OLD has {_desc(fa.get(bad))}, NEW has {_desc(fb.get(bad))}")
+            fa, fb = {s.name: s for s in a.specs}, {s.name: s for s in b.specs}
+            bad = sorted(n for n in fa.keys() | fb.keys() if fa.get(n) != fb.get(n))
+            if bad:
+                raise MismatchError(f"tensor '{bad[0]}': OLD has {_desc(fa.get(bad[0]))}, NEW has {_desc(fb.get(bad[0]))}")
             base_hash = _checkpoint_hash(a, progress)
             task = progress.add_task("diffing", total=len(b.specs))
             with atomic_path(output) as tmp, open(tmp, "wb") as f:

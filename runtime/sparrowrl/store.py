@@ -64,11 +64,11 @@ class Store:
             raise StoreError(f"{self.path}: not a sparrowrl store (no store.json)")
         try:
             raw = json.loads(index.read_text())
-            if raw.get("format") != FORMAT:
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT:
                 raise StoreError(f"{index}: unsupported store format {raw.get('format')}")
             self.base_every = int(raw["base_every"])
             self.versions = {int(v["version"]): Version(**v) for v in raw["versions"]}
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise StoreError(f"{index}: damaged index ({e})") from None
 
     # ---- creation and writing ----
@@ -111,12 +111,11 @@ class Store:
     def newest(self) -> int:
         return max(self.versions)
 
-    def add(self, new: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None = None) -> Version:
-        """Append `new` as the next version, diffed against the newest (materialized if not given)."""
+    def add(self, new: dict[str, torch.Tensor]) -> Version:
+        """Append `new` as the next version, diffed against the newest (materialized and verified)."""
         with self._locked():
             prev = self.versions[self.newest]
-            if old is None:
-                old = self.materialize(prev.version)
+            old = self.materialize(prev.version)
             version = prev.version + 1
             tmp_path = self.path / "deltas" / f".v{version:08d}.partial"
             try:
@@ -138,7 +137,10 @@ class Store:
     # ---- reading ----
     def delta(self, version: int) -> DeltaFile:
         v = self.versions[version]
-        data = (self.path / "deltas" / v.delta).read_bytes()
+        try:
+            data = (self.path / "deltas" / v.delta).read_bytes()
+        except OSError as e:
+            raise StoreError(f"delta v{version} cannot be read ({e.strerror}: {v.delta})") from None
         if hashlib.sha256(data).hexdigest() != v.delta_sha256:
             raise StoreError(f"delta v{version} ({v.delta}) does not match its content hash")
         return DeltaFile(data, f"delta v{version}")
@@ -197,19 +199,19 @@ class Store:
             if not bases:
                 return []
             floor = max(bases)
-            removed = []
+            removed, doomed = [], []
             for x in sorted(self.versions):
                 v = self.versions[x]
                 if x < floor:
-                    for sub, f in (("deltas", v.delta), ("bases", v.base)):
-                        if f:
-                            (self.path / sub / f).unlink(missing_ok=True)
+                    doomed += [self.path / sub / f for sub, f in (("deltas", v.delta), ("bases", v.base)) if f]
                     del self.versions[x]
                     removed.append(x)
                 elif x == floor and v.delta:
-                    (self.path / "deltas" / v.delta).unlink(missing_ok=True)
+                    doomed.append(self.path / "deltas" / v.delta)
                     v.delta, v.delta_sha256, v.delta_bytes = None, None, 0
-            self._write_index(self.path, self.base_every, self.versions)
+            self._write_index(self.path, self.base_every, self.versions)  # index first: never names a missing file
+            for f in doomed:
+                f.unlink(missing_ok=True)
             return removed
 
     def _span(self) -> str:

@@ -123,6 +123,9 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
         absolute = pos + rec.start
         hash_delta[tid] += keys[tid].change(absolute, h_old, h_new)
         changed[tid] += rec.count
+        if changed[tid] > m["tensors"][tid]["changed"]:
+            raise VerifyError(f"tensor '{delta.tensors[tid].name}': records hold more changes than the manifest's "
+                              f"{m['tensors'][tid]['changed']}")
         staged.append(_Staged(view, rec.positions, old, new))
 
     for spec, t, c, h in zip(delta.tensors, m["tensors"], changed, hash_delta):

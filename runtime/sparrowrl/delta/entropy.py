@@ -154,8 +154,8 @@ def _pack(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray, esc_dtype: str, 
                      coder.get_compressed().astype("<u4").tobytes()])
 
 
-def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int) -> tuple[np.ndarray, memoryview]:
-    """Inverse of _pack: the symbols with escapes substituted (as esc_dtype), and the middle."""
+def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int, out_dtype: str) -> tuple[np.ndarray, memoryview]:
+    """Inverse of _pack: the symbols with escapes substituted (as out_dtype), and the middle."""
     what = cur.what
     counts = _read_counts(cur)
     if int(counts.sum()) != count:
@@ -174,7 +174,7 @@ def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int) -> tuple[n
         raise CorruptError(f"{what}: {int(is_esc.sum())} escape symbols but {n_esc} escaped values")
     if n_esc and (esc < _ALPHABET - 1).any():
         raise CorruptError(f"{what}: escaped value below the escape threshold")
-    out = sym.astype(esc_dtype)
+    out = sym.astype(out_dtype)
     out[is_esc] = esc
     return out, middle
 
@@ -185,7 +185,8 @@ def ans_values(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray) -> bytes:
 
 
 def ans_values_decode(buf: memoryview, dtype: np.dtype, count: int, what: str) -> np.ndarray:
-    return _unpack(Cursor(buf, what), count, np.dtype(dtype).newbyteorder("<").str, 0)[0]
+    le = np.dtype(dtype).newbyteorder("<").str
+    return _unpack(Cursor(buf, what), count, le, 0, le)[0]
 
 
 def rice_k(last: int, count: int) -> int:
@@ -205,7 +206,7 @@ def ans_gaps_decode(buf: memoryview, count: int, what: str) -> np.ndarray:
     (k,) = cur.unpack("<B")
     if k > _MAX_K:
         raise CorruptError(f"{what}: Rice parameter {k} out of range")
-    q, low = _unpack(cur, count, "<i8", (count * k + 7) // 8)
+    q, low = _unpack(cur, count, "<u4", (count * k + 7) // 8, "<i8")
     g = q << k
     if k:
         g |= kernels.unpack_bits(np.frombuffer(low, np.uint8), k, count)

@@ -29,10 +29,11 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from sparrowrl.delta.bitview import DTYPES, bits, dtype_name, itemsize
+from sparrowrl.delta import schema
+from sparrowrl.delta.bitview import bits, dtype_name, itemsize
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
-from sparrowrl.delta.records import Changes, Record, decode_record, encode_changes, extract_segment
+from sparrowrl.delta.records import MAX_SEGMENT, Changes, Record, decode_record, encode_changes, extract_segment
 from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
 
 FORMAT_VERSION = 1
@@ -55,7 +56,10 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
 
     def key(self) -> TensorKey:
         return TensorKey(self.name, self.dtype, self.shape, itemsize(self.dtype))
@@ -78,6 +82,9 @@ class DeltaWriter:
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise MismatchError("tensor table lists a name twice")
+        if not 1 <= segment <= MAX_SEGMENT:
+            raise ValueError(f"segment must be 1..{MAX_SEGMENT} elements, got {segment}")
+        base_hash = format_hash(parse_hash(base_hash))
         self.out, self.tensors, self.segment, self.chunk_bytes = out, tensors, segment, chunk_bytes
         self.ids = {t.name: i for i, t in enumerate(tensors)}
         self.keys = [t.key() for t in tensors]
@@ -114,6 +121,8 @@ class DeltaWriter:
                 raise MismatchError(f"tensor '{name}': {label} is {dtype_name(t.dtype)}{list(t.shape)}, table says {spec.dtype}{list(spec.shape)}")
         if self.done[tid]:
             raise MismatchError(f"tensor '{name}' added twice")
+        if old.device != new.device:
+            raise MismatchError(f"tensor '{name}': old is on {old.device}, new on {new.device}")
         return tid
 
     def add(self, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
@@ -253,14 +262,10 @@ class DeltaFile:
                                      f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
         self.header_end, self.header_sha = end + 32, digest
         try:
-            header = json.loads(raw)
-            for n_, dt, shape in header["tensors"]:
-                if dt not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
-                    raise ValueError(f"bad tensor entry {n_!r}")
-            int(header["base_version"]), parse_hash(header["base_hash"]), int(header["target_version"])
-        except (ValueError, KeyError, TypeError) as e:
-            self._fail(CorruptError, f"header does not parse ({e})")
-        return header
+            header = schema.parse(schema.Header, raw)
+        except ValueError as e:
+            self._fail(CorruptError, f"header: {e}")
+        return header.model_dump()
 
     def _read_manifest(self) -> dict:
         d = self.data
@@ -274,14 +279,12 @@ class DeltaFile:
             self._fail(CorruptError, f"manifest checksum mismatch: expected {digest.hex()[:16]}, "
                                      f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
         try:
-            m = json.loads(raw)
-            parse_hash(m["target_hash"])
-            [parse_hash(t["hash_delta"]) for t in m["tensors"]]
-        except (ValueError, KeyError, TypeError) as e:
-            self._fail(CorruptError, f"manifest does not parse ({e})")
-        if m.get("header_sha256") != self.header_sha.hex():
+            m = schema.parse(schema.Manifest, raw).model_dump()
+        except ValueError as e:
+            self._fail(CorruptError, f"manifest: {e}")
+        if m["header_sha256"] != self.header_sha.hex():
             self._fail(CorruptError, "manifest belongs to a different header")
-        for k in ("base_version", "base_hash", "target_version"):
+        for k in ("format", "base_version", "base_hash", "target_version"):
             if m[k] != self.header[k]:
                 self._fail(CorruptError, f"manifest {k} {m[k]!r} differs from header {self.header[k]!r}")
         self.manifest_offset = offset
@@ -290,10 +293,14 @@ class DeltaFile:
     def _check_chunks(self) -> None:
         if len(self.manifest["tensors"]) != len(self.tensors):
             self._fail(CorruptError, "manifest and header list different numbers of tensors")
+        for spec, t in zip(self.tensors, self.manifest["tensors"]):
+            if t["changed"] > spec.numel:
+                self._fail(CorruptError, f"manifest: tensor '{spec.name}' claims {t['changed']} changes "
+                                         f"of {spec.numel} elements")
         pos = self.header_end
         for i, c in enumerate(self.manifest["chunks"]):
-            if c.get("offset") != pos or not isinstance(c.get("length"), int) or c["length"] < _CHUNK.size:
-                self._fail(CorruptError, f"chunk {i}: offset/length {c.get('offset')}+{c.get('length')} not contiguous at {pos}")
+            if c["offset"] != pos or c["length"] < _CHUNK.size:
+                self._fail(CorruptError, f"chunk {i}: offset/length {c['offset']}+{c['length']} not contiguous at {pos}")
             pos += c["length"]
         if pos != self.manifest_offset:
             self._fail(CorruptError, f"chunks end at {pos} but the manifest starts at {self.manifest_offset}")

@@ -30,19 +30,26 @@ def device_bits(t: torch.Tensor) -> cupy.ndarray:
 
 
 def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int) -> list[Changes]:
-    a, b = device_bits(old), device_bits(new)
-    idx = changed_positions(cupy, a, b)
-    host_idx = cupy.asnumpy(idx)
-    host_old, host_new = cupy.asnumpy(a[idx]), cupy.asnumpy(b[idx])
+    dev = new.device.index
+    with cupy.cuda.Device(dev):
+        a, b = device_bits(old), device_bits(new)
+        idx = changed_positions(cupy, a, b)
+        host_idx = cupy.asnumpy(idx)
+        host_old, host_new = cupy.asnumpy(a[idx]), cupy.asnumpy(b[idx])
+
+    def dense(s: int, e: int) -> np.ndarray:  # runs on a pool thread: select the device again
+        with cupy.cuda.Device(dev):
+            return cupy.asnumpy(zigzag(cupy, a[s:e], b[s:e]))
+
     n = a.shape[0]
     starts = np.arange(0, n, segment, dtype=np.int64)
     cuts = np.searchsorted(host_idx, np.append(starts, n))
     out = []
-    for j, s in enumerate(starts):
+    for j, s in enumerate(starts.tolist()):
         lo, hi = cuts[j], cuts[j + 1]
-        e = min(int(s) + segment, n)
-        dense = (lambda s=int(s), e=e: cupy.asnumpy(zigzag(cupy, a[s:e], b[s:e])))
-        out.append(Changes(int(s), e - int(s), host_idx[lo:hi] - s, host_old[lo:hi], host_new[lo:hi], dense))
+        e = min(s + segment, n)
+        out.append(Changes(s, e - s, host_idx[lo:hi] - s, host_old[lo:hi], host_new[lo:hi],
+                           lambda s=s, e=e: dense(s, e)))
     return out
 
 
@@ -54,10 +61,10 @@ __device__ unsigned long long sparrow_mix(unsigned long long x) {
 }
 """
 _ELEMENT_HASH = cupy.ElementwiseKernel(
-    "T v, uint64 salt, int32 width, int32 compact",
+    "T v, uint64 salt, uint64 base, int32 width, int32 compact",
     "uint64 h",
     """
-    unsigned long long k = (unsigned long long)i;
+    unsigned long long k = base + (unsigned long long)i;
     unsigned long long x = compact ? salt + (k << width) + (unsigned long long)v
                                    : sparrow_mix(salt + k) ^ (unsigned long long)v;
     h = sparrow_mix(x);
@@ -67,9 +74,13 @@ _ELEMENT_HASH = cupy.ElementwiseKernel(
 )
 
 
-def tensor_hash(key: TensorKey, flat: cupy.ndarray) -> int:
-    """The same per-tensor contribution as statehash.tensor_hash, computed on the device."""
-    if flat.shape[0] == 0:
-        return key.term
-    h = _ELEMENT_HASH(flat, np.uint64(key.salt), np.int32(key.width), np.int32(key.compact))
-    return (key.term + int(h.sum(dtype=cupy.uint64))) % (1 << 64)
+def tensor_hash(key: TensorKey, flat: cupy.ndarray, block: int = 1 << 26) -> int:
+    """The same per-tensor contribution as statehash.tensor_hash, computed on the device in
+    blocks (the per-element hashes take 8 bytes each before the sum)."""
+    total = key.term
+    with cupy.cuda.Device(flat.device.id):
+        for s in range(0, flat.shape[0], block):
+            h = _ELEMENT_HASH(flat[s:s + block], np.uint64(key.salt), np.uint64(s), np.int32(key.width),
+                              np.int32(key.compact))
+            total += int(h.sum(dtype=cupy.uint64))
+    return total % (1 << 64)

@@ -92,7 +92,9 @@ def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int]) 
     if kind == SPARSE:
         if pos_codec != ANS or val_codec != ANS:
             raise CorruptError(f"{where}: sparse record with codecs {pos_codec}/{val_codec}")
-        g = entropy.ans_gaps_decode(pos_buf, count, where)
+        g = entropy.ans_gaps_decode(pos_buf, count, where)  # each g >= 0 and < 2**52 by construction
+        if int(g.max()) >= length:
+            raise CorruptError(f"{where}: gap {int(g.max())} beyond segment length {length}")
         positions = np.cumsum(g + 1) - 1
         if positions[-1] >= length:
             raise CorruptError(f"{where}: position {int(positions[-1])} beyond segment length {length}")

@@ -1,0 +1,76 @@
+"""The JSON parts of a delta file, validated strictly: a checksum proves the bytes are the ones
+written, not that the writer was honest or correct, so every field is typed and bounded."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from sparrowrl.delta.bitview import DTYPES
+
+MAX_NUMEL = 1 << 48  # per tensor; far beyond any model, small enough that offsets stay exact
+Hash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, Field(ge=0, le=1 << 62)]
+Dtype = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Header(_Strict):
+    format: int
+    base_version: Count
+    base_hash: Hash
+    target_version: Count
+    segment_elements: Annotated[int, Field(ge=1, le=1 << 24)]
+    tensors: list[tuple[str, Dtype, list[Annotated[int, Field(ge=0, le=MAX_NUMEL)]]]]
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "Header":
+        for name, _, shape in self.tensors:
+            numel = 1
+            for s in shape:
+                numel *= s
+            if numel > MAX_NUMEL:
+                raise ValueError(f"tensor {name!r} has {numel} elements (limit {MAX_NUMEL})")
+        return self
+
+
+class TensorEntry(_Strict):
+    changed: Count
+    hash_delta: Hash
+    chunks: Annotated[list[Count], Field(max_length=2)]
+
+
+class ChunkEntry(_Strict):
+    offset: Count
+    length: Count
+    sha256: Sha256
+    records: Count
+
+
+class Manifest(_Strict):
+    format: int
+    base_version: Count
+    base_hash: Hash
+    target_version: Count
+    target_hash: Hash
+    header_sha256: Sha256
+    elements: Count
+    changed: Count
+    dense_bytes: Count
+    tensors: list[TensorEntry]
+    chunks: list[ChunkEntry]
+
+
+def parse(model: type[_Strict], raw: bytes) -> _Strict:
+    """Parse and validate; the one error type is ValueError with the first problem named."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "document"
+        raise ValueError(f"{where}: {err['msg']}") from None
