@@ -202,6 +202,72 @@ def store_prune(store: Path, keep: Annotated[int, typer.Option(help="Keep the ne
     out.print(f"removed {len(removed)} versions" + (f" (v{removed[0]}..v{removed[-1]})" if removed else ""))
 
 
+@app.command("serve")
+def serve(store: Path, host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="TCP port.")] = 8470,
+          tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve HTTPS.")] = None,
+          tls_key: Annotated[Path | None, typer.Option(help="PEM private key for --tls-cert.")] = None) -> None:
+    """Publish a checkpoint store over HTTP(S); the token comes from SPARROWRL_TOKEN."""
+    import os
+
+    from aiohttp import web
+
+    from sparrowrl.transport.server import is_loopback, make_app, tls_context
+
+    token = os.environ.get("SPARROWRL_TOKEN", "")
+    if not token and not is_loopback(host):
+        _fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
+    _open_store(store)
+    try:
+        ctx = tls_context(tls_cert, tls_key)
+    except (ValueError, OSError) as e:
+        _fail(e)
+    scheme = "https" if ctx else "http"
+    web.run_app(make_app(store, token), host=host, port=port, ssl_context=ctx, access_log=None,
+                print=lambda _: err.print(f"serving {store} on {scheme}://{host}:{port}/v1/versions"
+                                          + ("" if token else " (no token: loopback only)"), highlight=False))
+
+
+@app.command("fetch")
+def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several, comma-separated, for fallback.")],
+          version: Annotated[int, typer.Option(help="Version to fetch.")],
+          output: Out,
+          base: Annotated[Path | None, typer.Option(help="Local weights of --base-version.")] = None,
+          base_version: Annotated[int | None, typer.Option(help="Version of --base.")] = None,
+          streams: Annotated[int, typer.Option(help="Parallel HTTP streams.")] = 4,
+          ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for HTTPS.")] = None) -> None:
+    """Fetch VERSION by the cheapest route (delta chain from --base, or a base snapshot), verify it
+    chunk by chunk and by state hash, and write it to OUT."""
+    import asyncio
+    import ssl
+
+    from sparrowrl.delta import state_hash
+    from sparrowrl.transport.client import Client, FetchError
+
+    if (base is None) != (base_version is None):
+        _fail(ValueError("--base and --base-version go together"))
+    try:
+        have = None
+        if base is not None:
+            with Checkpoint(base) as ck:
+                state = ck.load()
+            have = (base_version, state, state_hash(state))
+        ctx = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
+
+        async def go():
+            async with Client(url.split(","), streams=streams, ssl_context=ctx) as c:
+                return await c.advance(version, have), c.stats
+
+        (state, h), stats = asyncio.run(go())
+        save_state(state, output)
+    except (FetchError, DeltaError, CheckpointError, OSError, ssl.SSLError) as e:
+        _fail(e)
+    rate = stats.bytes / stats.seconds / 1e6 if stats.seconds else 0.0
+    out.print(f"wrote {output}: version {version}, state hash {h} (verified); fetched {stats.bytes:,} bytes "
+              f"in {stats.seconds:.2f} s ({rate:.1f} MB/s, {streams} streams, {stats.retries} retries, "
+              f"{stats.refetched} pieces refetched)")
+
+
 def main() -> None:
     app()
 

@@ -26,6 +26,7 @@ from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.errors import DeltaError
 
 FORMAT = 1
+BASE_PART = 64 << 20  # bases are verified (and fetched, and resumed) in pieces of this size
 
 
 class StoreError(Exception):
@@ -41,6 +42,7 @@ class Version:
     delta_bytes: int = 0
     base: str | None = None  # file name under bases/
     base_bytes: int = 0
+    base_parts: list[str] = field(default_factory=list)  # sha256 of each BASE_PART-byte piece
     changed: int = 0
 
 
@@ -82,15 +84,18 @@ class Store:
         (path / "bases").mkdir(parents=True, exist_ok=True)
         (path / "deltas").mkdir(exist_ok=True)
         v = Version(version, state_hash(base))
-        v.base, v.base_bytes = cls._write_base(path, version, base)
+        cls._write_base(path, version, base, v)
         cls._write_index(path, base_every, {version: v})
         return cls(path)
 
     @staticmethod
-    def _write_base(path: Path, version: int, state: dict[str, torch.Tensor]) -> tuple[str, int]:
-        name = f"v{version:08d}.safetensors"
-        save_state(state, path / "bases" / name)
-        return name, (path / "bases" / name).stat().st_size
+    def _write_base(path: Path, version: int, state: dict[str, torch.Tensor], v: Version) -> None:
+        v.base = f"v{version:08d}.safetensors"
+        f = path / "bases" / v.base
+        save_state(state, f)
+        v.base_bytes = f.stat().st_size
+        with open(f, "rb") as fh:
+            v.base_parts = [hashlib.sha256(block).hexdigest() for block in iter(lambda: fh.read(BASE_PART), b"")]
 
     @staticmethod
     def _write_index(path: Path, base_every: int, versions: dict[int, Version]) -> None:
@@ -129,7 +134,7 @@ class Store:
                 tmp_path.unlink(missing_ok=True)
             v = Version(version, m["target_hash"], name, digest, m["file_bytes"], changed=m["changed"])
             if version % self.base_every == 0:
-                v.base, v.base_bytes = self._write_base(self.path, version, new)
+                self._write_base(self.path, version, new, v)
             self.versions[version] = v
             self._write_index(self.path, self.base_every, self.versions)
             return v

@@ -2,7 +2,8 @@
 
     header   b"SPRWDLTA" | u32 format | u32 json length | json | sha256(json)
     chunk*   b"SPCK" | u32 index | u32 body length | sha256(index, length, body) | body (records)
-    manifest json: versions, hashes, tensor table with counts, chunk offsets and digests
+    manifest json: versions, hashes, tensor table with counts, chunk offsets and digests (sha256
+             of each chunk's bytes as stored, so `curl -r` + `sha256sum` can check one)
     trailer  u64 manifest offset | u64 manifest length | sha256(manifest) | b"SPRWEND1"
 
 Per tensor, the header gives name, dtype and shape; the manifest gives the changed count, the
@@ -181,9 +182,10 @@ class DeltaWriter:
         body = b"".join(self.buf)
         index = len(self.chunks)
         digest = hashlib.sha256(struct.pack("<II", index, len(body)) + body).digest()
-        self.chunks.append({"offset": self.offset, "length": _CHUNK.size + len(body),
-                            "sha256": digest.hex(), "records": self.buf_records})
-        self._write(_CHUNK.pack(CHUNK_MAGIC, index, len(body), digest) + body)
+        chunk = _CHUNK.pack(CHUNK_MAGIC, index, len(body), digest) + body
+        self.chunks.append({"offset": self.offset, "length": len(chunk),
+                            "sha256": hashlib.sha256(chunk).hexdigest(), "records": self.buf_records})
+        self._write(chunk)
         self.out.flush()
         self.buf, self.buf_len, self.buf_records = [], 0, 0
 
@@ -312,10 +314,12 @@ class DeltaFile:
         body = memoryview(self.data)[c["offset"] + _CHUNK.size:c["offset"] + c["length"]]
         if magic != CHUNK_MAGIC or index != i or n != len(body):
             self._fail(CorruptError, f"chunk {i}: bad chunk header")
-        found = hashlib.sha256(struct.pack("<II", index, n) + body).hexdigest()
-        if found != c["sha256"] or digest.hex() != c["sha256"]:
+        found = hashlib.sha256(memoryview(self.data)[c["offset"]:c["offset"] + c["length"]]).hexdigest()
+        if found != c["sha256"]:
             self._fail(CorruptError, f"chunk {i}: checksum mismatch: manifest says sha256 {c['sha256'][:16]}, "
                                      f"bytes hash to {found[:16]}")
+        if hashlib.sha256(struct.pack("<II", index, n) + body).digest() != digest:
+            self._fail(CorruptError, f"chunk {i}: body does not match the chunk's own digest")
         return body
 
     def records(self) -> Iterator[Record]:

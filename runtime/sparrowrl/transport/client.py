@@ -1,0 +1,195 @@
+"""Pull versions from a server or relay: parallel Range streams, every piece verified, resumed.
+
+A version is reached by the server's plan (replay deltas from what the caller holds, or fetch
+the nearest base). Every download is a list of pieces with known sha256 (a delta's header,
+chunks and tail; a base's parts). N workers take pieces from a shared queue, group neighbours
+into one Range request, verify each piece as it lands and put failed ones back: a dropped
+connection loses at most the request in flight, a corrupt piece is refetched, a dead server is
+retried with backoff and then the next URL (another relay, or the origin) is tried. After
+`attempts` failures of one request or one piece it gives up with FetchError; nothing the caller
+holds has been touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import ssl
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import torch
+from safetensors.torch import load as load_safetensors
+
+from sparrowrl.delta import DeltaFile, apply_delta, state_hash
+
+
+class FetchError(Exception):
+    """A version could not be fetched within the retry bounds; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass
+class Stats:
+    bytes: int = 0
+    requests: int = 0
+    retries: int = 0
+    refetched: int = 0  # pieces that failed their checksum
+    seconds: float = 0.0
+
+
+class Client:
+    """A connection pool over an ordered list of equivalent servers (relays first, origin last)."""
+
+    def __init__(self, urls: list[str] | str, token: str | None = None, streams: int = 4, attempts: int = 8,
+                 backoff: float = 0.2, group_bytes: int = 4 << 20, ssl_context: ssl.SSLContext | None = None,
+                 read_timeout: float = 30.0):
+        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
+        token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.streams, self.attempts, self.backoff, self.group_bytes = streams, attempts, backoff, group_bytes
+        self.ssl = ssl_context
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout)
+        self.stats = Stats()
+        self._session: aiohttp.ClientSession | None = None
+        self._server = 0  # index into urls of the server in use
+
+    async def __aenter__(self) -> "Client":
+        self._session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout,
+                                              connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._session.close()
+
+    async def _get(self, path: str, parse=None, **kw) -> tuple[int, bytes]:
+        """GET with retries: backoff on the current server, every second failure the next one.
+        `parse` (e.g. json.loads) raising ValueError on the body also counts as a failure."""
+        last = "no attempt"
+        for attempt in range(self.attempts):
+            url = self.urls[self._server] + path
+            try:
+                self.stats.requests += 1
+                async with self._session.get(url, **kw) as r:
+                    if r.status == 401:
+                        raise FetchError(f"{url}: 401 unauthorized (is SPARROWRL_TOKEN set?)")
+                    if r.status in (200, 206):
+                        body = await r.read()
+                        try:
+                            return r.status, (parse(body) if parse else body)
+                        except ValueError as e:
+                            raise aiohttp.ClientPayloadError(f"unreadable response: {e}") from None
+                    if r.status < 500 and r.status != 404:
+                        raise FetchError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
+                    last = f"HTTP {r.status}: {(await r.text())[:200]}"  # 404: a relay may lag behind
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                last = f"{type(e).__name__}: {e}"
+            self.stats.retries += 1
+            if attempt % 2 == 1 and len(self.urls) > 1:
+                self._server = (self._server + 1) % len(self.urls)
+            await asyncio.sleep(self.backoff * 2 ** min(attempt, 5) * (0.5 + random.random()))
+        raise FetchError(f"{path}: gave up after {self.attempts} attempts (last: {last})")
+
+    async def json(self, path: str, **kw) -> dict:
+        return (await self._get(path, parse=json.loads, **kw))[1]
+
+    async def versions(self, after: int | None = None, wait: float = 0.0) -> dict:
+        """The version list; with `after`, returns once a newer version exists or `wait` passes."""
+        return await self.json("/v1/versions", params={} if after is None else {"after": after, "wait": wait})
+
+    async def download(self, path: str, size: int, pieces: list[Piece]) -> bytearray:
+        """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams."""
+        buf = bytearray(size)
+        queue = sorted(pieces, key=lambda p: p.offset)
+        failures = {p: 0 for p in pieces}
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while queue:
+                group = [queue.pop(0)]
+                while queue and queue[0].offset == group[-1].offset + group[-1].length and \
+                        sum(p.length for p in group) < self.group_bytes:
+                    group.append(queue.pop(0))
+                start, end = group[0].offset, group[-1].offset + group[-1].length
+                try:
+                    status, body = await self._get(path, headers={"Range": f"bytes={start}-{end - 1}"})
+                except FetchError:
+                    queue.extend(group)
+                    raise
+                if status == 200:  # a server that ignores Range sends the whole file
+                    body = body[start:end]
+                for p in group:
+                    data = body[p.offset - start:p.offset - start + p.length]
+                    if len(data) == p.length and hashlib.sha256(data).hexdigest() == p.sha256:
+                        buf[p.offset:p.offset + p.length] = data
+                        self.stats.bytes += p.length
+                        continue
+                    failures[p] += 1
+                    self.stats.refetched += 1
+                    if failures[p] >= self.attempts:
+                        raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
+                                         f"{failures[p]} times")
+                    queue.append(p)
+                    queue.sort(key=lambda x: x.offset)
+
+        tasks = [asyncio.create_task(worker()) for _ in range(max(1, self.streams))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        self.stats.seconds += time.perf_counter() - t0
+        return buf
+
+    async def delta(self, version: int) -> DeltaFile:
+        """One delta, staged in memory and fully verified; the caller applies it when it likes."""
+        info = await self.json(f"/v1/versions/{version}/manifest")
+        pieces = [Piece(*p) for p in info["pieces"]]
+        data = bytes(await self.download(f"/v1/versions/{version}/delta", info["bytes"], pieces))
+        if hashlib.sha256(data).hexdigest() != info["sha256"]:
+            raise FetchError(f"delta v{version}: file hash differs from the server's listing")
+        return DeltaFile(data, f"delta v{version}")
+
+    async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:
+        """A base snapshot, verified part by part and then by its full state hash."""
+        entry = next(v for v in listing["versions"] if v["version"] == version)
+        size, step = entry["base"]["bytes"], entry["base"]["part_bytes"]
+        pieces = [Piece(i * step, min(step, size - i * step), h) for i, h in enumerate(entry["base"]["parts"])]
+        data = await self.download(f"/v1/versions/{version}/base", size, pieces)
+        state = load_safetensors(bytes(data))
+        h = state_hash(state)
+        if h != entry["state_hash"]:
+            raise FetchError(f"base v{version} hashes to {h}, the listing says {entry['state_hash']}")
+        return state, h
+
+    async def advance(self, target: int, have: tuple[int, dict[str, torch.Tensor], str] | None = None
+                      ) -> tuple[dict[str, torch.Tensor], str]:
+        """Reach `target` by the server's cheapest plan; returns (state, state hash).
+
+        `have` is (version, state, state hash) of what the caller holds; on the chain route its
+        state is updated in place, and only after each delta has fully verified."""
+        params = {"to": target} if have is None else {"to": target, "from": have[0]}
+        plan = await self.json("/v1/plan", params=params)
+        listing = await self.versions()
+        if plan["route"] == "none":
+            return have[1], have[2]
+        if plan["route"] == "base":
+            state, h = await self.base(plan["base"], listing)
+        else:
+            state, h = have[1], have[2]
+        for v in plan["deltas"]:
+            h = apply_delta(await self.delta(v), state, base_hash=h)
+        want = next(v["state_hash"] for v in listing["versions"] if v["version"] == target)
+        if h != want:
+            raise FetchError(f"v{target} hashes to {h}, the listing says {want}")
+        return state, h

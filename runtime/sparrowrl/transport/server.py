@@ -1,0 +1,183 @@
+"""`sparrowrl serve`: publish a checkpoint store over HTTP.
+
+    GET /v1/versions[?after=N&wait=S]   versions (JSON); with `after`, waits up to S seconds
+                                        for a version newer than N (long-poll, no tight loops)
+    GET /v1/plan?to=V[&from=U]          the store's cheapest route from U to V
+    GET /v1/versions/V/manifest         a delta's header, chunk table and manifest (JSON)
+    GET /v1/versions/V/delta            the delta file (HTTP Range: 206 Partial Content)
+    GET /v1/versions/V/base             the base snapshot file (Range), verified in parts
+
+Every endpoint wants `Authorization: Bearer $SPARROWRL_TOKEN` when a token is set.
+Files are immutable and content-hashed, so responses carry strong ETags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import ssl
+from pathlib import Path
+
+from aiohttp import web
+
+from sparrowrl.delta import DeltaFile
+from sparrowrl.delta.errors import DeltaError
+from sparrowrl.store import BASE_PART, Store, StoreError
+
+MAX_WAIT = 60.0
+STORE = web.AppKey("store", Path)
+TOKEN = web.AppKey("token", str)
+MANIFESTS = web.AppKey("manifests", dict)
+CACHE = web.AppKey("cache", dict)
+
+
+def _store(request: web.Request) -> Store:
+    """The store's index, re-read only when store.json changes (long-polls stat it often)."""
+    path = request.app[STORE]
+    try:
+        mtime = (path / "store.json").stat().st_mtime_ns
+        cached = request.app[CACHE]
+        if cached.get("mtime") != mtime:
+            cached.update(mtime=mtime, store=Store(path))
+        return cached["store"]
+    except (StoreError, OSError) as e:
+        raise web.HTTPServiceUnavailable(text=f"store unavailable: {e}") from None
+
+
+def _version(request: web.Request, store: Store) -> int:
+    v = int(request.match_info["version"])  # the route's pattern admits digits only
+    if v not in store.versions:
+        raise web.HTTPNotFound(text=f"version {v} is not in the store")
+    return v
+
+
+@web.middleware
+async def auth(request: web.Request, handler):
+    token = request.app[TOKEN]
+    if token:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise web.HTTPUnauthorized(text="missing or wrong bearer token",
+                                       headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'})
+    return await handler(request)
+
+
+def _listing(store: Store) -> dict:
+    return {"newest": store.newest, "base_every": store.base_every, "versions": [
+        {"version": v.version, "state_hash": v.state_hash, "changed": v.changed,
+         "delta": {"bytes": v.delta_bytes, "sha256": v.delta_sha256} if v.delta else None,
+         "base": {"bytes": v.base_bytes, "part_bytes": BASE_PART, "parts": v.base_parts} if v.base else None}
+        for v in (store.versions[k] for k in sorted(store.versions))]}
+
+
+def _int_param(request: web.Request, name: str, default: float | None = None) -> float | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw) if name == "wait" else int(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"query parameter {name}={raw!r} is not a number") from None
+
+
+async def versions(request: web.Request) -> web.Response:
+    after = _int_param(request, "after")
+    wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    store = _store(request)
+    while after is not None and store.newest <= after and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+        store = _store(request)
+    return web.json_response(_listing(store))
+
+
+async def plan(request: web.Request) -> web.Response:
+    to, have = _int_param(request, "to"), _int_param(request, "from")
+    if to is None:
+        raise web.HTTPBadRequest(text="query parameter 'to' is required")
+    try:
+        p = _store(request).plan(have, to)
+    except StoreError as e:
+        raise web.HTTPNotFound(text=str(e)) from None
+    return web.json_response(vars(p))
+
+
+async def manifest(request: web.Request) -> web.Response:
+    store = _store(request)
+    v = _version(request, store)
+    info = store.versions[v]
+    if not info.delta:
+        raise web.HTTPNotFound(text=f"version {v} has no delta (it is the oldest kept)")
+    cache = request.app[MANIFESTS]
+    if info.delta_sha256 not in cache:
+        try:
+            d = store.delta(v)
+        except (StoreError, DeltaError) as e:
+            raise web.HTTPInternalServerError(text=f"stored delta v{v} is damaged: {e}") from None
+        data = memoryview(d.data)
+        spans = [(0, d.header_end)] + [(c["offset"], c["length"]) for c in d.manifest["chunks"]] + \
+                [(d.manifest_offset, len(data) - d.manifest_offset)]
+        cache[info.delta_sha256] = {
+            "version": v, "bytes": len(data), "sha256": info.delta_sha256,
+            "pieces": [[o, n, hashlib.sha256(data[o:o + n]).hexdigest()] for o, n in spans],
+            "header": d.header, "manifest": d.manifest}
+    return web.json_response(cache[info.delta_sha256])
+
+
+def _file(store: Store, sub: str, name: str, etag: str) -> web.FileResponse:
+    resp = web.FileResponse(store.path / sub / name, headers={"Cache-Control": "public, max-age=31536000, immutable"})
+    resp.etag = etag
+    return resp
+
+
+async def delta(request: web.Request) -> web.FileResponse:
+    store = _store(request)
+    v = _version(request, store)
+    info = store.versions[v]
+    if not info.delta:
+        raise web.HTTPNotFound(text=f"version {v} has no delta")
+    return _file(store, "deltas", info.delta, info.delta_sha256)
+
+
+async def base(request: web.Request) -> web.FileResponse:
+    store = _store(request)
+    v = _version(request, store)
+    info = store.versions[v]
+    if not info.base:
+        raise web.HTTPNotFound(text=f"version {v} has no base snapshot")
+    return _file(store, "bases", info.base, f"base-{info.state_hash}")
+
+
+def make_app(store: str | Path, token: str = "") -> web.Application:
+    app = web.Application(middlewares=[auth])
+    app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
+    app.add_routes([
+        web.get("/v1/versions", versions),
+        web.get("/v1/plan", plan),
+        web.get(r"/v1/versions/{version:\d{1,12}}/manifest", manifest),
+        web.get(r"/v1/versions/{version:\d{1,12}}/delta", delta),
+        web.get(r"/v1/versions/{version:\d{1,12}}/base", base),
+    ])
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    return ctx

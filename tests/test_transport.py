@@ -1,0 +1,297 @@
+"""Transport over real sockets: auth, ranges, verified multi-stream fetch, faults and recovery."""
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+from safetensors.torch import save_file
+
+from conftest import mutate, random_tensor
+from netfaults import FaultyProxy, Faults
+from sparrowrl.delta import state_hash
+from sparrowrl.delta.bitview import bits
+from sparrowrl.store import Store
+from sparrowrl.transport.client import Client, FetchError
+from sparrowrl.transport.server import make_app
+
+TOKEN = "t0ken-for-tests"
+EXE = Path(sys.executable).parent / "sparrowrl"
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    rng = np.random.default_rng(3)
+    path = tmp_path_factory.mktemp("store") / "s"
+    states = [{"w": random_tensor(rng, "BF16", (600, 500)), "n": random_tensor(rng, "F32", (500,))}]
+    for _ in range(6):
+        states.append({k: mutate(rng, v, 0.02) for k, v in states[-1].items()})
+    store = Store.init(path, states[0], base_every=4)
+    for s in states[1:]:
+        store.add(s)
+    return path, states
+
+
+def same(a, b):
+    return set(a) == set(b) and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
+
+
+class Server:
+    """The app on a real loopback socket, in this test's event loop."""
+
+    def __init__(self, store, token=TOKEN, port=0):
+        self.store, self.token, self.port = store, token, port
+
+    async def __aenter__(self):
+        self.runner = web.AppRunner(make_app(self.store, self.token))
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_every_endpoint_wants_the_token(history):
+    async def go():
+        async with Server(history[0]) as s, Client(s.url, token="") as anon, Client(s.url, token="wrong") as bad:
+            for path in ["/v1/versions", "/v1/plan?to=3", "/v1/versions/2/manifest", "/v1/versions/2/delta",
+                         "/v1/versions/4/base", "/nowhere"]:
+                for c in (anon, bad):
+                    async with c._session.get(s.url + path) as r:
+                        assert r.status == 401, path
+                        assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    run(go())
+
+
+def test_ranges_and_bad_requests(history):
+    path, _ = history
+    store = Store(path)
+    raw = (path / "deltas" / store.versions[3].delta).read_bytes()
+
+    async def go():
+        async with Server(path) as s, Client(s.url, token=TOKEN) as c:
+            get = lambda p, **h: c._session.get(s.url + p, headers=h)
+            async with get("/v1/versions/3/delta", Range="bytes=10-99") as r:
+                assert r.status == 206 and await r.read() == raw[10:100]
+                assert r.headers["Content-Range"] == f"bytes 10-99/{len(raw)}"
+            for bad in ["bytes=999999999-", "bytes=50-10", "bytes=abc"]:
+                async with get("/v1/versions/3/delta", Range=bad) as r:
+                    assert 400 <= r.status < 500, bad
+            for p in ["/v1/versions/..%2F..%2Fetc%2Fpasswd/delta", "/v1/versions/3/../../store.json",
+                      "/v1/versions/99/delta", "/v1/versions/-1/delta", "/v1/versions/0/delta",
+                      "/v1/versions/3/base", "/v1/plan?to=abc", "/v1/plan"]:
+                async with get(p) as r:
+                    assert 400 <= r.status < 500, p
+    run(go())
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_fetch_by_chain_and_by_base(history, streams):
+    path, states = history
+
+    async def go():
+        async with Server(path) as s, Client(s.url, token=TOKEN, streams=streams, group_bytes=1) as c:
+            held = {k: v.clone() for k, v in states[1].items()}
+            state, h = await c.advance(3, (1, held, state_hash(held)))
+            assert same(state, states[3]) and h == state_hash(states[3])
+            assert (await c.json("/v1/plan", params={"to": 3, "from": 1}))["route"] == "chain"
+            state, h = await c.advance(6)  # from nothing: base v4 + deltas 5, 6
+            assert same(state, states[6])
+    run(go())
+
+
+def test_connection_killed_mid_transfer_resumes(history):
+    path, states = history
+
+    async def go():
+        async with Server(path) as s:
+            faults = Faults(cut_after=3000, cuts=5)
+            async with FaultyProxy(s.port, faults) as proxy, \
+                    Client(proxy.url, token=TOKEN, streams=2, backoff=0.01, group_bytes=1) as c:
+                state, _ = await c.advance(6)
+                assert same(state, states[6])
+                assert faults.cuts == 0 and c.stats.retries >= 5
+                size = Store(path).plan(None, 6).bytes
+                assert c.stats.bytes <= size  # verified pieces were kept, never fetched twice
+    run(go())
+
+
+def test_corrupted_chunk_is_refetched_never_applied(history):
+    path, states = history
+
+    async def go():
+        async with Server(path) as s:
+            faults = Faults(corrupt_at=60, corruptions=3)
+            async with FaultyProxy(s.port, faults) as proxy, \
+                    Client(proxy.url, token=TOKEN, streams=1, backoff=0.01, group_bytes=1) as c:
+                held = {k: v.clone() for k, v in states[4].items()}
+                state, _ = await c.advance(6, (4, held, state_hash(held)))
+                assert same(state, states[6]) and faults.corruptions == 0 and c.stats.refetched >= 1
+    run(go())
+
+
+def test_gives_up_with_a_clear_error(history):
+    path, states = history
+
+    async def go():
+        async with Server(path) as s:
+            async with FaultyProxy(s.port, Faults(corrupt_at=60, corruptions=10**6)) as proxy, \
+                    Client(proxy.url, token=TOKEN, streams=1, attempts=3, backoff=0.01) as c:
+                held = {k: v.clone() for k, v in states[4].items()}
+                before = {k: v.clone() for k, v in held.items()}
+                with pytest.raises(FetchError, match="failed their checksum 3 times"):
+                    await c.advance(5, (4, held, state_hash(held)))
+                assert same(held, before)  # nothing the caller holds was touched
+        async with Client("http://127.0.0.1:9", token=TOKEN, attempts=2, backoff=0.01) as c:
+            with pytest.raises(FetchError, match="gave up after 2 attempts"):
+                await c.versions()
+    run(go())
+
+
+def test_fallback_to_the_next_server(history):
+    path, states = history
+
+    async def go():
+        async with Server(path) as s, Client(["http://127.0.0.1:9", s.url], token=TOKEN, backoff=0.01) as c:
+            state, _ = await c.advance(5)
+            assert same(state, states[5])
+    run(go())
+
+
+def test_long_poll_wakes_on_a_new_version(history, tmp_path, rng):
+    import shutil
+
+    path = tmp_path / "s"
+    shutil.copytree(history[0], path)
+    newest = Store(path).newest
+
+    async def go():
+        async with Server(path) as s, Client(s.url, token=TOKEN) as c:
+            t0 = time.monotonic()
+            assert (await c.versions(after=newest, wait=0.3))["newest"] == newest
+            assert time.monotonic() - t0 >= 0.3
+            assert (await c.versions(after=newest - 1, wait=30))["newest"] == newest  # immediate
+            state = Store(path).materialize(newest)
+            adder = threading.Timer(0.5, lambda: Store(path).add({k: mutate(rng, v, 0.01) for k, v in state.items()}))
+            adder.start()
+            t0 = time.monotonic()
+            listing = await c.versions(after=newest, wait=30)
+            adder.join()
+            assert listing["newest"] == newest + 1 and time.monotonic() - t0 < 20
+    run(go())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(store, port, *extra, token=TOKEN):
+    env = dict(os.environ, SPARROWRL_TOKEN=token)
+    p = subprocess.Popen([str(EXE), "serve", str(store), "--port", str(port), *extra], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return p
+        except OSError:
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.1)
+    raise AssertionError("server did not start")
+
+
+def test_server_restart_mid_fetch(history):
+    path, states = history
+    port = free_port()
+    server = start_server(path, port)
+
+    async def go():
+        nonlocal server
+        async with FaultyProxy(port, Faults(rate=200_000)) as proxy, \
+                Client(proxy.url, token=TOKEN, streams=2, backoff=0.1, attempts=12, group_bytes=1) as c:
+            task = asyncio.create_task(c.advance(6))
+            await asyncio.sleep(1.0)  # the base (1 MB at 200 kB/s per stream) is in flight
+            server.kill()
+            server.wait()
+            await asyncio.sleep(0.5)
+            server = await asyncio.to_thread(start_server, path, port)
+            state, _ = await task
+            assert same(state, states[6]) and c.stats.retries >= 1
+    try:
+        run(go())
+    finally:
+        server.kill()
+
+
+def test_curl_lists_versions_and_fetches_a_chunk_range(history):
+    path, _ = history
+    port = free_port()
+    server = start_server(path, port)
+    try:
+        auth = ["-H", f"Authorization: Bearer {TOKEN}"]
+        base = f"http://127.0.0.1:{port}"
+        listing = json.loads(subprocess.check_output(["curl", "-sf", *auth, f"{base}/v1/versions"]))
+        assert listing["newest"] == 6
+        info = json.loads(subprocess.check_output(["curl", "-sf", *auth, f"{base}/v1/versions/5/manifest"]))
+        chunk = info["manifest"]["chunks"][0]
+        lo, hi = chunk["offset"], chunk["offset"] + chunk["length"] - 1
+        data = subprocess.check_output(["curl", "-sf", *auth, "-r", f"{lo}-{hi}", f"{base}/v1/versions/5/delta"])
+        assert hashlib.sha256(data).hexdigest() == chunk["sha256"]
+        code = subprocess.check_output(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"{base}/v1/versions"])
+        assert code == b"401"
+    finally:
+        server.kill()
+
+
+def test_tls_and_the_fetch_command(history, tmp_path):
+    path, states = history
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    port = free_port()
+    server = start_server(path, port, "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        save_file(states[2], tmp_path / "v2.safetensors")
+        env = dict(os.environ, SPARROWRL_TOKEN=TOKEN)
+        p = subprocess.run([str(EXE), "fetch", f"https://127.0.0.1:{port}", "--version", "5", "--base",
+                            tmp_path / "v2.safetensors", "--base-version", "2", "--ca-cert", cert, "-o",
+                            tmp_path / "v5.safetensors"], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        from safetensors.torch import load_file
+
+        assert same(load_file(str(tmp_path / "v5.safetensors")), states[5])
+        p = subprocess.run([str(EXE), "fetch", f"https://127.0.0.1:{port}", "--version", "5", "-o",
+                            tmp_path / "x.safetensors"], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1 and not (tmp_path / "x.safetensors").exists()  # untrusted certificate
+    finally:
+        server.kill()
+
+
+def test_serve_refuses_public_address_without_token(history):
+    p = subprocess.run([str(EXE), "serve", str(history[0]), "--host", "0.0.0.0", "--port", "1"],
+                       env={k: v for k, v in os.environ.items() if k != "SPARROWRL_TOKEN"},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "without SPARROWRL_TOKEN" in p.stderr
