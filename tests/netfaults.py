@@ -24,6 +24,7 @@ class FaultyProxy:
         self.target_port, self.faults = target_port, faults
         self.port = 0
         self.connections = 0
+        self.bytes_down = 0  # response bytes forwarded to clients
         self._server: asyncio.AbstractServer | None = None
 
     async def __aenter__(self) -> "FaultyProxy":
@@ -95,6 +96,7 @@ class FaultyProxy:
                     writer.write(data)
                     await writer.drain()
                     sent += len(data)
+                    self.bytes_down += len(data)
                     if f.rate:
                         await asyncio.sleep(len(data) / f.rate)
             except (ConnectionError, asyncio.CancelledError):

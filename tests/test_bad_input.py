@@ -11,7 +11,7 @@ from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError, DeltaError, FormatError, MismatchError, VerifyError
-from sparrowrl.delta.frame import _CHUNK, _HEAD, _TRAILER
+from sparrowrl.delta.frame import CHUNK, HEAD, TRAILER
 
 
 @pytest.fixture
@@ -41,11 +41,11 @@ def flip(data: bytes, at: int) -> bytes:
 
 def test_corruption_anywhere_is_refused(pair):
     old, _, data, m = pair
-    regions = {"header": _HEAD.size + 5, "manifest": m["chunks"][-1]["offset"] + m["chunks"][-1]["length"] + 10,
+    regions = {"header": HEAD.size + 5, "manifest": m["chunks"][-1]["offset"] + m["chunks"][-1]["length"] + 10,
                "trailer": len(data) - 20}
     for i, c in enumerate(m["chunks"]):
         regions[f"chunk {i} header"] = c["offset"] + 5
-        regions[f"chunk {i} body"] = c["offset"] + _CHUNK.size + (c["length"] - _CHUNK.size) // 2
+        regions[f"chunk {i} body"] = c["offset"] + CHUNK.size + (c["length"] - CHUNK.size) // 2
     for at in regions.values():
         assert_refused(flip(data, at), old)
 
@@ -114,11 +114,11 @@ def test_lying_manifest_is_caught_before_any_write(pair):
     import hashlib, json
 
     old, _, data, m = pair
-    off, length, _, end = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
+    off, length, _, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
     manifest = json.loads(data[off:off + length])
     manifest["target_hash"] = "%016x" % (int(manifest["target_hash"], 16) ^ 1)
     raw = json.dumps(manifest).encode()
-    forged = data[:off] + raw + _TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
+    forged = data[:off] + raw + TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
     assert_refused(forged, old, VerifyError, "target hash mismatch")
 
 
@@ -126,11 +126,11 @@ def resign_manifest(data: bytes, edit) -> bytes:
     """A manifest edited and re-signed: checksums pass, so only validation can catch it."""
     import hashlib, json
 
-    off, length, _, end = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
+    off, length, _, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
     manifest = json.loads(data[off:off + length])
     edit(manifest)
     raw = json.dumps(manifest).encode()
-    return data[:off] + raw + _TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
+    return data[:off] + raw + TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -153,10 +153,10 @@ def test_forged_header_with_absurd_shape(pair):
     import hashlib, json
 
     _, _, data, _ = pair
-    _, _, n = _HEAD.unpack_from(data)
-    header = json.loads(data[_HEAD.size:_HEAD.size + n])
+    _, _, n = HEAD.unpack_from(data)
+    header = json.loads(data[HEAD.size:HEAD.size + n])
     header["tensors"][0][2] = [2**40, 2**40]
     raw = json.dumps(header).encode()
-    forged = _HEAD.pack(b"SPRWDLTA", 1, len(raw)) + raw + hashlib.sha256(raw).digest() + data[_HEAD.size + n + 32:]
+    forged = HEAD.pack(b"SPRWDLTA", 1, len(raw)) + raw + hashlib.sha256(raw).digest() + data[HEAD.size + n + 32:]
     with pytest.raises(CorruptError, match="header: .*elements \\(limit"):
         DeltaFile(forged)

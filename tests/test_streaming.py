@@ -7,7 +7,7 @@ import struct
 
 from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
-from sparrowrl.delta.frame import _CHUNK, _HEAD, TensorSpec
+from sparrowrl.delta.frame import CHUNK, HEAD, TensorSpec
 
 
 class Tap(io.BytesIO):
@@ -31,15 +31,15 @@ def test_chunks_are_on_the_wire_before_the_last_tensor_is_added(rng):
     early = out.getvalue()
     assert out.flushed, "nothing flushed after the first tensor"
     # the bytes out so far are a header and whole chunks, each verifiable by its own digest
-    _, _, n = _HEAD.unpack_from(early)
-    pos = _HEAD.size + n + 32
+    _, _, n = HEAD.unpack_from(early)
+    pos = HEAD.size + n + 32
     chunks = 0
     while pos < len(early):
-        magic, index, length, digest = _CHUNK.unpack_from(early, pos)
-        body = early[pos + _CHUNK.size:pos + _CHUNK.size + length]
+        magic, index, length, digest = CHUNK.unpack_from(early, pos)
+        body = early[pos + CHUNK.size:pos + CHUNK.size + length]
         assert magic == b"SPCK" and index == chunks
         assert hashlib.sha256(struct.pack("<II", index, length) + body).digest() == digest
-        pos += _CHUNK.size + length
+        pos += CHUNK.size + length
         chunks += 1
     assert chunks >= 1 and pos == len(early)
     w.add((n, old[n], new[n]) for n in ["layer1", "layer2", "layer3"])

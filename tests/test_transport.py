@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from conftest import mutate, random_tensor
 from netfaults import FaultyProxy, Faults
-from sparrowrl.delta import state_hash
+from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.delta.bitview import bits
 from sparrowrl.store import Store
 from sparrowrl.transport.client import Client, FetchError
@@ -295,3 +295,61 @@ def test_serve_refuses_public_address_without_token(history):
                        env={k: v for k, v in os.environ.items() if k != "SPARROWRL_TOKEN"},
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "without SPARROWRL_TOKEN" in p.stderr
+
+
+def test_cut_through_first_chunk_arrives_before_the_writer_finishes(history, tmp_path, rng):
+    """The trainer publishes tensor by tensor; a client reads chunks while later tensors are
+    still being diffed: the writer waits for the client's first verified chunk before going on."""
+    import shutil
+
+    from sparrowrl.delta.frame import TensorSpec
+
+    path = tmp_path / "s"
+    shutil.copytree(history[0], path)
+    store = Store(path)
+    v0 = store.newest
+    old = store.materialize(v0)
+    new = {k: mutate(rng, t, 0.02) for k, t in old.items()}
+    got_first = threading.Event()
+    writer_done = threading.Event()
+
+    def trainer():
+        with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
+            w.chunk_bytes = 256
+            w.add([("w", old["w"], new["w"])])
+            assert got_first.wait(30), "no chunk reached the client while the writer was still working"
+            w.add([("n", old["n"], new["n"])])
+        writer_done.set()
+
+    async def go():
+        async with Server(path) as s, Client(s.url, token=TOKEN) as c:
+            t = threading.Thread(target=trainer)
+            t.start()
+            listing = await c.versions(after=v0, wait=30)
+            assert listing["producing"] == [v0 + 1] or listing["newest"] == v0 + 1
+            seen = []
+
+            def on_verified(piece):
+                seen.append((len(piece), writer_done.is_set()))
+                if len(seen) >= 2:  # header, then a chunk
+                    got_first.set()
+            d = await c.stream(v0 + 1, on_verified)
+            await asyncio.to_thread(t.join)
+            assert any(not done for _, done in seen[1:2]), "first chunk came only after the writer finished"
+            held = {k: v.clone() for k, v in old.items()}
+            assert apply_delta(d, held, base_hash=store.versions[v0].state_hash) == state_hash(new)
+            assert Store(path).versions[v0 + 1].state_hash == state_hash(new)
+    run(go())
+
+
+def test_cut_through_stream_resumes_after_a_cut(history):
+    path, states = history
+
+    async def go():
+        async with Server(path) as s, FaultyProxy(s.port, Faults(cut_after=5000, cuts=3)) as proxy, \
+                Client(proxy.url, token=TOKEN, backoff=0.01) as c:
+            pieces = []
+            d = await c.stream(5, pieces.append)
+            assert b"".join(pieces) == d.data == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
+            assert c.stats.retries == 3
+    run(go())

@@ -228,6 +228,35 @@ def serve(store: Path, host: Annotated[str, typer.Option(help="Address to listen
                                           + ("" if token else " (no token: loopback only)"), highlight=False))
 
 
+@app.command("relay")
+def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) URL; several, comma-separated.")],
+          host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="TCP port.")] = 8471,
+          cache: Annotated[Path | None, typer.Option(help="Mirror folder (default: a temporary one).")] = None,
+          keep: Annotated[int, typer.Option(help="Versions to keep.")] = 8,
+          streams: Annotated[int, typer.Option(help="Parallel HTTP streams to the upstream.")] = 4,
+          ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for an HTTPS upstream.")] = None) -> None:
+    """Serve a region: fetch each version once from UPSTREAM, serve it with the origin's API."""
+    import os
+    import ssl
+    import tempfile
+
+    from aiohttp import web
+
+    from sparrowrl.transport.relay import Relay, make_relay_app
+    from sparrowrl.transport.server import is_loopback
+
+    token = os.environ.get("SPARROWRL_TOKEN", "")
+    if not token and not is_loopback(host):
+        _fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
+    with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
+        ctx = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
+        r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx)
+        web.run_app(make_relay_app(r, token), host=host, port=port, access_log=None,
+                    print=lambda _: err.print(f"relay for {upstream} on http://{host}:{port}/v1/versions",
+                                              highlight=False))
+
+
 @app.command("fetch")
 def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several, comma-separated, for fallback.")],
           version: Annotated[int, typer.Option(help="Version to fetch.")],

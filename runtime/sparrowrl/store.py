@@ -22,7 +22,8 @@ from collections.abc import Iterator
 import torch
 
 from sparrowrl.checkpoint_io import Checkpoint, atomic_path, save_state
-from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
+from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
+from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.delta.errors import DeltaError
 
 FORMAT = 1
@@ -116,28 +117,67 @@ class Store:
     def newest(self) -> int:
         return max(self.versions)
 
+    def partial_path(self, version: int) -> Path:
+        """Where the delta of `version` grows while it is being written (cut-through source)."""
+        return self.path / "deltas" / f".v{version:08d}.partial"
+
+    def producing(self) -> list[int]:
+        """Versions whose delta is being written right now."""
+        return sorted(v for v in (int(p.name[2:10]) for p in (self.path / "deltas").glob(".v*.partial")
+                                  if p.name[2:10].isdigit()) if v > self.newest)
+
     def add(self, new: dict[str, torch.Tensor]) -> Version:
         """Append `new` as the next version, diffed against the newest (materialized and verified)."""
         with self._locked():
-            prev = self.versions[self.newest]
-            old = self.materialize(prev.version)
-            version = prev.version + 1
-            tmp_path = self.path / "deltas" / f".v{version:08d}.partial"
-            try:
-                with open(tmp_path, "wb") as f:
-                    m = write_delta(f, old, new, base_version=prev.version, base_hash=prev.state_hash,
-                                    target_version=version)
-                digest = _sha256_file(tmp_path)
-                name = f"v{version:08d}-{digest[:16]}.spd"
-                os.replace(tmp_path, self.path / "deltas" / name)
-            finally:
-                tmp_path.unlink(missing_ok=True)
-            v = Version(version, m["target_hash"], name, digest, m["file_bytes"], changed=m["changed"])
-            if version % self.base_every == 0:
-                self._write_base(self.path, version, new, v)
-            self.versions[version] = v
-            self._write_index(self.path, self.base_every, self.versions)
+            old = self.materialize(self.newest)
+            with self._publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
+                w.add((n, old[n], new[n]) for n in new)
+            v = self.versions[self.newest]
+            if v.version % self.base_every == 0:
+                self._write_base(self.path, v.version, new, v)
+                self._write_index(self.path, self.base_every, self.versions)
             return v
+
+    @contextmanager
+    def publish(self, tensors: list[TensorSpec]) -> Iterator[DeltaWriter]:
+        """Stream the next version's delta into the store while it is being encoded: its chunks
+        can be served (cut-through) before the last tensor is diffed. The caller adds every
+        tensor as (name, old, new), old being the newest version's state; on leaving the block
+        the delta is sealed, content-hashed and indexed. A base snapshot, when one is due, is the
+        caller's to write with `snapshot`."""
+        with self._locked(), self._publish(tensors) as w:
+            yield w
+
+    @contextmanager
+    def _publish(self, tensors: list[TensorSpec]) -> Iterator[DeltaWriter]:
+        prev = self.versions[self.newest]
+        version = prev.version + 1
+        tmp_path = self.partial_path(version)
+        try:
+            with open(tmp_path, "wb") as f:
+                w = DeltaWriter(f, tensors, base_version=prev.version, base_hash=prev.state_hash,
+                                target_version=version)
+                try:
+                    yield w
+                finally:
+                    w.pool.shutdown()
+                m = w.close()
+            digest = _sha256_file(tmp_path)
+            name = f"v{version:08d}-{digest[:16]}.spd"
+            os.replace(tmp_path, self.path / "deltas" / name)
+        finally:
+            tmp_path.unlink(missing_ok=True)
+        self.versions[version] = Version(version, m["target_hash"], name, digest, m["file_bytes"], changed=m["changed"])
+        self._write_index(self.path, self.base_every, self.versions)
+
+    def snapshot(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Write a base snapshot of `version` (whose state is `state`), checked against its hash."""
+        with self._locked():
+            v = self.versions[version]
+            if state_hash(state) != v.state_hash:
+                raise StoreError(f"snapshot of v{version}: state does not hash to {v.state_hash}")
+            self._write_base(self.path, version, state, v)
+            self._write_index(self.path, self.base_every, self.versions)
 
     # ---- reading ----
     def delta(self, version: int) -> DeltaFile:

@@ -41,9 +41,9 @@ FORMAT_VERSION = 1
 MAGIC = b"SPRWDLTA"
 END = b"SPRWEND1"
 CHUNK_MAGIC = b"SPCK"
-_HEAD = struct.Struct("<8sII")
-_CHUNK = struct.Struct("<4sII32s")
-_TRAILER = struct.Struct("<QQ32s8s")
+HEAD = struct.Struct("<8sII")
+CHUNK = struct.Struct("<4sII32s")
+TRAILER = struct.Struct("<QQ32s8s")
 SEGMENT = 1 << 22
 CHUNK_BYTES = 4 << 20
 _M64 = (1 << 64) - 1
@@ -105,7 +105,7 @@ class DeltaWriter:
             "tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors],
         }, separators=(",", ":")).encode()
         self.header_sha = hashlib.sha256(header).digest()
-        self._write(_HEAD.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.header_sha)
+        self._write(HEAD.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.header_sha)
         self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
 
     def _write(self, data: bytes) -> None:
@@ -182,7 +182,7 @@ class DeltaWriter:
         body = b"".join(self.buf)
         index = len(self.chunks)
         digest = hashlib.sha256(struct.pack("<II", index, len(body)) + body).digest()
-        chunk = _CHUNK.pack(CHUNK_MAGIC, index, len(body), digest) + body
+        chunk = CHUNK.pack(CHUNK_MAGIC, index, len(body), digest) + body
         self.chunks.append({"offset": self.offset, "length": len(chunk),
                             "sha256": hashlib.sha256(chunk).hexdigest(), "records": self.buf_records})
         self._write(chunk)
@@ -211,7 +211,7 @@ class DeltaWriter:
         }
         data = json.dumps(manifest, separators=(",", ":")).encode()
         offset = self.offset
-        self._write(data + _TRAILER.pack(offset, len(data), hashlib.sha256(data).digest(), END))
+        self._write(data + TRAILER.pack(offset, len(data), hashlib.sha256(data).digest(), END))
         self.out.flush()
         manifest["file_bytes"] = self.offset
         return manifest
@@ -250,15 +250,15 @@ class DeltaFile:
 
     def _read_header(self) -> dict:
         d = self.data
-        if len(d) < _HEAD.size or d[:8] != MAGIC:
+        if len(d) < HEAD.size or d[:8] != MAGIC:
             self._fail(FormatError, "not a sparrowrl delta (bad magic)")
-        _, version, n = _HEAD.unpack_from(d)
+        _, version, n = HEAD.unpack_from(d)
         if version != FORMAT_VERSION:
             self._fail(FormatError, f"unsupported format version {version} (this sparrowrl reads {FORMAT_VERSION})")
-        end = _HEAD.size + n
-        if len(d) < end + 32 + _TRAILER.size:
+        end = HEAD.size + n
+        if len(d) < end + 32 + TRAILER.size:
             self._fail(FormatError, f"truncated: {len(d)} bytes is shorter than header and trailer")
-        raw, digest = d[_HEAD.size:end], d[end:end + 32]
+        raw, digest = d[HEAD.size:end], d[end:end + 32]
         if hashlib.sha256(raw).digest() != digest:
             self._fail(CorruptError, f"header checksum mismatch: expected {digest.hex()[:16]}, "
                                      f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
@@ -271,10 +271,10 @@ class DeltaFile:
 
     def _read_manifest(self) -> dict:
         d = self.data
-        offset, length, digest, end = _TRAILER.unpack_from(d, len(d) - _TRAILER.size)
+        offset, length, digest, end = TRAILER.unpack_from(d, len(d) - TRAILER.size)
         if end != END:
             self._fail(FormatError, "truncated: end marker missing (incomplete download?)")
-        if not self.header_end <= offset <= offset + length == len(d) - _TRAILER.size:
+        if not self.header_end <= offset <= offset + length == len(d) - TRAILER.size:
             self._fail(CorruptError, f"manifest location {offset}+{length} does not fit the file")
         raw = d[offset:offset + length]
         if hashlib.sha256(raw).digest() != digest:
@@ -301,7 +301,7 @@ class DeltaFile:
                                          f"of {spec.numel} elements")
         pos = self.header_end
         for i, c in enumerate(self.manifest["chunks"]):
-            if c["offset"] != pos or c["length"] < _CHUNK.size:
+            if c["offset"] != pos or c["length"] < CHUNK.size:
                 self._fail(CorruptError, f"chunk {i}: offset/length {c['offset']}+{c['length']} not contiguous at {pos}")
             pos += c["length"]
         if pos != self.manifest_offset:
@@ -310,8 +310,8 @@ class DeltaFile:
     def chunk_body(self, i: int) -> memoryview:
         """Chunk i's records, after checking its header and digest against the manifest."""
         c = self.manifest["chunks"][i]
-        magic, index, n, digest = _CHUNK.unpack_from(self.data, c["offset"])
-        body = memoryview(self.data)[c["offset"] + _CHUNK.size:c["offset"] + c["length"]]
+        magic, index, n, digest = CHUNK.unpack_from(self.data, c["offset"])
+        body = memoryview(self.data)[c["offset"] + CHUNK.size:c["offset"] + c["length"]]
         if magic != CHUNK_MAGIC or index != i or n != len(body):
             self._fail(CorruptError, f"chunk {i}: bad chunk header")
         found = hashlib.sha256(memoryview(self.data)[c["offset"]:c["offset"] + c["length"]]).hexdigest()

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import ssl
+import struct
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
+from sparrowrl.delta.frame import CHUNK, CHUNK_MAGIC, HEAD, MAGIC
 
 
 class FetchError(Exception):
@@ -92,6 +94,8 @@ class Client:
                     if r.status < 500 and r.status != 404:
                         raise FetchError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
                     last = f"HTTP {r.status}: {(await r.text())[:200]}"  # 404: a relay may lag behind
+            except aiohttp.ClientConnectorCertificateError as e:
+                raise FetchError(f"{url}: certificate not trusted ({e.certificate_error})") from None
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
                 last = f"{type(e).__name__}: {e}"
             self.stats.retries += 1
@@ -160,6 +164,53 @@ class Client:
             raise FetchError(f"delta v{version}: file hash differs from the server's listing")
         return DeltaFile(data, f"delta v{version}")
 
+    async def stream(self, version: int, on_verified=None) -> DeltaFile:
+        """Cut-through: read a delta while it is still being written. The header and each chunk
+        are verified by their own digests as they land and passed to `on_verified` in order;
+        after a drop the read resumes at the end of the last verified piece. The complete file
+        is then verified as a whole, manifest included."""
+        path = f"/v1/versions/{version}/delta"
+        buf = bytearray()
+        failures, last = 0, "no attempt"
+        t0 = time.perf_counter()
+        while failures < self.attempts:
+            url = self.urls[self._server] + path
+            progress = len(buf)
+            try:
+                self.stats.requests += 1
+                async with self._session.get(url, params={"from": len(buf)}) as r:
+                    if r.status == 401:
+                        raise FetchError(f"{url}: 401 unauthorized (is SPARROWRL_TOKEN set?)")
+                    if r.status != 200:
+                        raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
+                                                          message=(await r.text())[:200])
+                    pending = bytearray()
+                    async for data in r.content.iter_any():
+                        pending += data
+                        while (n := _verified_prefix(buf, pending)) > 0:
+                            piece = bytes(pending[:n])
+                            del pending[:n]
+                            buf += piece
+                            self.stats.bytes += n
+                            if on_verified is not None:
+                                on_verified(piece)
+                    buf += pending  # the manifest and trailer: checked with the whole file below
+                    if on_verified is not None and pending:
+                        on_verified(bytes(pending))
+                    self.stats.bytes += len(pending)
+                    self.stats.seconds += time.perf_counter() - t0
+                    return DeltaFile(bytes(buf), f"delta v{version}")
+            except FetchError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                last = f"{type(e).__name__}: {e}"
+            failures = 0 if len(buf) > progress else failures + 1
+            self.stats.retries += 1
+            if failures % 2 == 0 and len(self.urls) > 1:
+                self._server = (self._server + 1) % len(self.urls)
+            await asyncio.sleep(self.backoff * 2 ** min(failures, 5) * (0.5 + random.random()))
+        raise FetchError(f"{path}: gave up after {self.attempts} attempts without progress (last: {last})")
+
     async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:
         """A base snapshot, verified part by part and then by its full state hash."""
         entry = next(v for v in listing["versions"] if v["version"] == version)
@@ -193,3 +244,28 @@ class Client:
         if h != want:
             raise FetchError(f"v{target} hashes to {h}, the listing says {want}")
         return state, h
+
+
+def _verified_prefix(done: bytearray, pending: bytearray) -> int:
+    """Length of the next self-verifying piece at the start of `pending` (the header, or a
+    chunk), 0 if it has not fully arrived or what follows is the manifest. A piece that fails
+    its digest raises, so the stream is retried from the end of `done`."""
+    if not done:
+        if len(pending) < HEAD.size:
+            return 0
+        _, _, n = HEAD.unpack_from(pending)
+        end = HEAD.size + n + 32
+        if len(pending) < end:
+            return 0
+        if pending[:8] != MAGIC or hashlib.sha256(pending[HEAD.size:end - 32]).digest() != pending[end - 32:end]:
+            raise aiohttp.ClientPayloadError("delta header failed its checksum")
+        return end
+    if len(pending) < CHUNK.size or pending[:4] != CHUNK_MAGIC:
+        return 0
+    _, index, n, digest = CHUNK.unpack_from(pending)
+    if len(pending) < CHUNK.size + n:
+        return 0
+    body = pending[CHUNK.size:CHUNK.size + n]
+    if hashlib.sha256(struct.pack("<II", index, n) + body).digest() != digest:
+        raise aiohttp.ClientPayloadError(f"chunk {index} failed its checksum")
+    return CHUNK.size + n

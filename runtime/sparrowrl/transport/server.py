@@ -5,6 +5,9 @@
     GET /v1/plan?to=V[&from=U]          the store's cheapest route from U to V
     GET /v1/versions/V/manifest         a delta's header, chunk table and manifest (JSON)
     GET /v1/versions/V/delta            the delta file (HTTP Range: 206 Partial Content)
+    GET /v1/versions/V/delta?from=N     the delta from byte N as a stream (chunked encoding): for
+                                        a version still being written, bytes go out as they are
+                                        written (cut-through) until the file is complete
     GET /v1/versions/V/base             the base snapshot file (Range), verified in parts
 
 Every endpoint wants `Authorization: Bearer $SPARROWRL_TOKEN` when a token is set.
@@ -17,6 +20,7 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
+import os
 import ssl
 from pathlib import Path
 
@@ -24,13 +28,16 @@ from aiohttp import web
 
 from sparrowrl.delta import DeltaFile
 from sparrowrl.delta.errors import DeltaError
+from sparrowrl.delta.frame import END, TRAILER
 from sparrowrl.store import BASE_PART, Store, StoreError
 
 MAX_WAIT = 60.0
+WRITER_TIMEOUT = 60.0  # a delta that stops growing this long is abandoned
 STORE = web.AppKey("store", Path)
 TOKEN = web.AppKey("token", str)
 MANIFESTS = web.AppKey("manifests", dict)
 CACHE = web.AppKey("cache", dict)
+STOPPING = web.AppKey("stopping", asyncio.Event)
 
 
 def _store(request: web.Request) -> Store:
@@ -65,7 +72,7 @@ async def auth(request: web.Request, handler):
 
 
 def _listing(store: Store) -> dict:
-    return {"newest": store.newest, "base_every": store.base_every, "versions": [
+    return {"newest": store.newest, "base_every": store.base_every, "producing": store.producing(), "versions": [
         {"version": v.version, "state_hash": v.state_hash, "changed": v.changed,
          "delta": {"bytes": v.delta_bytes, "sha256": v.delta_sha256} if v.delta else None,
          "base": {"bytes": v.base_bytes, "part_bytes": BASE_PART, "parts": v.base_parts} if v.base else None}
@@ -88,7 +95,9 @@ async def versions(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     store = _store(request)
-    while after is not None and store.newest <= after and loop.time() < deadline:
+    stopping = request.app[STOPPING]
+    while after is not None and max([store.newest, *store.producing()]) <= after and loop.time() < deadline \
+            and not stopping.is_set():
         await asyncio.sleep(0.05)
         store = _store(request)
     return web.json_response(_listing(store))
@@ -133,13 +142,57 @@ def _file(store: Store, sub: str, name: str, etag: str) -> web.FileResponse:
     return resp
 
 
-async def delta(request: web.Request) -> web.FileResponse:
+async def delta(request: web.Request) -> web.StreamResponse:
     store = _store(request)
+    start = _int_param(request, "from")
+    if start is not None:
+        return await _stream(request, store, int(request.match_info["version"]), start)
     v = _version(request, store)
     info = store.versions[v]
     if not info.delta:
         raise web.HTTPNotFound(text=f"version {v} has no delta")
     return _file(store, "deltas", info.delta, info.delta_sha256)
+
+
+def _complete(fd: int, size: int) -> bool:
+    """Whether `size` bytes of a delta end in a consistent trailer (the writer has finished)."""
+    if size < TRAILER.size:
+        return False
+    offset, length, _, end = TRAILER.unpack(os.pread(fd, TRAILER.size, size - TRAILER.size))
+    return end == END and offset + length + TRAILER.size == size
+
+
+async def _stream(request: web.Request, store: Store, v: int, start: int) -> web.StreamResponse:
+    """Send a delta from byte `start`, following the file while its writer is still at work."""
+    if start < 0:
+        raise web.HTTPBadRequest(text="from must be >= 0")
+    try:
+        f = open(store.partial_path(v), "rb")
+    except FileNotFoundError:
+        store = _store(request)  # it may have been finished (renamed) in between
+        info = store.versions.get(v)
+        if info is None or not info.delta:
+            raise web.HTTPNotFound(text=f"version {v} is neither stored nor being written") from None
+        f = open(store.path / "deltas" / info.delta, "rb")
+    with f:
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        pos, idle = start, 0.0
+        while True:
+            data = os.pread(f.fileno(), 1 << 20, pos)
+            if data:
+                await resp.write(data)
+                pos, idle = pos + len(data), 0.0
+                continue
+            if _complete(f.fileno(), os.fstat(f.fileno()).st_size):
+                break
+            if idle > WRITER_TIMEOUT or (not store.partial_path(v).exists() and v not in _store(request).versions):
+                raise ConnectionResetError(f"writer of v{v} stopped before finishing")  # drops the stream
+            await asyncio.sleep(0.01)
+            idle += 0.01
+        await resp.write_eof()
+        return resp
 
 
 async def base(request: web.Request) -> web.FileResponse:
@@ -154,6 +207,12 @@ async def base(request: web.Request) -> web.FileResponse:
 def make_app(store: str | Path, token: str = "") -> web.Application:
     app = web.Application(middlewares=[auth])
     app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
+    app[STOPPING] = asyncio.Event()
+
+    async def stop_long_polls(app: web.Application) -> None:
+        app[STOPPING].set()
+
+    app.on_shutdown.append(stop_long_polls)
     app.add_routes([
         web.get("/v1/versions", versions),
         web.get("/v1/plan", plan),

@@ -1,0 +1,128 @@
+"""`sparrowrl relay`: one per region. Fetches each version once across the WAN and serves the
+region's workers with the same API as the origin, cut-through.
+
+The relay mirrors the origin's store into a local directory: it starts from the newest base
+snapshot, then follows the origin's versions by long-poll. A delta is streamed from the origin
+into the mirror's growing `.partial` file, chunk by verified chunk, and the relay's own server
+streams that file to workers as it grows, so a worker's first chunk does not wait for the
+relay's last. Bases are fetched over parallel verified streams. Only the newest `keep` versions
+are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from sparrowrl.store import Store, StoreError, Version
+from sparrowrl.transport.client import Client, FetchError, Piece
+from sparrowrl.transport.server import make_app
+
+
+class Relay:
+    def __init__(self, upstream: list[str], mirror: Path, keep: int = 8, **client_kw):
+        self.upstream, self.mirror, self.keep, self.client_kw = upstream, Path(mirror), keep, client_kw
+        (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
+        (self.mirror / "bases").mkdir(exist_ok=True)
+        self.synced = asyncio.Event()  # set once the first version is mirrored
+
+    def _store(self) -> Store | None:
+        try:
+            return Store(self.mirror)
+        except StoreError:
+            return None
+
+    async def run(self) -> None:
+        async with Client(self.upstream, **self.client_kw) as c:
+            while True:
+                try:
+                    store = self._store()
+                    listing = await c.versions(after=store.newest if store else None, wait=30)
+                    await self.sync(c, listing)
+                except FetchError as e:  # upstream unreachable for a while: keep serving, try again
+                    print(f"relay: {e}", flush=True)
+                    await asyncio.sleep(1.0)
+
+    async def sync(self, c: Client, listing: dict) -> None:
+        entries = {v["version"]: v for v in listing["versions"]}
+        every = listing["base_every"]
+        store = self._store()
+        wanted = sorted(v for v in set(entries) | set(listing.get("producing", []))
+                        if store is None or v > store.newest)
+        if store is None or (wanted and wanted[0] != store.newest + 1):  # new, or fell behind the origin's window
+            start = max((v for v, e in entries.items() if e["base"]), default=None)
+            if start is None:
+                raise FetchError("upstream lists no base snapshot to start from")
+            for f in [*(self.mirror / "deltas").iterdir(), *(self.mirror / "bases").iterdir()]:
+                f.unlink()
+            await self._fetch_base(c, entries[start], {}, every)
+            store = self._store()
+            wanted = [v for v in wanted if v > start]
+        for v in wanted:
+            versions = dict(store.versions)
+            name, digest, size = await self._stream_delta(c, v)
+            entry = entries.get(v)
+            if entry is None or entry["delta"] is None:  # it was still being produced: ask again
+                entry = next(e for e in (await c.versions())["versions"] if e["version"] == v)
+            if entry["delta"]["sha256"] != digest:
+                (self.mirror / "deltas" / name).unlink(missing_ok=True)
+                raise FetchError(f"delta v{v} from upstream hashes to {digest[:16]}, listing says "
+                                 f"{entry['delta']['sha256'][:16]}")
+            versions[v] = Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"])
+            Store._write_index(self.mirror, every, versions)
+            if entry["base"]:
+                await self._fetch_base(c, entry, versions, every)
+            store = self._store()
+        if store is not None:
+            self.synced.set()
+            if len(store.versions) > self.keep:
+                store.prune(self.keep)
+
+    async def _stream_delta(self, c: Client, v: int) -> tuple[str, str, int]:
+        """Stream delta v from upstream into the mirror's partial file (served as it grows)."""
+        partial = self.mirror / "deltas" / f".v{v:08d}.partial"
+        h = hashlib.sha256()
+        with open(partial, "wb") as f:
+            def write(piece: bytes) -> None:
+                f.write(piece)
+                f.flush()
+                h.update(piece)
+            try:
+                d = await c.stream(v, write)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
+        digest = h.hexdigest()
+        name = f"v{v:08d}-{digest[:16]}.spd"
+        os.replace(partial, self.mirror / "deltas" / name)
+        return name, digest, len(d.data)
+
+    async def _fetch_base(self, c: Client, entry: dict, versions: dict[int, Version], every: int) -> None:
+        v, size, step = entry["version"], entry["base"]["bytes"], entry["base"]["part_bytes"]
+        pieces = [Piece(i * step, min(step, size - i * step), p) for i, p in enumerate(entry["base"]["parts"])]
+        data = await c.download(f"/v1/versions/{v}/base", size, pieces)
+        name = f"v{v:08d}.safetensors"
+        tmp = self.mirror / "bases" / f".{name}.partial"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.mirror / "bases" / name)
+        info = versions.get(v) or Version(v, entry["state_hash"])
+        info.base, info.base_bytes, info.base_parts = name, size, list(entry["base"]["parts"])
+        versions[v] = info
+        Store._write_index(self.mirror, every, versions)
+
+
+def make_relay_app(relay: Relay, token: str) -> web.Application:
+    """The origin's API over the relay's mirror, with the mirroring loop running beside it."""
+    app = make_app(relay.mirror, token)
+
+    async def mirror_loop(app: web.Application):
+        task = asyncio.create_task(relay.run())
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(mirror_loop)
+    return app

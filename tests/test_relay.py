@@ -1,0 +1,130 @@
+"""Relays: fetch once across the 'WAN', serve a region cut-through, and fall back when killed."""
+
+import asyncio
+import os
+import shutil
+import subprocess
+import threading
+
+import pytest
+from aiohttp import web
+
+from conftest import mutate
+from netfaults import FaultyProxy, Faults
+from sparrowrl.delta import apply_delta, state_hash
+from sparrowrl.delta.frame import TensorSpec
+from sparrowrl.store import Store
+from sparrowrl.transport.client import Client
+from sparrowrl.transport.relay import Relay, make_relay_app
+from test_transport import EXE, TOKEN, Server, free_port, history, same, start_server  # noqa: F401
+
+
+class RelayServer:
+    def __init__(self, upstream, mirror):
+        self.relay = Relay([upstream], mirror, keep=8, token=TOKEN, backoff=0.01)
+
+    async def __aenter__(self):
+        self.runner = web.AppRunner(make_relay_app(self.relay, TOKEN))
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        await asyncio.wait_for(self.relay.synced.wait(), 60)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def test_relay_fetches_once_and_serves_its_region(history, tmp_path):
+    path, states = history
+
+    async def go():
+        async with Server(path) as origin, FaultyProxy(origin.port, Faults()) as wan, \
+                RelayServer(wan.url, tmp_path / "mirror") as relay:
+            mirrored = wan.bytes_down
+            workers = [Client(relay.url, token=TOKEN, streams=2) for _ in range(3)]
+            for w in workers:
+                await w.__aenter__()
+            results = await asyncio.gather(*(w.advance(6) for w in workers))
+            for w in workers:
+                await w.__aexit__(None, None, None)
+            assert all(same(s, states[6]) for s, _ in results)
+            served = sum(w.stats.bytes for w in workers)
+            assert served >= 3 * Store(path).plan(None, 6).bytes
+            assert wan.bytes_down - mirrored < 64 * 1024  # workers' fetches did not cross the WAN again
+            listing = await Client(relay.url, token=TOKEN).__aenter__()
+            assert (await listing.versions())["newest"] == 6
+            await listing.__aexit__(None, None, None)
+    asyncio.run(go())
+
+
+def test_relay_is_cut_through(history, tmp_path, rng):
+    """A worker behind the relay gets the first chunk while the trainer is still encoding."""
+    path = tmp_path / "s"
+    shutil.copytree(history[0], path)
+    store = Store(path)
+    v0 = store.newest
+    old = store.materialize(v0)
+    new = {k: mutate(rng, t, 0.02) for k, t in old.items()}
+    got_first, writer_done = threading.Event(), threading.Event()
+
+    def trainer():
+        with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
+            w.chunk_bytes = 256
+            w.add([("w", old["w"], new["w"])])
+            got_first.wait(30)
+            w.add([("n", old["n"], new["n"])])
+        writer_done.set()
+
+    async def go():
+        async with Server(path) as origin, RelayServer(origin.url, tmp_path / "mirror") as relay, \
+                Client(relay.url, token=TOKEN) as worker:
+            t = threading.Thread(target=trainer)
+            t.start()
+            while v0 + 1 not in (l := await worker.versions(after=v0, wait=5))["producing"] + [l["newest"]]:
+                pass
+            seen = []
+
+            def on_verified(piece):
+                seen.append(writer_done.is_set())
+                if len(seen) >= 2:
+                    got_first.set()
+            d = await worker.stream(v0 + 1, on_verified)
+            await asyncio.to_thread(t.join)
+            assert seen[1] is False, "the worker's first chunk came only after the trainer finished"
+            held = {k: v.clone() for k, v in old.items()}
+            assert apply_delta(d, held, base_hash=store.versions[v0].state_hash) == state_hash(new)
+    asyncio.run(go())
+
+
+def test_relay_killed_workers_fall_back(history, tmp_path):
+    path, states = history
+    origin_port, relay_port = free_port(), free_port()
+    origin = start_server(path, origin_port)
+    env = dict(os.environ, SPARROWRL_TOKEN=TOKEN)
+    relay = subprocess.Popen([str(EXE), "relay", "--upstream", f"http://127.0.0.1:{origin_port}", "--port",
+                              str(relay_port), "--cache", str(tmp_path / "mirror")], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        async def go():
+            urls = [f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{origin_port}"]
+            async with Client(urls, token=TOKEN, backoff=0.05) as c:
+                for _ in range(200):  # the relay has mirrored the newest version
+                    try:
+                        if (await c.json("/v1/versions"))["newest"] == 6 and c._server == 0:
+                            break
+                    except Exception:
+                        pass
+                    c._server = 0
+                    await asyncio.sleep(0.1)
+                state, _ = await c.advance(6)
+                assert same(state, states[6]) and c._server == 0  # served by the relay
+                relay.kill()
+                relay.wait()
+                state, _ = await c.advance(5)
+                assert same(state, states[5]) and c._server == 1  # fell back to the origin
+        asyncio.run(go())
+    finally:
+        relay.kill()
+        origin.kill()
