@@ -25,6 +25,7 @@ class FaultyProxy:
         self.port = 0
         self.connections = 0
         self.bytes_down = 0  # response bytes forwarded to clients
+        self.peer_ports: set[int] = set()
         self._server: asyncio.AbstractServer | None = None
 
     async def __aenter__(self) -> "FaultyProxy":
@@ -42,6 +43,7 @@ class FaultyProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.peer_ports.add(writer.get_extra_info("peername")[1])
         try:
             up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:

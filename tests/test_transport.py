@@ -353,3 +353,16 @@ def test_cut_through_stream_resumes_after_a_cut(history):
             assert b"".join(pieces) == d.data == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
             assert c.stats.retries == 3
     run(go())
+
+
+def test_streams_bind_the_given_local_ports(history):
+    """For per-flow shaped links (hack/wan): stream i connects from local_ports[i]."""
+    path, states = history
+    ports = [free_port(), free_port()]
+
+    async def go():
+        async with Server(path) as s, FaultyProxy(s.port, Faults()) as proxy, \
+                Client(proxy.url, token=TOKEN, streams=2, local_ports=ports, group_bytes=1) as c:
+            state, _ = await c.advance(6)
+            assert same(state, states[6]) and set(ports) <= proxy.peer_ports
+    run(go())

@@ -27,7 +27,7 @@ from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.delta.errors import DeltaError
 
 FORMAT = 1
-BASE_PART = 64 << 20  # bases are verified (and fetched, and resumed) in pieces of this size
+BASE_PART = 8 << 20  # bases are verified (and fetched, and resumed) in pieces of this size
 
 
 class StoreError(Exception):

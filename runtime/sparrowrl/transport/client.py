@@ -55,7 +55,9 @@ class Client:
 
     def __init__(self, urls: list[str] | str, token: str | None = None, streams: int = 4, attempts: int = 8,
                  backoff: float = 0.2, group_bytes: int = 4 << 20, ssl_context: ssl.SSLContext | None = None,
-                 read_timeout: float = 30.0):
+                 read_timeout: float = 30.0, local_ports: list[int] | None = None):
+        """`local_ports`: bind download stream i to local port local_ports[i] (one connection each),
+        for networks that shape per flow (hack/wan classifies flows by port)."""
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -63,18 +65,25 @@ class Client:
         self.ssl = ssl_context
         self.timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout)
         self.stats = Stats()
+        self.local_ports = local_ports
         self._session: aiohttp.ClientSession | None = None
+        self._stream_sessions: list[aiohttp.ClientSession] = []
         self._server = 0  # index into urls of the server in use
 
+    def _new_session(self, **connector_kw) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(headers=self.headers, timeout=self.timeout,
+                                     connector=aiohttp.TCPConnector(ssl=self.ssl, **connector_kw))
+
     async def __aenter__(self) -> "Client":
-        self._session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout,
-                                              connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl))
+        self._session = self._new_session(limit=0)
+        self._stream_sessions = [self._new_session(limit=1, local_addr=("0.0.0.0", p)) for p in self.local_ports or []]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self._session.close()
+        for s in [self._session, *self._stream_sessions]:
+            await s.close()
 
-    async def _get(self, path: str, parse=None, **kw) -> tuple[int, bytes]:
+    async def _get(self, path: str, parse=None, session: aiohttp.ClientSession | None = None, **kw) -> tuple[int, bytes]:
         """GET with retries: backoff on the current server, every second failure the next one.
         `parse` (e.g. json.loads) raising ValueError on the body also counts as a failure."""
         last = "no attempt"
@@ -82,7 +91,7 @@ class Client:
             url = self.urls[self._server] + path
             try:
                 self.stats.requests += 1
-                async with self._session.get(url, **kw) as r:
+                async with (session or self._session).get(url, **kw) as r:
                     if r.status == 401:
                         raise FetchError(f"{url}: 401 unauthorized (is SPARROWRL_TOKEN set?)")
                     if r.status in (200, 206):
@@ -118,7 +127,8 @@ class Client:
         failures = {p: 0 for p in pieces}
         t0 = time.perf_counter()
 
-        async def worker() -> None:
+        async def worker(i: int) -> None:
+            session = self._stream_sessions[i % len(self._stream_sessions)] if self._stream_sessions else None
             while queue:
                 group = [queue.pop(0)]
                 while queue and queue[0].offset == group[-1].offset + group[-1].length and \
@@ -126,7 +136,8 @@ class Client:
                     group.append(queue.pop(0))
                 start, end = group[0].offset, group[-1].offset + group[-1].length
                 try:
-                    status, body = await self._get(path, headers={"Range": f"bytes={start}-{end - 1}"})
+                    status, body = await self._get(path, session=session,
+                                                   headers={"Range": f"bytes={start}-{end - 1}"})
                 except FetchError:
                     queue.extend(group)
                     raise
@@ -146,7 +157,7 @@ class Client:
                     queue.append(p)
                     queue.sort(key=lambda x: x.offset)
 
-        tasks = [asyncio.create_task(worker()) for _ in range(max(1, self.streams))]
+        tasks = [asyncio.create_task(worker(i)) for i in range(max(1, self.streams))]
         try:
             await asyncio.gather(*tasks)
         finally:

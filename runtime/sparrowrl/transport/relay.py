@@ -5,8 +5,8 @@ The relay mirrors the origin's store into a local directory: it starts from the 
 snapshot, then follows the origin's versions by long-poll. A delta is streamed from the origin
 into the mirror's growing `.partial` file, chunk by verified chunk, and the relay's own server
 streams that file to workers as it grows, so a worker's first chunk does not wait for the
-relay's last. Bases are fetched over parallel verified streams. Only the newest `keep` versions
-are kept.
+relay's last. Finished deltas and bases are fetched over parallel verified streams (one TCP
+flow is often capped on a WAN). Only the newest `keep` versions are kept.
 """
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ class Relay:
             wanted = [v for v in wanted if v > start]
         for v in wanted:
             versions = dict(store.versions)
-            name, digest, size = await self._stream_delta(c, v)
+            if v in listing.get("producing", []):
+                name, digest, size = await self._stream_delta(c, v)
+            else:
+                name, digest, size = await self._download_delta(c, v)
             entry = entries.get(v)
             if entry is None or entry["delta"] is None:  # it was still being produced: ask again
                 entry = next(e for e in (await c.versions())["versions"] if e["version"] == v)
@@ -99,6 +102,16 @@ class Relay:
         digest = h.hexdigest()
         name = f"v{v:08d}-{digest[:16]}.spd"
         os.replace(partial, self.mirror / "deltas" / name)
+        return name, digest, len(d.data)
+
+    async def _download_delta(self, c: Client, v: int) -> tuple[str, str, int]:
+        """A finished delta: parallel verified streams (one TCP flow is often capped on a WAN)."""
+        d = await c.delta(v)
+        digest = hashlib.sha256(d.data).hexdigest()
+        name = f"v{v:08d}-{digest[:16]}.spd"
+        tmp = self.mirror / "deltas" / f".{name}.tmp"
+        tmp.write_bytes(d.data)
+        os.replace(tmp, self.mirror / "deltas" / name)
         return name, digest, len(d.data)
 
     async def _fetch_base(self, c: Client, entry: dict, versions: dict[int, Version], every: int) -> None:
