@@ -235,7 +235,10 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
           cache: Annotated[Path | None, typer.Option(help="Mirror folder (default: a temporary one).")] = None,
           keep: Annotated[int, typer.Option(help="Versions to keep.")] = 8,
           streams: Annotated[int, typer.Option(help="Parallel HTTP streams to the upstream.")] = 4,
-          ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for an HTTPS upstream.")] = None) -> None:
+          ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for an HTTPS upstream.")] = None,
+          local_ports: Annotated[str | None, typer.Option(help="Comma-separated local ports for the upstream "
+                                                               "streams (per-flow shaped links, hack/wan).")] = None
+          ) -> None:
     """Serve a region: fetch each version once from UPSTREAM, serve it with the origin's API."""
     import os
     import ssl
@@ -251,7 +254,8 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
         _fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
     with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
         ctx = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
-        r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx)
+        ports = [int(p) for p in local_ports.split(",")] if local_ports else None
+        r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx, local_ports=ports)
         web.run_app(make_relay_app(r, token), host=host, port=port, access_log=None,
                     print=lambda _: err.print(f"relay for {upstream} on http://{host}:{port}/v1/versions",
                                               highlight=False))

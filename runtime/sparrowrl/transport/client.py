@@ -189,7 +189,8 @@ class Client:
             progress = len(buf)
             try:
                 self.stats.requests += 1
-                async with self._session.get(url, params={"from": len(buf)}) as r:
+                session = self._stream_sessions[0] if self._stream_sessions else self._session
+                async with session.get(url, params={"from": len(buf)}) as r:
                     if r.status == 401:
                         raise FetchError(f"{url}: 401 unauthorized (is SPARROWRL_TOKEN set?)")
                     if r.status != 200:
