@@ -34,6 +34,10 @@ class FetchError(Exception):
     """A version could not be fetched within the retry bounds; nothing was changed."""
 
 
+class _Transient(Exception):
+    """A failed answer worth retrying (5xx, 404 from a lagging relay, an unreadable body)."""
+
+
 @dataclass(frozen=True)
 class Piece:
     offset: int
@@ -54,7 +58,7 @@ class Client:
     """A connection pool over an ordered list of equivalent servers (relays first, origin last)."""
 
     def __init__(self, urls: list[str] | str, token: str | None = None, streams: int = 4, attempts: int = 8,
-                 backoff: float = 0.2, group_bytes: int = 4 << 20, ssl_context: ssl.SSLContext | None = None,
+                 backoff: float = 0.2, group_bytes: int = 64 << 20, ssl_context: ssl.SSLContext | None = None,
                  read_timeout: float = 30.0, local_ports: list[int] | None = None):
         """`local_ports`: bind download stream i to local port local_ports[i] (one connection each),
         for networks that shape per flow (hack/wan classifies flows by port)."""
@@ -83,35 +87,48 @@ class Client:
         for s in [self._session, *self._stream_sessions]:
             await s.close()
 
-    async def _get(self, path: str, parse=None, session: aiohttp.ClientSession | None = None, **kw) -> tuple[int, bytes]:
-        """GET with retries: backoff on the current server, every second failure the next one.
-        `parse` (e.g. json.loads) raising ValueError on the body also counts as a failure."""
+    async def _attempts(self, path: str, request):
+        """Run `request(url)` until it succeeds: backoff on the current server, every second
+        failure the next one; FetchError after `attempts` failures or on a permanent answer."""
         last = "no attempt"
         for attempt in range(self.attempts):
             url = self.urls[self._server] + path
             try:
                 self.stats.requests += 1
-                async with (session or self._session).get(url, **kw) as r:
-                    if r.status == 401:
-                        raise FetchError(f"{url}: 401 unauthorized (is SPARROWRL_TOKEN set?)")
-                    if r.status in (200, 206):
-                        body = await r.read()
-                        try:
-                            return r.status, (parse(body) if parse else body)
-                        except ValueError as e:
-                            raise aiohttp.ClientPayloadError(f"unreadable response: {e}") from None
-                    if r.status < 500 and r.status != 404:
-                        raise FetchError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
-                    last = f"HTTP {r.status}: {(await r.text())[:200]}"  # 404: a relay may lag behind
+                return await request(url)
             except aiohttp.ClientConnectorCertificateError as e:
                 raise FetchError(f"{url}: certificate not trusted ({e.certificate_error})") from None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
+                    _Transient) as e:
                 last = f"{type(e).__name__}: {e}"
             self.stats.retries += 1
             if attempt % 2 == 1 and len(self.urls) > 1:
                 self._server = (self._server + 1) % len(self.urls)
             await asyncio.sleep(self.backoff * 2 ** min(attempt, 5) * (0.5 + random.random()))
         raise FetchError(f"{path}: gave up after {self.attempts} attempts (last: {last})")
+
+    @staticmethod
+    async def _check(r: aiohttp.ClientResponse, url: str) -> None:
+        if r.status == 401:
+            raise FetchError(f"{url}: 401 unauthorized (is SPARROWRL_TOKEN set?)")
+        if r.status in (200, 206):
+            return
+        text = (await r.text())[:200]
+        if r.status < 500 and r.status != 404:  # 404 is transient: a relay may lag behind
+            raise FetchError(f"{url}: HTTP {r.status}: {text}")
+        raise _Transient(f"HTTP {r.status}: {text}")
+
+    async def _get(self, path: str, parse=None, **kw) -> tuple[int, bytes]:
+        """GET with retries; `parse` (e.g. json.loads) failing on the body counts as a failure."""
+        async def request(url: str):
+            async with self._session.get(url, **kw) as r:
+                await self._check(r, url)
+                body = await r.read()
+                try:
+                    return r.status, (parse(body) if parse else body)
+                except ValueError as e:
+                    raise _Transient(f"unreadable response: {e}") from None
+        return await self._attempts(path, request)
 
     async def json(self, path: str, **kw) -> dict:
         return (await self._get(path, parse=json.loads, **kw))[1]
@@ -121,41 +138,52 @@ class Client:
         return await self.json("/v1/versions", params={} if after is None else {"after": after, "wait": wait})
 
     async def download(self, path: str, size: int, pieces: list[Piece]) -> bytearray:
-        """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams."""
+        """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams.
+
+        Each stream asks for a run of neighbouring pieces in one Range request (about an equal
+        share of the file, at most `group_bytes`) and verifies them one by one as they arrive,
+        so a dropped connection costs only the piece in flight; the rest is asked for again."""
         buf = bytearray(size)
         queue = sorted(pieces, key=lambda p: p.offset)
         failures = {p: 0 for p in pieces}
+        share = max(1, min(self.group_bytes, -(-sum(p.length for p in pieces) // max(1, self.streams))))
         t0 = time.perf_counter()
 
         async def worker(i: int) -> None:
-            session = self._stream_sessions[i % len(self._stream_sessions)] if self._stream_sessions else None
+            session = self._stream_sessions[i % len(self._stream_sessions)] if self._stream_sessions else self._session
             while queue:
-                group = [queue.pop(0)]
-                while queue and queue[0].offset == group[-1].offset + group[-1].length and \
-                        sum(p.length for p in group) < self.group_bytes:
-                    group.append(queue.pop(0))
-                start, end = group[0].offset, group[-1].offset + group[-1].length
+                pending = [queue.pop(0)]
+                while queue and queue[0].offset == pending[-1].offset + pending[-1].length and \
+                        sum(p.length for p in pending) + queue[0].length <= share:
+                    pending.append(queue.pop(0))
+
+                async def request(url: str) -> None:
+                    start, end = pending[0].offset, pending[-1].offset + pending[-1].length
+                    async with session.get(url, headers={"Range": f"bytes={start}-{end - 1}"}) as r:
+                        await self._check(r, url)
+                        if r.status == 200:  # a server that ignores Range sends the whole file
+                            await r.content.readexactly(start)
+                        while pending:
+                            p = pending[0]
+                            data = await r.content.readexactly(p.length)
+                            pending.pop(0)
+                            if hashlib.sha256(data).hexdigest() == p.sha256:
+                                buf[p.offset:p.offset + p.length] = data
+                                self.stats.bytes += p.length
+                                continue
+                            failures[p] += 1
+                            self.stats.refetched += 1
+                            if failures[p] >= self.attempts:
+                                raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
+                                                 f"{failures[p]} times")
+                            queue.append(p)  # asked for again later, maybe from another server
+                            queue.sort(key=lambda x: x.offset)
+
                 try:
-                    status, body = await self._get(path, session=session,
-                                                   headers={"Range": f"bytes={start}-{end - 1}"})
+                    await self._attempts(path, request)
                 except FetchError:
-                    queue.extend(group)
+                    queue.extend(pending)
                     raise
-                if status == 200:  # a server that ignores Range sends the whole file
-                    body = body[start:end]
-                for p in group:
-                    data = body[p.offset - start:p.offset - start + p.length]
-                    if len(data) == p.length and hashlib.sha256(data).hexdigest() == p.sha256:
-                        buf[p.offset:p.offset + p.length] = data
-                        self.stats.bytes += p.length
-                        continue
-                    failures[p] += 1
-                    self.stats.refetched += 1
-                    if failures[p] >= self.attempts:
-                        raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
-                                         f"{failures[p]} times")
-                    queue.append(p)
-                    queue.sort(key=lambda x: x.offset)
 
         tasks = [asyncio.create_task(worker(i)) for i in range(max(1, self.streams))]
         try:
