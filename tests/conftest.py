@@ -2,6 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from sparrowrl.store import Store
+
 from sparrowrl.delta.bitview import DTYPES, bits
 
 
@@ -56,3 +58,17 @@ def adam_step_pair(rng: np.random.Generator, n: int, lr: float = 1e-6, steps: in
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    """A store of 7 versions (bases at 0 and 4) and the states it holds."""
+    rng = np.random.default_rng(3)
+    path = tmp_path_factory.mktemp("store") / "s"
+    states = [{"w": random_tensor(rng, "BF16", (600, 500)), "n": random_tensor(rng, "F32", (500,))}]
+    for _ in range(6):
+        states.append({k: mutate(rng, v, 0.02) for k, v in states[-1].items()})
+    store = Store.init(path, states[0], base_every=4)
+    for s in states[1:]:
+        store.add(s)
+    return path, states

@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import threading
 
-import pytest
 from aiohttp import web
 
 from conftest import mutate
@@ -16,7 +15,7 @@ from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.store import Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
-from test_transport import EXE, TOKEN, Server, free_port, history, same, start_server  # noqa: F401
+from servers import EXE, TOKEN, Server, free_port, same, start_server
 
 
 class RelayServer:

@@ -4,67 +4,20 @@ import asyncio
 import hashlib
 import json
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
-from aiohttp import web
 from safetensors.torch import save_file
 
-from conftest import mutate, random_tensor
+from conftest import mutate
 from netfaults import FaultyProxy, Faults
 from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.delta.bitview import bits
 from sparrowrl.store import Store
 from sparrowrl.transport.client import Client, FetchError
-from sparrowrl.transport.server import make_app
 
-TOKEN = "t0ken-for-tests"
-EXE = Path(sys.executable).parent / "sparrowrl"
-
-
-@pytest.fixture(scope="module")
-def history(tmp_path_factory):
-    rng = np.random.default_rng(3)
-    path = tmp_path_factory.mktemp("store") / "s"
-    states = [{"w": random_tensor(rng, "BF16", (600, 500)), "n": random_tensor(rng, "F32", (500,))}]
-    for _ in range(6):
-        states.append({k: mutate(rng, v, 0.02) for k, v in states[-1].items()})
-    store = Store.init(path, states[0], base_every=4)
-    for s in states[1:]:
-        store.add(s)
-    return path, states
-
-
-def same(a, b):
-    return set(a) == set(b) and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
-
-
-class Server:
-    """The app on a real loopback socket, in this test's event loop."""
-
-    def __init__(self, store, token=TOKEN, port=0):
-        self.store, self.token, self.port = store, token, port
-
-    async def __aenter__(self):
-        self.runner = web.AppRunner(make_app(self.store, self.token))
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
+from servers import EXE, TOKEN, Server, free_port, same, start_server
 
 
 def run(coro):
@@ -199,27 +152,6 @@ def test_long_poll_wakes_on_a_new_version(history, tmp_path, rng):
             adder.join()
             assert listing["newest"] == newest + 1 and time.monotonic() - t0 < 20
     run(go())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(store, port, *extra, token=TOKEN):
-    env = dict(os.environ, SPARROWRL_TOKEN=token)
-    p = subprocess.Popen([str(EXE), "serve", str(store), "--port", str(port), *extra], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return p
-        except OSError:
-            assert p.poll() is None, p.stdout.read()
-            time.sleep(0.1)
-    raise AssertionError("server did not start")
 
 
 def test_server_restart_mid_fetch(history):

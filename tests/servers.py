@@ -1,0 +1,64 @@
+"""Servers for transport tests: the app on a real loopback socket, or the CLI as a process."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from aiohttp import web
+
+from sparrowrl.delta.bitview import bits
+from sparrowrl.transport.server import make_app
+
+TOKEN = "t0ken-for-tests"
+EXE = Path(sys.executable).parent / "sparrowrl"
+
+
+def same(a, b):
+    return set(a) == set(b) and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
+
+
+class Server:
+    """The app on a real loopback socket, in this test's event loop."""
+
+    def __init__(self, store, token=TOKEN, port=0):
+        self.store, self.token, self.port = store, token, port
+
+    async def __aenter__(self):
+        self.runner = web.AppRunner(make_app(self.store, self.token))
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(store, port, *extra, token=TOKEN):
+    env = dict(os.environ, SPARROWRL_TOKEN=token)
+    p = subprocess.Popen([str(EXE), "serve", str(store), "--port", str(port), *extra], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return p
+        except OSError:
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.1)
+    raise AssertionError("server did not start")
