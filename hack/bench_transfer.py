@@ -5,7 +5,8 @@
   streams    goodput of 1/2/4/8 streams over an emulated WAN link whose per-flow cap is a
              quarter of the link (hack/wan; needs root)              vs  raw TCP, 4 streams
   fan-out    one delta to 3 workers in each of 2 regions, direct from the origin vs through one
-             relay per region                                       vs  one cross-region transfer
+             relay per region, timed from the start of publishing, all cut-through
+                                                                    vs  one worker alone, direct
 
 Prints a table and writes JSON (default docs/bench_transfer.json).
 """
@@ -50,11 +51,15 @@ async def _fetch(url: str, what: str, version: int, streams: int, ports: list[in
 
     async with Client(url, token=TOKEN, streams=streams, local_ports=ports or None, backoff=0.05,
                       attempts=40) as c:
-        if wait_for is not None:  # long-poll until the version is published here, then fetch
-            while (await c.versions(after=wait_for - 1, wait=30))["newest"] < wait_for:
-                pass
+        if wait_for is not None:  # long-poll until the version is being published here, then fetch
+            while True:
+                listing = await c.versions(after=wait_for - 1, wait=30)
+                if listing["newest"] >= wait_for or wait_for in listing["producing"]:
+                    break
         t0 = time.time()
-        if what == "base":
+        if what == "cut":
+            await c.cut_through(version)
+        elif what == "base":
             listing = await c.versions()
             await c.base(version, listing)
         else:
@@ -66,7 +71,7 @@ async def _fetch(url: str, what: str, version: int, streams: int, ports: list[in
 def fetch_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
-    ap.add_argument("what", choices=["base", "delta"])
+    ap.add_argument("what", choices=["base", "delta", "cut"])
     ap.add_argument("version", type=int)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--ports", type=int, nargs="*", default=[])
@@ -186,21 +191,20 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int) -> 
         for r in ("us", "eu"):
             wait_port("127.0.0.1", 8471, run=lambda a, r=r, **k: wan.run(r, a, **k))
 
-        def fan_out(url_of, v: int) -> float:
+        def fan_out(url_of, v: int, regions=("us", "eu"), n=workers) -> float:
+            """Seconds from the start of publishing version v until its last worker holds it;
+            every worker reads it cut-through, starting while the trainer still writes it."""
             k = next(rounds)
-            ps = [fetch(r, url_of(r), "delta", v, 4, [flow_port(16 * k + 4 * w + s) for s in range(4)], wait_for=v)
-                  for r in ("us", "eu") for w in range(workers)]
+            ps = [fetch(r, url_of(r), "cut", v, 4, [flow_port(16 * k + 4 * w + s) for s in range(4)], wait_for=v)
+                  for r in regions for w in range(n)]
             time.sleep(1.0)  # all workers are long-polling
-            store.add(states[v])
             t0 = time.time()
+            store.add(states[v])
             return max(result(p)["t1"] for p in ps) - t0
 
         out["fanout_direct_s"] = fan_out(lambda r: origin, 1)
         out["fanout_relays_s"] = fan_out(lambda r: "http://127.0.0.1:8471", 2)
-        k = next(rounds)
-        r = result(fetch("us", origin, "delta", 2, 4, [flow_port(16 * k + i) for i in range(4)]))
-        out["single_transfer_s"] = r["t1"] - r["t0"]
-        out["single_transfer_retries"] = r["retries"]
+        out["single_transfer_s"] = fan_out(lambda r: origin, 3, regions=("us",), n=1)
         out["delta_bytes"] = store.versions[2].delta_bytes
         out["relays_vs_single"] = out["fanout_relays_s"] / out["single_transfer_s"]
         out["direct_vs_single"] = out["fanout_direct_s"] / out["single_transfer_s"]
@@ -221,7 +225,7 @@ def main() -> None:
     from sparrowrl.store import Store
 
     with tempfile.TemporaryDirectory(prefix="sprl-bench-") as tmp:
-        states = make_states(a.elements, 2, 0.05)
+        states = make_states(a.elements, 3, 0.05)
         store = Store.init(Path(tmp) / "store", states[0], base_every=1000)
         os.chmod(tmp, 0o755)
         result = {"elements": a.elements, "base_bytes": store.versions[0].base_bytes}

@@ -89,7 +89,7 @@ def test_relay_is_cut_through(history, tmp_path, rng):
                 seen.append(writer_done.is_set())
                 if len(seen) >= 2:
                     got_first.set()
-            d = await worker.stream(v0 + 1, on_verified)
+            d = await worker.cut_through(v0 + 1, on_verified)
             await asyncio.to_thread(t.join)
             assert seen[1] is False, "the worker's first chunk came only after the trainer finished"
             held = {k: v.clone() for k, v in old.items()}

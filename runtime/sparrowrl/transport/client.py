@@ -18,7 +18,6 @@ import json
 import os
 import random
 import ssl
-import struct
 import time
 from dataclasses import dataclass
 
@@ -27,7 +26,6 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
-from sparrowrl.delta.frame import CHUNK, CHUNK_MAGIC, HEAD, MAGIC
 
 
 class FetchError(Exception):
@@ -138,24 +136,57 @@ class Client:
         return await self.json("/v1/versions", params={} if after is None else {"after": after, "wait": wait})
 
     async def download(self, path: str, size: int, pieces: list[Piece]) -> bytearray:
-        """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams.
+        """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams."""
+        buf = bytearray(size)
+
+        async def source():
+            yield pieces
+
+        def keep(p: Piece, data: bytes) -> None:
+            buf[p.offset:p.offset + p.length] = data
+
+        await self._pull(path, source(), keep)
+        return buf
+
+    async def _pull(self, path: str, source, keep) -> None:
+        """Fetch the pieces that `source` (an async iterator of lists) names, as they are named,
+        over parallel streams; `keep(piece, bytes)` receives each verified piece.
 
         Each stream asks for a run of neighbouring pieces in one Range request (about an equal
-        share of the file, at most `group_bytes`) and verifies them one by one as they arrive,
-        so a dropped connection costs only the piece in flight; the rest is asked for again."""
-        buf = bytearray(size)
-        queue = sorted(pieces, key=lambda p: p.offset)
-        failures = {p: 0 for p in pieces}
-        share = max(1, min(self.group_bytes, -(-sum(p.length for p in pieces) // max(1, self.streams))))
+        share of what is known, at most `group_bytes`) and verifies them one by one as they
+        arrive, so a dropped connection costs only the piece in flight; the rest is asked for
+        again. A piece that fails its checksum is fetched again, `attempts` times at most."""
+        queue: list[Piece] = []
+        failures: dict[Piece, int] = {}
+        more = asyncio.Condition()
+        listed = False
         t0 = time.perf_counter()
+
+        async def lister() -> None:
+            nonlocal listed
+            try:
+                async for batch in source:
+                    async with more:
+                        queue.extend(batch)
+                        queue.sort(key=lambda x: x.offset)
+                        more.notify_all()
+            finally:
+                async with more:
+                    listed = True
+                    more.notify_all()
 
         async def worker(i: int) -> None:
             session = self._stream_sessions[i % len(self._stream_sessions)] if self._stream_sessions else self._session
-            while queue:
-                pending = [queue.pop(0)]
-                while queue and queue[0].offset == pending[-1].offset + pending[-1].length and \
-                        sum(p.length for p in pending) + queue[0].length <= share:
-                    pending.append(queue.pop(0))
+            while True:
+                async with more:
+                    await more.wait_for(lambda: queue or listed)
+                    if not queue:
+                        return
+                    share = max(1, min(self.group_bytes, -(-sum(p.length for p in queue) // max(1, self.streams))))
+                    pending = [queue.pop(0)]
+                    while queue and queue[0].offset == pending[-1].offset + pending[-1].length and \
+                            sum(p.length for p in pending) + queue[0].length <= share:
+                        pending.append(queue.pop(0))
 
                 async def request(url: str) -> None:
                     start, end = pending[0].offset, pending[-1].offset + pending[-1].length
@@ -168,16 +199,18 @@ class Client:
                             data = await r.content.readexactly(p.length)
                             pending.pop(0)
                             if hashlib.sha256(data).hexdigest() == p.sha256:
-                                buf[p.offset:p.offset + p.length] = data
+                                keep(p, data)
                                 self.stats.bytes += p.length
                                 continue
-                            failures[p] += 1
+                            failures[p] = failures.get(p, 0) + 1
                             self.stats.refetched += 1
                             if failures[p] >= self.attempts:
                                 raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
                                                  f"{failures[p]} times")
-                            queue.append(p)  # asked for again later, maybe from another server
-                            queue.sort(key=lambda x: x.offset)
+                            async with more:  # asked for again later, maybe from another server
+                                queue.append(p)
+                                queue.sort(key=lambda x: x.offset)
+                                more.notify_all()
 
                 try:
                     await self._attempts(path, request)
@@ -185,14 +218,45 @@ class Client:
                     queue.extend(pending)
                     raise
 
-        tasks = [asyncio.create_task(worker(i)) for i in range(max(1, self.streams))]
+        tasks = [asyncio.create_task(lister())] + [asyncio.create_task(worker(i)) for i in range(max(1, self.streams))]
         try:
             await asyncio.gather(*tasks)
         finally:
             for t in tasks:
                 t.cancel()
         self.stats.seconds += time.perf_counter() - t0
-        return buf
+
+    async def cut_through(self, version: int, on_verified=None) -> DeltaFile:
+        """Multi-stream cut-through: fetch a delta's pieces in parallel as soon as the server
+        lists them, while the delta is still being written; `on_verified` receives the verified
+        bytes in file order as the verified prefix grows. The whole file is then verified."""
+        got: dict[int, bytes] = {}
+        prefix = 0
+        info: dict = {}
+
+        async def source():
+            after = 0
+            while True:
+                t = await self.json(f"/v1/versions/{version}/pieces", params={"after": after, "wait": 10})
+                after += len(t["pieces"])
+                yield [Piece(*p) for p in t["pieces"]]
+                if t["complete"]:
+                    info["bytes"] = t["bytes"]
+                    return
+
+        def keep(p: Piece, data: bytes) -> None:
+            nonlocal prefix
+            got[p.offset] = data
+            while prefix in got and on_verified is not None:
+                piece = got[prefix]
+                on_verified(piece)
+                prefix += len(piece)
+
+        await self._pull(f"/v1/versions/{version}/delta", source(), keep)
+        data = b"".join(got[k] for k in sorted(got))
+        if len(data) != info.get("bytes"):
+            raise FetchError(f"delta v{version}: pieces cover {len(data)} bytes, the server listed {info.get('bytes')}")
+        return DeltaFile(data, f"delta v{version}")
 
     async def delta(self, version: int) -> DeltaFile:
         """One delta, staged in memory and fully verified; the caller applies it when it likes."""
@@ -202,54 +266,6 @@ class Client:
         if hashlib.sha256(data).hexdigest() != info["sha256"]:
             raise FetchError(f"delta v{version}: file hash differs from the server's listing")
         return DeltaFile(data, f"delta v{version}")
-
-    async def stream(self, version: int, on_verified=None) -> DeltaFile:
-        """Cut-through: read a delta while it is still being written. The header and each chunk
-        are verified by their own digests as they land and passed to `on_verified` in order;
-        after a drop the read resumes at the end of the last verified piece. The complete file
-        is then verified as a whole, manifest included."""
-        path = f"/v1/versions/{version}/delta"
-        buf = bytearray()
-        failures, last = 0, "no attempt"
-        t0 = time.perf_counter()
-        while failures < self.attempts:
-            url = self.urls[self._server] + path
-            progress = len(buf)
-            try:
-                self.stats.requests += 1
-                session = self._stream_sessions[0] if self._stream_sessions else self._session
-                async with session.get(url, params={"from": len(buf)}) as r:
-                    if r.status == 401:
-                        raise FetchError(f"{url}: 401 unauthorized (is SPARROWRL_TOKEN set?)")
-                    if r.status != 200:
-                        raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
-                                                          message=(await r.text())[:200])
-                    pending = bytearray()
-                    async for data in r.content.iter_any():
-                        pending += data
-                        while (n := _verified_prefix(buf, pending)) > 0:
-                            piece = bytes(pending[:n])
-                            del pending[:n]
-                            buf += piece
-                            self.stats.bytes += n
-                            if on_verified is not None:
-                                on_verified(piece)
-                    buf += pending  # the manifest and trailer: checked with the whole file below
-                    if on_verified is not None and pending:
-                        on_verified(bytes(pending))
-                    self.stats.bytes += len(pending)
-                    self.stats.seconds += time.perf_counter() - t0
-                    return DeltaFile(bytes(buf), f"delta v{version}")
-            except FetchError:
-                raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-                last = f"{type(e).__name__}: {e}"
-            failures = 0 if len(buf) > progress else failures + 1
-            self.stats.retries += 1
-            if failures % 2 == 0 and len(self.urls) > 1:
-                self._server = (self._server + 1) % len(self.urls)
-            await asyncio.sleep(self.backoff * 2 ** min(failures, 5) * (0.5 + random.random()))
-        raise FetchError(f"{path}: gave up after {self.attempts} attempts without progress (last: {last})")
 
     async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:
         """A base snapshot, verified part by part and then by its full state hash."""
@@ -285,27 +301,3 @@ class Client:
             raise FetchError(f"v{target} hashes to {h}, the listing says {want}")
         return state, h
 
-
-def _verified_prefix(done: bytearray, pending: bytearray) -> int:
-    """Length of the next self-verifying piece at the start of `pending` (the header, or a
-    chunk), 0 if it has not fully arrived or what follows is the manifest. A piece that fails
-    its digest raises, so the stream is retried from the end of `done`."""
-    if not done:
-        if len(pending) < HEAD.size:
-            return 0
-        _, _, n = HEAD.unpack_from(pending)
-        end = HEAD.size + n + 32
-        if len(pending) < end:
-            return 0
-        if pending[:8] != MAGIC or hashlib.sha256(pending[HEAD.size:end - 32]).digest() != pending[end - 32:end]:
-            raise aiohttp.ClientPayloadError("delta header failed its checksum")
-        return end
-    if len(pending) < CHUNK.size or pending[:4] != CHUNK_MAGIC:
-        return 0
-    _, index, n, digest = CHUNK.unpack_from(pending)
-    if len(pending) < CHUNK.size + n:
-        return 0
-    body = pending[CHUNK.size:CHUNK.size + n]
-    if hashlib.sha256(struct.pack("<II", index, n) + body).digest() != digest:
-        raise aiohttp.ClientPayloadError(f"chunk {index} failed its checksum")
-    return CHUNK.size + n

@@ -2,11 +2,12 @@
 region's workers with the same API as the origin, cut-through.
 
 The relay mirrors the origin's store into a local directory: it starts from the newest base
-snapshot, then follows the origin's versions by long-poll. A delta is streamed from the origin
-into the mirror's growing `.partial` file, chunk by verified chunk, and the relay's own server
-streams that file to workers as it grows, so a worker's first chunk does not wait for the
-relay's last. Finished deltas and bases are fetched over parallel verified streams (one TCP
-flow is often capped on a WAN). Only the newest `keep` versions are kept.
+snapshot, then follows the origin's versions by long-poll. A delta that the origin is still
+writing is fetched cut-through over parallel streams (one TCP flow is often capped on a WAN):
+each piece as soon as the origin lists it, appended to the mirror's growing `.partial` file as
+the verified prefix grows, and the relay's own server offers that file to workers the same way,
+so a worker's first chunk does not wait for the relay's last. Finished deltas and bases are
+fetched over parallel verified streams. Only the newest `keep` versions are kept.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Relay:
         for v in wanted:
             versions = dict(store.versions)
             if v in listing.get("producing", []):
-                name, digest, size = await self._stream_delta(c, v)
+                name, digest, size = await self._cut_through(c, v)
             else:
                 name, digest, size = await self._download_delta(c, v)
             entry = entries.get(v)
@@ -85,8 +86,8 @@ class Relay:
             if len(store.versions) > self.keep:
                 store.prune(self.keep)
 
-    async def _stream_delta(self, c: Client, v: int) -> tuple[str, str, int]:
-        """Stream delta v from upstream into the mirror's partial file (served as it grows)."""
+    async def _cut_through(self, c: Client, v: int) -> tuple[str, str, int]:
+        """Fetch delta v while upstream writes it, into the mirror's partial file (served as it grows)."""
         partial = self.mirror / "deltas" / f".v{v:08d}.partial"
         h = hashlib.sha256()
         with open(partial, "wb") as f:
@@ -95,7 +96,7 @@ class Relay:
                 f.flush()
                 h.update(piece)
             try:
-                d = await c.stream(v, write)
+                d = await c.cut_through(v, write)
             except BaseException:
                 partial.unlink(missing_ok=True)
                 raise

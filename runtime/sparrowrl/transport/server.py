@@ -4,10 +4,10 @@
                                         for a version newer than N (long-poll, no tight loops)
     GET /v1/plan?to=V[&from=U]          the store's cheapest route from U to V
     GET /v1/versions/V/manifest         a delta's header, chunk table and manifest (JSON)
-    GET /v1/versions/V/delta            the delta file (HTTP Range: 206 Partial Content)
-    GET /v1/versions/V/delta?from=N     the delta from byte N as a stream (chunked encoding): for
-                                        a version still being written, bytes go out as they are
-                                        written (cut-through) until the file is complete
+    GET /v1/versions/V/delta            the delta file (HTTP Range: 206 Partial Content), also
+                                        while it is being written (ranges of what is written)
+    GET /v1/versions/V/pieces?after=I   the delta's complete pieces (header, chunks, tail) with
+                                        their sha256, from the I-th on; long-polls while it grows
     GET /v1/versions/V/base             the base snapshot file (Range), verified in parts
 
 Every endpoint wants `Authorization: Bearer $SPARROWRL_TOKEN` when a token is set.
@@ -28,16 +28,16 @@ from aiohttp import web
 
 from sparrowrl.delta import DeltaFile
 from sparrowrl.delta.errors import DeltaError
-from sparrowrl.delta.frame import END, TRAILER
+from sparrowrl.delta.frame import CHUNK, CHUNK_MAGIC, END, HEAD, TRAILER
 from sparrowrl.store import BASE_PART, Store, StoreError
 
 MAX_WAIT = 60.0
-WRITER_TIMEOUT = 60.0  # a delta that stops growing this long is abandoned
 STORE = web.AppKey("store", Path)
 TOKEN = web.AppKey("token", str)
 MANIFESTS = web.AppKey("manifests", dict)
 CACHE = web.AppKey("cache", dict)
 STOPPING = web.AppKey("stopping", asyncio.Event)
+PIECES = web.AppKey("pieces", dict)
 
 
 def _store(request: web.Request) -> Store:
@@ -144,9 +144,9 @@ def _file(store: Store, sub: str, name: str, etag: str) -> web.FileResponse:
 
 async def delta(request: web.Request) -> web.StreamResponse:
     store = _store(request)
-    start = _int_param(request, "from")
-    if start is not None:
-        return await _stream(request, store, int(request.match_info["version"]), start)
+    v = int(request.match_info["version"])
+    if v not in store.versions and store.partial_path(v).exists():  # growing: ranges of what is written
+        return web.FileResponse(store.partial_path(v))
     v = _version(request, store)
     info = store.versions[v]
     if not info.delta:
@@ -162,37 +162,65 @@ def _complete(fd: int, size: int) -> bool:
     return end == END and offset + length + TRAILER.size == size
 
 
-async def _stream(request: web.Request, store: Store, v: int, start: int) -> web.StreamResponse:
-    """Send a delta from byte `start`, following the file while its writer is still at work."""
-    if start < 0:
-        raise web.HTTPBadRequest(text="from must be >= 0")
+def _open_delta(store: Store, v: int) -> tuple[object, bool]:
+    """The delta file of v, growing (being written) or finished; None if neither."""
     try:
-        f = open(store.partial_path(v), "rb")
+        return open(store.partial_path(v), "rb"), True
     except FileNotFoundError:
-        store = _store(request)  # it may have been finished (renamed) in between
         info = store.versions.get(v)
         if info is None or not info.delta:
-            raise web.HTTPNotFound(text=f"version {v} is neither stored nor being written") from None
-        f = open(store.path / "deltas" / info.delta, "rb")
-    with f:
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
-        pos, idle = start, 0.0
-        while True:
-            data = os.pread(f.fileno(), 1 << 20, pos)
-            if data:
-                await resp.write(data)
-                pos, idle = pos + len(data), 0.0
-                continue
-            if _complete(f.fileno(), os.fstat(f.fileno()).st_size):
+            return None, False
+        return open(store.path / "deltas" / info.delta, "rb"), False
+
+
+def _scan(fd: int, size: int, cache: dict, key: tuple) -> dict:
+    """The pieces of a (possibly growing) delta file that are complete: the header, each whole
+    chunk, and once the file is complete the tail (manifest and trailer), each with the sha256
+    of its bytes. Parsed incrementally; what was hashed once is kept in `cache`."""
+    st = cache.setdefault(key, {"pieces": [], "next": None, "complete": False})
+    if st["next"] is None and size >= HEAD.size:
+        _, _, n = HEAD.unpack(os.pread(fd, HEAD.size, 0))
+        end = HEAD.size + n + 32
+        if size >= end:
+            st["pieces"].append([0, end, hashlib.sha256(os.pread(fd, end, 0)).hexdigest()])
+            st["next"] = end
+    while st["next"] is not None and not st["complete"]:
+        pos = st["next"]
+        head = os.pread(fd, CHUNK.size, pos)
+        if len(head) == CHUNK.size and head[:4] == CHUNK_MAGIC:
+            end = pos + CHUNK.size + CHUNK.unpack(head)[2]
+            if end > size:
                 break
-            if idle > WRITER_TIMEOUT or (not store.partial_path(v).exists() and v not in _store(request).versions):
-                raise ConnectionResetError(f"writer of v{v} stopped before finishing")  # drops the stream
+            st["pieces"].append([pos, end - pos, hashlib.sha256(os.pread(fd, end - pos, pos)).hexdigest()])
+            st["next"] = end
+        elif _complete(fd, size):
+            st["pieces"].append([pos, size - pos, hashlib.sha256(os.pread(fd, size - pos, pos)).hexdigest()])
+            st["complete"], st["bytes"] = True, size
+        else:
+            break
+    return st
+
+
+async def pieces(request: web.Request) -> web.Response:
+    """GET /v1/versions/V/pieces?after=I&wait=S: the complete pieces of a delta from the I-th on,
+    waiting up to S seconds for more while it is being written (multi-stream cut-through)."""
+    v = int(request.match_info["version"])
+    after = int(_int_param(request, "after", 0))
+    wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    f, growing = _open_delta(_store(request), v)
+    if f is None:
+        raise web.HTTPNotFound(text=f"version {v} is neither stored nor being written")
+    with f:
+        key = (v, os.fstat(f.fileno()).st_ino)
+        while True:
+            st = _scan(f.fileno(), os.fstat(f.fileno()).st_size, request.app[PIECES], key)
+            if len(st["pieces"]) > after or st["complete"] or loop.time() >= deadline or request.app[STOPPING].is_set():
+                break
             await asyncio.sleep(0.01)
-            idle += 0.01
-        await resp.write_eof()
-        return resp
+    return web.json_response({"pieces": st["pieces"][after:], "complete": st["complete"],
+                              "bytes": st.get("bytes")})
 
 
 async def base(request: web.Request) -> web.FileResponse:
@@ -208,6 +236,7 @@ def make_app(store: str | Path, token: str = "") -> web.Application:
     app = web.Application(middlewares=[auth])
     app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
     app[STOPPING] = asyncio.Event()
+    app[PIECES] = {}
 
     async def stop_long_polls(app: web.Application) -> None:
         app[STOPPING].set()
@@ -218,6 +247,7 @@ def make_app(store: str | Path, token: str = "") -> web.Application:
         web.get("/v1/plan", plan),
         web.get(r"/v1/versions/{version:\d{1,12}}/manifest", manifest),
         web.get(r"/v1/versions/{version:\d{1,12}}/delta", delta),
+        web.get(r"/v1/versions/{version:\d{1,12}}/pieces", pieces),
         web.get(r"/v1/versions/{version:\d{1,12}}/base", base),
     ])
     return app
