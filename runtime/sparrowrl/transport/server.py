@@ -26,7 +26,6 @@ from pathlib import Path
 
 from aiohttp import web
 
-from sparrowrl.delta import DeltaFile
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import CHUNK, CHUNK_MAGIC, END, HEAD, TRAILER
 from sparrowrl.store import BASE_PART, Store, StoreError
