@@ -7,6 +7,7 @@
   fan-out    one delta to 3 workers in each of 2 regions, direct from the origin vs through one
              relay per region, timed from the start of publishing, all cut-through
                                                                     vs  one worker alone, direct
+  latency    one worker alone, direct: cut-through vs store-and-forward (from publish start)
 
 Prints a table and writes JSON (default docs/bench_transfer.json).
 """
@@ -54,7 +55,7 @@ async def _fetch(url: str, what: str, version: int, streams: int, ports: list[in
         if wait_for is not None:  # long-poll until the version is being published here, then fetch
             while True:
                 listing = await c.versions(after=wait_for - 1, wait=30)
-                if listing["newest"] >= wait_for or wait_for in listing["producing"]:
+                if listing["newest"] >= wait_for or (what == "cut" and wait_for in listing["producing"]):
                     break
         t0 = time.time()
         if what == "cut":
@@ -191,11 +192,12 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int) -> 
         for r in ("us", "eu"):
             wait_port("127.0.0.1", 8471, run=lambda a, r=r, **k: wan.run(r, a, **k))
 
-        def fan_out(url_of, v: int, regions=("us", "eu"), n=workers) -> float:
+        def fan_out(url_of, v: int, regions=("us", "eu"), n=workers, how="cut") -> float:
             """Seconds from the start of publishing version v until its last worker holds it;
-            every worker reads it cut-through, starting while the trainer still writes it."""
+            `cut`: every worker reads it cut-through, starting while the trainer still writes it;
+            `delta`: store-and-forward, each worker starts once the version is stored."""
             k = next(rounds)
-            ps = [fetch(r, url_of(r), "cut", v, 4, [flow_port(16 * k + 4 * w + s) for s in range(4)], wait_for=v)
+            ps = [fetch(r, url_of(r), how, v, 4, [flow_port(16 * k + 4 * w + s) for s in range(4)], wait_for=v)
                   for r in regions for w in range(n)]
             time.sleep(1.0)  # all workers are long-polling
             t0 = time.time()
@@ -205,6 +207,7 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int) -> 
         out["fanout_direct_s"] = fan_out(lambda r: origin, 1)
         out["fanout_relays_s"] = fan_out(lambda r: "http://127.0.0.1:8471", 2)
         out["single_transfer_s"] = fan_out(lambda r: origin, 3, regions=("us",), n=1)
+        out["single_store_and_forward_s"] = fan_out(lambda r: origin, 4, regions=("us",), n=1, how="delta")
         out["delta_bytes"] = store.versions[2].delta_bytes
         out["relays_vs_single"] = out["fanout_relays_s"] / out["single_transfer_s"]
         out["direct_vs_single"] = out["fanout_direct_s"] / out["single_transfer_s"]
@@ -225,7 +228,7 @@ def main() -> None:
     from sparrowrl.store import Store
 
     with tempfile.TemporaryDirectory(prefix="sprl-bench-") as tmp:
-        states = make_states(a.elements, 3, 0.05)
+        states = make_states(a.elements, 4, 0.05)
         store = Store.init(Path(tmp) / "store", states[0], base_every=1000)
         os.chmod(tmp, 0o755)
         result = {"elements": a.elements, "base_bytes": store.versions[0].base_bytes}
