@@ -58,9 +58,7 @@ async def _fetch(url: str, what: str, version: int, streams: int, ports: list[in
                 if listing["newest"] >= wait_for or (what == "cut" and wait_for in listing["producing"]):
                     break
         t0 = time.time()
-        if what == "cut":
-            await c.cut_through(version)
-        elif what == "base":
+        if what == "base":
             listing = await c.versions()
             await c.base(version, listing)
         else:

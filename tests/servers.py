@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,3 +63,22 @@ def start_server(store, port, *extra, token=TOKEN):
             assert p.poll() is None, p.stdout.read()
             time.sleep(0.1)
     raise AssertionError("server did not start")
+
+
+def paused_publish(store, old: dict, new: dict, resume, done) -> threading.Thread:
+    """A trainer that publishes `new` tensor by tensor and, after the largest tensor's chunks are
+    out, waits for `resume` (set by a reader that got a chunk) before encoding the rest."""
+    from sparrowrl.delta.frame import TensorSpec
+
+    def trainer() -> None:
+        with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
+            w.chunk_bytes = 256
+            names = sorted(new, key=lambda n: -new[n].numel())
+            w.add([(names[0], old[names[0]], new[names[0]])])
+            resume.wait(30)
+            w.add((n, old[n], new[n]) for n in names[1:])
+        done.set()
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    return t

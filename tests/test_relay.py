@@ -11,11 +11,10 @@ from aiohttp import web
 from conftest import mutate
 from netfaults import FaultyProxy, Faults
 from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.store import Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
-from servers import EXE, TOKEN, Server, free_port, same, start_server
+from servers import EXE, TOKEN, Server, free_port, paused_publish, same, start_server
 
 
 class RelayServer:
@@ -68,19 +67,10 @@ def test_relay_is_cut_through(history, tmp_path, rng):
     new = {k: mutate(rng, t, 0.02) for k, t in old.items()}
     got_first, writer_done = threading.Event(), threading.Event()
 
-    def trainer():
-        with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
-            w.chunk_bytes = 256
-            w.add([("w", old["w"], new["w"])])
-            got_first.wait(30)
-            w.add([("n", old["n"], new["n"])])
-        writer_done.set()
-
     async def go():
         async with Server(path) as origin, RelayServer(origin.url, tmp_path / "mirror") as relay, \
                 Client(relay.url, token=TOKEN) as worker:
-            t = threading.Thread(target=trainer)
-            t.start()
+            t = paused_publish(store, old, new, got_first, writer_done)
             while v0 + 1 not in (l := await worker.versions(after=v0, wait=5))["producing"] + [l["newest"]]:
                 pass
             seen = []
@@ -89,7 +79,7 @@ def test_relay_is_cut_through(history, tmp_path, rng):
                 seen.append(writer_done.is_set())
                 if len(seen) >= 2:
                     got_first.set()
-            d = await worker.cut_through(v0 + 1, on_verified)
+            d = await worker.delta(v0 + 1, on_verified)
             await asyncio.to_thread(t.join)
             assert seen[1] is False, "the worker's first chunk came only after the trainer finished"
             held = {k: v.clone() for k, v in old.items()}

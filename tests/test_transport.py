@@ -17,7 +17,7 @@ from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store import Store
 from sparrowrl.transport.client import Client, FetchError
 
-from servers import EXE, TOKEN, Server, free_port, same, start_server
+from servers import EXE, TOKEN, Server, free_port, paused_publish, same, start_server
 
 
 def run(coro):
@@ -239,29 +239,17 @@ def test_cut_through_first_chunk_arrives_before_the_writer_finishes(history, tmp
     still being diffed: the writer waits for the client's first verified chunk before going on."""
     import shutil
 
-    from sparrowrl.delta.frame import TensorSpec
-
     path = tmp_path / "s"
     shutil.copytree(history[0], path)
     store = Store(path)
     v0 = store.newest
     old = store.materialize(v0)
     new = {k: mutate(rng, t, 0.02) for k, t in old.items()}
-    got_first = threading.Event()
-    writer_done = threading.Event()
-
-    def trainer():
-        with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
-            w.chunk_bytes = 256
-            w.add([("w", old["w"], new["w"])])
-            assert got_first.wait(30), "no chunk reached the client while the writer was still working"
-            w.add([("n", old["n"], new["n"])])
-        writer_done.set()
+    got_first, writer_done = threading.Event(), threading.Event()
 
     async def go():
         async with Server(path) as s, Client(s.url, token=TOKEN) as c:
-            t = threading.Thread(target=trainer)
-            t.start()
+            t = paused_publish(store, old, new, got_first, writer_done)
             listing = await c.versions(after=v0, wait=30)
             assert listing["producing"] == [v0 + 1] or listing["newest"] == v0 + 1
             seen = []
@@ -270,7 +258,7 @@ def test_cut_through_first_chunk_arrives_before_the_writer_finishes(history, tmp
                 seen.append((len(piece), writer_done.is_set()))
                 if len(seen) >= 2:  # header, then a chunk
                     got_first.set()
-            d = await c.cut_through(v0 + 1, on_verified)
+            d = await c.delta(v0 + 1, on_verified)
             await asyncio.to_thread(t.join)
             assert any(not done for _, done in seen[1:2]), "first chunk came only after the writer finished"
             held = {k: v.clone() for k, v in old.items()}
@@ -286,7 +274,7 @@ def test_cut_through_resumes_after_cuts(history):
         async with Server(path) as s, FaultyProxy(s.port, Faults(cut_after=5000, cuts=3)) as proxy, \
                 Client(proxy.url, token=TOKEN, backoff=0.01) as c:
             pieces = []
-            d = await c.cut_through(5, pieces.append)
+            d = await c.delta(5, pieces.append)
             assert b"".join(pieces) == d.data == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
             assert c.stats.retries >= 1
     run(go())

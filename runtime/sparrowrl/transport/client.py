@@ -226,9 +226,11 @@ class Client:
                 t.cancel()
         self.stats.seconds += time.perf_counter() - t0
 
-    async def cut_through(self, version: int, on_verified=None) -> DeltaFile:
-        """Multi-stream cut-through: fetch a delta's pieces in parallel as soon as the server
-        lists them, while the delta is still being written; `on_verified` receives the verified
+    async def delta(self, version: int, on_verified=None) -> DeltaFile:
+        """One delta, staged in memory and fully verified; the caller applies it when it likes.
+
+        Multi-stream cut-through: its pieces are fetched in parallel as soon as the server lists
+        them, also while the delta is still being written; `on_verified` receives the verified
         bytes in file order as the verified prefix grows. The whole file is then verified."""
         got: dict[int, bytes] = {}
         prefix = 0
@@ -256,15 +258,6 @@ class Client:
         data = b"".join(got[k] for k in sorted(got))
         if len(data) != info.get("bytes"):
             raise FetchError(f"delta v{version}: pieces cover {len(data)} bytes, the server listed {info.get('bytes')}")
-        return DeltaFile(data, f"delta v{version}")
-
-    async def delta(self, version: int) -> DeltaFile:
-        """One delta, staged in memory and fully verified; the caller applies it when it likes."""
-        info = await self.json(f"/v1/versions/{version}/manifest")
-        pieces = [Piece(*p) for p in info["pieces"]]
-        data = bytes(await self.download(f"/v1/versions/{version}/delta", info["bytes"], pieces))
-        if hashlib.sha256(data).hexdigest() != info["sha256"]:
-            raise FetchError(f"delta v{version}: file hash differs from the server's listing")
         return DeltaFile(data, f"delta v{version}")
 
     async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:

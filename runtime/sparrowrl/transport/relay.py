@@ -6,8 +6,9 @@ snapshot, then follows the origin's versions by long-poll. A delta that the orig
 writing is fetched cut-through over parallel streams (one TCP flow is often capped on a WAN):
 each piece as soon as the origin lists it, appended to the mirror's growing `.partial` file as
 the verified prefix grows, and the relay's own server offers that file to workers the same way,
-so a worker's first chunk does not wait for the relay's last. Finished deltas and bases are
-fetched over parallel verified streams. Only the newest `keep` versions are kept.
+so a worker's first chunk does not wait for the relay's last. Finished deltas take the same
+path; bases are fetched over parallel verified streams too. Only the newest `keep` versions
+are kept.
 """
 
 from __future__ import annotations
@@ -65,10 +66,7 @@ class Relay:
             wanted = [v for v in wanted if v > start]
         for v in wanted:
             versions = dict(store.versions)
-            if v in listing.get("producing", []):
-                name, digest, size = await self._cut_through(c, v)
-            else:
-                name, digest, size = await self._download_delta(c, v)
+            name, digest, size = await self._mirror_delta(c, v)
             entry = entries.get(v)
             if entry is None or entry["delta"] is None:  # it was still being produced: ask again
                 entry = next(e for e in (await c.versions())["versions"] if e["version"] == v)
@@ -86,8 +84,9 @@ class Relay:
             if len(store.versions) > self.keep:
                 store.prune(self.keep)
 
-    async def _cut_through(self, c: Client, v: int) -> tuple[str, str, int]:
-        """Fetch delta v while upstream writes it, into the mirror's partial file (served as it grows)."""
+    async def _mirror_delta(self, c: Client, v: int) -> tuple[str, str, int]:
+        """Fetch delta v (also while upstream still writes it) into the mirror's partial file,
+        which the relay's server offers to workers as it grows."""
         partial = self.mirror / "deltas" / f".v{v:08d}.partial"
         h = hashlib.sha256()
         with open(partial, "wb") as f:
@@ -96,23 +95,13 @@ class Relay:
                 f.flush()
                 h.update(piece)
             try:
-                d = await c.cut_through(v, write)
+                d = await c.delta(v, write)
             except BaseException:
                 partial.unlink(missing_ok=True)
                 raise
         digest = h.hexdigest()
         name = f"v{v:08d}-{digest[:16]}.spd"
         os.replace(partial, self.mirror / "deltas" / name)
-        return name, digest, len(d.data)
-
-    async def _download_delta(self, c: Client, v: int) -> tuple[str, str, int]:
-        """A finished delta: parallel verified streams (one TCP flow is often capped on a WAN)."""
-        d = await c.delta(v)
-        digest = hashlib.sha256(d.data).hexdigest()
-        name = f"v{v:08d}-{digest[:16]}.spd"
-        tmp = self.mirror / "deltas" / f".{name}.tmp"
-        tmp.write_bytes(d.data)
-        os.replace(tmp, self.mirror / "deltas" / name)
         return name, digest, len(d.data)
 
     async def _fetch_base(self, c: Client, entry: dict, versions: dict[int, Version], every: int) -> None:

@@ -125,13 +125,8 @@ async def manifest(request: web.Request) -> web.Response:
             d = store.delta(v)
         except (StoreError, DeltaError) as e:
             raise web.HTTPInternalServerError(text=f"stored delta v{v} is damaged: {e}") from None
-        data = memoryview(d.data)
-        spans = [(0, d.header_end)] + [(c["offset"], c["length"]) for c in d.manifest["chunks"]] + \
-                [(d.manifest_offset, len(data) - d.manifest_offset)]
-        cache[info.delta_sha256] = {
-            "version": v, "bytes": len(data), "sha256": info.delta_sha256,
-            "pieces": [[o, n, hashlib.sha256(data[o:o + n]).hexdigest()] for o, n in spans],
-            "header": d.header, "manifest": d.manifest}
+        cache[info.delta_sha256] = {"version": v, "bytes": len(d.data), "sha256": info.delta_sha256,
+                                    "header": d.header, "manifest": d.manifest}
     return web.json_response(cache[info.delta_sha256])
 
 
