@@ -4,6 +4,7 @@ import asyncio
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -290,4 +291,23 @@ def test_streams_bind_the_given_local_ports(history):
                 Client(proxy.url, token=TOKEN, streams=2, local_ports=ports, group_bytes=1) as c:
             state, _ = await c.advance(6)
             assert same(state, states[6]) and set(ports) <= proxy.peer_ports
+    run(go())
+
+
+def test_a_local_port_in_time_wait_is_bound_again(history):
+    """A stream's fixed port whose last connection this side closed (TIME_WAIT for a minute)
+    must still connect: the relay once stalled for minutes on exactly this."""
+    path, states = history
+    port = free_port()
+
+    async def go():
+        async with Server(path) as s:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the client's own sockets
+            sock.bind(("127.0.0.1", port))
+            sock.connect(("127.0.0.1", s.port))
+            sock.close()  # active close: this side keeps (port → server) in TIME_WAIT
+            async with Client(s.url, token=TOKEN, streams=1, local_ports=[port], attempts=2, backoff=0.01) as c:
+                state, _ = await c.advance(6)
+            assert same(state, states[6])
     run(go())

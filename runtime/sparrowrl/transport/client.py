@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import random
+import socket
 import ssl
 import time
 from dataclasses import dataclass
@@ -52,6 +53,15 @@ class Stats:
     seconds: float = 0.0
 
 
+def _reusable(addr_info) -> socket.socket:
+    """A socket that may bind a fixed local port whose last connection is still in TIME_WAIT:
+    otherwise one dropped connection makes its stream's port unusable for a minute."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock
+
+
 class Client:
     """A connection pool over an ordered list of equivalent servers (relays first, origin last)."""
 
@@ -78,7 +88,8 @@ class Client:
 
     async def __aenter__(self) -> "Client":
         self._session = self._new_session(limit=0)
-        self._stream_sessions = [self._new_session(limit=1, local_addr=("0.0.0.0", p)) for p in self.local_ports or []]
+        self._stream_sessions = [self._new_session(limit=1, local_addr=("0.0.0.0", p), socket_factory=_reusable)
+                                 for p in self.local_ports or []]
         return self
 
     async def __aexit__(self, *exc) -> None:
