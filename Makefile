@@ -15,13 +15,12 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# Until the RL runner lands, the demo is the codec benchmark in quick mode.
+# The main job, locally: trainer, relays and workers as processes on loopback (~3 minutes).
 demo: $(STAMP)
-	@echo "The RL job (sparrowrl run) is not built yet: running the codec benchmark in quick mode."
-	$(BIN)/python hack/bench_codec.py --quick --out bench-quick.json
+	$(BIN)/sparrowrl run examples/local-job.yaml --run-dir runs/demo
 
 bench: $(STAMP)
 	$(BIN)/python hack/bench_codec.py --out docs/bench_codec.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench-quick.json
+	rm -rf $(VENV) .pytest_cache runs

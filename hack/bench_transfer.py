@@ -139,6 +139,7 @@ def _pieces(listing: dict):
 def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, repeat: int) -> dict:
     from wan import ORIGIN, Wan, flow_port
 
+    from sparrowrl.delta.frame import TensorSpec
     from sparrowrl.store import Store
 
     me, wanpy = str(Path(__file__).resolve()), str(HERE / "wan" / "wan.py")
@@ -184,9 +185,10 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
         # fan-out: one new delta to `workers` workers in each region, direct vs via relays
         store = Store(store_dir)
         k = next(rounds)  # the relays' upstream streams get flow classes 12..15 of their region's link
+        relay_logs = {r: store_dir.parent / f"relay-{r}.log" for r in ("us", "eu")}
         relays = [wan.popen(r, [EXE, "relay", "--upstream", origin, "--port", "8471", "--local-ports",
                                 ",".join(str(flow_port(16 * k + 12 + i)) for i in range(4))], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in ("us", "eu")]
+                            stdout=open(relay_logs[r], "w"), stderr=subprocess.STDOUT) for r in ("us", "eu")]
         procs += relays
         for r in ("us", "eu"):
             wait_port("127.0.0.1", 8471, run=lambda a, r=r, **k: wan.run(r, a, **k))
@@ -203,7 +205,8 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
                   for r in regions for w in range(n)]
             time.sleep(1.0)  # all workers are long-polling
             t0 = time.time()
-            store.add(states[v])
+            with store.publish([TensorSpec.of("w", states[v]["w"])]) as w:  # as the trainer does: old state in memory
+                w.add([("w", states[v - 1]["w"], states[v]["w"])])
             return max(result(p)["t1"] for p in ps) - t0
 
         # each figure `repeat` times, interleaved, so that a noisy moment of this shared VM hits
@@ -229,6 +232,7 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
               file=sys.stderr)
         for p in procs + [raw]:
             p.kill()
+        out["relay_logs"] = {r: f.read_text().splitlines() for r, f in relay_logs.items()}
     return out
 
 

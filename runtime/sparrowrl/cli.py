@@ -237,7 +237,8 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
           streams: Annotated[int, typer.Option(help="Parallel HTTP streams to the upstream.")] = 4,
           ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for an HTTPS upstream.")] = None,
           local_ports: Annotated[str | None, typer.Option(help="Comma-separated local ports for the upstream "
-                                                               "streams (per-flow shaped links, hack/wan).")] = None
+                                                               "streams (per-flow shaped links, hack/wan).")] = None,
+          rate_mbit: Annotated[float | None, typer.Option(help="Cap on the download rate from upstream.")] = None
           ) -> None:
     """Serve a region: fetch each version once from UPSTREAM, serve it with the origin's API."""
     import os
@@ -255,7 +256,8 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
     with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
         ctx = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
         ports = [int(p) for p in local_ports.split(",")] if local_ports else None
-        r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx, local_ports=ports)
+        r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx, local_ports=ports,
+                  rate_mbit=rate_mbit)
         web.run_app(make_relay_app(r, token), host=host, port=port, access_log=None,
                     print=lambda _: err.print(f"relay for {upstream} on http://{host}:{port}/v1/versions",
                                               highlight=False))
@@ -299,6 +301,63 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
     out.print(f"wrote {output}: version {version}, state hash {h} (verified); fetched {stats.bytes:,} bytes "
               f"in {stats.seconds:.2f} s ({rate:.1f} MB/s, {streams} streams, {stats.retries} retries, "
               f"{stats.refetched} pieces refetched)")
+
+
+
+@app.command("run")
+def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
+        run_dir: Annotated[Path | None, typer.Option(help="Where results go (default: runs/NAME).")] = None,
+        steps: Annotated[int | None, typer.Option(help="Override spec.steps.")] = None) -> None:
+    """Run a job on this machine: trainer, relays and workers as local processes on loopback."""
+    from sparrowrl import report, runner
+    from sparrowrl.job import JobError, load
+
+    try:
+        j = load(job)
+    except JobError as e:
+        _fail(e)
+    if steps is not None:
+        if steps < 1:
+            _fail(ValueError(f"--steps must be at least 1, got {steps}"))
+        j = j.model_copy(update={"spec": j.spec.model_copy(update={"steps": steps})})
+    run_dir = run_dir or Path("runs") / j.metadata.name
+    try:
+        s = runner.run(j, run_dir, err)
+    except runner.RunError as e:
+        _fail(e)
+    out.print(report.summary_table(s))
+    out.print(f"results in {run_dir}/: metrics.jsonl, summary.json, processes.json, reward.png, step_time.png, "
+              f"payload.png, final/ (the trained model)", highlight=False)
+
+
+@app.command("trainer", hidden=True)
+def trainer(job: Path, run_dir: Annotated[Path, typer.Option()], port: Annotated[int, typer.Option()],
+            host: Annotated[str, typer.Option()] = "127.0.0.1") -> None:
+    """The trainer process of a run (started by `sparrowrl run` or the operator)."""
+    import asyncio
+    import os
+
+    from sparrowrl.job import JobError, load
+    from sparrowrl.trainer import serve
+
+    try:
+        j = load(job)
+    except JobError as e:
+        _fail(e)
+    asyncio.run(serve(j.spec, run_dir, host, port, os.environ.get("SPARROWRL_TOKEN", "")))
+
+
+@app.command("worker", hidden=True)
+def worker(url: Annotated[str, typer.Option(help="Relay and origin URLs, comma-separated, in order of preference.")],
+           name: Annotated[str, typer.Option()], model_dir: Annotated[Path, typer.Option()],
+           engine: Annotated[str, typer.Option()] = "hf", streams: Annotated[int, typer.Option()] = 4,
+           rate_mbit: Annotated[float | None, typer.Option(help="Cap on this worker's download rate.")] = None) -> None:
+    """A rollout worker process (started by `sparrowrl run` or the operator)."""
+    import asyncio
+
+    from sparrowrl.worker import main
+
+    asyncio.run(main(url.split(","), name, str(model_dir), engine, streams, None, rate_mbit))
 
 
 def main() -> None:

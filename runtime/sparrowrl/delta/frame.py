@@ -45,7 +45,7 @@ HEAD = struct.Struct("<8sII")
 CHUNK = struct.Struct("<4sII32s")
 TRAILER = struct.Struct("<QQ32s8s")
 SEGMENT = 1 << 22
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 1 << 20  # the unit of cut-through and of parallel streams: small enough to pipeline a small delta
 _M64 = (1 << 64) - 1
 
 

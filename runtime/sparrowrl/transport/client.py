@@ -67,9 +67,10 @@ class Client:
 
     def __init__(self, urls: list[str] | str, token: str | None = None, streams: int = 4, attempts: int = 8,
                  backoff: float = 0.2, group_bytes: int = 64 << 20, ssl_context: ssl.SSLContext | None = None,
-                 read_timeout: float = 30.0, local_ports: list[int] | None = None):
+                 read_timeout: float = 30.0, local_ports: list[int] | None = None, rate_mbit: float | None = None):
         """`local_ports`: bind download stream i to local port local_ports[i] (one connection each),
-        for networks that shape per flow (hack/wan classifies flows by port)."""
+        for networks that shape per flow (hack/wan classifies flows by port). `rate_mbit`: cap
+        the download rate of all streams together (a token bucket), to emulate a slow link."""
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -78,6 +79,8 @@ class Client:
         self.timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout)
         self.stats = Stats()
         self.local_ports = local_ports
+        self.rate = rate_mbit * 1e6 / 8 if rate_mbit else None  # bytes per second
+        self._bucket, self._filled = 0.0, time.perf_counter()
         self._session: aiohttp.ClientSession | None = None
         self._stream_sessions: list[aiohttp.ClientSession] = []
         self._server = 0  # index into urls of the server in use
@@ -95,6 +98,17 @@ class Client:
     async def __aexit__(self, *exc) -> None:
         for s in [self._session, *self._stream_sessions]:
             await s.close()
+
+    async def _throttle(self, n: int) -> None:
+        """Take n bytes from the bucket (refilled at `rate`, holding at most 0.1 s of it), waiting
+        as long as the link would have taken: unread bytes back-pressure the sender via TCP."""
+        if self.rate is None:
+            return
+        now = time.perf_counter()
+        self._bucket = min(self.rate * 0.1, self._bucket + (now - self._filled) * self.rate) - n
+        self._filled = now
+        if self._bucket < 0:
+            await asyncio.sleep(-self._bucket / self.rate)
 
     async def _attempts(self, path: str, request):
         """Run `request(url)` until it succeeds: backoff on the current server, every second
@@ -208,6 +222,7 @@ class Client:
                         while pending:
                             p = pending[0]
                             data = await r.content.readexactly(p.length)
+                            await self._throttle(p.length)
                             pending.pop(0)
                             if hashlib.sha256(data).hexdigest() == p.sha256:
                                 keep(p, data)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -66,7 +67,10 @@ class Relay:
             wanted = [v for v in wanted if v > start]
         for v in wanted:
             versions = dict(store.versions)
+            t0, retries = time.perf_counter(), c.stats.retries
             name, digest, size = await self._mirror_delta(c, v)
+            print(f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
+                  f" ({c.stats.retries - retries} retries)", flush=True)
             entry = entries.get(v)
             if entry is None or entry["delta"] is None:  # it was still being produced: ask again
                 entry = next(e for e in (await c.versions())["versions"] if e["version"] == v)

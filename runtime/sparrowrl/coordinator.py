@@ -1,0 +1,153 @@
+"""Hands out rollout work as leases and admits results, beside the trainer.
+
+Batch b holds the prompt groups that train version b+1 from version b. Its groups may be
+generated with any policy version w where b - staleness <= w, so with staleness 1 workers
+generate batch b+1 with version b while the trainer makes version b+1 from batch b, and fetch
+b+1 while they do. A lease is a few groups of one batch, a deadline and the batch's oldest
+allowed version; a result is admitted only if its lease is still live, and its version is
+allowed and hashes to what the trainer published. An expired lease's groups go back to the
+queue; a result for a group already admitted is dropped and counted.
+
+Pure bookkeeping, no I/O: the trainer's HTTP routes call it, tests call it directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Lease:
+    id: int
+    worker: str
+    batch: int
+    groups: list[int]
+    deadline: float
+
+
+@dataclass
+class Batch:
+    index: int
+    groups: list[int]
+    pending: list[int]
+    results: dict[int, dict] = field(default_factory=dict)  # group → admitted result
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) == len(self.groups)
+
+
+@dataclass
+class Counts:
+    admitted: int = 0
+    lost: int = 0  # leased groups whose result never came back in time, or was refused
+    duplicated: int = 0  # results for groups already admitted (a reassigned lease came back twice)
+    verified: int = 0  # worker commits whose state hash matched the trainer's
+    mismatched: int = 0
+
+
+class Coordinator:
+    def __init__(self, prompts_per_step: int, groups_per_lease: int, lease_seconds: float, staleness: int,
+                 steps: int, clock=time.monotonic):
+        self.per_step, self.per_lease, self.lease_seconds = prompts_per_step, groups_per_lease, lease_seconds
+        self.staleness, self.steps, self.clock = staleness, steps, clock
+        self.hashes: dict[int, str] = {}  # published version → state hash
+        self.batches: dict[int, Batch] = {}
+        self.leases: dict[int, Lease] = {}
+        self.counts = Counts()
+        self.commits: dict[str, tuple[int, str]] = {}  # worker → (version, hash) it last committed
+        self._ids = itertools.count(1)
+
+    @property
+    def published(self) -> int:
+        return max(self.hashes, default=-1)
+
+    def publish(self, version: int, state_hash: str) -> None:
+        self.hashes[version] = state_hash
+
+    def min_version(self, batch: int) -> int:
+        return batch - self.staleness
+
+    def _batch(self, b: int) -> Batch:
+        if b not in self.batches:
+            groups = list(range(b * self.per_step, (b + 1) * self.per_step))
+            self.batches[b] = Batch(b, groups, list(groups))
+        return self.batches[b]
+
+    def _open_batches(self) -> list[int]:
+        """Batches whose oldest allowed version is published and that still need groups."""
+        first = min((b for b, x in self.batches.items() if not x.complete), default=len(self.batches))
+        return [b for b in range(first, min(self.steps, self.published + self.staleness + 1))
+                if not self._batch(b).complete]
+
+    def expire(self) -> None:
+        now = self.clock()
+        for lease in [x for x in self.leases.values() if x.deadline <= now]:
+            self._drop(lease)
+
+    def _drop(self, lease: Lease) -> None:
+        del self.leases[lease.id]
+        batch = self.batches[lease.batch]
+        back = [g for g in lease.groups if g not in batch.results]
+        self.counts.lost += len(back)
+        batch.pending = sorted(batch.pending + back)
+
+    def work(self, worker: str, version: int) -> dict:
+        """What `worker`, holding `version`, should do next: a lease, a version to reach first,
+        `wait` (everything is leased; ask again when something changes), or `done` with the
+        final version, which the worker should still commit and verify."""
+        self.expire()
+        if all(self._batch(b).complete for b in range(self.steps)):
+            return {"done": self.steps}
+        for b in self._open_batches():
+            batch = self.batches[b]
+            if not batch.pending:
+                continue
+            if version < self.min_version(b):
+                return {"update": self.min_version(b)}
+            groups, batch.pending = batch.pending[:self.per_lease], batch.pending[self.per_lease:]
+            lease = Lease(next(self._ids), worker, b, groups, self.clock() + self.lease_seconds)
+            self.leases[lease.id] = lease
+            return {"lease": {"id": lease.id, "batch": b, "groups": groups, "deadline_s": self.lease_seconds}}
+        return {"wait": True}
+
+    def submit(self, lease_id: int, worker: str, version: int, state_hash: str, results: dict[int, dict]) -> dict:
+        """Admit a lease's results, or refuse them all with the reason."""
+        self.expire()
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.worker != worker:
+            dup = sum(1 for g in results if any(g in x.results for x in self.batches.values()))
+            self.counts.duplicated += dup
+            return {"admitted": 0, "refused": f"lease {lease_id} is not live (expired or reassigned)"}
+        b = lease.batch
+        if version < self.min_version(b) or self.hashes.get(version) != state_hash:
+            self._drop(lease)
+            why = (f"version {version} is older than batch {b} allows ({self.min_version(b)})"
+                   if version < self.min_version(b) else f"state hash {state_hash[:16]} is not the trainer's v{version}")
+            return {"admitted": 0, "refused": why}
+        if sorted(results) != sorted(lease.groups):
+            self._drop(lease)
+            return {"admitted": 0, "refused": f"results cover groups {sorted(results)}, the lease has {lease.groups}"}
+        del self.leases[lease_id]
+        batch = self.batches[b]
+        for g, r in results.items():
+            batch.results[g] = {**r, "version": version}
+        self.counts.admitted += len(results)
+        return {"admitted": len(results), "batch": b}
+
+    def commit(self, worker: str, version: int, state_hash: str) -> bool:
+        """A worker reports the weights it now holds; True if they are the trainer's, bit for bit."""
+        ok = self.hashes.get(version) == state_hash
+        if ok:
+            self.counts.verified += 1
+        else:
+            self.counts.mismatched += 1
+        self.commits[worker] = (version, state_hash)
+        return ok
+
+    def take(self, b: int) -> Batch | None:
+        """Batch b's results once every group is admitted."""
+        batch = self.batches.get(b)
+        return batch if batch is not None and batch.complete else None

@@ -1,0 +1,64 @@
+"""Policy models: a local Hugging Face folder, or a tiny Qwen3 built from config with a
+character-level tokenizer made offline (nothing is downloaded, ever)."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+CHARS = string.digits + string.ascii_lowercase + " +-*=?:<>,.()"
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character of CHARS; prompts and answers of the built-in tasks use no others."""
+    vocab = {t: i for i, t in enumerate([PAD, BOS, EOS, *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+
+
+def tiny_qwen3(vocab_size: int, hidden: int, layers: int, heads: int, seed: int) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
+                      max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2)
+    return Qwen3ForCausalLM(cfg)
+
+
+def load(path: str | Path, dtype: torch.dtype = torch.float32):
+    """A local Hugging Face folder: (model, tokenizer)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True), load_tokenizer(path)
+
+
+def load_tokenizer(path: str | Path):
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def policy_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The bf16 policy that rollout workers hold, one entry per parameter (tied ones once)."""
+    return {n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    """A prompt's token ids, as both the worker (to generate) and the trainer (to score) see them."""
+    ids = tok(text, add_special_tokens=True).input_ids
+    if tok.bos_token_id is not None and (not ids or ids[0] != tok.bos_token_id):
+        ids = [tok.bos_token_id, *ids]
+    return ids
+
+
+def completion_text(tok, ids: list[int]) -> str:
+    """The text of a completion up to (not including) its end-of-sequence token."""
+    if tok.eos_token_id in ids:
+        ids = ids[:ids.index(tok.eos_token_id)]
+    return tok.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,88 @@
+"""What a run leaves behind for people: plots of metrics.jsonl, and the summary as a table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+PHASES = ("generate_s", "train_s", "extract_s", "transfer_s", "wait_s")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def plots(run_dir: Path, mode: str) -> list[Path]:
+    rows = read_metrics(run_dir)
+    if not rows:
+        return []
+    v = [r["version"] for r in rows]
+    out = []
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(v, [r["reward_mean"] for r in rows], lw=1, alpha=0.5, label="reward (mean of the batch)")
+    k = max(1, len(rows) // 10)
+    smooth = [sum(r["reward_mean"] for r in rows[max(0, i - k + 1):i + 1]) / len(rows[max(0, i - k + 1):i + 1])
+              for i in range(len(rows))]
+    ax.plot(v, smooth, lw=2, label=f"running mean of {k}")
+    ax.set(xlabel="version", ylabel="reward", title="Reward per step")
+    ax.legend()
+    out.append(_save(fig, run_dir / "reward.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bottom = [0.0] * len(rows)
+    for phase in PHASES:
+        vals = [r.get(phase) or 0.0 for r in rows]
+        ax.bar(v, vals, bottom=bottom, label=phase.removesuffix("_s"), width=0.9)
+        bottom = [b + x for b, x in zip(bottom, vals)]
+    ax.set(xlabel="version", ylabel="seconds", title="Step time by phase (transfer overlaps generation)")
+    if len(rows) > 2:  # the first step also waits for the workers to start: keep it from flattening the rest
+        top = max(bottom[1:]) * 1.15
+        if bottom[0] > top:
+            ax.set_ylim(0, top)
+            ax.annotate(f"first step: {bottom[0]:.1f} s (workers starting)", (v[0], top), xytext=(5, -12),
+                        textcoords="offset points", fontsize=8)
+    ax.legend(fontsize=8)
+    out.append(_save(fig, run_dir / "step_time.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(v, [r["payload_bytes"] for r in rows], marker=".", label=f"shipped per worker ({mode})")
+    ax.plot(v, [r["dense_bytes"] for r in rows], ls="--", label="dense bf16 weights")
+    ax.set_yscale("log")
+    ax.set(xlabel="version", ylabel="bytes", title="Payload per step")
+    ax.legend()
+    out.append(_save(fig, run_dir / "payload.png"))
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary_table(s: dict) -> Table:
+    t = Table(title="SparrowRL run", show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_row("steps", str(s["steps"]))
+    t.add_row("reward first → last tenth", f"{s['reward_first']:.3f} → {s['reward_last']:.3f}")
+    t.add_row("weights verified / mismatched", f"{s['weights_verified']} / {s['weights_mismatch']}")
+    t.add_row(f"payload ({s['mode']}) / dense", f"{_mb(s['payload_bytes_total'])} / {_mb(s['dense_bytes_total'])} "
+              f"({s['payload_bytes_total'] / max(1, s['dense_bytes_total']):.1%})")
+    t.add_row("prompt groups admitted / lost / duplicated",
+              f"{s['prompt_groups_admitted']} / {s['prompt_groups_lost']} / {s['prompt_groups_duplicated']}")
+    t.add_row("tokens per second", f"{s['tokens_per_second']:.0f}")
+    t.add_row("wall time", f"{s['seconds']:.0f} s")
+    return t
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"

@@ -1,0 +1,159 @@
+"""`sparrowrl run JOB.yaml`: the whole job on one machine. The trainer (with its store, server and
+coordinator), one relay per region and the workers run as separate local processes on loopback,
+exactly as they would across machines; this process only starts them, shows progress, and
+collects the results."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sparrowrl import report
+from sparrowrl.job import SparrowRLJob
+
+EXE = [sys.executable, "-m", "sparrowrl.cli"]
+OUTPUTS = ("job.yaml", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
+           "step_time.png", "payload.png", "store", "model", "final", "logs", "relays")
+
+
+class RunError(Exception):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Children with their logs under RUN/logs; all of them stop when the run ends, however."""
+
+    def __init__(self, run_dir: Path, env: dict):
+        self.logs, self.env = run_dir / "logs", env
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")
+        p = subprocess.Popen(EXE + args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def failed(self) -> str | None:
+        """Why the run cannot go on, if it cannot: the trainer died, or every worker did.
+        A lost relay or worker is survivable: workers fall back to the origin, and a lost
+        worker's leases expire and go to the others."""
+        dead = {name: p.returncode for name, p in self.procs.items() if p.poll() not in (None, 0)}
+        workers = [n for n in self.procs if n.startswith("worker-")]
+        culprit = "trainer" if "trainer" in dead else (workers[0] if workers and set(workers) <= set(dead) else None)
+        if culprit is None:
+            return None
+        tail = (self.logs / f"{culprit}.log").read_text().strip().splitlines()[-15:]
+        what = "the trainer" if culprit == "trainer" else "every worker"
+        return f"{what} exited ({culprit}: {dead[culprit]}):\n  " + "\n  ".join(tail)
+
+    def lost(self) -> list[str]:
+        return sorted(n for n, p in self.procs.items() if p.poll() not in (None, 0))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.time() + 5
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _get(url: str, token: str) -> dict:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def run(job: SparrowRLJob, run_dir: Path, console: Console) -> dict:
+    spec = job.spec
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in OUTPUTS:  # a previous run's results, and only those
+        path = run_dir / stale
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
+    token = secrets.token_hex(16)
+    procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))
+    origin_port = free_port()
+    origin = f"http://127.0.0.1:{origin_port}"
+    layout: dict = {"trainer": None, "relays": {}, "workers": {}}
+    try:
+        layout["trainer"] = procs.start("trainer", ["trainer", str(run_dir / "job.yaml"), "--run-dir", str(run_dir),
+                                                    "--port", str(origin_port)]).pid
+        with console.status("starting the trainer (model, store, server) ..."):
+            while not (run_dir / "trainer.ready").exists():
+                if err := procs.failed():
+                    raise RunError(err)
+                time.sleep(0.1)
+        for region in spec.topology.regions:
+            if not region.workers:
+                continue
+            urls = [origin]
+            rate = ["--rate-mbit", str(region.bandwidth_mbit)] if region.bandwidth_mbit else []
+            if region.relay:
+                port = free_port()
+                name = f"relay-{region.name}"
+                layout["relays"][name] = procs.start(name, ["relay", "--upstream", origin, "--port", str(port),
+                                                            "--cache", str(run_dir / "relays" / region.name),
+                                                            "--streams", str(spec.sync.streams), *rate]).pid
+                urls = [f"http://127.0.0.1:{port}", origin]
+                rate = []  # the relay's upstream link carries the cap; inside a region is unshaped
+            for i in range(region.workers):
+                name = f"worker-{region.name}-{i}"
+                layout["workers"][name] = procs.start(name, ["worker", "--url", ",".join(urls), "--name", name,
+                                                             "--model-dir", str(run_dir / "model"),
+                                                             "--engine", spec.rollout.engine,
+                                                             "--streams", str(spec.sync.streams), *rate]).pid
+        (run_dir / "processes.json").write_text(json.dumps(layout, indent=1))
+        _follow(origin, token, spec.steps, procs, run_dir, console)
+        procs.procs["trainer"].wait(timeout=60)
+    finally:
+        procs.stop()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    report.plots(run_dir, summary["mode"])
+    return summary
+
+
+def _follow(origin: str, token: str, steps: int, procs: Processes, run_dir: Path, console: Console) -> None:
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                  TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console) as progress:
+        task = progress.add_task("training", total=steps, info="waiting for workers")
+        while not (run_dir / "summary.json").exists():
+            if err := procs.failed():
+                raise RunError(err)
+            try:
+                s = _get(f"{origin}/v1/status", token)
+            except OSError:
+                s = None
+            if s:
+                reward = "-" if s["reward_mean"] is None else f"{s['reward_mean']:.3f}"
+                lost = procs.lost()
+                progress.update(task, completed=max(0, s["version"]),
+                                info=f"reward {reward} · {len(s['workers'])} workers · "
+                                     f"commits verified {s['verified']}, mismatched {s['mismatched']}"
+                                     + (f" · lost: {', '.join(lost)}" if lost else ""))
+            time.sleep(0.5)
+        progress.update(task, completed=steps)

@@ -1,0 +1,318 @@
+"""The trainer: fp32 master weights and AdamW, GRPO on admitted rollouts, and after every step the
+bf16 policy's delta streamed into the checkpoint store, where the server publishes it as it is
+written (cut-through). Its HTTP server also carries the coordinator's routes."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from sparrowrl import grpo, models, tasks
+from sparrowrl.coordinator import Batch, Coordinator
+from sparrowrl.delta.frame import TensorSpec
+from sparrowrl.job import JobSpec
+from sparrowrl.store import Store
+from sparrowrl.transport.server import make_app
+
+
+def make_task(spec: JobSpec) -> tuple[tasks.Task, tasks.Reward]:
+    t = spec.task
+    task = tasks.BUILTIN[t.builtin](spec.seed) if t.builtin else tasks.Jsonl(spec.seed, t.jsonl)
+    return task, tasks.reward_function(t.reward or task.default_reward)
+
+
+def warm_up(model: torch.nn.Module, tok, task: tasks.Task, steps: int, batch: int = 64, lr: float = 3e-3) -> None:
+    """Stand in for pretraining: teach a model made from scratch the task's answers, but let half
+    of them run on (`7` as `7=7`), so that it knows the answers and often fails to stop, the kind
+    of habit RL post-training removes."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for s in range(steps):
+        exs = [task.example(10**9 + s * batch + i) for i in range(batch)]  # far beyond any RL prompt
+        answers = [e.answer if i % 2 else f"{e.answer}={e.answer}" for i, e in enumerate(exs)]
+        ids = [models.prompt_ids(tok, e.prompt) + tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id]
+               for e, a in zip(exs, answers)]
+        n = max(map(len, ids))
+        x = torch.tensor([i + [tok.pad_token_id] * (n - len(i)) for i in ids])
+        labels = torch.tensor([i + [-100] * (n - len(i)) for i in ids])
+        loss = model(input_ids=x, attention_mask=(labels != -100).long(), labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+def group_seed(job_seed: int, group: int) -> int:
+    """Sampling is seeded per prompt group, so a group's samples depend only on the weights."""
+    return (job_seed * 1_000_003 + group) % 2**63
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, run_dir: Path):
+        self.spec, self.run_dir = spec, run_dir
+        torch.manual_seed(spec.seed)
+        if spec.model.tiny:
+            self.tok = models.char_tokenizer()
+            t = spec.model.tiny
+            self.model = models.tiny_qwen3(len(self.tok), t.hidden, t.layers, t.heads, spec.seed)
+        else:
+            self.model, self.tok = models.load(spec.model.path)
+            if spec.model.tokenizer:
+                self.tok = models.load_tokenizer(spec.model.tokenizer)
+        self.task, self.reward = make_task(spec)
+        if spec.model.tiny and spec.model.tiny.warmup_steps:
+            warm_up(self.model, self.tok, self.task, spec.model.tiny.warmup_steps)
+        self.model.train()
+        g = spec.grpo
+        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.kl_coef > 0 else None
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
+        self.policy = models.policy_state(self.model)
+        self.dense_bytes = sum(t.numel() * t.element_size() for t in self.policy.values())
+        # workers build the architecture from this folder; the weights come from the store
+        self.model_dir = run_dir / "model"
+        self.model.config.save_pretrained(self.model_dir)
+        self.tok.save_pretrained(self.model_dir)
+        every = 1 if spec.sync.mode == "full" else spec.sync.base_every
+        self.store = Store.init(run_dir / "store", self.policy, base_every=every)
+
+    def prompt(self, group: int) -> tasks.Example:
+        return self.task.example(group)
+
+    def train(self, batch: Batch) -> dict:
+        """One optimizer step on a complete batch; returns its metrics."""
+        g = self.spec.grpo
+        t0 = time.perf_counter()
+        rows, rewards, tokens = [], [], 0
+        for group in batch.groups:
+            ex, res = self.prompt(group), batch.results[group]
+            p = models.prompt_ids(self.tok, ex.prompt)
+            rs = [self.reward(ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer) for s in res["samples"]]
+            rewards.append(rs)
+            for s in res["samples"]:
+                rows.append((p, s["tokens"], s["logprobs"]))
+                tokens += len(s["tokens"])
+        r = torch.tensor(rewards, dtype=torch.float32)
+        adv = grpo.advantages(r).flatten()
+        ids, attention, positions, mask, behaviour = _pad(rows, self.tok.pad_token_id)
+        n_prompt = max(len(p) for p, _, _ in rows)
+        logp = grpo.token_logprobs(self.model, ids, attention, n_prompt, g.temperature, positions)
+        ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref = grpo.token_logprobs(self.ref, ids, attention, n_prompt, g.temperature, positions)
+        loss, stats = grpo.loss(logp, behaviour, adv, mask, g.clip, ref, g.kl_coef)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm))
+        self.opt.step()
+        return {"reward_mean": float(r.mean()), "reward_exact": float((r == 1).float().mean()), "loss": float(loss),
+                "grad_norm": grad_norm, "tokens": tokens, "train_s": time.perf_counter() - t0, **stats,
+                "behaviour_versions": sorted({res["version"] for res in batch.results.values()})}
+
+    def publish(self) -> dict:
+        """Stream the new bf16 policy's delta into the store (served as it is written)."""
+        t0 = time.perf_counter()
+        new = models.policy_state(self.model)
+        with self.store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
+            w.add((n, self.policy[n], new[n]) for n in new)
+        v = self.store.versions[self.store.newest]
+        if v.version % self.store.base_every == 0:
+            self.store.snapshot(v.version, new)
+        self.policy = new
+        full = self.spec.sync.mode == "full"
+        return {"version": v.version, "state_hash": v.state_hash, "extract_s": time.perf_counter() - t0,
+                "changed_fraction": v.changed / sum(t.numel() for t in new.values()),
+                "payload_bytes": self.store.versions[v.version].base_bytes if full else v.delta_bytes,
+                "dense_bytes": self.dense_bytes}
+
+    def save(self, out: Path) -> None:
+        self.model.save_pretrained(out)
+        self.tok.save_pretrained(out)
+
+
+def _pad(rows, pad: int):
+    """Left-pad prompts, right-pad completions: prompts end at one column, so completion token j
+    sits at the same position in every row."""
+    n_prompt = max(len(p) for p, _, _ in rows)
+    n_comp = max(len(c) for _, c, _ in rows)
+    ids = torch.full((len(rows), n_prompt + n_comp), pad, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    mask = torch.zeros(len(rows), n_comp)
+    behaviour = torch.zeros(len(rows), n_comp)
+    for i, (p, c, lp) in enumerate(rows):
+        ids[i, n_prompt - len(p):n_prompt] = torch.tensor(p)
+        ids[i, n_prompt:n_prompt + len(c)] = torch.tensor(c, dtype=torch.long)
+        attention[i, n_prompt - len(p):n_prompt + len(c)] = 1
+        mask[i, :len(c)] = 1
+        behaviour[i, :len(c)] = torch.tensor(lp)
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    return ids, attention, positions, mask, behaviour
+
+
+# ---------------------------------------------------------------- the trainer process
+
+class Run:
+    """The trainer process: store server + coordinator routes + the training loop."""
+
+    def __init__(self, spec: JobSpec, run_dir: Path, token: str):
+        self.spec, self.run_dir, self.token = spec, run_dir, token
+        self.trainer = Trainer(spec, run_dir)
+        s = spec.rollout
+        self.coord = Coordinator(spec.grpo.prompts_per_step, s.groups_per_lease, s.lease_seconds, spec.sync.staleness,
+                                 spec.steps)
+        self.coord.publish(0, self.trainer.store.versions[0].state_hash)
+        self.rows: dict[int, dict] = {}  # version → metrics row, written once its transfer is known
+        self.written = 0
+        self.fetch: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
+        self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
+        self.seen: dict[str, float] = {}  # worker → when it last called
+        self.changed = asyncio.Event()
+        self.t_start = time.time()
+        self.finished = False
+        (run_dir / "metrics.jsonl").write_text("")
+
+    def app(self) -> web.Application:
+        app = make_app(self.trainer.store.path, self.token)
+        app.add_routes([web.get("/v1/job", self.h_job), web.post("/v1/work", self.h_work),
+                        web.post("/v1/results", self.h_results), web.post("/v1/commit", self.h_commit),
+                        web.get("/v1/status", self.h_status)])
+        return app
+
+    def _touch(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def _started(self) -> bool:
+        """Rollouts start once every worker of the topology has called in (so all of them share
+        the first batch), or after one lease period with those that have."""
+        expected = sum(r.workers for r in self.spec.topology.regions)
+        return len(self.seen) >= expected or time.time() - self.t_start > self.spec.rollout.lease_seconds
+
+    async def h_job(self, request: web.Request) -> web.Response:
+        g = self.spec.grpo
+        return web.json_response({"group_size": g.group_size, "temperature": g.temperature,
+                                  "max_new_tokens": g.max_new_tokens, "mode": self.spec.sync.mode})
+
+    @property
+    def workers(self) -> list[str]:
+        """Workers heard from within a lease period: a lost one stops counting."""
+        now = time.monotonic()
+        return sorted(w for w, t in self.seen.items() if now - t < self.spec.rollout.lease_seconds)
+
+    async def h_work(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen[body["worker"]] = time.monotonic()
+        deadline = time.monotonic() + 10
+        while True:
+            ans = self.coord.work(body["worker"], int(body["version"])) if self._started() else {"wait": True}
+            if "wait" not in ans or time.monotonic() > deadline:
+                break
+            try:
+                await asyncio.wait_for(self.changed.wait(), 1.0)
+            except TimeoutError:
+                pass
+        if "lease" in ans:
+            ans["lease"]["prompts"] = [{"group": g, "ids": models.prompt_ids(self.trainer.tok, self.trainer.prompt(g).prompt),
+                                        "seed": group_seed(self.spec.seed, g)} for g in ans["lease"]["groups"]]
+        return web.json_response(ans)
+
+    async def h_results(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen[body["worker"]] = time.monotonic()
+        results = {int(g): r for g, r in body["results"].items()}
+        ans = self.coord.submit(int(body["lease"]), body["worker"], int(body["version"]), body["state_hash"], results)
+        if ans["admitted"]:
+            self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + float(body["generate_s"])
+        self._touch()
+        return web.json_response(ans)
+
+    async def h_commit(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen[body["worker"]] = time.monotonic()
+        ok = self.coord.commit(body["worker"], int(body["version"]), body["state_hash"])
+        if body.get("fetch_s") is not None:
+            self.fetch.setdefault(int(body["version"]), {})[body["worker"]] = float(body["fetch_s"])
+        self._flush()
+        self._touch()
+        return web.json_response({"verified": ok})
+
+    async def h_status(self, request: web.Request) -> web.Response:
+        last = self.rows.get(max(self.rows)) if self.rows else None
+        return web.json_response({"steps": self.spec.steps, "version": self.coord.published, "finished": self.finished,
+                                  "reward_mean": last and last["reward_mean"], "workers": self.workers,
+                                  "verified": self.coord.counts.verified, "mismatched": self.coord.counts.mismatched})
+
+    def _flush(self, final: bool = False) -> None:
+        """Write metric rows in order once every worker has staged their version (or at the end)."""
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            while self.written + 1 in self.rows:
+                v = self.written + 1
+                staged = self.fetch.get(v, {})
+                if not final and not set(self.workers) <= set(staged):
+                    break
+                row = self.rows[v]
+                row["transfer_s"] = max(staged.values(), default=None)
+                f.write(json.dumps(row) + "\n")
+                self.written = v
+
+    async def train_loop(self) -> None:
+        loop_t = time.perf_counter()
+        for b in range(self.spec.steps):
+            t0 = time.perf_counter()
+            while (batch := self.coord.take(b)) is None:
+                self.coord.expire()
+                await asyncio.sleep(0.02)
+            wait = time.perf_counter() - t0
+            m = await asyncio.to_thread(self.trainer.train, batch)
+            p = await asyncio.to_thread(self.trainer.publish)
+            self.coord.publish(p["version"], p["state_hash"])
+            self._touch()
+            n_workers = max(1, len(self.workers))
+            self.rows[p["version"]] = {"version": p["version"], "step": b, **m, "generate_s": self.gen.get(b, 0.0) / n_workers,
+                                       "extract_s": p["extract_s"], "wait_s": wait, "payload_bytes": p["payload_bytes"],
+                                       "dense_bytes": p["dense_bytes"], "changed_fraction": p["changed_fraction"],
+                                       "step_s": time.perf_counter() - t0}
+            self._flush()
+        # every worker should still commit and verify the final version
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(self.coord.commits.get(w, (-1,))[0] < self.spec.steps for w in self.workers):
+            await asyncio.sleep(0.05)
+        self._flush(final=True)
+        self.trainer.save(self.run_dir / "final")
+        self.summary(time.perf_counter() - loop_t)
+        self.finished = True
+        self._touch()
+
+    def summary(self, seconds: float) -> dict:
+        rows = [json.loads(x) for x in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+        tenth = max(1, len(rows) // 10)
+        c = self.coord.counts
+        s = {"steps": len(rows), "reward_first": sum(r["reward_mean"] for r in rows[:tenth]) / tenth,
+             "reward_last": sum(r["reward_mean"] for r in rows[-tenth:]) / tenth,
+             "weights_verified": c.verified, "weights_mismatch": c.mismatched,
+             "payload_bytes_total": sum(r["payload_bytes"] for r in rows),
+             "dense_bytes_total": sum(r["dense_bytes"] for r in rows),
+             "prompt_groups_admitted": c.admitted, "prompt_groups_lost": c.lost,
+             "prompt_groups_duplicated": c.duplicated,
+             "tokens_per_second": sum(r["tokens"] for r in rows) / seconds, "seconds": seconds,
+             "mode": self.spec.sync.mode, "final_version": self.coord.published,
+             "final_state_hash": self.coord.hashes[self.coord.published]}
+        (self.run_dir / "summary.json").write_text(json.dumps(s, indent=1))
+        return s
+
+
+async def serve(spec: JobSpec, run_dir: Path, host: str, port: int, token: str) -> None:
+    run = Run(spec, run_dir, token)
+    runner = web.AppRunner(run.app())
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    (run_dir / "trainer.ready").write_text(str(port))
+    try:
+        await run.train_loop()
+        await asyncio.sleep(2.0)  # let workers see `finished` and the runner read the summary
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,131 @@
+"""A rollout worker: generates with version v while it fetches v+1 in the background, commits the
+staged version only between leases (never mid-batch), and proves what it committed by hashing
+its live weights in full and reporting the hash, which the trainer checks against its own.
+
+    fetcher ── long-poll /v1/versions ── Client.delta(v) (cut-through) ──▶ staged
+    main    ── commit staged ── POST /v1/work ── generate (thread) ── POST /v1/results ──▶ …
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from sparrowrl.delta import apply_delta, state_hash
+from sparrowrl.engines import Engine, make_engine
+from sparrowrl.transport.client import Client, FetchError
+
+
+class Worker:
+    def __init__(self, name: str, client: Client, engine: Engine, mode: str):
+        self.name, self.c, self.engine, self.mode = name, client, engine, mode
+        self.version, self.hash = -1, ""
+        self.staged: dict[int, tuple[object, float]] = {}  # version → (delta or full state, seconds to fetch)
+        self.known = -1  # newest version fetched or being fetched
+        self.arrived = asyncio.Event()
+
+    async def start(self) -> None:
+        """The newest version by the server's cheapest plan (nearest base, then deltas)."""
+        listing = await self.c.versions()
+        t0 = time.perf_counter()
+        state, h = await self.c.advance(listing["newest"])
+        await asyncio.to_thread(self._load, state)
+        self.known = listing["newest"]
+        await self._commit_report(listing["newest"], time.perf_counter() - t0)
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        live = self.engine.tensors()
+        if set(live) != set(state):
+            raise FetchError(f"the store's tensors do not match the engine's: {sorted(set(live) ^ set(state))[:3]}")
+        for n, t in state.items():
+            live[n].copy_(t)
+
+    async def _commit_report(self, version: int, fetch_s: float | None) -> None:
+        """Hash the live weights in full and report them; a mismatch stops the worker."""
+        h = await asyncio.to_thread(state_hash, self.engine.tensors())
+        self.version, self.hash = version, h
+        ok = (await self.post("/v1/commit", {"worker": self.name, "version": version, "state_hash": h,
+                                             "fetch_s": fetch_s}))["verified"]
+        if not ok:
+            raise RuntimeError(f"{self.name}: weights after committing v{version} hash to {h}, not the trainer's")
+
+    async def post(self, path: str, body: dict) -> dict:
+        async def request(url: str):
+            async with self.c._session.post(url, json=body) as r:
+                await self.c._check(r, url)
+                return await r.json()
+        return await self.c._attempts(path, request)
+
+    async def fetcher(self) -> None:
+        """Stage every new version as soon as the trainer starts writing it."""
+        while True:
+            listing = await self.c.versions(after=self.known, wait=30)
+            newest = max([listing["newest"], *listing["producing"]])
+            for v in range(self.known + 1, newest + 1):
+                t0 = time.perf_counter()
+                if self.mode == "full":  # the whole policy, once the trainer has stored it
+                    while not any(e["version"] == v and e["base"] for e in listing["versions"]):
+                        listing = await self.c.versions(after=v - 1, wait=5)
+                        await asyncio.sleep(0.05)
+                    item = (await self.c.base(v, listing))[0]
+                else:
+                    item = await self.c.delta(v)
+                self.staged[v] = (item, time.perf_counter() - t0)
+                self.known = v
+                self.arrived.set()
+
+    async def commit_staged(self, at_least: int = -1) -> None:
+        """At a batch boundary: apply what is staged, in order, up to the newest."""
+        while self.known < at_least or self.version + 1 not in self.staged and self.version < at_least:
+            self.arrived.clear()
+            await self.arrived.wait()
+        while self.version + 1 in self.staged:
+            v = self.version + 1
+            item, fetch_s = self.staged.pop(v)
+            if self.mode == "full":
+                await asyncio.to_thread(self._load, item)
+            else:
+                await asyncio.to_thread(apply_delta, item, self.engine.tensors(), base_hash=self.hash)
+            await self._commit_report(v, fetch_s)
+
+    async def run(self) -> None:
+        job = await self.c.json("/v1/job")
+        await self.start()
+        fetch = asyncio.create_task(self.fetcher())
+        try:
+            while True:
+                if fetch.done():
+                    fetch.result()  # a fetch that gave up ends the worker with its error
+                await self.commit_staged()
+                ans = await self.post("/v1/work", {"worker": self.name, "version": self.version})
+                if "done" in ans:
+                    await self.commit_staged(at_least=ans["done"])
+                    return
+                if "update" in ans:
+                    await self.commit_staged(at_least=ans["update"])
+                elif "lease" in ans:
+                    await self.rollout(ans["lease"], job)
+
+        finally:
+            fetch.cancel()
+
+    async def rollout(self, lease: dict, job: dict) -> None:
+        t0 = time.perf_counter()
+        results = {}
+        for p in lease["prompts"]:
+            samples = await asyncio.to_thread(self.engine.generate, p["ids"], job["group_size"], p["seed"],
+                                              job["max_new_tokens"], job["temperature"])
+            results[p["group"]] = {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs} for s in samples]}
+        await self.post("/v1/results", {"lease": lease["id"], "worker": self.name, "version": self.version,
+                                        "state_hash": self.hash, "results": results,
+                                        "generate_s": time.perf_counter() - t0})
+
+
+async def main(urls: list[str], name: str, model_dir: str, engine: str, streams: int, token: str | None,
+               rate_mbit: float | None = None) -> None:
+    torch.set_num_threads(1)  # workers share the machine's cores with the trainer
+    async with Client(urls, token=token, streams=streams, attempts=12, rate_mbit=rate_mbit) as c:
+        mode = (await c.json("/v1/job"))["mode"]
+        await Worker(name, c, make_engine(engine, model_dir), mode).run()

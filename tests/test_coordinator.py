@@ -1,0 +1,77 @@
+"""Leases and admission: the coordinator's decisions, called directly."""
+
+from sparrowrl.coordinator import Coordinator
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def coord(staleness=1, steps=3, per_step=4, per_lease=2):
+    clock = Clock()
+    c = Coordinator(per_step, per_lease, lease_seconds=10, staleness=staleness, steps=steps, clock=clock)
+    c.publish(0, "h0")
+    return c, clock
+
+
+def result(lease):
+    return {g: {"samples": []} for g in lease["groups"]}
+
+
+def test_batches_open_by_staleness_and_need_a_recent_enough_version():
+    c, _ = coord(staleness=1)
+    seen = [c.work("w", 0)["lease"] for _ in range(4)]  # batch 0 (groups 0-3) and batch 1 (4-7) with v0
+    assert [x["batch"] for x in seen] == [0, 0, 1, 1]
+    assert c.work("w", 0) == {"wait": True}  # batch 2 needs v1, which does not exist yet
+    c2, _ = coord(staleness=0)
+    c2.work("w", 0), c2.work("w", 0)
+    assert c2.work("w", 0) == {"wait": True}  # staleness 0: only batch 0 until v1
+    c2.publish(1, "h1")
+    assert c2.work("w", 0) == {"update": 1}  # batch 1 needs v1: update first
+
+
+def test_results_are_admitted_only_with_a_live_lease_and_the_trainers_hash():
+    c, clock = coord()
+    a, b = c.work("w1", 0)["lease"], c.work("w2", 0)["lease"]
+    assert c.submit(a["id"], "w1", 0, "forged", result(a))["refused"].startswith("state hash")
+    assert c.counts.lost == 2  # the refused groups go back to the queue
+    assert c.submit(b["id"], "w1", 0, "h0", result(b))["refused"].startswith("lease")  # not w1's lease
+    assert c.submit(b["id"], "w2", 0, "h0", result(b)) == {"admitted": 2, "batch": 0}
+    again = c.work("w3", 0)["lease"]
+    assert again["groups"] == a["groups"]
+    assert c.submit(again["id"], "w3", 0, "h0", result(again))["admitted"] == 2
+    assert c.take(0) is not None and c.counts.admitted == 4
+
+
+def test_an_expired_lease_is_reassigned_and_a_late_duplicate_is_dropped():
+    c, clock = coord()
+    slow = c.work("slow", 0)["lease"]
+    clock.t = 11  # past the deadline
+    fast = c.work("fast", 0)["lease"]
+    assert fast["groups"] == slow["groups"] and c.counts.lost == 2
+    assert c.submit(fast["id"], "fast", 0, "h0", result(fast))["admitted"] == 2
+    late = c.submit(slow["id"], "slow", 0, "h0", result(slow))
+    assert late["admitted"] == 0 and c.counts.duplicated == 2 and c.counts.admitted == 2
+
+
+def test_too_stale_results_are_refused():
+    c, _ = coord(staleness=1)
+    for _ in range(4):
+        c.work("w", 0)
+    c.publish(1, "h1")
+    lease = c.work("w", 1)["lease"]  # batch 2 needs v1 or newer
+    assert lease["batch"] == 2
+    assert "older than batch 2 allows (1)" in c.submit(lease["id"], "w", 0, "h0", result(lease))["refused"]
+
+
+def test_done_once_every_batch_is_admitted_and_commits_are_checked():
+    c, _ = coord(staleness=1, steps=1, per_step=2, per_lease=2)
+    lease = c.work("w", 0)["lease"]
+    c.submit(lease["id"], "w", 0, "h0", result(lease))
+    assert c.work("w", 0) == {"done": 1}
+    assert c.commit("w", 0, "h0") and not c.commit("w", 0, "h-other")
+    assert (c.counts.verified, c.counts.mismatched) == (1, 1)

@@ -1,0 +1,67 @@
+"""The job spec: what `sparrowrl run` and the operator both read."""
+
+import subprocess
+
+import pytest
+import yaml
+
+from servers import EXE
+from sparrowrl.job import JobError, load, parse
+
+EXAMPLE = "examples/local-job.yaml"
+
+
+def job(**spec):
+    base = {"model": {"tiny": {}}, "task": {"builtin": "add"}}
+    return {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
+            "spec": {**base, **spec}}
+
+
+def test_the_example_parses_with_its_defaults():
+    j = load(EXAMPLE)
+    assert j.kind == "SparrowRLJob" and j.spec.sync.mode == "sparse" and j.spec.rollout.engine == "hf"
+    assert [r.name for r in j.spec.topology.regions] == ["us", "eu"]
+
+
+@pytest.mark.parametrize("spec, field, reason", [
+    ({"grpo": {"learningRate": -1}}, "spec.grpo.learningRate", "greater than 0"),
+    ({"grpo": {"learningrate": 1e-5}}, "spec.grpo.learningrate", "unknown field"),
+    ({"sync": {"mode": "dense"}}, "spec.sync.mode", "'sparse' or 'full'"),
+    ({"sync": {"staleness": 20}}, "spec.sync.staleness", "less than or equal to 8"),
+    ({"rollout": {"engine": "tgi"}}, "spec.rollout.engine", "Input should be 'hf'"),
+    ({"model": {"tiny": {"hidden": 100, "heads": 3}}}, "spec.model.tiny", "multiple of heads"),
+    ({"model": {"path": "/m", "tiny": {}}}, "spec.model", "exactly one of model.path"),
+    ({"task": {}}, "spec.task", "exactly one of task.builtin"),
+    ({"topology": {"regions": [{"name": "a"}, {"name": "a"}]}}, "spec.topology", "unique"),
+    ({"topology": {"regions": [{"name": "Bad_Name"}]}}, "spec.topology.regions.0.name", "pattern"),
+    ({"topology": {"regions": [{"name": "a", "workers": 0}]}}, "spec.topology", "at least one region needs a worker"),
+])
+def test_bad_fields_are_named_with_the_reason(spec, field, reason):
+    with pytest.raises(JobError) as e:
+        parse(job(**spec))
+    assert f"{field}: " in str(e.value) and reason in str(e.value)
+
+
+def test_wrong_kind_and_missing_metadata():
+    with pytest.raises(JobError, match="kind: Input should be 'SparrowRLJob'"):
+        parse({**job(), "kind": "Job"})
+    with pytest.raises(JobError, match="metadata: Field required"):
+        parse({k: v for k, v in job().items() if k != "metadata"})
+
+
+def test_run_refuses_a_bad_spec_before_starting_anything(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(job(grpo={"groupSize": 1})))
+    r = subprocess.run([EXE, "run", str(bad), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True)
+    assert r.returncode == 1 and "spec.grpo.groupSize: Input should be greater than or equal to 2" in r.stderr
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "broken.yaml").write_text("spec: [")
+    r = subprocess.run([EXE, "run", str(tmp_path / "broken.yaml")], capture_output=True, text=True)
+    assert r.returncode == 1 and "not valid YAML" in r.stderr
+
+
+def test_relative_paths_are_relative_to_the_job_file(tmp_path):
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    f = tmp_path / "j.yaml"
+    f.write_text(yaml.safe_dump(job(task={"jsonl": "data.jsonl"})))
+    assert load(f).spec.task.jsonl == str(tmp_path / "data.jsonl")
