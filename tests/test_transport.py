@@ -311,3 +311,20 @@ def test_a_local_port_in_time_wait_is_bound_again(history):
                 state, _ = await c.advance(6)
             assert same(state, states[6])
     run(go())
+
+
+def test_a_rate_cap_paces_the_download(history):
+    """`rate_mbit` (a region's bandwidthMbit in a job) holds all streams together to the cap: a
+    lower bound on the time taken, which a loaded machine can only lengthen."""
+    path, states = history
+    rate_mbit = 4.0
+
+    async def go():
+        async with Server(path) as s, Client(s.url, token=TOKEN, streams=4, rate_mbit=rate_mbit) as c:
+            t0 = time.perf_counter()
+            state, _ = await c.advance(4)  # base v4: about 0.6 MB
+            took = time.perf_counter() - t0
+            assert same(state, states[4])
+            want = c.stats.bytes * 8 / (rate_mbit * 1e6)
+            assert took >= 0.9 * want - 0.1, (took, want)  # the bucket starts with 0.1 s of credit
+    run(go())
