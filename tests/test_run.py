@@ -103,3 +103,29 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
     assert p.returncode == 0, stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 4 and s["weights_mismatch"] == 0 and s["prompt_groups_admitted"] == 16
+
+
+def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
+    """model.path, task.jsonl and reward module:function, found beside the job file."""
+    from sparrowrl import models
+
+    tok = models.char_tokenizer()
+    models.tiny_qwen3(len(tok), 32, 1, 2, 0).save_pretrained(tmp_path / "pretrained")
+    tok.save_pretrained(tmp_path / "pretrained")
+    (tmp_path / "qa.jsonl").write_text("".join(f'{{"prompt": "{a}*2=", "answer": "{2 * a}"}}\n' for a in range(10)))
+    (tmp_path / "myreward.py").write_text("def starts_right(prompt, completion, answer):\n"
+                                          "    return float(completion[:1] == answer[:1])\n")
+    spec = job("sparse", steps=2)
+    spec["spec"]["model"] = {"path": "pretrained"}
+    spec["spec"]["task"] = {"jsonl": "qa.jsonl", "reward": "myreward:starts_right"}
+    _, out = run(tmp_path, "hf", spec)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 2 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 3
+    assert (out / "final" / "config.json").exists() and (out / "final" / "tokenizer.json").exists()
+
+    spec["spec"]["task"]["reward"] = "myreward:no_such_function"
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(spec))
+    r = subprocess.run([EXE, "run", str(f), "--run-dir", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert r.returncode == 1 and "spec.task: reward 'myreward:no_such_function'" in r.stderr
+    assert not (tmp_path / "bad").exists()

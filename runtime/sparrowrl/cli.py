@@ -320,9 +320,16 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
         if steps < 1:
             _fail(ValueError(f"--steps must be at least 1, got {steps}"))
         j = j.model_copy(update={"spec": j.spec.model_copy(update={"steps": steps})})
+    from sparrowrl.trainer import make_task
+
+    sys.path.insert(0, str(job.parent.resolve()))  # where a module:function reward is looked for first
+    try:
+        make_task(j.spec)  # the task's data and reward load before any process starts
+    except (ValueError, OSError) as e:
+        _fail(JobError(f"{job}: spec.task: {e}"))
     run_dir = run_dir or Path("runs") / j.metadata.name
     try:
-        s = runner.run(j, run_dir, err)
+        s = runner.run(j, run_dir, err, job.parent)
     except runner.RunError as e:
         _fail(e)
     out.print(report.summary_table(s))

@@ -88,7 +88,9 @@ def _get(url: str, token: str) -> dict:
         return json.loads(r.read())
 
 
-def run(job: SparrowRLJob, run_dir: Path, console: Console) -> dict:
+def run(job: SparrowRLJob, run_dir: Path, console: Console, job_dir: Path) -> dict:
+    """Run `job`; a reward given as module:function is imported from `job_dir` (the job file's
+    folder) or the Python path."""
     spec = job.spec
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in OUTPUTS:  # a previous run's results, and only those
@@ -96,7 +98,8 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console) -> dict:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
     token = secrets.token_hex(16)
-    procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))
+    path = os.pathsep.join(filter(None, [str(job_dir.resolve()), os.environ.get("PYTHONPATH")]))
+    procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1", PYTHONPATH=path))
     origin_port = free_port()
     origin = f"http://127.0.0.1:{origin_port}"
     layout: dict = {"trainer": None, "relays": {}, "workers": {}}
