@@ -5,7 +5,8 @@
   streams    goodput of 1/2/4/8 streams over an emulated WAN link whose per-flow cap is a
              quarter of the link (hack/wan; needs root)              vs  raw TCP, 4 streams
   fan-out    one delta to 3 workers in each of 2 regions, direct from the origin vs through one
-             relay per region, timed from the start of publishing, all cut-through
+             relay per region, timed from the start of publishing, all cut-through (the relays
+             are paused, SIGSTOP, outside the relayed rounds: they would share the links)
                                                                     vs  one worker alone, direct
   latency    one worker alone, direct: cut-through vs store-and-forward (from publish start)
 
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -193,6 +195,28 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
         for r in ("us", "eu"):
             wait_port("127.0.0.1", 8471, run=lambda a, r=r, **k: wan.run(r, a, **k))
 
+        def relays_hold(v: int) -> None:
+            """Resume the relays and wait until both hold version v (and so nothing older is
+            still crossing the WAN when a round starts)."""
+            for p in relays:
+                os.killpg(p.pid, signal.SIGCONT)
+            for r in ("us", "eu"):
+                deadline = time.time() + 120
+                while True:
+                    res = wan.run(r, ["curl", "-sf", "-H", f"Authorization: Bearer {TOKEN}",
+                                      "http://127.0.0.1:8471/v1/versions"], capture_output=True, text=True)
+                    if res.returncode == 0 and json.loads(res.stdout)["newest"] >= v:
+                        break
+                    if time.time() > deadline:
+                        raise RuntimeError(f"relay {r} did not reach v{v}")
+                    time.sleep(0.2)
+
+        def relays_stop() -> None:
+            """Relays exist only in the relayed rounds: otherwise their own mirroring would share
+            the links with the direct workers being timed."""
+            for p in relays:
+                os.killpg(p.pid, signal.SIGSTOP)
+
         def fan_out(url_of, v: int, regions=("us", "eu"), n=workers, how="cut", via_wan=True) -> float:
             """Seconds from the start of publishing version v until its last worker holds it;
             `cut`: every worker reads it cut-through, starting while the trainer still writes it;
@@ -214,10 +238,14 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
         runs: dict[str, list[float]] = {"fanout_direct_s": [], "fanout_relays_s": [], "single_transfer_s": [],
                                         "single_store_and_forward_s": []}
         v = 0
+        relays_hold(0)  # the base, mirrored once
+        relays_stop()
         for i in range(repeat):
             print(f"  fan-out round {i + 1}/{repeat}", file=sys.stderr)
             runs["fanout_direct_s"].append(fan_out(lambda r: origin, v := v + 1))
+            relays_hold(v)
             runs["fanout_relays_s"].append(fan_out(lambda r: "http://127.0.0.1:8471", v := v + 1, via_wan=False))
+            relays_stop()
             runs["single_transfer_s"].append(fan_out(lambda r: origin, v := v + 1, regions=("us",), n=1))
             runs["single_store_and_forward_s"].append(
                 fan_out(lambda r: origin, v := v + 1, regions=("us",), n=1, how="delta"))

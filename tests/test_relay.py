@@ -75,11 +75,11 @@ def test_relay_is_cut_through(history, tmp_path, rng):
                 pass
             seen = []
 
-            def on_verified(piece):
+            def on_piece(piece, data):
                 seen.append(writer_done.is_set())
                 if len(seen) >= 2:
                     got_first.set()
-            d = await worker.delta(v0 + 1, on_verified)
+            d = await worker.delta(v0 + 1, on_piece)
             await asyncio.to_thread(t.join)
             assert seen[1] is False, "the worker's first chunk came only after the trainer finished"
             held = {k: v.clone() for k, v in old.items()}
@@ -117,3 +117,46 @@ def test_relay_killed_workers_fall_back(history, tmp_path):
     finally:
         relay.kill()
         origin.kill()
+
+
+def test_pieces_in_arrival_order_then_in_file_order(history):
+    """A relay lists a delta's pieces as they verify, in any order; once stored it lists them in
+    file order. A worker that switches lists midway (or servers) lists anew and loses nothing."""
+    from sparrowrl.transport.relay import Table
+    from sparrowrl.transport.server import make_app
+
+    path, states = history
+    table = Table()
+    active = {"on": True}
+    app = make_app(path, TOKEN, pieces_override=lambda v: table if v == 5 and active["on"] else None)
+
+    async def go():
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with Client(url, token=TOKEN) as c:
+                active["on"] = False
+                in_file_order = (await c.json("/v1/versions/5/pieces"))["pieces"]
+                active["on"] = True
+                assert len(in_file_order) >= 3  # header, chunk(s), tail
+                for p in reversed(in_file_order[1:]):  # the header last: as if it were slow to arrive
+                    table.add(p)
+
+                async def switch():  # midway, the list turns to file order (as after a fallback to the origin)
+                    while len(got) < 2:
+                        await asyncio.sleep(0.01)
+                    active["on"] = False
+                    table.close()
+                got = []
+                task = asyncio.create_task(switch())
+                d = await c.delta(5, lambda p, data: got.append(p.offset))
+                await task
+                assert d.data == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
+                assert len(got) == len(set(got)) == len(in_file_order)  # each piece fetched once
+                assert got[-1] == 0  # the header, first in file order, was listed and fetched last
+        finally:
+            await runner.cleanup()
+    asyncio.run(go())

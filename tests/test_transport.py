@@ -255,11 +255,11 @@ def test_cut_through_first_chunk_arrives_before_the_writer_finishes(history, tmp
             assert listing["producing"] == [v0 + 1] or listing["newest"] == v0 + 1
             seen = []
 
-            def on_verified(piece):
-                seen.append((len(piece), writer_done.is_set()))
+            def on_piece(piece, data):
+                seen.append((len(data), writer_done.is_set()))
                 if len(seen) >= 2:  # header, then a chunk
                     got_first.set()
-            d = await c.delta(v0 + 1, on_verified)
+            d = await c.delta(v0 + 1, on_piece)
             await asyncio.to_thread(t.join)
             assert any(not done for _, done in seen[1:2]), "first chunk came only after the writer finished"
             held = {k: v.clone() for k, v in old.items()}
@@ -274,9 +274,10 @@ def test_cut_through_resumes_after_cuts(history):
     async def go():
         async with Server(path) as s, FaultyProxy(s.port, Faults(cut_after=5000, cuts=3)) as proxy, \
                 Client(proxy.url, token=TOKEN, backoff=0.01) as c:
-            pieces = []
-            d = await c.delta(5, pieces.append)
-            assert b"".join(pieces) == d.data == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
+            pieces = {}
+            d = await c.delta(5, lambda p, data: pieces.setdefault(p.offset, data))
+            assert b"".join(pieces[k] for k in sorted(pieces)) == d.data == \
+                (path / "deltas" / Store(path).versions[5].delta).read_bytes()
             assert c.stats.retries >= 1
     run(go())
 

@@ -252,33 +252,37 @@ class Client:
                 t.cancel()
         self.stats.seconds += time.perf_counter() - t0
 
-    async def delta(self, version: int, on_verified=None) -> DeltaFile:
+    async def delta(self, version: int, on_piece=None) -> DeltaFile:
         """One delta, staged in memory and fully verified; the caller applies it when it likes.
 
         Multi-stream cut-through: its pieces are fetched in parallel as soon as the server lists
-        them, also while the delta is still being written; `on_verified` receives the verified
-        bytes in file order as the verified prefix grows. The whole file is then verified."""
+        them, also while the delta is still being written; `on_piece(offset, bytes)` receives
+        each piece as soon as it has verified, in whatever order they land. The whole file is
+        then verified."""
         got: dict[int, bytes] = {}
-        prefix = 0
         info: dict = {}
 
         async def source():
-            after = 0
+            after, epoch, listed = 0, None, set()
             while True:
                 t = await self.json(f"/v1/versions/{version}/pieces", params={"after": after, "wait": 10})
+                if t["epoch"] != epoch:  # another server, or a relay's list in another order: list anew
+                    epoch, fresh = t["epoch"], after == 0
+                    after = 0
+                    if not fresh:
+                        continue
                 after += len(t["pieces"])
-                yield [Piece(*p) for p in t["pieces"]]
+                new = [Piece(*p) for p in t["pieces"] if p[0] not in listed]
+                listed.update(p.offset for p in new)
+                yield new
                 if t["complete"]:
                     info["bytes"] = t["bytes"]
                     return
 
         def keep(p: Piece, data: bytes) -> None:
-            nonlocal prefix
             got[p.offset] = data
-            while prefix in got and on_verified is not None:
-                piece = got[prefix]
-                on_verified(piece)
-                prefix += len(piece)
+            if on_piece is not None:
+                on_piece(p, data)
 
         await self._pull(f"/v1/versions/{version}/delta", source(), keep)
         data = b"".join(got[k] for k in sorted(got))

@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import os
 import time
+import uuid
 from pathlib import Path
 
 from aiohttp import web
@@ -26,9 +27,27 @@ from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.transport.server import make_app
 
 
+class Table:
+    """The verified pieces of a delta being mirrored, as the relay's workers see them."""
+
+    def __init__(self) -> None:
+        self.pieces: list[list] = []
+        self.changed = asyncio.Event()
+        self.epoch = uuid.uuid4().hex  # this list's order; a retried mirror lists in another
+
+    def add(self, piece: list) -> None:
+        self.pieces.append(piece)
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def close(self) -> None:
+        self.changed.set()
+
+
 class Relay:
     def __init__(self, upstream: list[str], mirror: Path, keep: int = 8, **client_kw):
         self.upstream, self.mirror, self.keep, self.client_kw = upstream, Path(mirror), keep, client_kw
+        self.tables: dict[int, Table] = {}  # version being mirrored → its verified pieces so far
         (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
         (self.mirror / "bases").mkdir(exist_ok=True)
         self.synced = asyncio.Event()  # set once the first version is mirrored
@@ -90,20 +109,26 @@ class Relay:
 
     async def _mirror_delta(self, c: Client, v: int) -> tuple[str, str, int]:
         """Fetch delta v (also while upstream still writes it) into the mirror's partial file,
-        which the relay's server offers to workers as it grows."""
+        each piece written at its offset and listed for workers as soon as it has verified,
+        in whatever order the streams deliver: one slow piece holds back only itself."""
         partial = self.mirror / "deltas" / f".v{v:08d}.partial"
-        h = hashlib.sha256()
-        with open(partial, "wb") as f:
-            def write(piece: bytes) -> None:
-                f.write(piece)
-                f.flush()
-                h.update(piece)
+        table = self.tables[v] = Table()
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            def write(p: Piece, data: bytes) -> None:
+                os.pwrite(fd, data, p.offset)
+                table.add([p.offset, p.length, p.sha256])
             try:
                 d = await c.delta(v, write)
-            except BaseException:
-                partial.unlink(missing_ok=True)
-                raise
-        digest = h.hexdigest()
+            finally:
+                os.close(fd)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        finally:
+            del self.tables[v]
+            table.close()
+        digest = hashlib.sha256(d.data).hexdigest()
         name = f"v{v:08d}-{digest[:16]}.spd"
         os.replace(partial, self.mirror / "deltas" / name)
         return name, digest, len(d.data)
@@ -123,8 +148,10 @@ class Relay:
 
 
 def make_relay_app(relay: Relay, token: str) -> web.Application:
-    """The origin's API over the relay's mirror, with the mirroring loop running beside it."""
-    app = make_app(relay.mirror, token)
+    """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
+    delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
+    own handler serves it."""
+    app = make_app(relay.mirror, token, pieces_override=lambda v: relay.tables.get(v))
 
     async def mirror_loop(app: web.Application):
         task = asyncio.create_task(relay.run())

@@ -7,7 +7,9 @@
     GET /v1/versions/V/delta            the delta file (HTTP Range: 206 Partial Content), also
                                         while it is being written (ranges of what is written)
     GET /v1/versions/V/pieces?after=I   the delta's complete pieces (header, chunks, tail) with
-                                        their sha256, from the I-th on; long-polls while it grows
+                                        their sha256, from the I-th on; long-polls while it grows.
+                                        `epoch` names the list's order: file order ("file"), or
+                                        a relay's arrival order while it mirrors the delta
     GET /v1/versions/V/base             the base snapshot file (Range), verified in parts
 
 Every endpoint wants `Authorization: Bearer $SPARROWRL_TOKEN` when a token is set.
@@ -37,6 +39,7 @@ MANIFESTS = web.AppKey("manifests", dict)
 CACHE = web.AppKey("cache", dict)
 STOPPING = web.AppKey("stopping", asyncio.Event)
 PIECES = web.AppKey("pieces", dict)
+OVERRIDE = web.AppKey("pieces_override", object)
 
 
 def _store(request: web.Request) -> Store:
@@ -203,6 +206,17 @@ async def pieces(request: web.Request) -> web.Response:
     wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
+    table = request.app[OVERRIDE](v)
+    if table is not None:  # a relay's delta in flight: its verified pieces, in arrival order
+        while len(table.pieces) <= after and request.app[OVERRIDE](v) is table and loop.time() < deadline \
+                and not request.app[STOPPING].is_set():
+            try:
+                await asyncio.wait_for(table.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see STOPPING
+            except TimeoutError:
+                pass
+        if len(table.pieces) > after or request.app[OVERRIDE](v) is not None:
+            return web.json_response({"pieces": table.pieces[after:], "complete": False, "bytes": None,
+                                      "epoch": table.epoch})
     f, growing = _open_delta(_store(request), v)
     if f is None:
         raise web.HTTPNotFound(text=f"version {v} is neither stored nor being written")
@@ -214,7 +228,7 @@ async def pieces(request: web.Request) -> web.Response:
                 break
             await asyncio.sleep(0.01)
     return web.json_response({"pieces": st["pieces"][after:], "complete": st["complete"],
-                              "bytes": st.get("bytes")})
+                              "bytes": st.get("bytes"), "epoch": "file"})
 
 
 async def base(request: web.Request) -> web.FileResponse:
@@ -226,8 +240,10 @@ async def base(request: web.Request) -> web.FileResponse:
     return _file(store, "bases", info.base, f"base-{info.state_hash}")
 
 
-def make_app(store: str | Path, token: str = "") -> web.Application:
+def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None) -> web.Application:
+    """`pieces_override(v)`: a relay's live piece table for a delta it is still mirroring."""
     app = web.Application(middlewares=[auth])
+    app[OVERRIDE] = pieces_override
     app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
     app[STOPPING] = asyncio.Event()
     app[PIECES] = {}
