@@ -4,9 +4,9 @@ region's workers with the same API as the origin, cut-through.
 The relay mirrors the origin's store into a local directory: it starts from the newest base
 snapshot, then follows the origin's versions by long-poll. A delta that the origin is still
 writing is fetched cut-through over parallel streams (one TCP flow is often capped on a WAN):
-each piece as soon as the origin lists it, appended to the mirror's growing `.partial` file as
-the verified prefix grows, and the relay's own server offers that file to workers the same way,
-so a worker's first chunk does not wait for the relay's last. Finished deltas take the same
+each piece as soon as the origin lists it, written at its offset in the mirror's `.partial`
+file once it verifies, and listed to the relay's own workers at once (`Table`, in arrival
+order), so a worker's first chunk does not wait for the relay's last. Finished deltas take the same
 path; bases are fetched over parallel verified streams too. Only the newest `keep` versions
 are kept.
 """
