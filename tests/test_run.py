@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -81,6 +82,17 @@ def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
     for png in ("reward.png", "step_time.png", "payload.png"):
         assert (d / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "weights verified / mismatched" in r.stdout and "8 / 0" in r.stdout
+
+
+def test_workers_fetch_from_their_regions_relay(runs):
+    """Region a has a relay: its worker stages every version from it, not across the 'WAN'."""
+    _, d = runs["sparse"]
+    relay_url = re.search(r"on (http://127\.0\.0\.1:\d+)/v1/versions", (d / "logs" / "relay-a.log").read_text())[1]
+    staged = {w: re.findall(r": v(\d+) staged from (\S+) ", (d / "logs" / f"{w}.log").read_text())
+              for w in ("worker-a-0", "worker-b-0")}
+    assert [int(v) for v, _ in staged["worker-a-0"]] == list(range(1, STEPS + 1))
+    assert {u for _, u in staged["worker-a-0"]} == {relay_url}
+    assert relay_url not in {u for _, u in staged["worker-b-0"]} and len(staged["worker-b-0"]) == STEPS
 
 
 def test_a_lost_worker_leases_go_to_the_others(tmp_path):

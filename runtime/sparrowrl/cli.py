@@ -355,7 +355,9 @@ def trainer(job: Path, run_dir: Annotated[Path, typer.Option()], port: Annotated
 
 
 @app.command("worker", hidden=True)
-def worker(url: Annotated[str, typer.Option(help="Relay and origin URLs, comma-separated, in order of preference.")],
+def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL (leases, results, commits).")],
+           url: Annotated[str, typer.Option(help="Where versions come from: relay and origin URLs, comma-separated, "
+                                                 "in order of preference.")],
            name: Annotated[str, typer.Option()], model_dir: Annotated[Path, typer.Option()],
            engine: Annotated[str, typer.Option()] = "hf", streams: Annotated[int, typer.Option()] = 4,
            rate_mbit: Annotated[float | None, typer.Option(help="Cap on this worker's download rate.")] = None) -> None:
@@ -364,7 +366,7 @@ def worker(url: Annotated[str, typer.Option(help="Relay and origin URLs, comma-s
 
     from sparrowrl.worker import main
 
-    asyncio.run(main(url.split(","), name, str(model_dir), engine, streams, None, rate_mbit))
+    asyncio.run(main(trainer, url.split(","), name, str(model_dir), engine, streams, rate_mbit))
 
 
 def main() -> None:

@@ -126,7 +126,8 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, job_dir: Path) -> di
                 rate = []  # the relay's upstream link carries the cap; inside a region is unshaped
             for i in range(region.workers):
                 name = f"worker-{region.name}-{i}"
-                layout["workers"][name] = procs.start(name, ["worker", "--url", ",".join(urls), "--name", name,
+                layout["workers"][name] = procs.start(name, ["worker", "--trainer", origin, "--url", ",".join(urls),
+                                                             "--name", name,
                                                              "--model-dir", str(run_dir / "model"),
                                                              "--engine", spec.rollout.engine,
                                                              "--streams", str(spec.sync.streams), *rate]).pid

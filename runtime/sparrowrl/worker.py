@@ -19,8 +19,10 @@ from sparrowrl.transport.client import Client, FetchError
 
 
 class Worker:
-    def __init__(self, name: str, client: Client, engine: Engine, mode: str):
-        self.name, self.c, self.engine, self.mode = name, client, engine, mode
+    """`data` fetches versions (relays first, the origin last); `control` talks to the trainer."""
+
+    def __init__(self, name: str, data: Client, control: Client, engine: Engine, mode: str):
+        self.name, self.c, self.control, self.engine, self.mode = name, data, control, engine, mode
         self.version, self.hash = -1, ""
         self.staged: dict[int, tuple[object, float]] = {}  # version → (delta or full state, seconds to fetch)
         self.known = -1  # newest version fetched or being fetched
@@ -46,17 +48,10 @@ class Worker:
         """Hash the live weights in full and report them; a mismatch stops the worker."""
         h = await asyncio.to_thread(state_hash, self.engine.tensors())
         self.version, self.hash = version, h
-        ok = (await self.post("/v1/commit", {"worker": self.name, "version": version, "state_hash": h,
+        ok = (await self.control.post_json("/v1/commit", {"worker": self.name, "version": version, "state_hash": h,
                                              "fetch_s": fetch_s}))["verified"]
         if not ok:
             raise RuntimeError(f"{self.name}: weights after committing v{version} hash to {h}, not the trainer's")
-
-    async def post(self, path: str, body: dict) -> dict:
-        async def request(url: str):
-            async with self.c._session.post(url, json=body) as r:
-                await self.c._check(r, url)
-                return await r.json()
-        return await self.c._attempts(path, request)
 
     async def fetcher(self) -> None:
         """Stage every new version as soon as the trainer starts writing it."""
@@ -73,6 +68,8 @@ class Worker:
                 else:
                     item = await self.c.delta(v)
                 self.staged[v] = (item, time.perf_counter() - t0)
+                print(f"{self.name}: v{v} staged from {self.c.urls[self.c._server]} in {self.staged[v][1]:.2f} s",
+                      flush=True)
                 self.known = v
                 self.arrived.set()
 
@@ -91,7 +88,7 @@ class Worker:
             await self._commit_report(v, fetch_s)
 
     async def run(self) -> None:
-        job = await self.c.json("/v1/job")
+        job = await self.control.json("/v1/job")
         await self.start()
         fetch = asyncio.create_task(self.fetcher())
         try:
@@ -99,7 +96,7 @@ class Worker:
                 if fetch.done():
                     fetch.result()  # a fetch that gave up ends the worker with its error
                 await self.commit_staged()
-                ans = await self.post("/v1/work", {"worker": self.name, "version": self.version})
+                ans = await self.control.post_json("/v1/work", {"worker": self.name, "version": self.version})
                 if "done" in ans:
                     await self.commit_staged(at_least=ans["done"])
                     return
@@ -118,14 +115,15 @@ class Worker:
             samples = await asyncio.to_thread(self.engine.generate, p["ids"], job["group_size"], p["seed"],
                                               job["max_new_tokens"], job["temperature"])
             results[p["group"]] = {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs} for s in samples]}
-        await self.post("/v1/results", {"lease": lease["id"], "worker": self.name, "version": self.version,
+        await self.control.post_json("/v1/results", {"lease": lease["id"], "worker": self.name, "version": self.version,
                                         "state_hash": self.hash, "results": results,
                                         "generate_s": time.perf_counter() - t0})
 
 
-async def main(urls: list[str], name: str, model_dir: str, engine: str, streams: int, token: str | None,
+async def main(trainer: str, urls: list[str], name: str, model_dir: str, engine: str, streams: int,
                rate_mbit: float | None = None) -> None:
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
-    async with Client(urls, token=token, streams=streams, attempts=12, rate_mbit=rate_mbit) as c:
-        mode = (await c.json("/v1/job"))["mode"]
-        await Worker(name, c, make_engine(engine, model_dir), mode).run()
+    async with Client(trainer, attempts=12) as control, \
+            Client(urls, streams=streams, attempts=12, rate_mbit=rate_mbit) as data:
+        mode = (await control.json("/v1/job"))["mode"]
+        await Worker(name, data, control, make_engine(engine, model_dir), mode).run()

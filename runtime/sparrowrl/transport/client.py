@@ -29,6 +29,9 @@ from safetensors.torch import load as load_safetensors
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
 
 
+PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
+
+
 class FetchError(Exception):
     """A version could not be fetched within the retry bounds; nothing was changed."""
 
@@ -84,6 +87,7 @@ class Client:
         self._session: aiohttp.ClientSession | None = None
         self._stream_sessions: list[aiohttp.ClientSession] = []
         self._server = 0  # index into urls of the server in use
+        self._fell_back_at = 0.0
 
     def _new_session(self, **connector_kw) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(headers=self.headers, timeout=self.timeout,
@@ -114,6 +118,8 @@ class Client:
         """Run `request(url)` until it succeeds: backoff on the current server, every second
         failure the next one; FetchError after `attempts` failures or on a permanent answer."""
         last = "no attempt"
+        if self._server and time.monotonic() - self._fell_back_at > PREFERRED_AGAIN_S:
+            self._server = 0  # the preferred server (a region's relay) may be back: try it first again
         for attempt in range(self.attempts):
             url = self.urls[self._server] + path
             try:
@@ -127,6 +133,7 @@ class Client:
             self.stats.retries += 1
             if attempt % 2 == 1 and len(self.urls) > 1:
                 self._server = (self._server + 1) % len(self.urls)
+                self._fell_back_at = time.monotonic()
             await asyncio.sleep(self.backoff * 2 ** min(attempt, 5) * (0.5 + random.random()))
         raise FetchError(f"{path}: gave up after {self.attempts} attempts (last: {last})")
 
@@ -155,6 +162,18 @@ class Client:
 
     async def json(self, path: str, **kw) -> dict:
         return (await self._get(path, parse=json.loads, **kw))[1]
+
+    async def post_json(self, path: str, body: dict) -> dict:
+        """POST a JSON body, with the same retries and fallback as a GET. The server must take a
+        repeated body in its stride: an answer lost on the way back means the body is sent again."""
+        async def request(url: str):
+            async with self._session.post(url, json=body) as r:
+                await self._check(r, url)
+                try:
+                    return await r.json()
+                except ValueError as e:
+                    raise _Transient(f"unreadable response: {e}") from None
+        return await self._attempts(path, request)
 
     async def versions(self, after: int | None = None, wait: float = 0.0) -> dict:
         """The version list; with `after`, returns once a newer version exists or `wait` passes."""
