@@ -39,7 +39,7 @@ def test_results_are_admitted_only_with_a_live_lease_and_the_trainers_hash():
     a, b = c.work("w1", 0)["lease"], c.work("w2", 0)["lease"]
     assert c.submit(a["id"], "w1", 0, "forged", result(a))["refused"].startswith("state hash")
     assert c.counts.lost == 2  # the refused groups go back to the queue
-    assert c.submit(b["id"], "w1", 0, "h0", result(b))["refused"].startswith("lease")  # not w1's lease
+    assert c.submit(b["id"], "w1", 0, "h0", result(b))["refused"] == f"lease {b['id']} is not w1's"
     assert c.submit(b["id"], "w2", 0, "h0", result(b)) == {"admitted": 2, "batch": 0}
     again = c.work("w3", 0)["lease"]
     assert again["groups"] == a["groups"]
@@ -56,6 +56,16 @@ def test_an_expired_lease_is_reassigned_and_a_late_duplicate_is_dropped():
     assert c.submit(fast["id"], "fast", 0, "h0", result(fast))["admitted"] == 2
     late = c.submit(slow["id"], "slow", 0, "h0", result(slow))
     assert late["admitted"] == 0 and c.counts.duplicated == 2 and c.counts.admitted == 2
+
+
+def test_a_late_result_still_counts_for_groups_nobody_delivered():
+    c, clock = coord()
+    slow = c.work("slow", 0)["lease"]
+    clock.t = 11  # expired; its groups are back in the queue, not yet handed out again
+    assert c.submit(slow["id"], "slow", 0, "forged", result(slow))["admitted"] == 0  # still hash-checked
+    assert c.submit(slow["id"], "slow", 0, "h0", result(slow)) == {"admitted": 2, "batch": 0}
+    other = c.work("other", 0)["lease"]
+    assert not set(other["groups"]) & set(slow["groups"])  # not handed out twice
 
 
 def test_too_stale_results_are_refused():

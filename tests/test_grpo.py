@@ -38,18 +38,25 @@ def test_k3_kl_is_zero_at_the_reference_and_positive_elsewhere():
     assert same["kl"] == 0.0 and other["kl"] > 0
 
 
-def test_token_logprobs_match_a_per_row_forward_under_left_padding():
+def test_the_trainers_batch_scores_each_row_as_a_forward_of_that_row_alone():
+    """Prompts of different lengths are left-padded and completions right-padded into one batch;
+    each row's completion log-probs must be those of the row on its own (2 layers, so padding
+    leaking into later layers would show)."""
+    from sparrowrl.trainer import _pad
+
     tok = models.char_tokenizer()
-    m = models.tiny_qwen3(len(tok), 32, 1, 2, 0).eval()
-    a, b = models.prompt_ids(tok, "1+2="), models.prompt_ids(tok, "11+12=")
-    comp = [5, 6, 2]
-    n = len(b)
-    ids = torch.tensor([[0] * (n - len(a)) + a + comp, b + comp])
-    att = torch.tensor([[0] * (n - len(a)) + [1] * (len(a) + 3), [1] * (n + 3)])
-    pos = (att.cumsum(1) - 1).clamp(min=0)
+    m = models.tiny_qwen3(len(tok), 32, 2, 2, 0).eval()
+    rows = [(models.prompt_ids(tok, "1+2="), [5, 6, 2], [0.0] * 3),
+            (models.prompt_ids(tok, "11+12="), [7, 2], [0.0] * 2),
+            (models.prompt_ids(tok, "3="), [8, 9, 10, 2], [0.0] * 4)]
+    ids, att, pos, mask, _ = _pad(rows, tok.pad_token_id)
+    n = max(len(p) for p, _, _ in rows)
     both = grpo.token_logprobs(m, ids, att, n, 0.7, pos)
-    alone = grpo.token_logprobs(m, torch.tensor([a + comp]), torch.ones(1, len(a) + 3, dtype=torch.long), len(a), 0.7)
-    assert torch.allclose(both[0], alone[0], atol=1e-5)
+    for i, (p, c, _) in enumerate(rows):
+        alone = grpo.token_logprobs(m, torch.tensor([p + c]), torch.ones(1, len(p) + len(c), dtype=torch.long),
+                                    len(p), 0.7)
+        assert torch.allclose(both[i, :len(c)], alone[0], atol=1e-5)
+        assert mask[i].tolist() == [1.0] * len(c) + [0.0] * (4 - len(c))
 
 
 def test_rewards():

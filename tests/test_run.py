@@ -108,8 +108,9 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
     while not (out / "processes.json").exists() and time.time() < deadline:
         time.sleep(0.1)
     victim = json.loads((out / "processes.json").read_text())["workers"]["worker-b-1"]
-    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+    while (not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()) and time.time() < deadline:
         time.sleep(0.05)
+    assert p.poll() is None, "the run ended before a worker could be lost"
     os.kill(victim, signal.SIGKILL)
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-3000:]

@@ -117,10 +117,10 @@ class Coordinator:
         """Admit a lease's results, or refuse them all with the reason."""
         self.expire()
         lease = self.leases.get(lease_id)
-        if lease is None or lease.worker != worker:
-            dup = sum(1 for g in results if any(g in x.results for x in self.batches.values()))
-            self.counts.duplicated += dup
-            return {"admitted": 0, "refused": f"lease {lease_id} is not live (expired or reassigned)"}
+        if lease is None:
+            return self._late(lease_id, version, state_hash, results)
+        if lease.worker != worker:
+            return {"admitted": 0, "refused": f"lease {lease_id} is not {worker}'s"}
         b = lease.batch
         if version < self.min_version(b) or self.hashes.get(version) != state_hash:
             self._drop(lease)
@@ -136,6 +136,31 @@ class Coordinator:
             batch.results[g] = {**r, "version": version}
         self.counts.admitted += len(results)
         return {"admitted": len(results), "batch": b}
+
+    def _late(self, lease_id: int, version: int, state_hash: str, results: dict[int, dict]) -> dict:
+        """Results of a lease that expired: still good for groups nobody has delivered yet (a
+        slow worker is not wasted), dropped and counted for groups already admitted."""
+        admitted, batch = 0, None
+        for g, r in results.items():
+            b = self.batches.get(g // self.per_step)
+            if b is None or g not in b.groups:
+                continue
+            if g in b.results:
+                self.counts.duplicated += 1
+            elif version >= self.min_version(b.index) and self.hashes.get(version) == state_hash:
+                b.results[g] = {**r, "version": version}
+                b.pending = [x for x in b.pending if x != g]
+                admitted, batch = admitted + 1, b.index
+        self.counts.admitted += admitted
+        if not admitted:
+            return {"admitted": 0, "refused": f"lease {lease_id} is not live (expired or reassigned)"}
+        return {"admitted": admitted, "batch": batch}
+
+    def refuse(self, lease_id: int, worker: str) -> None:
+        """Drop a live lease whose results were refused: its groups go back to the queue."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.worker == worker:
+            self._drop(lease)
 
     def commit(self, worker: str, version: int, state_hash: str) -> bool:
         """A worker reports the weights it now holds; True if they are the trainer's, bit for bit."""

@@ -82,6 +82,10 @@ class Processes:
                 p.wait()
 
 
+def _exit(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _get(url: str, token: str) -> dict:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=5) as r:
@@ -103,6 +107,8 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, job_dir: Path) -> di
     origin_port = free_port()
     origin = f"http://127.0.0.1:{origin_port}"
     layout: dict = {"trainer": None, "relays": {}, "workers": {}}
+    signal.signal(signal.SIGTERM, _exit)  # a terminated run stops its children too (the finally below)
+    signal.signal(signal.SIGHUP, _exit)
     try:
         layout["trainer"] = procs.start("trainer", ["trainer", str(run_dir / "job.yaml"), "--run-dir", str(run_dir),
                                                     "--port", str(origin_port)]).pid

@@ -80,7 +80,7 @@ class Task:
 N = 10  # operands below N
 
 class Add(Task):
-    """Sum of two numbers below 20: `7+12=` → `19`."""
+    """Sum of two digits: `7+8=` → `15`."""
 
     default_reward = "char_match"
 

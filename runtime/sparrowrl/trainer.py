@@ -170,6 +170,7 @@ class Run:
         self.fetch: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
         self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
         self.seen: dict[str, float] = {}  # worker → when it last called
+        self.first: dict[str, int] = {}  # worker → the first version it committed
         self.changed = asyncio.Event()
         self.t_start = time.time()
         self.finished = False
@@ -224,15 +225,42 @@ class Run:
         body = await request.json()
         self.seen[body["worker"]] = time.monotonic()
         results = {int(g): r for g, r in body["results"].items()}
+        if bad := self._malformed(results):
+            self.coord.refuse(int(body["lease"]), body["worker"])
+            self._touch()
+            return web.json_response({"admitted": 0, "refused": bad})
         ans = self.coord.submit(int(body["lease"]), body["worker"], int(body["version"]), body["state_hash"], results)
         if ans["admitted"]:
             self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + float(body["generate_s"])
         self._touch()
         return web.json_response(ans)
 
+    def _malformed(self, results: dict[int, dict]) -> str | None:
+        """Workers are not trusted: a result that would break the training step is refused."""
+        g, vocab = self.spec.grpo, len(self.trainer.tok)
+        for group, r in results.items():
+            samples = r.get("samples", [])
+            if len(samples) != g.group_size:
+                return f"group {group}: {len(samples)} samples, the job's group size is {g.group_size}"
+            for x in samples:
+                t, lp = x.get("tokens", []), x.get("logprobs", [])
+                if not 1 <= len(t) <= g.max_new_tokens or len(t) != len(lp):
+                    return f"group {group}: {len(t)} tokens with {len(lp)} log-probs (1..{g.max_new_tokens} tokens)"
+                if not all(isinstance(i, int) and 0 <= i < vocab for i in t):
+                    return f"group {group}: a token id outside the vocabulary (0..{vocab - 1})"
+        return None
+
     async def h_commit(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.seen[body["worker"]] = time.monotonic()
+        deadline = time.monotonic() + 30
+        while int(body["version"]) > self.coord.published and time.monotonic() < deadline:
+            # a worker can hold a delta before the trainer has finished storing it
+            try:
+                await asyncio.wait_for(self.changed.wait(), 1.0)
+            except TimeoutError:
+                pass
+        self.first.setdefault(body["worker"], int(body["version"]))
         ok = self.coord.commit(body["worker"], int(body["version"]), body["state_hash"])
         if body.get("fetch_s") is not None:
             self.fetch.setdefault(int(body["version"]), {})[body["worker"]] = float(body["fetch_s"])
@@ -252,7 +280,7 @@ class Run:
             while self.written + 1 in self.rows:
                 v = self.written + 1
                 staged = self.fetch.get(v, {})
-                if not final and not set(self.workers) <= set(staged):
+                if not final and any(w not in staged and self.first.get(w, -1) < v for w in self.workers):
                     break
                 row = self.rows[v]
                 row["transfer_s"] = max(staged.values(), default=None)
@@ -277,13 +305,14 @@ class Run:
                                        "dense_bytes": p["dense_bytes"], "changed_fraction": p["changed_fraction"],
                                        "step_s": time.perf_counter() - t0}
             self._flush()
+        seconds = time.perf_counter() - loop_t
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(self.coord.commits.get(w, (-1,))[0] < self.spec.steps for w in self.workers):
             await asyncio.sleep(0.05)
         self._flush(final=True)
         self.trainer.save(self.run_dir / "final")
-        self.summary(time.perf_counter() - loop_t)
+        self.summary(seconds)
         self.finished = True
         self._touch()
 

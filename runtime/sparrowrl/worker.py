@@ -77,7 +77,12 @@ class Worker:
         """At a batch boundary: apply what is staged, in order, up to the newest."""
         while self.known < at_least or self.version + 1 not in self.staged and self.version < at_least:
             self.arrived.clear()
-            await self.arrived.wait()
+            arrived = asyncio.create_task(self.arrived.wait())
+            await asyncio.wait({arrived, self.fetch}, return_when=asyncio.FIRST_COMPLETED)
+            arrived.cancel()
+            if self.fetch.done():
+                self.fetch.result()  # a fetch that gave up ends the worker with its error
+                raise FetchError("the fetcher stopped")
         while self.version + 1 in self.staged:
             v = self.version + 1
             item, fetch_s = self.staged.pop(v)
@@ -90,11 +95,11 @@ class Worker:
     async def run(self) -> None:
         job = await self.control.json("/v1/job")
         await self.start()
-        fetch = asyncio.create_task(self.fetcher())
+        self.fetch = asyncio.create_task(self.fetcher())
         try:
             while True:
-                if fetch.done():
-                    fetch.result()  # a fetch that gave up ends the worker with its error
+                if self.fetch.done():
+                    self.fetch.result()  # a fetch that gave up ends the worker with its error
                 await self.commit_staged()
                 ans = await self.control.post_json("/v1/work", {"worker": self.name, "version": self.version})
                 if "done" in ans:
@@ -106,7 +111,7 @@ class Worker:
                     await self.rollout(ans["lease"], job)
 
         finally:
-            fetch.cancel()
+            self.fetch.cancel()
 
     async def rollout(self, lease: dict, job: dict) -> None:
         t0 = time.perf_counter()
