@@ -84,9 +84,11 @@ def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
     assert "weights verified / mismatched" in r.stdout and "8 / 0" in r.stdout
 
 
-def test_workers_fetch_from_their_regions_relay(runs):
-    """Region a has a relay: its worker stages every version from it, not across the 'WAN'."""
-    _, d = runs["sparse"]
+@pytest.mark.parametrize("mode", ["sparse", "full"])
+def test_workers_fetch_from_their_regions_relay(runs, mode):
+    """Region a has a relay: its worker stages every version from it (deltas, or in full mode
+    the snapshots, which the relay mirrors once the trainer has written them)."""
+    _, d = runs[mode]
     relay_url = re.search(r"on (http://127\.0\.0\.1:\d+)/v1/versions", (d / "logs" / "relay-a.log").read_text())[1]
     staged = {w: re.findall(r": v(\d+) staged from (\S+) ", (d / "logs" / f"{w}.log").read_text())
               for w in ("worker-a-0", "worker-b-0")}

@@ -99,8 +99,10 @@ class Relay:
                                  f"{entry['delta']['sha256'][:16]}")
             versions[v] = Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"])
             Store._write_index(self.mirror, every, versions)
-            if entry["base"]:
-                await self._fetch_base(c, entry, versions, every)
+            if v % every == 0:  # a base version: its snapshot is written after its delta
+                entry = entry if entry["base"] else await self._await_base(c, v)
+                if entry is not None:
+                    await self._fetch_base(c, entry, versions, every)
             store = self._store()
         if store is not None:
             self.synced.set()
@@ -132,6 +134,18 @@ class Relay:
         name = f"v{v:08d}-{digest[:16]}.spd"
         os.replace(partial, self.mirror / "deltas" / name)
         return name, digest, len(d.data)
+
+    async def _await_base(self, c: Client, v: int, timeout: float = 60.0) -> dict | None:
+        """Upstream's entry for v once it lists v's base snapshot (workers syncing in full mode
+        need it), or None after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = next((e for e in (await c.versions())["versions"] if e["version"] == v), None)
+            if entry is None or entry["base"]:
+                return entry
+            await asyncio.sleep(0.05)
+        print(f"relay: v{v} has no base snapshot upstream after {timeout:.0f} s", flush=True)
+        return None
 
     async def _fetch_base(self, c: Client, entry: dict, versions: dict[int, Version], every: int) -> None:
         v, size, step = entry["version"], entry["base"]["bytes"], entry["base"]["part_bytes"]
