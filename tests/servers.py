@@ -1,6 +1,7 @@
 """Servers for transport tests: the app on a real loopback socket, or the CLI as a process."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,6 +64,19 @@ def start_server(store, port, *extra, token=TOKEN):
             assert p.poll() is None, p.stdout.read()
             time.sleep(0.1)
     raise AssertionError("server did not start")
+
+
+def next_version(history, tmp_path, rng) -> tuple:
+    """A private copy of the history store, its newest version and state, and a next state."""
+    from conftest import mutate
+    from sparrowrl.store import Store
+
+    path = tmp_path / "s"
+    shutil.copytree(history[0], path)
+    store = Store(path)
+    v0 = store.newest
+    old = store.materialize(v0)
+    return path, store, v0, old, {k: mutate(rng, t, 0.02) for k, t in old.items()}
 
 
 def paused_publish(store, old: dict, new: dict, resume, done) -> threading.Thread:

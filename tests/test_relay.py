@@ -2,19 +2,17 @@
 
 import asyncio
 import os
-import shutil
 import subprocess
 import threading
 
 from aiohttp import web
 
-from conftest import mutate
 from netfaults import FaultyProxy, Faults
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store import Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
-from servers import EXE, TOKEN, Server, free_port, paused_publish, same, start_server
+from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server
 
 
 class RelayServer:
@@ -59,12 +57,7 @@ def test_relay_fetches_once_and_serves_its_region(history, tmp_path):
 
 def test_relay_is_cut_through(history, tmp_path, rng):
     """A worker behind the relay gets the first chunk while the trainer is still encoding."""
-    path = tmp_path / "s"
-    shutil.copytree(history[0], path)
-    store = Store(path)
-    v0 = store.newest
-    old = store.materialize(v0)
-    new = {k: mutate(rng, t, 0.02) for k, t in old.items()}
+    path, store, v0, old, new = next_version(history, tmp_path, rng)
     got_first, writer_done = threading.Event(), threading.Event()
 
     async def go():

@@ -18,7 +18,7 @@ from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store import Store
 from sparrowrl.transport.client import Client, FetchError
 
-from servers import EXE, TOKEN, Server, free_port, paused_publish, same, start_server
+from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server
 
 
 def run(coro):
@@ -238,14 +238,7 @@ def test_serve_refuses_public_address_without_token(history):
 def test_cut_through_first_chunk_arrives_before_the_writer_finishes(history, tmp_path, rng):
     """The trainer publishes tensor by tensor; a client reads chunks while later tensors are
     still being diffed: the writer waits for the client's first verified chunk before going on."""
-    import shutil
-
-    path = tmp_path / "s"
-    shutil.copytree(history[0], path)
-    store = Store(path)
-    v0 = store.newest
-    old = store.materialize(v0)
-    new = {k: mutate(rng, t, 0.02) for k, t in old.items()}
+    path, store, v0, old, new = next_version(history, tmp_path, rng)
     got_first, writer_done = threading.Event(), threading.Event()
 
     async def go():

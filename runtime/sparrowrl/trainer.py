@@ -126,7 +126,7 @@ class Trainer:
         full = self.spec.sync.mode == "full"
         return {"version": v.version, "state_hash": v.state_hash, "extract_s": time.perf_counter() - t0,
                 "changed_fraction": v.changed / sum(t.numel() for t in new.values()),
-                "payload_bytes": self.store.versions[v.version].base_bytes if full else v.delta_bytes,
+                "payload_bytes": self.store.versions[v.version].base_bytes if full else v.delta_bytes,  # snapshot re-reads the index
                 "dense_bytes": self.dense_bytes}
 
     def save(self, out: Path) -> None:
@@ -183,6 +183,13 @@ class Run:
                         web.get("/v1/status", self.h_status)])
         return app
 
+    async def _changed(self, seconds: float) -> None:
+        """Until the coordinator's state changes (a publish, a result, a commit), or `seconds`."""
+        try:
+            await asyncio.wait_for(self.changed.wait(), seconds)
+        except TimeoutError:
+            pass
+
     def _touch(self) -> None:
         self.changed.set()
         self.changed = asyncio.Event()
@@ -212,10 +219,7 @@ class Run:
             ans = self.coord.work(body["worker"], int(body["version"])) if self._started() else {"wait": True}
             if "wait" not in ans or time.monotonic() > deadline:
                 break
-            try:
-                await asyncio.wait_for(self.changed.wait(), 1.0)
-            except TimeoutError:
-                pass
+            await self._changed(1.0)
         if "lease" in ans:
             ans["lease"]["prompts"] = [{"group": g, "ids": models.prompt_ids(self.trainer.tok, self.trainer.prompt(g).prompt),
                                         "seed": group_seed(self.spec.seed, g)} for g in ans["lease"]["groups"]]
@@ -256,10 +260,7 @@ class Run:
         deadline = time.monotonic() + 30
         while int(body["version"]) > self.coord.published and time.monotonic() < deadline:
             # a worker can hold a delta before the trainer has finished storing it
-            try:
-                await asyncio.wait_for(self.changed.wait(), 1.0)
-            except TimeoutError:
-                pass
+            await self._changed(1.0)
         self.first.setdefault(body["worker"], int(body["version"]))
         ok = self.coord.commit(body["worker"], int(body["version"]), body["state_hash"])
         if body.get("fetch_s") is not None:
