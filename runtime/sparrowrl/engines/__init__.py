@@ -1,6 +1,6 @@
-"""Rollout engines. Each holds the bf16 policy, exposes its parameters as the trainer names them
-(so a delta applies straight into them), and samples groups of completions with their
-behaviour log-probs."""
+"""Rollout engines. Each exposes the bf16 policy as the trainer names it (a delta applies straight
+into those tensors), makes them live with `commit`, reads back what it really computes with for
+verification, and samples groups of completions with their behaviour log-probs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ class Sample:
 
 class Engine(Protocol):
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The live policy weights, by the trainer's names; writing them changes the policy."""
+        """The policy by the trainer's names, where deltas and full states are written."""
+
+    def commit(self) -> None:
+        """Make what `tensors()` holds the policy that `generate` samples from."""
+
+    def readback(self) -> dict[str, torch.Tensor]:
+        """The weights `generate` computes with, mapped back to the trainer's names (for the hash)."""
 
     def generate(self, prompt: list[int], n: int, seed: int, max_new_tokens: int,
                  temperature: float) -> list[Sample]:
@@ -29,4 +35,7 @@ def make_engine(kind: str, model_dir: str) -> Engine:
     if kind == "hf":
         from sparrowrl.engines.hf import HFEngine
         return HFEngine(model_dir)
+    if kind == "vllm":
+        from sparrowrl.engines.vllm import VLLMEngine
+        return VLLMEngine(model_dir)
     raise ValueError(f"unknown engine {kind!r}")

@@ -17,7 +17,13 @@ class HFEngine:
         self.pad = config.pad_token_id if config.pad_token_id is not None else min(self.eos)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {n: p.data for n, p in self.model.named_parameters()}
+        return {n: p.data for n, p in self.model.named_parameters()}  # the model's own: writes are live
+
+    def commit(self) -> None:
+        pass
+
+    def readback(self) -> dict[str, torch.Tensor]:
+        return self.tensors()
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], n: int, seed: int, max_new_tokens: int, temperature: float) -> list[Sample]:

