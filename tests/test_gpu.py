@@ -51,3 +51,17 @@ def test_gpu_hash_equals_cpu(rng, dtype):
     t = random_tensor(rng, dtype, (1000, 33))
     key = tensor_key("w", t)
     assert gpu.tensor_hash(key, gpu.device_bits(t.cuda())) == tensor_hash(key, bits(t))
+
+
+def test_gpu_apply_in_place_into_fused_views(rng):
+    """A delta in the trainer's layout applies straight into views of a fused CUDA parameter
+    (vLLM's qkv_proj on GPU), and the state hash is computed where the tensors live."""
+    q, k, v = (random_tensor(rng, "BF16", (n, 256)) for n in (512, 128, 128))
+    old = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v}
+    new = {n: mutate(rng, t, 0.01) for n, t in old.items()}
+    qkv = torch.cat([q, k, v]).cuda()
+    views = dict(zip(old, qkv.split([512, 128, 128])))
+    assert state_hash(views) == state_hash(old)
+    h = apply_delta(DeltaFile(encode(old, new)), views, base_hash=state_hash(old), verify_full=True)
+    assert h == state_hash(new) == state_hash(views)
+    assert np.array_equal(bits(qkv.cpu()), bits(torch.cat(list(new.values()))))

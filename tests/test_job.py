@@ -1,5 +1,6 @@
 """The job spec: what `sparrowrl run` and the operator both read."""
 
+import importlib.util
 import subprocess
 
 import pytest
@@ -58,6 +59,15 @@ def test_run_refuses_a_bad_spec_before_starting_anything(tmp_path):
     (tmp_path / "broken.yaml").write_text("spec: [")
     r = subprocess.run([EXE, "run", str(tmp_path / "broken.yaml")], capture_output=True, text=True)
     assert r.returncode == 1 and "not valid YAML" in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_run_names_a_missing_vllm_before_starting_anything(tmp_path):
+    f = tmp_path / "vllm.yaml"
+    f.write_text(yaml.safe_dump(job(rollout={"engine": "vllm"})))
+    r = subprocess.run([EXE, "run", str(f), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True)
+    assert r.returncode == 1 and "spec.rollout.engine: vllm is not installed here" in r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_relative_paths_are_relative_to_the_job_file(tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, Slot, apply_delta, state_hash, write_delta
-from sparrowrl.delta.apply import hash_through
+from sparrowrl.delta.apply import DeviceSlot, hash_through
 from sparrowrl.delta.bitview import bits
 
 
@@ -27,4 +27,21 @@ def test_apply_into_fused_qkv(rng):
 
     want = torch.cat([new["q_proj.weight"], new["k_proj.weight"], new["v_proj.weight"]])
     assert np.array_equal(bits(qkv), bits(want))
+    assert h == state_hash(new)
+
+
+def test_apply_through_device_slots(rng):
+    """The accelerator route (one gather and one scatter of the changed elements per tensor,
+    as torch ops), run here on CPU tensors; tests/test_gpu.py runs it on CUDA."""
+    q, k, v = (random_tensor(rng, "BF16", (n, 16)) for n in (32, 8, 8))
+    old = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v}
+    new = {n: mutate(rng, t, d) for (n, t), d in zip(old.items(), (0.05, 1.0, 0.0))}
+    buf = io.BytesIO()
+    write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1, segment=100)
+
+    qkv = torch.cat([q, k, v]).contiguous()
+    offsets = {"q_proj.weight": 0, "k_proj.weight": q.numel(), "v_proj.weight": q.numel() + k.numel()}
+    slot_of = lambda spec: DeviceSlot(qkv.view(-1).view(torch.int16), offsets[spec.name])
+    h = apply_delta(DeltaFile(buf.getvalue()), slot_of=slot_of, verify_full=True)
+    assert np.array_equal(bits(qkv), bits(torch.cat(list(new.values()))))
     assert h == state_hash(new)

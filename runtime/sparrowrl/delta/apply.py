@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from sparrowrl.delta.bitview import bits, dtype_name, itemsize
+from sparrowrl.delta.bitview import _TORCH_SINT, SINT, UINT, bits, dtype_name, itemsize
 from sparrowrl.delta.errors import MismatchError, VerifyError
 from sparrowrl.delta.extract import unzigzag
 from sparrowrl.delta.frame import DeltaFile, TensorSpec
@@ -37,6 +37,33 @@ class Slot:
     def view(self, numel: int) -> np.ndarray:
         return self.flat[self.offset:self.offset + numel]
 
+    def gather(self, positions: np.ndarray) -> np.ndarray:
+        return self.flat[self.offset + positions]
+
+    def scatter(self, positions: np.ndarray, values: np.ndarray) -> None:
+        self.flat[self.offset + positions] = values
+
+
+@dataclass
+class DeviceSlot(Slot):
+    """A slot in a tensor on an accelerator (flat: its signed-integer bit view, as a torch
+    tensor). Only the changed elements cross to the host and back; `view` copies the whole."""
+
+    flat: torch.Tensor
+
+    def _host(self, t: torch.Tensor) -> np.ndarray:
+        return t.cpu().numpy().view(UINT[t.element_size()])
+
+    def view(self, numel: int) -> np.ndarray:
+        return self._host(self.flat[self.offset:self.offset + numel])
+
+    def gather(self, positions: np.ndarray) -> np.ndarray:
+        return self._host(self.flat[torch.from_numpy(self.offset + positions).to(self.flat.device)])
+
+    def scatter(self, positions: np.ndarray, values: np.ndarray) -> None:
+        at = torch.from_numpy(self.offset + positions).to(self.flat.device)
+        self.flat[at] = torch.from_numpy(values.view(SINT[values.itemsize])).to(self.flat.device)
+
 
 SlotMap = Callable[[TensorSpec], Slot]
 
@@ -51,8 +78,10 @@ def state_slots(state: Mapping[str, torch.Tensor]) -> SlotMap:
         if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
             raise MismatchError(f"tensor '{spec.name}': delta expects {spec.dtype}{list(spec.shape)}, "
                                 f"base has {dtype_name(t.dtype)}{list(t.shape)}")
-        if not t.is_contiguous() or t.device.type != "cpu":
-            raise MismatchError(f"tensor '{spec.name}' must be a contiguous CPU tensor to apply in place")
+        if not t.is_contiguous():
+            raise MismatchError(f"tensor '{spec.name}' must be contiguous to apply in place")
+        if t.device.type != "cpu":
+            return DeviceSlot(t.view(-1).view(_TORCH_SINT[t.element_size()]))
         return Slot(bits(t))
 
     return slot
@@ -70,8 +99,8 @@ def hash_through(specs: list[TensorSpec], slot_of: SlotMap) -> str:
 
 @dataclass
 class _Staged:
-    view: np.ndarray
-    positions: np.ndarray | None  # None: the whole view
+    slot: Slot
+    positions: np.ndarray  # elements that change, in the tensor
     old: np.ndarray
     new: np.ndarray
 
@@ -99,34 +128,37 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
         raise MismatchError(f"base hash mismatch: delta needs {m['base_hash']} (version {m['base_version']}), "
                             f"base has {have}")
 
-    staged: list[_Staged] = []
-    hash_delta = [0] * len(delta.tensors)
-    changed = [0] * len(delta.tensors)
-    ends = [-1] * len(delta.tensors)
-    keys = [spec.key() for spec in delta.tensors]
+    n = len(delta.tensors)
+    changed, ends = [0] * n, [-1] * n
+    positions: list[list[np.ndarray]] = [[] for _ in range(n)]
+    diffs: list[list[np.ndarray]] = [[] for _ in range(n)]
     for rec in delta.records():
         tid = rec.tensor_id
         if rec.start < ends[tid]:
             raise VerifyError(f"tensor '{delta.tensors[tid].name}': records overlap at element {rec.start}")
         ends[tid] = rec.start + rec.length
-        view = slots[tid].view(delta.tensors[tid].numel)[rec.start:rec.start + rec.length]
-        if rec.positions is None:
-            old = view.copy()
-            new = old + unzigzag(rec.diffs)
+        if rec.positions is None:  # dense: a difference for every element, zero where unchanged
             pos = np.flatnonzero(rec.diffs)
-            h_old, h_new = old[pos], new[pos]
+            d = rec.diffs[pos]
         else:
-            pos = rec.positions
-            old = view[pos]
-            new = old + unzigzag(rec.diffs)
-            h_old, h_new = old, new
-        absolute = pos + rec.start
-        hash_delta[tid] += keys[tid].change(absolute, h_old, h_new)
+            pos, d = rec.positions, rec.diffs
+        positions[tid].append(pos + rec.start)
+        diffs[tid].append(d)
         changed[tid] += rec.count
         if changed[tid] > m["tensors"][tid]["changed"]:
             raise VerifyError(f"tensor '{delta.tensors[tid].name}': records hold more changes than the manifest's "
                               f"{m['tensors'][tid]['changed']}")
-        staged.append(_Staged(view, rec.positions, old, new))
+
+    staged: list[_Staged] = []
+    hash_delta = [0] * n
+    for tid, spec in enumerate(delta.tensors):  # one read of the changed elements per tensor
+        if not positions[tid]:
+            continue
+        pos, d = np.concatenate(positions[tid]), np.concatenate(diffs[tid])
+        old = slots[tid].gather(pos)
+        new = old + unzigzag(d)
+        hash_delta[tid] = spec.key().change(pos, old, new)
+        staged.append(_Staged(slots[tid], pos, old, new))
 
     for spec, t, c, h in zip(delta.tensors, m["tensors"], changed, hash_delta):
         if c != t["changed"] or format_hash(h) != t["hash_delta"]:
@@ -137,17 +169,11 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
         raise VerifyError(f"target hash mismatch: manifest promises {m['target_hash']}, staged result is {target}")
 
     for s in staged:
-        if s.positions is None:
-            s.view[:] = s.new
-        else:
-            s.view[s.positions] = s.new
+        s.slot.scatter(s.positions, s.new)
     if verify_full:
         full = hash_through(delta.tensors, slot_of)
         if full != target:
-            for s in reversed(staged):
-                if s.positions is None:
-                    s.view[:] = s.old
-                else:
-                    s.view[s.positions] = s.old
+            for s in staged:
+                s.slot.scatter(s.positions, s.old)
             raise VerifyError(f"full state hash after apply is {full}, expected {target}; rolled back")
     return target

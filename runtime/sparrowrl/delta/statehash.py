@@ -73,11 +73,16 @@ def tensor_hash(key: TensorKey, flat_bits: np.ndarray, pool: ThreadPoolExecutor 
 
 
 def state_hash(state: Mapping[str, torch.Tensor]) -> str:
-    """Full recomputation of H over a {name: tensor} state, as 16 hex digits."""
+    """Full recomputation of H over a {name: tensor} state, as 16 hex digits. CUDA tensors are
+    hashed where they are (CuPy), without a copy to the host."""
     total = 0
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for name, t in state.items():
-            total += tensor_hash(tensor_key(name, t), bits(t), pool)
+            if t.device.type == "cuda":
+                from sparrowrl.delta import gpu
+                total += gpu.tensor_hash(tensor_key(name, t), gpu.device_bits(t))
+            else:
+                total += tensor_hash(tensor_key(name, t), bits(t), pool)
     return format_hash(total)
 
 

