@@ -29,8 +29,10 @@ $(VLLM_STAMP): pyproject.toml tests/engine_vllm/requirements.txt
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# The engine's tests, and the codec's under that venv's numba and numpy.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/engine_vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/engine_vllm tests/test_roundtrip.py tests/test_statehash.py \
+	  tests/test_layout.py
 
 # The main job, locally: trainer, relays and workers as processes on loopback (~3 minutes).
 demo: $(STAMP)

@@ -19,8 +19,8 @@ fi
 export PYTHONPATH="$PWD/runtime${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, torch.cuda.get_device_name())"
-# GPU tests: byte-identical deltas from CUDA inputs, device hash == CPU hash, in-place apply
-# into fused CUDA views
+# GPU tests (tests/test_gpu.py): byte-identical deltas from CUDA inputs, device hash == CPU hash,
+# in-place apply into fused CUDA views; and the CPU codec tests beside them
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_roundtrip.py tests/test_layout.py 2>&1 \
   | tee "$OUT/gpu-tests.log"
 # the vLLM engine's in-place GPU route, where the device has vLLM (it cannot be carried: too big)

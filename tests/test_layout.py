@@ -3,12 +3,14 @@
 import io
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, Slot, apply_delta, state_hash, write_delta
 from sparrowrl.delta.apply import DeviceSlot, hash_through
 from sparrowrl.delta.bitview import bits
+from sparrowrl.delta.errors import VerifyError
 
 
 def test_apply_into_fused_qkv(rng):
@@ -45,3 +47,20 @@ def test_apply_through_device_slots(rng):
     h = apply_delta(DeltaFile(buf.getvalue()), slot_of=slot_of, verify_full=True)
     assert np.array_equal(bits(qkv), bits(torch.cat(list(new.values()))))
     assert h == state_hash(new)
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_a_wrong_layout_is_caught_by_the_full_hash_and_rolled_back(rng, device):
+    """k and v mapped onto the same rows by mistake: with equal old values every check before the
+    assignment passes, the full hash afterwards does not, and the rows get their old bits back."""
+    k = random_tensor(rng, "BF16", (8, 16))
+    old = {"k_proj.weight": k, "v_proj.weight": k.clone()}
+    new = {n: mutate(rng, t, 0.3) for n, t in old.items()}
+    buf = io.BytesIO()
+    write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1)
+    rows = k.clone()
+    flat = rows.view(-1).view(torch.int16) if device else bits(rows)
+    slot_of = lambda spec: (DeviceSlot if device else Slot)(flat, 0)
+    with pytest.raises(VerifyError, match="rolled back"):
+        apply_delta(DeltaFile(buf.getvalue()), slot_of=slot_of, verify_full=True)
+    assert np.array_equal(bits(rows), bits(k))

@@ -22,8 +22,11 @@ from sparrowrl.transport.client import Client, FetchError
 class Worker:
     """`data` fetches versions (relays first, the origin last); `control` talks to the trainer."""
 
-    def __init__(self, name: str, data: Client, control: Client, engine: Engine, mode: str):
+    def __init__(self, name: str, data: Client, control: Client, engine: Engine, mode: str,
+                 on_engine: ThreadPoolExecutor):
         self.name, self.c, self.control, self.engine, self.mode = name, data, control, engine, mode
+        self.on_engine = on_engine  # one thread for all engine work: vLLM's CPU kernels check that
+        # they run with the OpenMP thread count they were set up with, which is per thread
         self.version, self.hash = -1, ""
         self.staged: dict[int, tuple[object, float]] = {}  # version → (delta or full state, seconds to fetch)
         self.known = -1  # newest version fetched or being fetched
@@ -34,9 +37,12 @@ class Worker:
         listing = await self.c.versions()
         t0 = time.perf_counter()
         state, h = await self.c.advance(listing["newest"])
-        await asyncio.to_thread(self._load, state)
+        await self._run(self._load, state)
         self.known = listing["newest"]
         await self._commit_report(listing["newest"], time.perf_counter() - t0)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.on_engine, fn, *args)
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
         live = self.engine.tensors()
@@ -48,7 +54,7 @@ class Worker:
 
     async def _commit_report(self, version: int, fetch_s: float | None) -> None:
         """Hash the weights the engine computes with, in full, and report them; a mismatch stops the worker."""
-        h = await asyncio.to_thread(lambda: state_hash(self.engine.readback()))
+        h = await self._run(lambda: state_hash(self.engine.readback()))
         self.version, self.hash = version, h
         ok = (await self.control.post_json("/v1/commit", {"worker": self.name, "version": version, "state_hash": h,
                                              "fetch_s": fetch_s}))["verified"]
@@ -89,10 +95,10 @@ class Worker:
             v = self.version + 1
             item, fetch_s = self.staged.pop(v)
             if self.mode == "full":
-                await asyncio.to_thread(self._load, item)
+                await self._run(self._load, item)
             else:
-                await asyncio.to_thread(apply_delta, item, self.engine.tensors(), base_hash=self.hash)
-                await asyncio.to_thread(self.engine.commit)
+                await self._run(lambda: apply_delta(item, self.engine.tensors(), base_hash=self.hash))
+                await self._run(self.engine.commit)
             await self._commit_report(v, fetch_s)
 
     async def run(self) -> None:
@@ -120,7 +126,7 @@ class Worker:
         t0 = time.perf_counter()
         results = {}
         for p in lease["prompts"]:
-            samples = await asyncio.to_thread(self.engine.generate, p["ids"], job["group_size"], p["seed"],
+            samples = await self._run(self.engine.generate, p["ids"], job["group_size"], p["seed"],
                                               job["max_new_tokens"], job["temperature"])
             results[p["group"]] = {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs} for s in samples]}
         await self.control.post_json("/v1/results", {"lease": lease["id"], "worker": self.name, "version": self.version,
@@ -131,14 +137,11 @@ class Worker:
 async def main(trainer: str, urls: list[str], name: str, model_dir: str, engine: str, streams: int,
                rate_mbit: float | None = None) -> None:
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
-    # Engine calls (asyncio.to_thread) all run on one thread: vLLM's CPU kernels check that they
-    # run with the thread count they were set up with, which is per thread under OpenMP.
-    asyncio.get_running_loop().set_default_executor(
-        ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(1,)))
     async with Client(trainer, attempts=12) as control, \
             Client(urls, streams=streams, attempts=12, rate_mbit=rate_mbit) as data:
         mode = (await control.json("/v1/job"))["mode"]
         t0 = time.perf_counter()
-        built = await asyncio.to_thread(make_engine, engine, model_dir)
+        on_engine = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(1,))
+        built = await asyncio.get_running_loop().run_in_executor(on_engine, make_engine, engine, model_dir)
         print(f"{name}: {engine} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
-        await Worker(name, data, control, built, mode).run()
+        await Worker(name, data, control, built, mode, on_engine).run()

@@ -43,6 +43,18 @@ def trainer(tmp_path_factory):
     return model, str(folder)
 
 
+@pytest.fixture(scope="module")
+def engines(trainer):
+    """One vLLM engine for the module (on a GPU each would claim most of its memory) and the hf one."""
+    return vllm_engine.VLLMEngine(trainer[1]), HFEngine(trainer[1])
+
+
+def load(engine, state) -> None:
+    for n, t in engine.tensors().items():
+        t.copy_(state[n])
+    engine.commit()
+
+
 def versions(model, n: int):
     """The bf16 policy after each of n AdamW steps, with a -0.0 kept in a fused weight."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -85,15 +97,12 @@ def hf_logprobs(engine: HFEngine, prompt: list[int], tokens: list[int], temperat
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
-def test_commits_hash_to_the_trainers_versions_and_decode_like_hf(trainer):
-    model, folder = trainer
-    states = versions(model, 3)
-    engine, hf = vllm_engine.VLLMEngine(folder), HFEngine(folder)
+def test_commits_hash_to_the_trainers_versions_and_decode_like_hf(trainer, engines):
+    states = versions(trainer[0], 3)
+    engine, hf = engines
     assert engine.llm.apply_model(lambda m: type(m.model.layers[0].self_attn.qkv_proj).__name__) == ["QKVParallelLinear"]
-    for e in (engine, hf):
-        for n, t in e.tensors().items():
-            t.copy_(states[0][n])
-        e.commit()
+    load(engine, states[0])
+    load(hf, states[0])
     have = state_hash(engine.readback())
     assert have == state_hash(states[0])
     greedy = []
@@ -112,27 +121,25 @@ def test_commits_hash_to_the_trainers_versions_and_decode_like_hf(trainer):
     assert greedy[0] != greedy[-1]  # the versions differ in what they generate, so the check has teeth
 
 
-def test_a_mismatched_delta_changes_nothing(trainer):
-    model, folder = trainer
-    states = versions(model, 2)
-    engine = vllm_engine.VLLMEngine(folder)
-    for n, t in engine.tensors().items():
-        t.copy_(states[0][n])
-    engine.commit()
+def test_a_delta_for_another_base_changes_nothing(trainer, engines):
+    states = versions(trainer[0], 2)
+    engine = engines[0]
+    load(engine, states[0])
     before = state_hash(engine.readback())
+    stale = delta(states[1], states[2], 2)
     with pytest.raises(DeltaError, match="base hash mismatch"):
-        apply_delta(delta(states[1], states[2], 2), engine.tensors(), base_hash=before)
+        apply_delta(stale, engine.tensors(), base_hash=before)
+    # a receiver that takes the delta's word for its base: staging reads the real values and refuses
+    with pytest.raises(DeltaError, match="differ from the manifest"):
+        apply_delta(stale, engine.tensors(), base_hash=stale.manifest["base_hash"])
     assert state_hash(engine.tensors()) == before == state_hash(engine.readback())
 
 
-def test_samples_carry_logprobs_at_the_sampling_temperature(trainer):
-    model, folder = trainer
-    state = policy_state(model)
-    engine, hf = vllm_engine.VLLMEngine(folder), HFEngine(folder)
-    for e in (engine, hf):
-        for n, t in e.tensors().items():
-            t.copy_(state[n])
-        e.commit()
+def test_samples_carry_logprobs_at_the_sampling_temperature(trainer, engines):
+    state = policy_state(trainer[0])
+    engine, hf = engines
+    load(engine, state)
+    load(hf, state)
     samples = engine.generate(PROMPTS[0], 6, seed=7, max_new_tokens=6, temperature=2.0)
     assert samples == engine.generate(PROMPTS[0], 6, seed=7, max_new_tokens=6, temperature=2.0)  # seeded
     assert len({tuple(s.tokens) for s in samples}) > 1
@@ -143,6 +150,7 @@ def test_samples_carry_logprobs_at_the_sampling_temperature(trainer):
             ref.append(abs(lp - at_t))
             raw.append(abs(lp - at_1))
     assert sum(ref) / len(ref) < 0.1 < 0.3 < sum(raw) / len(raw)  # bf16 kernels differ a little
+
 
 def test_a_run_with_vllm_workers_verifies_every_commit(tmp_path):
     job = yaml.safe_load((Path(__file__).parents[2] / "examples/local-job.yaml").read_text())

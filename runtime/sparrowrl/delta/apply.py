@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from sparrowrl.delta.bitview import _TORCH_SINT, SINT, UINT, bits, dtype_name, itemsize
+from sparrowrl.delta.bitview import SINT, TORCH_SINT, UINT, bits, dtype_name, itemsize
 from sparrowrl.delta.errors import MismatchError, VerifyError
 from sparrowrl.delta.extract import unzigzag
 from sparrowrl.delta.frame import DeltaFile, TensorSpec
@@ -51,6 +51,11 @@ class DeviceSlot(Slot):
 
     flat: torch.Tensor
 
+    def __post_init__(self) -> None:
+        if self.flat.dtype not in TORCH_SINT.values() or self.flat.dim() != 1:
+            raise TypeError(f"a device slot needs a flat signed-integer bit view, not {self.flat.dtype}"
+                            f"{list(self.flat.shape)}")
+
     def _host(self, t: torch.Tensor) -> np.ndarray:
         return t.cpu().numpy().view(UINT[t.element_size()])
 
@@ -81,7 +86,7 @@ def state_slots(state: Mapping[str, torch.Tensor]) -> SlotMap:
         if not t.is_contiguous():
             raise MismatchError(f"tensor '{spec.name}' must be contiguous to apply in place")
         if t.device.type != "cpu":
-            return DeviceSlot(t.view(-1).view(_TORCH_SINT[t.element_size()]))
+            return DeviceSlot(t.view(-1).view(TORCH_SINT[t.element_size()]))
         return Slot(bits(t))
 
     return slot
@@ -168,8 +173,15 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
     if target != m["target_hash"]:
         raise VerifyError(f"target hash mismatch: manifest promises {m['target_hash']}, staged result is {target}")
 
-    for s in staged:
-        s.slot.scatter(s.positions, s.new)
+    done: list[_Staged] = []
+    try:
+        for s in staged:
+            s.slot.scatter(s.positions, s.new)  # on a device this can fail midway (memory, a lost GPU)
+            done.append(s)
+    except BaseException:
+        for s in done:
+            s.slot.scatter(s.positions, s.old)
+        raise
     if verify_full:
         full = hash_through(delta.tensors, slot_of)
         if full != target:

@@ -27,7 +27,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 _NAME_OF = {t: name for name, (t, _) in DTYPES.items()}
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-_TORCH_SINT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+TORCH_SINT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def dtype_name(t: torch.dtype) -> str:
@@ -47,4 +47,4 @@ def bits(t: torch.Tensor) -> np.ndarray:
     flat = t.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    return flat.view(_TORCH_SINT[size]).numpy().view(UINT[size])
+    return flat.view(TORCH_SINT[size]).numpy().view(UINT[size])

@@ -12,13 +12,10 @@ import cupy
 import numpy as np
 import torch
 
-from sparrowrl.delta.bitview import UINT
+from sparrowrl.delta.bitview import TORCH_SINT, UINT
 from sparrowrl.delta.extract import changed_positions, zigzag
 from sparrowrl.delta.records import Changes
 from sparrowrl.delta.statehash import TensorKey
-
-_TORCH_SINT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 def device_bits(t: torch.Tensor) -> cupy.ndarray:
     """Flat unsigned bit-pattern view of a contiguous CUDA tensor, sharing its memory."""
@@ -26,7 +23,7 @@ def device_bits(t: torch.Tensor) -> cupy.ndarray:
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     size = flat.element_size()
-    return cupy.from_dlpack(flat.view(_TORCH_SINT[size])).view(UINT[size])
+    return cupy.from_dlpack(flat.view(TORCH_SINT[size])).view(UINT[size])
 
 
 def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int) -> list[Changes]:

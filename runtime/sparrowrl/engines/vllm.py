@@ -15,11 +15,12 @@ names, so the hash covers what vLLM computes with, not the copy.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
-for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: one model copy
-               "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; rollouts here are short
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its model is reachable
+for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; rollouts here are short
                "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer and other workers
                "HF_HUB_OFFLINE": "1"}.items():
     os.environ.setdefault(_k, _v)
@@ -27,8 +28,8 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
-from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 
 from sparrowrl.engines import Sample  # noqa: E402
 
@@ -44,7 +45,9 @@ def _vec_attention(isa):
     return pick
 
 
-cpu_attn._get_attn_isa = _vec_attention(cpu_attn._get_attn_isa)
+if current_platform.is_cpu():
+    from vllm.v1.attention.backends import cpu_attn
+    cpu_attn._get_attn_isa = _vec_attention(cpu_attn._get_attn_isa)
 
 
 def _shield_llvmlite() -> None:
@@ -62,6 +65,7 @@ class VLLMEngine:
         with torch.device("meta"):  # names, shapes and the class only
             hf = AutoModelForCausalLM.from_config(config)
         self.shapes = {n: p.shape for n, p in hf.named_parameters()}
+        self.vocab = config.vocab_size
         eos = config.eos_token_id
         self.eos = sorted(set(eos) if isinstance(eos, list) else {eos})
         self.on_cpu = current_platform.is_cpu()
@@ -80,11 +84,14 @@ class VLLMEngine:
                      and hasattr(m, "quant_method") and self.owner[id(m.weight)] != f"{name}.weight"]
         if self.on_cpu:
             self.state = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in self.shapes.items()}
+            # Each commit logs four lines, two of them warnings about the layers that have no
+            # checkpoint weights (rotary embedding, a tied head), as expected. Set after start,
+            # since vLLM configures its logging then.
+            for name in ("model_executor.model_loader.reload.layerwise", "model_executor.model_loader.reload.inplace",
+                         "v1.core.block_pool"):
+                logging.getLogger(f"vllm.{name}").setLevel(logging.ERROR)
         else:
-            self.state = {}
-            for name, param in self.model.named_parameters():
-                self.state.update(self._parts(name, param.data))
-            self._check(self.state)
+            self.state = self._live()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.state
@@ -94,53 +101,62 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(self.state.items())})
             for module in self.tied:  # reload repacks a weight for its owner only
                 module.quant_method.process_weights_after_loading(module)
-        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+        if not self.llm.reset_prefix_cache():  # KV computed with the old weights must not be reused
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
     @torch.inference_mode()
     def readback(self) -> dict[str, torch.Tensor]:
         if not self.on_cpu:
-            return self.state  # views of the live parameters
+            live = self._live()  # the parameters vLLM holds now: they must be the ones deltas go into
+            moved = [n for n, t in live.items() if t.data_ptr() != self.state[n].data_ptr()]
+            if moved:
+                raise RuntimeError(f"vLLM replaced the storage of {moved[:3]}: updates would miss the live weights")
+            return live
         out: dict[str, torch.Tensor] = {}
         for name, param in self.model.named_parameters():  # each shared parameter once
             if param.numel():  # kept as a plain tensor: embeddings, norms
-                out.update(self._unfuse(name, param))
+                out.update({n: t.to(self.state[n].dtype) for n, t in self._parts(name, param.detach()).items()})
         for name, module in self.model.named_modules():
             weight = getattr(module, "weight", None)
-            if not hasattr(module, "cpu_linear") or weight is None:
-                continue
+            if (not hasattr(module, "cpu_linear") or weight is None
+                    or isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)):
+                continue  # an embedding's kernel copy computes nothing
             k = weight.shape[1] if weight.numel() else module.input_size_per_partition
-            for n, t in self._unfuse(self.owner[id(weight)], _unpack(module, k)).items():
+            for n, t in self._parts(self.owner[id(weight)], _unpack(module, k)).items():
+                mine = self.state[n]
+                t = torch.where((t == 0) & (mine == 0), mine, t.to(mine.dtype))  # no matmul shows a zero's sign
                 if not weight.numel():  # packed for the kernel, the parameter left empty
                     out[n] = t
                 elif not torch.equal(t, out[n]):  # a kept weight's packed copy (a tied head) must agree
                     raise RuntimeError(f"vLLM's kernel for '{name}' computes with other weights than '{n}'")
-        self._check(out)
-        return {n: out[n] for n in self.shapes}
-
-    def _check(self, found: dict[str, torch.Tensor]) -> None:
-        missing = sorted(set(self.shapes) - set(found))
+        missing = sorted(set(self.shapes) - set(out))
         if missing:
             raise RuntimeError(f"vLLM holds no parameter for {missing[:3]}")
+        return {n: out[n] for n in self.shapes}
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        """On GPU: views of vLLM's parameters by the trainer's names."""
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.model.named_parameters():
+            out.update(self._parts(name, param.data))
+        missing = sorted(set(self.shapes) - set(out))
+        if missing:
+            raise RuntimeError(f"vLLM holds no parameter for {missing[:3]}")
+        return out
 
     def _parts(self, name: str, live: torch.Tensor) -> dict[str, torch.Tensor]:
         """A vLLM parameter as views of the trainer's tensors: fused rows split in the order vLLM
-        stacked them, the vocabulary padding cut."""
+        stacked them, the vocabulary's padding rows cut."""
         module, _, leaf = name.rpartition(".")
         parent, _, last = module.rpartition(".")
         parts = [f"{parent}.{p}.{leaf}" for p in self.packed[last]] if last in self.packed else [name]
         if any(p not in self.shapes for p in parts):
             raise RuntimeError(f"vLLM parameter '{name}' maps to {parts}, which the policy lacks")
         rows = [self.shapes[p][0] for p in parts]
+        padded = len(parts) == 1 and rows[0] == self.vocab and live.shape[0] >= self.vocab
+        if live.shape[0] != sum(rows) and not padded or live[0].numel() != self.shapes[parts[0]][1:].numel():
+            raise RuntimeError(f"vLLM parameter '{name}' is {list(live.shape)}, not the rows of {parts}")
         return {p: t.view(self.shapes[p]) for p, t in zip(parts, live[:sum(rows)].split(rows))}
-
-    def _unfuse(self, name: str, live: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Read back on CPU: `_parts`, with the sign of zeros (which no matmul shows) from the copy."""
-        out = {}
-        for p, t in self._parts(name, live.detach()).items():
-            mine = self.state[p]
-            t = t.to(mine.dtype)  # a kernel may keep a bf16 bias in fp32
-            out[p] = torch.where((t == 0) & (mine == 0), mine, t)
-        return out
 
     def generate(self, prompt: list[int], n: int, seed: int, max_new_tokens: int, temperature: float) -> list[Sample]:
         params = SamplingParams(n=n, seed=seed, temperature=temperature, top_k=0, top_p=1.0,
@@ -151,6 +167,7 @@ class VLLMEngine:
 
 
 def _unpack(module: torch.nn.Module, k: int) -> torch.Tensor:
-    """The weight a packed CPU kernel computes with: linear(I) = Wᵀ, exact in bf16 (one product
-    per output, the rest zeros) except for the sign of zero."""
-    return module.cpu_linear(torch.eye(k, dtype=torch.bfloat16), None, None).t().contiguous()
+    """The weight a CPU kernel computes with: linear(I) = Wᵀ, exact in bf16 (one product per
+    output, the rest zeros) except for the sign of zero. About one prefill of k tokens: cheap
+    for tiny models, minutes for billions of parameters on CPU."""
+    return module.cpu_linear(torch.eye(k, dtype=torch.bfloat16), module.weight, None).t().contiguous()
