@@ -120,6 +120,35 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
     assert s["steps"] == 4 and s["weights_mismatch"] == 0 and s["prompt_groups_admitted"] == 16
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its parent's wait is missing
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux only")
+def test_children_stop_when_the_runner_is_killed(tmp_path):
+    f = tmp_path / "j.yaml"
+    f.write_text(yaml.safe_dump(job("sparse", steps=50)))
+    out = tmp_path / "run"
+    p = subprocess.Popen([EXE, "run", str(f), "--run-dir", str(out)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / "processes.json").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    procs = json.loads((out / "processes.json").read_text())
+    children = [procs["trainer"], *procs["workers"].values(), *procs["relays"].values()]
+    assert all(alive(c) for c in children)
+    p.kill()  # SIGKILL: no handler runs
+    p.wait()
+    while any(alive(c) for c in children) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [c for c in children if alive(c)]
+
+
 def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     """model.path, task.jsonl and reward module:function, found beside the job file."""
     from sparrowrl import models

@@ -5,6 +5,7 @@ collects the results."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -33,6 +34,13 @@ class RunError(Exception):
     pass
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the runner dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG). Children run in sessions of their own, so nothing else would reach them."""
+    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # 1: PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,7 +57,8 @@ class Processes:
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "w")
-        p = subprocess.Popen(EXE + args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(EXE + args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self.procs[name] = p
         return p
 
