@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import time
 from pathlib import Path
@@ -155,6 +156,24 @@ def _pad(rows, pad: int):
 
 # ---------------------------------------------------------------- the trainer process
 
+def once(handler):
+    """A control POST acts once per idempotency key (`Client.post_json` sends the same key on
+    every retry). A retry after a lost answer, or while the first is still being answered, gets
+    the first answer: not a second lease, a second admission or a second commit."""
+
+    @functools.wraps(handler)
+    async def answer(self: "Run", request: web.Request) -> web.Response:
+        body = await request.json()
+        key = request.headers.get("Idempotency-Key")
+        slot = (request.path, str(body.get("worker")))  # each worker's latest request per route
+        last = self.answers.get(slot)
+        if key is None or last is None or last[0] != key:
+            last = self.answers[slot] = (key, asyncio.ensure_future(handler(self, body)))
+        return web.json_response(await asyncio.shield(last[1]))  # a dropped connection does not cancel it
+
+    return answer
+
+
 class Run:
     """The trainer process: store server + coordinator routes + the training loop."""
 
@@ -171,6 +190,7 @@ class Run:
         self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
         self.seen: dict[str, float] = {}  # worker → when it last called
         self.first: dict[str, int] = {}  # worker → the first version it committed
+        self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `once`
         self.changed = asyncio.Event()
         self.t_start = time.time()
         self.finished = False
@@ -211,8 +231,8 @@ class Run:
         now = time.monotonic()
         return sorted(w for w, t in self.seen.items() if now - t < self.spec.rollout.lease_seconds)
 
-    async def h_work(self, request: web.Request) -> web.Response:
-        body = await request.json()
+    @once
+    async def h_work(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
         deadline = time.monotonic() + 10
         while True:
@@ -223,21 +243,21 @@ class Run:
         if "lease" in ans:
             ans["lease"]["prompts"] = [{"group": g, "ids": models.prompt_ids(self.trainer.tok, self.trainer.prompt(g).prompt),
                                         "seed": group_seed(self.spec.seed, g)} for g in ans["lease"]["groups"]]
-        return web.json_response(ans)
+        return ans
 
-    async def h_results(self, request: web.Request) -> web.Response:
-        body = await request.json()
+    @once
+    async def h_results(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
         results = {int(g): r for g, r in body["results"].items()}
         if bad := self._malformed(results):
             self.coord.refuse(int(body["lease"]), body["worker"])
             self._touch()
-            return web.json_response({"admitted": 0, "refused": bad})
+            return {"admitted": 0, "refused": bad}
         ans = self.coord.submit(int(body["lease"]), body["worker"], int(body["version"]), body["state_hash"], results)
         if ans["admitted"]:
             self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + float(body["generate_s"])
         self._touch()
-        return web.json_response(ans)
+        return ans
 
     def _malformed(self, results: dict[int, dict]) -> str | None:
         """Workers are not trusted: a result that would break the training step is refused."""
@@ -254,8 +274,8 @@ class Run:
                     return f"group {group}: a token id outside the vocabulary (0..{vocab - 1})"
         return None
 
-    async def h_commit(self, request: web.Request) -> web.Response:
-        body = await request.json()
+    @once
+    async def h_commit(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
         deadline = time.monotonic() + 30
         while int(body["version"]) > self.coord.published and time.monotonic() < deadline:
@@ -267,7 +287,7 @@ class Run:
             self.fetch.setdefault(int(body["version"]), {})[body["worker"]] = float(body["fetch_s"])
         self._flush()
         self._touch()
-        return web.json_response({"verified": ok})
+        return {"verified": ok}
 
     async def h_status(self, request: web.Request) -> web.Response:
         last = self.rows.get(max(self.rows)) if self.rows else None

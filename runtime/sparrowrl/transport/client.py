@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import random
+import secrets
 import socket
 import ssl
 import time
@@ -164,10 +165,13 @@ class Client:
         return (await self._get(path, parse=json.loads, **kw))[1]
 
     async def post_json(self, path: str, body: dict) -> dict:
-        """POST a JSON body, with the same retries and fallback as a GET. The server must take a
-        repeated body in its stride: an answer lost on the way back means the body is sent again."""
+        """POST a JSON body, with the same retries and fallback as a GET. An answer lost on the way
+        back means the body is sent again, with the same `Idempotency-Key`, so that the server can
+        answer the retry with its first answer instead of acting twice."""
+        headers = {"Idempotency-Key": secrets.token_hex(16)}
+
         async def request(url: str):
-            async with self._session.post(url, json=body) as r:
+            async with self._session.post(url, json=body, headers=headers) as r:
                 await self._check(r, url)
                 try:
                     return await r.json()
