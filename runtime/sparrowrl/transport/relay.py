@@ -18,7 +18,6 @@ import asyncio
 import hashlib
 import os
 import time
-import traceback
 import uuid
 from pathlib import Path
 
@@ -73,9 +72,6 @@ class Relay:
                     except FetchError as e:  # upstream unreachable for a while: keep serving, try again
                         print(f"relay: {e}", flush=True)
                         await asyncio.sleep(1.0)
-                    except Exception:  # a bug, not the network: say so loudly, and keep mirroring
-                        traceback.print_exc()
-                        await asyncio.sleep(1.0)
             finally:
                 for task in self.waiting.values():
                     task.cancel()
@@ -102,10 +98,8 @@ class Relay:
             print(f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
                   f" ({c.stats.retries - retries} retries)", flush=True)
             entry = entries.get(v)
-            if entry is None or entry["delta"] is None:  # still being produced when listed
-                entry = await self._listed(c, v, lambda e: e["delta"] is not None)
-                if entry is None:
-                    raise FetchError(f"upstream did not list delta v{v} as stored")
+            if entry is None or entry["delta"] is None:  # it was still being produced: ask again
+                entry = next(e for e in (await c.versions())["versions"] if e["version"] == v)
             if entry["delta"]["sha256"] != digest:
                 (self.mirror / "deltas" / name).unlink(missing_ok=True)
                 raise FetchError(f"delta v{v} from upstream hashes to {digest[:16]}, listing says "
@@ -149,27 +143,20 @@ class Relay:
         os.replace(partial, self.mirror / "deltas" / name)
         return name, digest, len(d.data)
 
-    async def _listed(self, c: Client, v: int, ready, timeout: float = 60.0) -> dict | None:
-        """Upstream's entry for v once `ready(entry)` holds: the origin lists a delta as stored a
-        moment after its last byte can be read (it hashes the file first), and a base snapshot
-        after the delta. None if v leaves the listing or `timeout` passes."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            entry = next((e for e in (await c.versions())["versions"] if e["version"] == v), None)
-            if entry is None or ready(entry):
-                return entry
-            await asyncio.sleep(0.05)
-        return None
-
-    async def _await_base(self, c: Client, v: int, every: int) -> None:
+    async def _await_base(self, c: Client, v: int, every: int, timeout: float = 60.0) -> None:
         """List v's base snapshot once upstream lists it (workers syncing in full mode wait for
         it); the delta mirroring goes on meanwhile."""
+        deadline = time.monotonic() + timeout
         try:
-            entry = await self._listed(c, v, lambda e: e["base"] is not None)
-            if entry is None:
-                print(f"relay: upstream listed no base snapshot of v{v} within 60 s", flush=True)
-            else:
-                self._list_base(entry, every)
+            while time.monotonic() < deadline:
+                entry = next((e for e in (await c.versions())["versions"] if e["version"] == v), None)
+                if entry is None:
+                    return
+                if entry["base"]:
+                    self._list_base(entry, every)
+                    return
+                await asyncio.sleep(0.05)
+            print(f"relay: v{v} has no base snapshot upstream after {timeout:.0f} s", flush=True)
         except FetchError as e:
             print(f"relay: v{v}'s base snapshot not listed: {e}", flush=True)
         finally:
