@@ -1,15 +1,14 @@
 """`sparrowrl relay`: one per region. Fetches each version once across the WAN and serves the
 region's workers with the same API as the origin, cut-through.
 
-The relay mirrors the origin's store into a local directory: it starts at the newest base
-version, then follows the origin's versions by long-poll. A delta that the origin is still
+The relay mirrors the origin's store into a local directory: it starts from the newest base
+snapshot, then follows the origin's versions by long-poll. A delta that the origin is still
 writing is fetched cut-through over parallel streams (one TCP flow is often capped on a WAN):
 each piece as soon as the origin lists it, written at its offset in the mirror's `.partial`
 file once it verifies, and listed to the relay's own workers at once (`Table`, in arrival
 order), so a worker's first chunk does not wait for the relay's last. Finished deltas take the same
-path. Base snapshots are listed as soon as the origin lists them but crossed over the WAN only
-when a worker first asks for one (a new worker starting, or full sync): a base is the whole
-model, and most steps no worker needs one. Only the newest `keep` versions are kept.
+path; bases are fetched over parallel verified streams too. Only the newest `keep` versions
+are kept.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from sparrowrl.store import BASE_PART, Store, StoreError, Version
+from sparrowrl.store import Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.transport.server import make_app
 
@@ -49,8 +48,6 @@ class Relay:
     def __init__(self, upstream: list[str], mirror: Path, keep: int = 8, **client_kw):
         self.upstream, self.mirror, self.keep, self.client_kw = upstream, Path(mirror), keep, client_kw
         self.tables: dict[int, Table] = {}  # version being mirrored → its verified pieces so far
-        self.waiting: dict[int, asyncio.Task] = {}  # base version → the wait for upstream to list its snapshot
-        self.fetching: dict[int, asyncio.Future] = {}  # base version → its fetch, on the first request
         (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
         (self.mirror / "bases").mkdir(exist_ok=True)
         self.synced = asyncio.Event()  # set once the first version is mirrored
@@ -63,18 +60,14 @@ class Relay:
 
     async def run(self) -> None:
         async with Client(self.upstream, **self.client_kw) as c:
-            try:
-                while True:
-                    try:
-                        store = self._store()
-                        listing = await c.versions(after=store.newest if store else None, wait=30)
-                        await self.sync(c, listing)
-                    except FetchError as e:  # upstream unreachable for a while: keep serving, try again
-                        print(f"relay: {e}", flush=True)
-                        await asyncio.sleep(1.0)
-            finally:
-                for task in self.waiting.values():
-                    task.cancel()
+            while True:
+                try:
+                    store = self._store()
+                    listing = await c.versions(after=store.newest if store else None, wait=30)
+                    await self.sync(c, listing)
+                except FetchError as e:  # upstream unreachable for a while: keep serving, try again
+                    print(f"relay: {e}", flush=True)
+                    await asyncio.sleep(1.0)
 
     async def sync(self, c: Client, listing: dict) -> None:
         entries = {v["version"]: v for v in listing["versions"]}
@@ -88,11 +81,11 @@ class Relay:
                 raise FetchError("upstream lists no base snapshot to start from")
             for f in [*(self.mirror / "deltas").iterdir(), *(self.mirror / "bases").iterdir()]:
                 f.unlink()
-            Store._write_index(self.mirror, every, {})
-            self._list_base(entries[start], every)
+            await self._fetch_base(c, entries[start], {}, every)
             store = self._store()
             wanted = [v for v in wanted if v > start]
         for v in wanted:
+            versions = dict(store.versions)
             t0, retries = time.perf_counter(), c.stats.retries
             name, digest, size = await self._mirror_delta(c, v)
             print(f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
@@ -104,13 +97,12 @@ class Relay:
                 (self.mirror / "deltas" / name).unlink(missing_ok=True)
                 raise FetchError(f"delta v{v} from upstream hashes to {digest[:16]}, listing says "
                                  f"{entry['delta']['sha256'][:16]}")
-            versions = self._store().versions  # read just now: nothing else writes the index until we do
             versions[v] = Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"])
             Store._write_index(self.mirror, every, versions)
-            if entry["base"]:
-                self._list_base(entry, every)
-            elif v % every == 0:  # its snapshot is written after its delta: listed when upstream lists it
-                self.waiting[v] = asyncio.create_task(self._await_base(c, v, every))
+            if v % every == 0:  # a base version: its snapshot is written after its delta
+                entry = entry if entry["base"] else await self._await_base(c, v)
+                if entry is not None:
+                    await self._fetch_base(c, entry, versions, every)
             store = self._store()
         if store is not None:
             self.synced.set()
@@ -143,71 +135,37 @@ class Relay:
         os.replace(partial, self.mirror / "deltas" / name)
         return name, digest, len(d.data)
 
-    async def _await_base(self, c: Client, v: int, every: int, timeout: float = 60.0) -> None:
-        """List v's base snapshot once upstream lists it (workers syncing in full mode wait for
-        it); the delta mirroring goes on meanwhile."""
+    async def _await_base(self, c: Client, v: int, timeout: float = 60.0) -> dict | None:
+        """Upstream's entry for v once it lists v's base snapshot (workers syncing in full mode
+        need it), or None after `timeout`."""
         deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                entry = next((e for e in (await c.versions())["versions"] if e["version"] == v), None)
-                if entry is None:
-                    return
-                if entry["base"]:
-                    self._list_base(entry, every)
-                    return
-                await asyncio.sleep(0.05)
-            print(f"relay: v{v} has no base snapshot upstream after {timeout:.0f} s", flush=True)
-        except FetchError as e:
-            print(f"relay: v{v}'s base snapshot not listed: {e}", flush=True)
-        finally:
-            self.waiting.pop(v, None)
+        while time.monotonic() < deadline:
+            entry = next((e for e in (await c.versions())["versions"] if e["version"] == v), None)
+            if entry is None or entry["base"]:
+                return entry
+            await asyncio.sleep(0.05)
+        print(f"relay: v{v} has no base snapshot upstream after {timeout:.0f} s", flush=True)
+        return None
 
-    def _list_base(self, entry: dict, every: int) -> None:
-        """Put upstream's base snapshot of a version into the index, without its file."""
-        store = self._store()
-        versions = store.versions if store is not None else {}
-        v = entry["version"]
-        if store is not None and versions and v < min(versions):  # pruned meanwhile
-            return
+    async def _fetch_base(self, c: Client, entry: dict, versions: dict[int, Version], every: int) -> None:
+        v, size, step = entry["version"], entry["base"]["bytes"], entry["base"]["part_bytes"]
+        pieces = [Piece(i * step, min(step, size - i * step), p) for i, p in enumerate(entry["base"]["parts"])]
+        data = await c.download(f"/v1/versions/{v}/base", size, pieces)
+        name = f"v{v:08d}.safetensors"
+        tmp = self.mirror / "bases" / f".{name}.partial"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.mirror / "bases" / name)
         info = versions.get(v) or Version(v, entry["state_hash"])
-        info.base, info.base_bytes, info.base_parts = f"v{v:08d}.safetensors", entry["base"]["bytes"], \
-            list(entry["base"]["parts"])
+        info.base, info.base_bytes, info.base_parts = name, size, list(entry["base"]["parts"])
         versions[v] = info
         Store._write_index(self.mirror, every, versions)
-
-    async def fetch_base(self, v: int) -> None:
-        """The base snapshot of v in the mirror, fetched across the WAN on the first request for
-        it; requests that come meanwhile wait for the same fetch."""
-        info = self._store().versions[v]
-        path = self.mirror / "bases" / info.base
-        if path.exists():
-            return
-        if v not in self.fetching:
-            self.fetching[v] = asyncio.ensure_future(self._fetch_base(v, info))
-        try:
-            await asyncio.shield(self.fetching[v])
-        finally:
-            if self.fetching.get(v) is not None and self.fetching[v].done():
-                self.fetching.pop(v, None)
-
-    async def _fetch_base(self, v: int, info: Version) -> None:
-        step = BASE_PART
-        pieces = [Piece(i * step, min(step, info.base_bytes - i * step), p) for i, p in enumerate(info.base_parts)]
-        t0 = time.perf_counter()
-        async with Client(self.upstream, **self.client_kw) as c:
-            data = await c.download(f"/v1/versions/{v}/base", info.base_bytes, pieces)
-        tmp = self.mirror / "bases" / f".{info.base}.partial"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.mirror / "bases" / info.base)
-        print(f"relay: v{v} base fetched on request, {info.base_bytes:,} bytes in {time.perf_counter() - t0:.2f} s",
-              flush=True)
 
 
 def make_relay_app(relay: Relay, token: str) -> web.Application:
     """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it."""
-    app = make_app(relay.mirror, token, pieces_override=lambda v: relay.tables.get(v), fetch_base=relay.fetch_base)
+    app = make_app(relay.mirror, token, pieces_override=lambda v: relay.tables.get(v))
 
     async def mirror_loop(app: web.Application):
         task = asyncio.create_task(relay.run())

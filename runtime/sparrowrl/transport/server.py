@@ -39,7 +39,6 @@ MANIFESTS = web.AppKey("manifests", dict)
 CACHE = web.AppKey("cache", dict)
 STOPPING = web.AppKey("stopping", asyncio.Event)
 PIECES = web.AppKey("pieces", dict)
-FETCH_BASE = web.AppKey("fetch_base", object)
 OVERRIDE = web.AppKey("pieces_override", object)
 
 
@@ -238,19 +237,13 @@ async def base(request: web.Request) -> web.FileResponse:
     info = store.versions[v]
     if not info.base:
         raise web.HTTPNotFound(text=f"version {v} has no base snapshot")
-    await request.app[FETCH_BASE](v)
     return _file(store, "bases", info.base, f"base-{info.state_hash}")
 
 
-async def _have_base(v: int) -> None:
-    pass
-
-
-def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None, fetch_base=_have_base) -> web.Application:
-    """`pieces_override(v)`: a relay's live piece table for a delta it is still mirroring.
-    `fetch_base(v)`: a relay's fetch of a base snapshot it lists but fetches only when asked."""
+def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None) -> web.Application:
+    """`pieces_override(v)`: a relay's live piece table for a delta it is still mirroring."""
     app = web.Application(middlewares=[auth])
-    app[OVERRIDE], app[FETCH_BASE] = pieces_override, fetch_base
+    app[OVERRIDE] = pieces_override
     app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
     app[STOPPING] = asyncio.Event()
     app[PIECES] = {}
