@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import os
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -68,6 +69,9 @@ class Relay:
                 except FetchError as e:  # upstream unreachable for a while: keep serving, try again
                     print(f"relay: {e}", flush=True)
                     await asyncio.sleep(1.0)
+                except Exception:  # a bug, not the network: say so loudly, and keep mirroring
+                    traceback.print_exc()
+                    await asyncio.sleep(1.0)
 
     async def sync(self, c: Client, listing: dict) -> None:
         entries = {v["version"]: v for v in listing["versions"]}
@@ -87,18 +91,28 @@ class Relay:
         for v in wanted:
             versions = dict(store.versions)
             t0, retries = time.perf_counter(), c.stats.retries
-            name, digest, size = await self._mirror_delta(c, v)
-            print(f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
-                  f" ({c.stats.retries - retries} retries)", flush=True)
-            entry = entries.get(v)
-            if entry is None or entry["delta"] is None:  # it was still being produced: ask again
-                entry = next(e for e in (await c.versions())["versions"] if e["version"] == v)
-            if entry["delta"]["sha256"] != digest:
-                (self.mirror / "deltas" / name).unlink(missing_ok=True)
-                raise FetchError(f"delta v{v} from upstream hashes to {digest[:16]}, listing says "
-                                 f"{entry['delta']['sha256'][:16]}")
+            partial, digest, size = await self._mirror_delta(c, v)
+            try:
+                print(f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
+                      f" ({c.stats.retries - retries} retries)", flush=True)
+                entry = entries.get(v)
+                if entry is None or entry["delta"] is None:  # still being produced when listed
+                    entry = await self._listed(c, v, lambda e: e["delta"] is not None)
+                    if entry is None:
+                        raise FetchError(f"upstream did not list delta v{v} as stored")
+                if entry["delta"]["sha256"] != digest:
+                    raise FetchError(f"delta v{v} from upstream hashes to {digest[:16]}, listing says "
+                                     f"{entry['delta']['sha256'][:16]}")
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                self.tables.pop(v).close()
+                raise
+            # stored, indexed and unlisted as in flight in one go: its readers never see it missing
+            name = f"v{v:08d}-{digest[:16]}.spd"
+            os.replace(partial, self.mirror / "deltas" / name)
             versions[v] = Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"])
             Store._write_index(self.mirror, every, versions)
+            self.tables.pop(v).close()
             if v % every == 0:  # a base version: its snapshot is written after its delta
                 entry = entry if entry["base"] else await self._await_base(c, v)
                 if entry is not None:
@@ -109,10 +123,11 @@ class Relay:
             if len(store.versions) > self.keep:
                 store.prune(self.keep)
 
-    async def _mirror_delta(self, c: Client, v: int) -> tuple[str, str, int]:
+    async def _mirror_delta(self, c: Client, v: int) -> tuple[Path, str, int]:
         """Fetch delta v (also while upstream still writes it) into the mirror's partial file,
         each piece written at its offset and listed for workers as soon as it has verified,
-        in whatever order the streams deliver: one slow piece holds back only itself."""
+        in whatever order the streams deliver: one slow piece holds back only itself. The
+        piece table stays listed until the caller has stored the file."""
         partial = self.mirror / "deltas" / f".v{v:08d}.partial"
         table = self.tables[v] = Table()
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -126,26 +141,33 @@ class Relay:
                 os.close(fd)
         except BaseException:
             partial.unlink(missing_ok=True)
-            raise
-        finally:
             del self.tables[v]
             table.close()
-        digest = hashlib.sha256(d.data).hexdigest()
-        name = f"v{v:08d}-{digest[:16]}.spd"
-        os.replace(partial, self.mirror / "deltas" / name)
-        return name, digest, len(d.data)
+            raise
+        return partial, hashlib.sha256(d.data).hexdigest(), len(d.data)
 
-    async def _await_base(self, c: Client, v: int, timeout: float = 60.0) -> dict | None:
-        """Upstream's entry for v once it lists v's base snapshot (workers syncing in full mode
-        need it), or None after `timeout`."""
+    async def _listed(self, c: Client, v: int, ready, timeout: float = 60.0) -> dict | None:
+        """Upstream's entry for v once `ready(entry)` holds. The origin indexes a delta only after
+        hashing its file, a moment after the last byte can be read, and writes a base snapshot
+        after the delta. None after `timeout`, or once v has left upstream's window."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            entry = next((e for e in (await c.versions())["versions"] if e["version"] == v), None)
-            if entry is None or entry["base"]:
+            listing = await c.versions()
+            entry = next((e for e in listing["versions"] if e["version"] == v), None)
+            if entry is not None and ready(entry):
                 return entry
+            if entry is None and v <= listing["newest"] and v not in listing["producing"]:
+                return None
             await asyncio.sleep(0.05)
-        print(f"relay: v{v} has no base snapshot upstream after {timeout:.0f} s", flush=True)
         return None
+
+    async def _await_base(self, c: Client, v: int) -> dict | None:
+        """Upstream's entry for v once it lists v's base snapshot (workers syncing in full mode
+        need it), or None."""
+        entry = await self._listed(c, v, lambda e: e["base"] is not None)
+        if entry is None:
+            print(f"relay: upstream listed no base snapshot of v{v}", flush=True)
+        return entry
 
     async def _fetch_base(self, c: Client, entry: dict, versions: dict[int, Version], every: int) -> None:
         v, size, step = entry["version"], entry["base"]["bytes"], entry["base"]["part_bytes"]
