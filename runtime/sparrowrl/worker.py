@@ -52,6 +52,10 @@ class Worker:
             live[n].copy_(t)
         self.engine.commit()
 
+    def _apply(self, delta) -> None:
+        apply_delta(delta, self.engine.tensors(), base_hash=self.hash)  # verified before anything changes
+        self.engine.commit()
+
     async def _commit_report(self, version: int, fetch_s: float | None) -> None:
         """Hash the weights the engine computes with, in full, and report them; a mismatch stops the worker."""
         h = await self._run(lambda: state_hash(self.engine.readback()))
@@ -94,11 +98,7 @@ class Worker:
         while self.version + 1 in self.staged:
             v = self.version + 1
             item, fetch_s = self.staged.pop(v)
-            if self.mode == "full":
-                await self._run(self._load, item)
-            else:
-                await self._run(lambda: apply_delta(item, self.engine.tensors(), base_hash=self.hash))
-                await self._run(self.engine.commit)
+            await self._run(self._load if self.mode == "full" else self._apply, item)
             await self._commit_report(v, fetch_s)
 
     async def run(self) -> None:

@@ -129,20 +129,21 @@ class VLLMEngine:
                     out[n] = t
                 elif not torch.equal(t, out[n]):  # a kept weight's packed copy (a tied head) must agree
                     raise RuntimeError(f"vLLM's kernel for '{name}' computes with other weights than '{n}'")
-        missing = sorted(set(self.shapes) - set(out))
-        if missing:
-            raise RuntimeError(f"vLLM holds no parameter for {missing[:3]}")
-        return {n: out[n] for n in self.shapes}
+        return self._complete(out)
 
     def _live(self) -> dict[str, torch.Tensor]:
         """On GPU: views of vLLM's parameters by the trainer's names."""
         out: dict[str, torch.Tensor] = {}
         for name, param in self.model.named_parameters():
             out.update(self._parts(name, param.data))
-        missing = sorted(set(self.shapes) - set(out))
+        return self._complete(out)
+
+    def _complete(self, found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`found` in the policy's order, if it holds every tensor of the policy."""
+        missing = sorted(set(self.shapes) - set(found))
         if missing:
             raise RuntimeError(f"vLLM holds no parameter for {missing[:3]}")
-        return out
+        return {n: found[n] for n in self.shapes}
 
     def _parts(self, name: str, live: torch.Tensor) -> dict[str, torch.Tensor]:
         """A vLLM parameter as views of the trainer's tensors: fused rows split in the order vLLM
