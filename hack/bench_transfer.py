@@ -238,7 +238,7 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
         runs: dict[str, list[float]] = {"fanout_direct_s": [], "fanout_relays_s": [], "single_transfer_s": [],
                                         "single_store_and_forward_s": []}
         v = 0
-        relays_hold(0)  # the base, mirrored once
+        relays_hold(0)  # synced (no base crosses: none of their workers asks for one)
         relays_stop()
         for i in range(repeat):
             print(f"  fan-out round {i + 1}/{repeat}", file=sys.stderr)

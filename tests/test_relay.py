@@ -2,22 +2,28 @@
 
 import asyncio
 import os
+import shutil
 import subprocess
 import threading
 
+import aiohttp
+import numpy as np
+import pytest
 from aiohttp import web
+from safetensors.torch import load as load_safetensors
 
+from conftest import mutate, random_tensor
 from netfaults import FaultyProxy, Faults
 from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.store import Store
+from sparrowrl.store import BASE_PART, Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
 from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server
 
 
 class RelayServer:
-    def __init__(self, upstream, mirror):
-        self.relay = Relay([upstream], mirror, keep=8, token=TOKEN, backoff=0.01)
+    def __init__(self, upstream, mirror, keep=8, **client_kw):
+        self.relay = Relay([upstream], mirror, keep=keep, token=TOKEN, backoff=0.01, **client_kw)
 
     async def __aenter__(self):
         self.runner = web.AppRunner(make_relay_app(self.relay, TOKEN))
@@ -33,12 +39,17 @@ class RelayServer:
 
 
 def test_relay_fetches_once_and_serves_its_region(history, tmp_path):
+    """Deltas cross the WAN as the origin makes them; a base snapshot only when a worker first
+    asks for one, and once however many ask."""
     path, states = history
 
     async def go():
         async with Server(path) as origin, FaultyProxy(origin.port, Faults()) as wan, \
                 RelayServer(wan.url, tmp_path / "mirror") as relay:
             mirrored = wan.bytes_down
+            base = Store(path).versions[4].base_bytes
+            assert mirrored < base  # deltas only: no worker has asked for a base yet
+            assert not list((tmp_path / "mirror" / "bases").iterdir())
             workers = [Client(relay.url, token=TOKEN, streams=2) for _ in range(3)]
             for w in workers:
                 await w.__aenter__()
@@ -48,7 +59,8 @@ def test_relay_fetches_once_and_serves_its_region(history, tmp_path):
             assert all(same(s, states[6]) for s, _ in results)
             served = sum(w.stats.bytes for w in workers)
             assert served >= 3 * Store(path).plan(None, 6).bytes
-            assert wan.bytes_down - mirrored < 64 * 1024  # workers' fetches did not cross the WAN again
+            # three workers starting from base 4: the base crossed the WAN once, on the first request
+            assert base <= wan.bytes_down - mirrored < base + 64 * 1024
             listing = await Client(relay.url, token=TOKEN).__aenter__()
             assert (await listing.versions())["newest"] == 6
             await listing.__aexit__(None, None, None)
@@ -152,4 +164,98 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
                 assert got[-1] == 0  # the header, first in file order, was listed and fetched last
         finally:
             await runner.cleanup()
+    asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def big_base(tmp_path_factory):
+    """A store whose base snapshot spans four parts, and one delta after it."""
+    rng = np.random.default_rng(5)
+    path = tmp_path_factory.mktemp("big") / "s"
+    states = [{"w": random_tensor(rng, "BF16", (3 * BASE_PART // 2000 + 7, 1000))}]
+    states.append({"w": mutate(rng, states[0]["w"], 0.001)})
+    store = Store.init(path, states[0], base_every=4)
+    store.add(states[1])
+    assert len(store.versions[0].base_parts) == 4
+    return path, states
+
+
+def test_relay_serves_a_base_cut_through(big_base, tmp_path):
+    """A worker gets a base's first parts while its relay still fetches the rest over a slow
+    WAN: a large model's base neither waits for its last byte nor runs into read timeouts."""
+    path, states = big_base
+
+    async def go():
+        async with Server(path) as origin, FaultyProxy(origin.port, Faults(rate=20e6)) as wan, \
+                RelayServer(wan.url, tmp_path / "mirror", streams=1) as relay, \
+                Client(relay.url, token=TOKEN, streams=2) as worker:
+            entry = next(e for e in (await worker.versions())["versions"] if e["version"] == 0)
+            buf, relay_busy = bytearray(entry["base"]["bytes"]), []
+
+            def keep(p, data):
+                relay_busy.append(0 in relay.relay.bases)
+                buf[p.offset:p.offset + p.length] = data
+            crossed = wan.bytes_down
+
+            async def plain_get():  # curl's way: no pieces list, the whole file (or a range) at once
+                url = f"{relay.url}/v1/versions/0/base"
+                async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+                    async with s.get(url, headers={"Range": "bytes=-100"}) as r:
+                        tail = await r.read()
+                    async with s.get(url) as r:
+                        return tail, await r.read()
+            plain = asyncio.create_task(plain_get())
+            await worker.base_parts(0, entry, keep)
+            whole = (path / "bases" / "v00000000.safetensors").read_bytes()
+            assert await plain == (whole[-100:], whole)  # only verified bytes, waited for
+            assert relay_busy[0], "the worker's first part came only after the relay had the whole base"
+            assert len(relay_busy) == 4
+            assert same(load_safetensors(bytes(buf)), states[0])
+            assert entry["base"]["bytes"] <= wan.bytes_down - crossed < entry["base"]["bytes"] + 64 * 1024
+            while 0 in relay.relay.bases:
+                await asyncio.sleep(0.01)
+            assert (tmp_path / "mirror" / "bases" / "v00000000.safetensors").read_bytes() == whole
+    asyncio.run(go())
+
+
+def test_a_base_the_relay_cannot_fetch_sends_workers_to_the_origin(history, tmp_path):
+    path, states = history
+
+    async def go():
+        async with Server(path) as origin, FaultyProxy(origin.port, Faults()) as wan, \
+                RelayServer(wan.url, tmp_path / "mirror") as relay, \
+                Client([relay.url, origin.url], token=TOKEN, backoff=0.01) as worker:
+            wan.faults.cut_after, wan.faults.cuts = 0, 10 ** 6  # the relay's link fails after it synced
+            state, _ = await worker.advance(6)
+            assert same(state, states[6]) and worker._server == 1
+            while relay.relay.bases:
+                await asyncio.sleep(0.01)
+            assert not list((tmp_path / "mirror" / "bases").iterdir())  # no partial file left behind
+    asyncio.run(go())
+
+
+def test_a_base_pruned_while_fetched_is_dropped(history, tmp_path):
+    """The relay moves on while a slow base fetch is under way: the versions it serves leave
+    its window, the fetch stops, no file is left behind, and its worker goes to the origin."""
+    path = tmp_path / "s"
+    shutil.copytree(history[0], path)
+    store, states = Store(path), list(history[1])
+    rng = np.random.default_rng(9)
+
+    async def go():
+        async with Server(path) as origin, FaultyProxy(origin.port, Faults(rate=100e3)) as wan, \
+                RelayServer(wan.url, tmp_path / "mirror", keep=2) as relay, \
+                Client([relay.url, origin.url], token=TOKEN, backoff=0.01) as worker:
+            fetch = asyncio.create_task(worker.advance(6))  # from base 4: six seconds over this link
+            while 4 not in relay.relay.bases:
+                await asyncio.sleep(0.01)
+            table = relay.relay.bases[4][0]
+            for _ in range(3):  # v7, v8 (a base), v9: base 8 now serves the relay's two newest
+                states.append({k: mutate(rng, t, 0.02) for k, t in states[-1].items()})
+                await asyncio.to_thread(store.add, states[-1])
+            state, _ = await fetch
+            assert same(state, states[6]) and worker._server == 1
+            assert table.error and "dropped" in table.error
+            assert 4 not in Store(tmp_path / "mirror").versions
+            assert not list((tmp_path / "mirror" / "bases").iterdir())
     asyncio.run(go())

@@ -67,6 +67,17 @@ def test_every_commit_is_verified_and_sparse_ships_less(runs):
     assert s["sparse"]["payload_bytes_total"] < s["full"]["payload_bytes_total"]
 
 
+def test_the_origin_sends_each_delta_once_per_region_and_bases_only_where_asked(runs):
+    """Region a's relay and region b's worker each take every delta from the origin once. A base
+    crosses only where a worker starts: the relay fetches none that no worker asks it for (it
+    lists one every `baseEvery` versions)."""
+    _, d = runs["sparse"]
+    s = json.loads((d / "summary.json").read_text())
+    base = Store(d / "store").versions[0].base_bytes
+    assert 2 * s["payload_bytes_total"] <= s["origin_sent_delta_bytes"] < 2.5 * s["payload_bytes_total"]
+    assert 2 * base <= s["origin_sent_base_bytes"] < 3 * base
+
+
 def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
     r, d = runs["sparse"]
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
@@ -87,7 +98,7 @@ def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
 @pytest.mark.parametrize("mode", ["sparse", "full"])
 def test_workers_fetch_from_their_regions_relay(runs, mode):
     """Region a has a relay: its worker stages every version from it (deltas, or in full mode
-    the snapshots, which the relay mirrors once the trainer has written them)."""
+    the snapshots, which the relay fetches on its worker's request)."""
     _, d = runs[mode]
     relay_url = re.search(r"on (http://127\.0\.0\.1:\d+)/v1/versions", (d / "logs" / "relay-a.log").read_text())[1]
     staged = {w: re.findall(r": v(\d+) staged from (\S+) ", (d / "logs" / f"{w}.log").read_text())

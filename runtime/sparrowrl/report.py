@@ -77,6 +77,7 @@ def summary_table(s: dict) -> Table:
     t.add_row("weights verified / mismatched", f"{s['weights_verified']} / {s['weights_mismatch']}")
     t.add_row(f"payload ({s['mode']}) / dense", f"{_mb(s['payload_bytes_total'])} / {_mb(s['dense_bytes_total'])} "
               f"({s['payload_bytes_total'] / max(1, s['dense_bytes_total']):.1%})")
+    t.add_row("origin sent: deltas + bases", f"{_mb(s['origin_sent_delta_bytes'])} + {_mb(s['origin_sent_base_bytes'])}")
     t.add_row("prompt groups admitted / lost / duplicated",
               f"{s['prompt_groups_admitted']} / {s['prompt_groups_lost']} / {s['prompt_groups_duplicated']}")
     t.add_row("tokens per second", f"{s['tokens_per_second']:.0f}")

@@ -19,7 +19,7 @@ from sparrowrl.coordinator import Batch, Coordinator
 from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.job import JobSpec
 from sparrowrl.store import Store
-from sparrowrl.transport.server import make_app
+from sparrowrl.transport.server import SERVED, make_app
 
 
 def make_task(spec: JobSpec) -> tuple[tasks.Task, tasks.Reward]:
@@ -198,6 +198,7 @@ class Run:
 
     def app(self) -> web.Application:
         app = make_app(self.trainer.store.path, self.token)
+        self.sent = app[SERVED]  # what crossed from the origin: to relays, and to workers without one
         app.add_routes([web.get("/v1/job", self.h_job), web.post("/v1/work", self.h_work),
                         web.post("/v1/results", self.h_results), web.post("/v1/commit", self.h_commit),
                         web.get("/v1/status", self.h_status)])
@@ -346,6 +347,7 @@ class Run:
              "weights_verified": c.verified, "weights_mismatch": c.mismatched,
              "payload_bytes_total": sum(r["payload_bytes"] for r in rows),
              "dense_bytes_total": sum(r["dense_bytes"] for r in rows),
+             "origin_sent_delta_bytes": self.sent["delta"], "origin_sent_base_bytes": self.sent["base"],
              "prompt_groups_admitted": c.admitted, "prompt_groups_lost": c.lost,
              "prompt_groups_duplicated": c.duplicated,
              "tokens_per_second": sum(r["tokens"] for r in rows) / seconds, "seconds": seconds,

@@ -275,6 +275,27 @@ class Client:
                 t.cancel()
         self.stats.seconds += time.perf_counter() - t0
 
+    async def _listed(self, path: str, done: dict):
+        """The pieces that `path` (a pieces endpoint) lists as ready, batch by batch, each once,
+        until it says the file is complete; `done["bytes"]` is then the file's size. Long-polls
+        while the file grows. A list in another order (another server, or a relay's list in
+        arrival order giving way to file order) is read anew from its start."""
+        after, epoch, listed = 0, None, set()
+        while True:
+            t = await self.json(path, params={"after": after, "wait": 10})
+            if t["epoch"] != epoch:
+                epoch, fresh = t["epoch"], after == 0
+                after = 0
+                if not fresh:
+                    continue
+            after += len(t["pieces"])
+            new = [Piece(*p) for p in t["pieces"] if p[0] not in listed]
+            listed.update(p.offset for p in new)
+            yield new
+            if t["complete"]:
+                done["bytes"] = t["bytes"]
+                return
+
     async def delta(self, version: int, on_piece=None) -> DeltaFile:
         """One delta, staged in memory and fully verified; the caller applies it when it likes.
 
@@ -285,41 +306,45 @@ class Client:
         got: dict[int, bytes] = {}
         info: dict = {}
 
-        async def source():
-            after, epoch, listed = 0, None, set()
-            while True:
-                t = await self.json(f"/v1/versions/{version}/pieces", params={"after": after, "wait": 10})
-                if t["epoch"] != epoch:  # another server, or a relay's list in another order: list anew
-                    epoch, fresh = t["epoch"], after == 0
-                    after = 0
-                    if not fresh:
-                        continue
-                after += len(t["pieces"])
-                new = [Piece(*p) for p in t["pieces"] if p[0] not in listed]
-                listed.update(p.offset for p in new)
-                yield new
-                if t["complete"]:
-                    info["bytes"] = t["bytes"]
-                    return
-
         def keep(p: Piece, data: bytes) -> None:
             got[p.offset] = data
             if on_piece is not None:
                 on_piece(p, data)
 
-        await self._pull(f"/v1/versions/{version}/delta", source(), keep)
+        await self._pull(f"/v1/versions/{version}/delta", self._listed(f"/v1/versions/{version}/pieces", info), keep)
         data = b"".join(got[k] for k in sorted(got))
         if len(data) != info.get("bytes"):
             raise FetchError(f"delta v{version}: pieces cover {len(data)} bytes, the server listed {info.get('bytes')}")
         return DeltaFile(data, f"delta v{version}")
 
+    async def base_parts(self, version: int, entry: dict, keep) -> None:
+        """A base snapshot's parts, each verified against the version listing `entry`, handed
+        to `keep(piece, bytes)` as they land. Cut-through from a relay that is still fetching
+        the base itself: parts are asked for only once the server lists them as ready."""
+        size, step = entry["base"]["bytes"], entry["base"]["part_bytes"]
+        parts = {i * step: Piece(i * step, min(step, size - i * step), h) for i, h in enumerate(entry["base"]["parts"])}
+
+        async def source():
+            async for batch in self._listed(f"/v1/versions/{version}/base/pieces", {}):
+                if any(parts.get(p.offset) != p for p in batch):
+                    raise FetchError(f"base v{version}: the server lists parts its version listing does not")
+                yield batch
+
+        await self._pull(f"/v1/versions/{version}/base", source(), keep)
+
     async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:
         """A base snapshot, verified part by part and then by its full state hash."""
         entry = next(v for v in listing["versions"] if v["version"] == version)
-        size, step = entry["base"]["bytes"], entry["base"]["part_bytes"]
-        pieces = [Piece(i * step, min(step, size - i * step), h) for i, h in enumerate(entry["base"]["parts"])]
-        data = await self.download(f"/v1/versions/{version}/base", size, pieces)
-        state = load_safetensors(bytes(data))
+        buf, got = bytearray(entry["base"]["bytes"]), set()
+
+        def keep(p: Piece, data: bytes) -> None:
+            buf[p.offset:p.offset + p.length] = data
+            got.add(p.offset)
+
+        await self.base_parts(version, entry, keep)
+        if len(got) != len(entry["base"]["parts"]):
+            raise FetchError(f"base v{version}: {len(got)} of {len(entry['base']['parts'])} parts arrived")
+        state = load_safetensors(bytes(buf))
         h = state_hash(state)
         if h != entry["state_hash"]:
             raise FetchError(f"base v{version} hashes to {h}, the listing says {entry['state_hash']}")

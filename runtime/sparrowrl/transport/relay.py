@@ -1,14 +1,19 @@
 """`sparrowrl relay`: one per region. Fetches each version once across the WAN and serves the
 region's workers with the same API as the origin, cut-through.
 
-The relay mirrors the origin's store into a local directory: it starts from the newest base
-snapshot, then follows the origin's versions by long-poll. A delta that the origin is still
+The relay mirrors the origin's store into a local directory: it starts at the newest base
+version, then follows the origin's versions by long-poll. A delta that the origin is still
 writing is fetched cut-through over parallel streams (one TCP flow is often capped on a WAN):
 each piece as soon as the origin lists it, written at its offset in the mirror's `.partial`
 file once it verifies, and listed to the relay's own workers at once (`Table`, in arrival
 order), so a worker's first chunk does not wait for the relay's last. Finished deltas take the same
-path; bases are fetched over parallel verified streams too. Only the newest `keep` versions
-are kept.
+path. Only the newest `keep` versions are kept.
+
+Base snapshots are listed as soon as the origin lists them but cross the WAN only when a client
+first asks for one (a worker starting, or full sync): a base is the whole model, and in sparse
+sync almost no step needs one. That one fetch goes through the relay's one upstream client (its
+streams, local ports and rate cap), and is served cut-through the same way: each part listed
+to the clients as soon as it has verified.
 """
 
 from __future__ import annotations
@@ -23,25 +28,29 @@ from pathlib import Path
 
 from aiohttp import web
 
-from sparrowrl.store import Store, StoreError, Version
+from sparrowrl.store import BASE_PART, Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.transport.server import make_app
 
 
 class Table:
-    """The verified pieces of a delta being mirrored, as the relay's workers see them."""
+    """The verified pieces of a file being mirrored (a delta, or a base), as the relay's
+    workers see them."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path  # where the verified pieces are written
         self.pieces: list[list] = []
         self.changed = asyncio.Event()
         self.epoch = uuid.uuid4().hex  # this list's order; a retried mirror lists in another
+        self.closed, self.error = False, None
 
     def add(self, piece: list) -> None:
         self.pieces.append(piece)
         self.changed.set()
         self.changed = asyncio.Event()
 
-    def close(self) -> None:
+    def close(self, error: str | None = None) -> None:
+        self.closed, self.error = True, error
         self.changed.set()
 
 
@@ -49,6 +58,8 @@ class Relay:
     def __init__(self, upstream: list[str], mirror: Path, keep: int = 8, **client_kw):
         self.upstream, self.mirror, self.keep, self.client_kw = upstream, Path(mirror), keep, client_kw
         self.tables: dict[int, Table] = {}  # version being mirrored → its verified pieces so far
+        self.bases: dict[int, tuple[Table, asyncio.Task]] = {}  # base being fetched on request → its parts so far
+        self.client: Client | None = None  # the one upstream client: deltas and bases share its streams and cap
         (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
         (self.mirror / "bases").mkdir(exist_ok=True)
         self.synced = asyncio.Event()  # set once the first version is mirrored
@@ -61,17 +72,22 @@ class Relay:
 
     async def run(self) -> None:
         async with Client(self.upstream, **self.client_kw) as c:
-            while True:
-                try:
-                    store = self._store()
-                    listing = await c.versions(after=store.newest if store else None, wait=30)
-                    await self.sync(c, listing)
-                except FetchError as e:  # upstream unreachable for a while: keep serving, try again
-                    print(f"relay: {e}", flush=True)
-                    await asyncio.sleep(1.0)
-                except Exception:  # a bug, not the network: say so loudly, and keep mirroring
-                    traceback.print_exc()
-                    await asyncio.sleep(1.0)
+            self.client = c
+            try:
+                while True:
+                    try:
+                        store = self._store()
+                        listing = await c.versions(after=store.newest if store else None, wait=30)
+                        await self.sync(c, listing)
+                    except FetchError as e:  # upstream unreachable for a while: keep serving, try again
+                        print(f"relay: {e}", flush=True)
+                        await asyncio.sleep(1.0)
+                    except Exception:  # a bug, not the network: say so loudly, and keep mirroring
+                        traceback.print_exc()
+                        await asyncio.sleep(1.0)
+            finally:
+                self._drop_bases(lambda v: True)
+                self.client = None
 
     async def sync(self, c: Client, listing: dict) -> None:
         entries = {v["version"]: v for v in listing["versions"]}
@@ -83,13 +99,14 @@ class Relay:
             start = max((v for v, e in entries.items() if e["base"]), default=None)
             if start is None:
                 raise FetchError("upstream lists no base snapshot to start from")
+            self._drop_bases(lambda v: True)
             for f in [*(self.mirror / "deltas").iterdir(), *(self.mirror / "bases").iterdir()]:
                 f.unlink()
-            await self._fetch_base(c, entries[start], {}, every)
+            Store._write_index(self.mirror, every, {start: Version(start, entries[start]["state_hash"])})
             store = self._store()
             wanted = [v for v in wanted if v > start]
+        self._list_bases(entries.values())  # also any whose listing an earlier pass missed
         for v in wanted:
-            versions = dict(store.versions)
             t0, retries = time.perf_counter(), c.stats.retries
             partial, digest, size = await self._mirror_delta(c, v)
             try:
@@ -110,18 +127,38 @@ class Relay:
             # stored, indexed and unlisted as in flight in one go: its readers never see it missing
             name = f"v{v:08d}-{digest[:16]}.spd"
             os.replace(partial, self.mirror / "deltas" / name)
+            versions = self._store().versions  # read just now: only this loop writes the index
             versions[v] = Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"])
             Store._write_index(self.mirror, every, versions)
             self.tables.pop(v).close()
-            if v % every == 0:  # a base version: its snapshot is written after its delta
-                entry = entry if entry["base"] else await self._await_base(c, v)
-                if entry is not None:
-                    await self._fetch_base(c, entry, versions, every)
+            if v % every == 0 and not entry["base"]:  # its snapshot is written after its delta
+                entry = await self._listed(c, v, lambda e: e["base"] is not None)
+                if entry is None:
+                    print(f"relay: upstream listed no base snapshot of v{v}", flush=True)
+            if entry is not None:
+                self._list_bases([entry])
             store = self._store()
         if store is not None:
             self.synced.set()
             if len(store.versions) > self.keep:
                 store.prune(self.keep)
+                kept = self._store().versions
+                self._drop_bases(lambda v: v not in kept)
+
+    def _list_bases(self, entries) -> None:
+        """Put upstream's base snapshots of versions this mirror holds into its index, without
+        their files: fetched on the first request (`base_table`)."""
+        store = self._store()
+        if store is None:
+            return
+        new = [e for e in entries if e["base"] and e["version"] in store.versions
+               and not store.versions[e["version"]].base and e["state_hash"] == store.versions[e["version"]].state_hash]
+        for e in new:
+            info = store.versions[e["version"]]
+            info.base, info.base_bytes, info.base_parts = (f"v{info.version:08d}.safetensors", e["base"]["bytes"],
+                                                           list(e["base"]["parts"]))
+        if new:
+            Store._write_index(self.mirror, store.base_every, store.versions)
 
     async def _mirror_delta(self, c: Client, v: int) -> tuple[Path, str, int]:
         """Fetch delta v (also while upstream still writes it) into the mirror's partial file,
@@ -129,7 +166,7 @@ class Relay:
         in whatever order the streams deliver: one slow piece holds back only itself. The
         piece table stays listed until the caller has stored the file."""
         partial = self.mirror / "deltas" / f".v{v:08d}.partial"
-        table = self.tables[v] = Table()
+        table = self.tables[v] = Table(partial)
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             def write(p: Piece, data: bytes) -> None:
@@ -161,33 +198,69 @@ class Relay:
             await asyncio.sleep(0.05)
         return None
 
-    async def _await_base(self, c: Client, v: int) -> dict | None:
-        """Upstream's entry for v once it lists v's base snapshot (workers syncing in full mode
-        need it), or None."""
-        entry = await self._listed(c, v, lambda e: e["base"] is not None)
-        if entry is None:
-            print(f"relay: upstream listed no base snapshot of v{v}", flush=True)
-        return entry
+    def base_table(self, v: int) -> Table | None:
+        """The parts of v's base snapshot that have arrived, where the mirror lists the base but
+        does not hold its file: the first request starts the one fetch, later ones share it.
+        None where the file is here, or v lists no base."""
+        if v in self.bases:
+            return self.bases[v][0]
+        store = self._store()
+        info = store.versions.get(v) if store else None
+        if info is None or not info.base or (self.mirror / "bases" / info.base).exists() or self.client is None:
+            return None
+        table = Table(self.mirror / "bases" / f".{info.base}.partial")
+        self.bases[v] = table, asyncio.create_task(self._fetch_base(self.client, info, table))
+        return table
 
-    async def _fetch_base(self, c: Client, entry: dict, versions: dict[int, Version], every: int) -> None:
-        v, size, step = entry["version"], entry["base"]["bytes"], entry["base"]["part_bytes"]
-        pieces = [Piece(i * step, min(step, size - i * step), p) for i, p in enumerate(entry["base"]["parts"])]
-        data = await c.download(f"/v1/versions/{v}/base", size, pieces)
-        name = f"v{v:08d}.safetensors"
-        tmp = self.mirror / "bases" / f".{name}.partial"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.mirror / "bases" / name)
-        info = versions.get(v) or Version(v, entry["state_hash"])
-        info.base, info.base_bytes, info.base_parts = name, size, list(entry["base"]["parts"])
-        versions[v] = info
-        Store._write_index(self.mirror, every, versions)
+    async def _fetch_base(self, c: Client, info: Version, table: Table) -> None:
+        v, t0, error = info.version, time.perf_counter(), None
+        entry = {"base": {"bytes": info.base_bytes, "part_bytes": BASE_PART, "parts": info.base_parts}}
+        fd = os.open(table.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            def write(p: Piece, data: bytes) -> None:
+                os.pwrite(fd, data, p.offset)
+                table.add([p.offset, p.length, p.sha256])
+            try:
+                await c.base_parts(v, entry, write)
+            finally:
+                os.close(fd)
+            store = self._store()
+            kept = store.versions.get(v) if store else None
+            if kept is None or kept.base != info.base:
+                raise FetchError("pruned while it was being fetched")
+            os.replace(table.path, self.mirror / "bases" / info.base)  # before close(): no reader finds neither
+            print(f"relay: v{v} base fetched on request, {info.base_bytes:,} bytes in "
+                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+        except asyncio.CancelledError:
+            error = table.error or "cancelled"
+            raise
+        except FetchError as e:
+            error = str(e)
+            print(f"relay: base v{v} not fetched: {e}", flush=True)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        finally:
+            if error is not None:
+                table.path.unlink(missing_ok=True)
+            if self.bases.get(v, (None,))[0] is table:
+                del self.bases[v]
+            table.close(error)
+
+    def _drop_bases(self, doomed) -> None:
+        """Stop the base fetches of versions for which `doomed(v)` holds; their clients are
+        told so at once (and go to another server, or ask again)."""
+        for v in [v for v in self.bases if doomed(v)]:
+            table, task = self.bases.pop(v)
+            task.cancel()
+            table.close("the relay dropped it (pruned, or restarted its mirror)")
 
 
 def make_relay_app(relay: Relay, token: str) -> web.Application:
     """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it."""
-    app = make_app(relay.mirror, token, pieces_override=lambda v: relay.tables.get(v))
+    app = make_app(relay.mirror, token, pieces_override=lambda v: relay.tables.get(v), base_override=relay.base_table)
 
     async def mirror_loop(app: web.Application):
         task = asyncio.create_task(relay.run())

@@ -10,6 +10,10 @@
                                         their sha256, from the I-th on; long-polls while it grows.
                                         `epoch` names the list's order: file order ("file"), or
                                         a relay's arrival order while it mirrors the delta
+    GET /v1/versions/V/base/pieces?after=I
+                                        the base snapshot's parts that can be read, as for a
+                                        delta: all of them at the origin; at a relay still
+                                        fetching the base, those that have arrived and verified
     GET /v1/versions/V/base             the base snapshot file (Range), verified in parts
 
 Every endpoint wants `Authorization: Bearer $SPARROWRL_TOKEN` when a token is set.
@@ -40,6 +44,8 @@ CACHE = web.AppKey("cache", dict)
 STOPPING = web.AppKey("stopping", asyncio.Event)
 PIECES = web.AppKey("pieces", dict)
 OVERRIDE = web.AppKey("pieces_override", object)
+BASE_OVERRIDE = web.AppKey("base_override", object)
+SERVED = web.AppKey("served", dict)
 
 
 def _store(request: web.Request) -> Store:
@@ -198,6 +204,21 @@ def _scan(fd: int, size: int, cache: dict, key: tuple) -> dict:
     return st
 
 
+async def _await_table(request: web.Request, table, after: int, deadline: float, live) -> None:
+    """Wait until a relay's in-flight list has pieces beyond `after`, stops being `live()`, or
+    `deadline` passes."""
+    loop = asyncio.get_running_loop()
+    while len(table.pieces) <= after and live() and loop.time() < deadline and not request.app[STOPPING].is_set():
+        try:
+            await asyncio.wait_for(table.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see STOPPING
+        except TimeoutError:
+            pass
+
+
+def _table_json(table, after: int) -> web.Response:
+    return web.json_response({"pieces": table.pieces[after:], "complete": False, "bytes": None, "epoch": table.epoch})
+
+
 async def pieces(request: web.Request) -> web.Response:
     """GET /v1/versions/V/pieces?after=I&wait=S: the complete pieces of a delta from the I-th on,
     waiting up to S seconds for more while it is being written (multi-stream cut-through)."""
@@ -208,15 +229,9 @@ async def pieces(request: web.Request) -> web.Response:
     deadline = loop.time() + wait
     table = request.app[OVERRIDE](v)
     if table is not None:  # a relay's delta in flight: its verified pieces, in arrival order
-        while len(table.pieces) <= after and request.app[OVERRIDE](v) is table and loop.time() < deadline \
-                and not request.app[STOPPING].is_set():
-            try:
-                await asyncio.wait_for(table.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see STOPPING
-            except TimeoutError:
-                pass
+        await _await_table(request, table, after, deadline, lambda: request.app[OVERRIDE](v) is table)
         if len(table.pieces) > after or request.app[OVERRIDE](v) is not None:
-            return web.json_response({"pieces": table.pieces[after:], "complete": False, "bytes": None,
-                                      "epoch": table.epoch})
+            return _table_json(table, after)
     f, growing = _open_delta(_store(request), v)
     if f is None:
         raise web.HTTPNotFound(text=f"version {v} is neither stored nor being written")
@@ -231,33 +246,90 @@ async def pieces(request: web.Request) -> web.Response:
                               "bytes": st.get("bytes"), "epoch": "file"})
 
 
-async def base(request: web.Request) -> web.FileResponse:
+def _base_info(request: web.Request):
     store = _store(request)
     v = _version(request, store)
     info = store.versions[v]
     if not info.base:
         raise web.HTTPNotFound(text=f"version {v} has no base snapshot")
+    return store, v, info
+
+
+def _failed(table, v: int) -> None:
+    """A relay's base fetch that gave up: the client should try another server."""
+    if table.error:
+        raise web.HTTPServiceUnavailable(text=f"relay could not fetch base v{v}: {table.error}")
+
+
+async def base_pieces(request: web.Request) -> web.Response:
+    """GET /v1/versions/V/base/pieces?after=I&wait=S: the base's parts that can be read, from the
+    I-th on: all of them where the file is here (the origin); at a relay still fetching it, the
+    parts that have verified so far, in arrival order, waiting up to S seconds for more."""
+    store, v, info = _base_info(request)
+    after = int(_int_param(request, "after", 0))
+    wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
+    table = request.app[BASE_OVERRIDE](v)
+    if table is not None:
+        await _await_table(request, table, after, asyncio.get_running_loop().time() + wait, lambda: not table.closed)
+        _failed(table, v)
+        if len(table.pieces) > after or not table.closed:
+            return _table_json(table, after)
+    return web.json_response({"pieces": [[i * BASE_PART, min(BASE_PART, info.base_bytes - i * BASE_PART), h]
+                                         for i, h in enumerate(info.base_parts)][after:],
+                              "complete": True, "bytes": info.base_bytes, "epoch": "file"})
+
+
+async def base(request: web.Request) -> web.FileResponse:
+    """The base snapshot. At a relay still fetching it, only bytes that have verified are sent:
+    the request waits (up to MAX_WAIT) until the parts its range covers are in."""
+    store, v, info = _base_info(request)
+    table = request.app[BASE_OVERRIDE](v)
+    if table is not None:
+        r = request.http_range
+        start, stop = r.start or 0, info.base_bytes if r.stop is None else min(r.stop, info.base_bytes)
+        start = max(0, start + info.base_bytes) if start < 0 else start
+        need = set(range(start // BASE_PART, -(-stop // BASE_PART)))
+        deadline = asyncio.get_running_loop().time() + MAX_WAIT
+        while not need <= {p[0] // BASE_PART for p in table.pieces} and not table.closed:
+            seen = len(table.pieces)
+            await _await_table(request, table, seen, deadline, lambda: not table.closed)
+            if len(table.pieces) == seen and not table.closed:
+                raise web.HTTPServiceUnavailable(text=f"base v{v}: bytes {start}-{stop} have not arrived yet")
+        _failed(table, v)
+        if not table.closed:
+            return web.FileResponse(table.path)
     return _file(store, "bases", info.base, f"base-{info.state_hash}")
 
 
-def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None) -> web.Application:
-    """`pieces_override(v)`: a relay's live piece table for a delta it is still mirroring."""
+def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None,
+             base_override=lambda v: None) -> web.Application:
+    """`pieces_override(v)`: a relay's live piece table for a delta it is still mirroring;
+    `base_override(v)`: a relay's piece table for a base snapshot it is fetching (started by
+    this call where it lists the base but does not hold it), None where the file is here."""
     app = web.Application(middlewares=[auth])
-    app[OVERRIDE] = pieces_override
+    app[OVERRIDE], app[BASE_OVERRIDE] = pieces_override, base_override
     app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
     app[STOPPING] = asyncio.Event()
     app[PIECES] = {}
+    app[SERVED] = {"delta": 0, "base": 0}
 
     async def stop_long_polls(app: web.Application) -> None:
         app[STOPPING].set()
 
+    async def count(request: web.Request, response: web.StreamResponse) -> None:
+        kind = request.path.rsplit("/", 1)[-1]
+        if kind in app[SERVED] and response.status in (200, 206):
+            app[SERVED][kind] += response.content_length or 0
+
     app.on_shutdown.append(stop_long_polls)
+    app.on_response_prepare.append(count)
     app.add_routes([
         web.get("/v1/versions", versions),
         web.get("/v1/plan", plan),
         web.get(r"/v1/versions/{version:\d{1,12}}/manifest", manifest),
         web.get(r"/v1/versions/{version:\d{1,12}}/delta", delta),
         web.get(r"/v1/versions/{version:\d{1,12}}/pieces", pieces),
+        web.get(r"/v1/versions/{version:\d{1,12}}/base/pieces", base_pieces),
         web.get(r"/v1/versions/{version:\d{1,12}}/base", base),
     ])
     return app
