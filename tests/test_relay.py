@@ -182,43 +182,50 @@ def big_base(tmp_path_factory):
 
 def test_relay_serves_a_base_cut_through(big_base, tmp_path):
     """A worker gets a base's first parts while its relay still fetches the rest over a slow
-    WAN: a large model's base neither waits for its last byte nor runs into read timeouts."""
+    WAN: a large model's base neither waits for its last byte nor runs into read timeouts.
+    Plain HTTP gets verified bytes only, at once: a range that has not arrived is a 503."""
     path, states = big_base
+    whole = (path / "bases" / "v00000000.safetensors").read_bytes()
 
     async def go():
-        async with Server(path) as origin, FaultyProxy(origin.port, Faults(rate=20e6)) as wan, \
+        async with Server(path) as origin, FaultyProxy(origin.port, Faults(rate=10e6)) as wan, \
                 RelayServer(wan.url, tmp_path / "mirror", streams=1) as relay, \
-                Client(relay.url, token=TOKEN, streams=2) as worker:
+                Client(relay.url, token=TOKEN, streams=2) as worker, \
+                aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as curl:
             entry = next(e for e in (await worker.versions())["versions"] if e["version"] == 0)
-            buf, relay_busy = bytearray(entry["base"]["bytes"]), []
+            buf, relay_busy = bytearray(len(whole)), []
 
             def keep(p, data):
                 relay_busy.append(0 in relay.relay.bases)
                 buf[p.offset:p.offset + p.length] = data
             crossed = wan.bytes_down
-
-            async def plain_get():  # curl's way: no pieces list, the whole file (or a range) at once
-                url = f"{relay.url}/v1/versions/0/base"
-                async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
-                    async with s.get(url, headers={"Range": "bytes=-100"}) as r:
-                        tail = await r.read()
-                    async with s.get(url) as r:
-                        return tail, await r.read()
-            plain = asyncio.create_task(plain_get())
-            await worker.base_parts(0, entry, keep)
-            whole = (path / "bases" / "v00000000.safetensors").read_bytes()
-            assert await plain == (whole[-100:], whole)  # only verified bytes, waited for
+            download = asyncio.create_task(worker.base_parts(0, entry, keep))
+            while not relay_busy:
+                await asyncio.sleep(0.005)
+            url = f"{relay.url}/v1/versions/0/base"
+            async with curl.get(url, headers={"Range": "bytes=0-99"}) as r:  # in: the worker has it
+                assert (r.status, r.headers["Content-Range"], await r.read()) == \
+                    (206, f"bytes 0-99/{len(whole)}", whole[:100])
+            async with curl.get(url, headers={"Range": "bytes=-100"}) as r:  # the last part: not yet
+                assert r.status == 503 and "not reached this relay yet" in await r.text()
+            async with curl.get(url, headers={"Range": "bytes=9-2"}) as r:
+                assert r.status == 416
+            await download
             assert relay_busy[0], "the worker's first part came only after the relay had the whole base"
             assert len(relay_busy) == 4
             assert same(load_safetensors(bytes(buf)), states[0])
-            assert entry["base"]["bytes"] <= wan.bytes_down - crossed < entry["base"]["bytes"] + 64 * 1024
+            assert len(whole) <= wan.bytes_down - crossed < len(whole) + 64 * 1024  # once, for everyone
             while 0 in relay.relay.bases:
                 await asyncio.sleep(0.01)
+            async with curl.get(url) as r:
+                assert r.status == 200 and await r.read() == whole
             assert (tmp_path / "mirror" / "bases" / "v00000000.safetensors").read_bytes() == whole
     asyncio.run(go())
 
 
 def test_a_base_the_relay_cannot_fetch_sends_workers_to_the_origin(history, tmp_path):
+    """A failed fetch is answered with its error for a while: clients go to the origin instead
+    of starting a fetch across the WAN each."""
     path, states = history
 
     async def go():
@@ -228,8 +235,12 @@ def test_a_base_the_relay_cannot_fetch_sends_workers_to_the_origin(history, tmp_
             wan.faults.cut_after, wan.faults.cuts = 0, 10 ** 6  # the relay's link fails after it synced
             state, _ = await worker.advance(6)
             assert same(state, states[6]) and worker._server == 1
-            while relay.relay.bases:
-                await asyncio.sleep(0.01)
+            failed = relay.relay.bases[4][0]
+            assert failed.error
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as curl:
+                async with curl.get(f"{relay.url}/v1/versions/4/base/pieces") as r:
+                    assert r.status == 503 and failed.error in await r.text()
+            assert relay.relay.bases[4][0] is failed  # no new fetch
             assert not list((tmp_path / "mirror" / "bases").iterdir())  # no partial file left behind
     asyncio.run(go())
 

@@ -157,6 +157,28 @@ def test_long_poll_wakes_on_a_new_version(history, tmp_path, rng):
     run(go())
 
 
+def test_long_poll_waits_for_a_base_snapshot(history, tmp_path, rng):
+    """Full sync waits for a version's snapshot, which the trainer writes after its delta: one
+    long-poll, not a polling loop."""
+    import shutil
+
+    path = tmp_path / "s"
+    shutil.copytree(history[0], path)
+    store = Store(path)
+    new = {k: mutate(rng, t, 0.01) for k, t in store.materialize(store.newest).items()}
+    v = store.add(new).version
+    assert not store.versions[v].base  # not a base version: written below, as full sync does
+
+    async def go():
+        async with Server(path) as s, Client(s.url, token=TOKEN) as c:
+            writer = threading.Timer(0.3, lambda: Store(path).snapshot(v, new))
+            writer.start()
+            listing = await c.versions(base=v, wait=30)
+            writer.join()
+            assert next(e for e in listing["versions"] if e["version"] == v)["base"] is not None
+    run(go())
+
+
 def test_server_restart_mid_fetch(history):
     """The server dies with the client's fetch under way and comes back: the fetch completes."""
     path, states = history

@@ -74,8 +74,7 @@ class Worker:
                 t0 = time.perf_counter()
                 if self.mode == "full":  # the whole policy, once the trainer has stored it
                     while not any(e["version"] == v and e["base"] for e in listing["versions"]):
-                        listing = await self.c.versions(after=v - 1, wait=5)
-                        await asyncio.sleep(0.05)
+                        listing = await self.c.versions(base=v, wait=30)
                     item = (await self.c.base(v, listing))[0]
                 else:
                     item = await self.c.delta(v)

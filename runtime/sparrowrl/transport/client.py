@@ -122,7 +122,8 @@ class Client:
         if self._server and time.monotonic() - self._fell_back_at > PREFERRED_AGAIN_S:
             self._server = 0  # the preferred server (a region's relay) may be back: try it first again
         for attempt in range(self.attempts):
-            url = self.urls[self._server] + path
+            server = self._server
+            url = self.urls[server] + path
             try:
                 self.stats.requests += 1
                 return await request(url)
@@ -132,8 +133,8 @@ class Client:
                     _Transient) as e:
                 last = f"{type(e).__name__}: {e}"
             self.stats.retries += 1
-            if attempt % 2 == 1 and len(self.urls) > 1:
-                self._server = (self._server + 1) % len(self.urls)
+            if attempt % 2 == 1 and len(self.urls) > 1 and self._server == server:  # not if another request just did
+                self._server = (server + 1) % len(self.urls)
                 self._fell_back_at = time.monotonic()
             await asyncio.sleep(self.backoff * 2 ** min(attempt, 5) * (0.5 + random.random()))
         raise FetchError(f"{path}: gave up after {self.attempts} attempts (last: {last})")
@@ -179,9 +180,11 @@ class Client:
                     raise _Transient(f"unreadable response: {e}") from None
         return await self._attempts(path, request)
 
-    async def versions(self, after: int | None = None, wait: float = 0.0) -> dict:
-        """The version list; with `after`, returns once a newer version exists or `wait` passes."""
-        return await self.json("/v1/versions", params={} if after is None else {"after": after, "wait": wait})
+    async def versions(self, after: int | None = None, wait: float = 0.0, base: int | None = None) -> dict:
+        """The version list; with `after`, returns once a newer version exists or `wait` passes;
+        with `base`, once that version's base snapshot is listed."""
+        params = {k: x for k, x in (("after", after), ("base", base)) if x is not None}
+        return await self.json("/v1/versions", params={**params, "wait": wait} if params else {})
 
     async def download(self, path: str, size: int, pieces: list[Piece]) -> bytearray:
         """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams."""

@@ -33,12 +33,15 @@ from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.transport.server import make_app
 
 
+FAILED_S = 30.0  # how long a failed base fetch is answered with its error before a new one starts
+
+
 class Table:
     """The verified pieces of a file being mirrored (a delta, or a base), as the relay's
     workers see them."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path  # where the verified pieces are written
+        self.path = path  # where the verified pieces are written (bases: named after the epoch)
         self.pieces: list[list] = []
         self.changed = asyncio.Event()
         self.epoch = uuid.uuid4().hex  # this list's order; a retried mirror lists in another
@@ -198,29 +201,33 @@ class Relay:
             await asyncio.sleep(0.05)
         return None
 
-    def base_table(self, v: int) -> Table | None:
+    def base_table(self, v: int, start: bool = True) -> Table | None:
         """The parts of v's base snapshot that have arrived, where the mirror lists the base but
-        does not hold its file: the first request starts the one fetch, later ones share it.
-        None where the file is here, or v lists no base."""
+        does not hold its file: the first request (`start`) starts the one fetch, later ones
+        share it. A fetch that failed stays here, failed, for FAILED_S: its clients go to
+        another server instead of starting a fetch each. None where the file is here, or v
+        lists no base."""
         if v in self.bases:
             return self.bases[v][0]
         store = self._store()
         info = store.versions.get(v) if store else None
-        if info is None or not info.base or (self.mirror / "bases" / info.base).exists() or self.client is None:
+        if not start or info is None or not info.base or (self.mirror / "bases" / info.base).exists() \
+                or self.client is None:
             return None
-        table = Table(self.mirror / "bases" / f".{info.base}.partial")
+        table = Table()
+        table.path = self.mirror / "bases" / f".{info.base}.{table.epoch[:12]}.partial"
         self.bases[v] = table, asyncio.create_task(self._fetch_base(self.client, info, table))
         return table
 
     async def _fetch_base(self, c: Client, info: Version, table: Table) -> None:
         v, t0, error = info.version, time.perf_counter(), None
         entry = {"base": {"bytes": info.base_bytes, "part_bytes": BASE_PART, "parts": info.base_parts}}
-        fd = os.open(table.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            def write(p: Piece, data: bytes) -> None:
-                os.pwrite(fd, data, p.offset)
-                table.add([p.offset, p.length, p.sha256])
+            fd = os.open(table.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
+                def write(p: Piece, data: bytes) -> None:
+                    os.pwrite(fd, data, p.offset)
+                    table.add([p.offset, p.length, p.sha256])
                 await c.base_parts(v, entry, write)
             finally:
                 os.close(fd)
@@ -244,8 +251,15 @@ class Relay:
             if error is not None:
                 table.path.unlink(missing_ok=True)
             if self.bases.get(v, (None,))[0] is table:
-                del self.bases[v]
+                if error is None:
+                    del self.bases[v]
+                else:
+                    asyncio.get_running_loop().call_later(FAILED_S, self._forget, v, table)
             table.close(error)
+
+    def _forget(self, v: int, table: Table) -> None:
+        if self.bases.get(v, (None,))[0] is table:
+            del self.bases[v]
 
     def _drop_bases(self, doomed) -> None:
         """Stop the base fetches of versions for which `doomed(v)` holds; their clients are

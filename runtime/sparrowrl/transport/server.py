@@ -1,7 +1,8 @@
 """`sparrowrl serve`: publish a checkpoint store over HTTP.
 
     GET /v1/versions[?after=N&wait=S]   versions (JSON); with `after`, waits up to S seconds
-                                        for a version newer than N (long-poll, no tight loops)
+                                        for a version newer than N (long-poll, no tight loops);
+                                        with `base=V`, for V's base snapshot (full sync)
     GET /v1/plan?to=V[&from=U]          the store's cheapest route from U to V
     GET /v1/versions/V/manifest         a delta's header, chunk table and manifest (JSON)
     GET /v1/versions/V/delta            the delta file (HTTP Range: 206 Partial Content), also
@@ -10,7 +11,7 @@
                                         their sha256, from the I-th on; long-polls while it grows.
                                         `epoch` names the list's order: file order ("file"), or
                                         a relay's arrival order while it mirrors the delta
-    GET /v1/versions/V/base/pieces?after=I
+    GET /v1/versions/V/base/pieces?after=I&wait=S
                                         the base snapshot's parts that can be read, as for a
                                         delta: all of them at the origin; at a relay still
                                         fetching the base, those that have arrived and verified
@@ -30,7 +31,7 @@ import os
 import ssl
 from pathlib import Path
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import CHUNK, CHUNK_MAGIC, END, HEAD, TRAILER
@@ -98,14 +99,16 @@ def _int_param(request: web.Request, name: str, default: float | None = None) ->
 
 
 async def versions(request: web.Request) -> web.Response:
-    after = _int_param(request, "after")
+    after, base = _int_param(request, "after"), _int_param(request, "base")
     wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
+
+    def waiting(store: Store) -> bool:
+        return (after is not None and max([store.newest, *store.producing()]) <= after) or \
+            (base is not None and not getattr(store.versions.get(base), "base", None))
     store = _store(request)
-    stopping = request.app[STOPPING]
-    while after is not None and max([store.newest, *store.producing()]) <= after and loop.time() < deadline \
-            and not stopping.is_set():
+    while waiting(store) and loop.time() < deadline and not request.app[STOPPING].is_set():
         await asyncio.sleep(0.05)
         store = _store(request)
     return web.json_response(_listing(store))
@@ -268,7 +271,7 @@ async def base_pieces(request: web.Request) -> web.Response:
     store, v, info = _base_info(request)
     after = int(_int_param(request, "after", 0))
     wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
-    table = request.app[BASE_OVERRIDE](v)
+    table = request.app[BASE_OVERRIDE](v, True)
     if table is not None:
         await _await_table(request, table, after, asyncio.get_running_loop().time() + wait, lambda: not table.closed)
         _failed(table, v)
@@ -279,33 +282,67 @@ async def base_pieces(request: web.Request) -> web.Response:
                               "complete": True, "bytes": info.base_bytes, "epoch": "file"})
 
 
-async def base(request: web.Request) -> web.FileResponse:
-    """The base snapshot. At a relay still fetching it, only bytes that have verified are sent:
-    the request waits (up to MAX_WAIT) until the parts its range covers are in."""
-    store, v, info = _base_info(request)
-    table = request.app[BASE_OVERRIDE](v)
-    if table is not None:
+async def _verified(request: web.Request, table, size: int, v: int) -> web.StreamResponse | None:
+    """Bytes of a base that a relay is still fetching: only parts that have verified, answered
+    at once (503 for a range not yet in, never a wait past a client's read timeout), read from
+    a descriptor opened here so that the fetch may finish meanwhile; ranges as the origin answers
+    them. None once the fetch has finished: the stored file answers."""
+    try:
         r = request.http_range
-        start, stop = r.start or 0, info.base_bytes if r.stop is None else min(r.stop, info.base_bytes)
-        start = max(0, start + info.base_bytes) if start < 0 else start
-        need = set(range(start // BASE_PART, -(-stop // BASE_PART)))
-        deadline = asyncio.get_running_loop().time() + MAX_WAIT
-        while not need <= {p[0] // BASE_PART for p in table.pieces} and not table.closed:
-            seen = len(table.pieces)
-            await _await_table(request, table, seen, deadline, lambda: not table.closed)
-            if len(table.pieces) == seen and not table.closed:
-                raise web.HTTPServiceUnavailable(text=f"base v{v}: bytes {start}-{stop} have not arrived yet")
+    except ValueError:
+        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
+    start = 0 if r.start is None else max(0, size + r.start) if r.start < 0 else r.start
+    stop = size if r.stop is None else min(r.stop, size)
+    if start >= stop:
+        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+    if not set(range(start // BASE_PART, (stop - 1) // BASE_PART + 1)) <= {p[0] // BASE_PART for p in table.pieces}:
+        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
+            f"base v{v}: bytes {start}-{stop - 1} have not reached this relay yet "
+            f"(/v1/versions/{v}/base/pieces lists the parts that have)"))
+    try:
+        fd = os.open(table.path, os.O_RDONLY)
+    except FileNotFoundError:
         _failed(table, v)
-        if not table.closed:
-            return web.FileResponse(table.path)
+        return None
+    try:
+        ranged = hdrs.RANGE in request.headers
+        resp = web.StreamResponse(status=206 if ranged else 200, headers={
+            hdrs.ACCEPT_RANGES: "bytes", hdrs.CONTENT_TYPE: "application/octet-stream",
+            **({hdrs.CONTENT_RANGE: f"bytes {start}-{stop - 1}/{size}"} if ranged else {})})
+        resp.content_length = stop - start
+        await resp.prepare(request)
+        loop, pos = asyncio.get_running_loop(), start
+        while pos < stop and request.method == "GET":
+            data = await loop.run_in_executor(None, os.pread, fd, min(1 << 20, stop - pos), pos)
+            if not data:
+                raise RuntimeError(f"{table.path} ends at {pos}, before parts listed as written")
+            await resp.write(data)
+            pos += len(data)
+        await resp.write_eof()
+        return resp
+    finally:
+        os.close(fd)
+
+
+async def base(request: web.Request) -> web.StreamResponse:
+    """The base snapshot. A relay that lists it but does not hold it fetches it on the first GET
+    (a HEAD starts no fetch), and meanwhile sends only parts that have verified."""
+    store, v, info = _base_info(request)
+    table = request.app[BASE_OVERRIDE](v, request.method == "GET")
+    if table is not None:
+        _failed(table, v)
+        resp = await _verified(request, table, info.base_bytes, v)
+        if resp is not None:
+            return resp
     return _file(store, "bases", info.base, f"base-{info.state_hash}")
 
 
 def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None,
-             base_override=lambda v: None) -> web.Application:
+             base_override=lambda v, start: None) -> web.Application:
     """`pieces_override(v)`: a relay's live piece table for a delta it is still mirroring;
-    `base_override(v)`: a relay's piece table for a base snapshot it is fetching (started by
-    this call where it lists the base but does not hold it), None where the file is here."""
+    `base_override(v, start)`: a relay's piece table for a base snapshot it is fetching (with
+    `start`, started by this call where it lists the base but does not hold it), None where
+    the file is here."""
     app = web.Application(middlewares=[auth])
     app[OVERRIDE], app[BASE_OVERRIDE] = pieces_override, base_override
     app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
@@ -318,7 +355,7 @@ def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None,
 
     async def count(request: web.Request, response: web.StreamResponse) -> None:
         kind = request.path.rsplit("/", 1)[-1]
-        if kind in app[SERVED] and response.status in (200, 206):
+        if kind in app[SERVED] and request.method == "GET" and response.status in (200, 206):
             app[SERVED][kind] += response.content_length or 0
 
     app.on_shutdown.append(stop_long_polls)
