@@ -50,6 +50,13 @@ def test_relay_fetches_once_and_serves_its_region(history, tmp_path):
             base = Store(path).versions[4].base_bytes
             assert mirrored < base  # deltas only: no worker has asked for a base yet
             assert not list((tmp_path / "mirror" / "bases").iterdir())
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as curl:
+                # only listing its parts (GET base/pieces) fetches a base: not a HEAD, not the file
+                async with curl.head(f"{relay.url}/v1/versions/4/base/pieces") as r:
+                    assert r.status == 503
+                async with curl.get(f"{relay.url}/v1/versions/4/base") as r:
+                    assert r.status == 503 and "base/pieces fetches it" in await r.text()
+            assert not relay.relay.bases and wan.bytes_down == mirrored
             workers = [Client(relay.url, token=TOKEN, streams=2) for _ in range(3)]
             for w in workers:
                 await w.__aenter__()

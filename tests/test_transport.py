@@ -145,6 +145,9 @@ def test_long_poll_wakes_on_a_new_version(history, tmp_path, rng):
             assert (await c.versions(after=newest, wait=0.3))["newest"] == newest
             assert time.monotonic() - t0 >= 0.3
             assert (await c.versions(after=newest - 1, wait=30))["newest"] == newest  # immediate
+            async with Client(s.url, token=TOKEN, read_timeout=0.2, attempts=1) as impatient:
+                # a long-poll held longer than the read timeout is not a stalled read
+                assert (await impatient.versions(after=newest, wait=0.5))["newest"] == newest
             state = Store(path).materialize(newest)
             adder = threading.Timer(0.5, lambda: Store(path).add({k: mutate(rng, v, 0.01) for k, v in state.items()}))
             adder.start()

@@ -184,7 +184,11 @@ class Client:
         """The version list; with `after`, returns once a newer version exists or `wait` passes;
         with `base`, once that version's base snapshot is listed."""
         params = {k: x for k, x in (("after", after), ("base", base)) if x is not None}
-        return await self.json("/v1/versions", params={**params, "wait": wait} if params else {})
+        if not params:
+            return await self.json("/v1/versions")
+        # the server may hold the answer for `wait` seconds: that is not a stalled read
+        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.timeout.sock_read + wait)
+        return await self.json("/v1/versions", params={**params, "wait": wait}, timeout=timeout)
 
     async def download(self, path: str, size: int, pieces: list[Piece]) -> bytearray:
         """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams."""

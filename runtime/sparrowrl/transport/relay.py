@@ -65,6 +65,8 @@ class Relay:
         self.client: Client | None = None  # the one upstream client: deltas and bases share its streams and cap
         (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
         (self.mirror / "bases").mkdir(exist_ok=True)
+        for stale in [*(self.mirror / "deltas").glob(".*.partial"), *(self.mirror / "bases").glob(".*.partial")]:
+            stale.unlink()  # a fetch cut short by the relay's last exit (a persistent --cache)
         self.synced = asyncio.Event()  # set once the first version is mirrored
 
     def _store(self) -> Store | None:
@@ -135,7 +137,7 @@ class Relay:
             Store._write_index(self.mirror, every, versions)
             self.tables.pop(v).close()
             if v % every == 0 and not entry["base"]:  # its snapshot is written after its delta
-                entry = await self._listed(c, v, lambda e: e["base"] is not None)
+                entry = await self._listed(c, v, lambda e: e["base"] is not None, base=True)
                 if entry is None:
                     print(f"relay: upstream listed no base snapshot of v{v}", flush=True)
             if entry is not None:
@@ -186,13 +188,14 @@ class Relay:
             raise
         return partial, hashlib.sha256(d.data).hexdigest(), len(d.data)
 
-    async def _listed(self, c: Client, v: int, ready, timeout: float = 60.0) -> dict | None:
+    async def _listed(self, c: Client, v: int, ready, timeout: float = 60.0, base: bool = False) -> dict | None:
         """Upstream's entry for v once `ready(entry)` holds. The origin indexes a delta only after
-        hashing its file, a moment after the last byte can be read, and writes a base snapshot
-        after the delta. None after `timeout`, or once v has left upstream's window."""
+        hashing its file, a moment after the last byte can be read (polled), and writes a base
+        snapshot after the delta (`base`: long-polled, it may take a while for a large model).
+        None after `timeout`, or once v has left upstream's window."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            listing = await c.versions()
+        while (left := deadline - time.monotonic()) > 0:
+            listing = await (c.versions(base=v, wait=min(20.0, left)) if base else c.versions())
             entry = next((e for e in listing["versions"] if e["version"] == v), None)
             if entry is not None and ready(entry):
                 return entry

@@ -104,9 +104,11 @@ async def versions(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
 
-    def waiting(store: Store) -> bool:
+    def waiting(store: Store) -> bool:  # with both, for both
+        gone = base is not None and base not in store.versions and base <= store.newest \
+            and base not in store.producing()  # pruned: its snapshot will never come
         return (after is not None and max([store.newest, *store.producing()]) <= after) or \
-            (base is not None and not getattr(store.versions.get(base), "base", None))
+            (base is not None and not gone and not getattr(store.versions.get(base), "base", None))
     store = _store(request)
     while waiting(store) and loop.time() < deadline and not request.app[STOPPING].is_set():
         await asyncio.sleep(0.05)
@@ -264,6 +266,14 @@ def _failed(table, v: int) -> None:
         raise web.HTTPServiceUnavailable(text=f"relay could not fetch base v{v}: {table.error}")
 
 
+def _here(store: Store, v: int, info) -> None:
+    """A base that a relay lists but neither holds nor is fetching (listing its parts starts
+    the fetch): not a 404, which would say it does not exist."""
+    if not (store.path / "bases" / info.base).exists():
+        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
+            f"base v{v} is not at this relay yet (/v1/versions/{v}/base/pieces fetches it)"))
+
+
 async def base_pieces(request: web.Request) -> web.Response:
     """GET /v1/versions/V/base/pieces?after=I&wait=S: the base's parts that can be read, from the
     I-th on: all of them where the file is here (the origin); at a relay still fetching it, the
@@ -271,12 +281,13 @@ async def base_pieces(request: web.Request) -> web.Response:
     store, v, info = _base_info(request)
     after = int(_int_param(request, "after", 0))
     wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
-    table = request.app[BASE_OVERRIDE](v, True)
+    table = request.app[BASE_OVERRIDE](v, request.method == "GET")
     if table is not None:
         await _await_table(request, table, after, asyncio.get_running_loop().time() + wait, lambda: not table.closed)
         _failed(table, v)
         if len(table.pieces) > after or not table.closed:
             return _table_json(table, after)
+    _here(store, v, info)
     return web.json_response({"pieces": [[i * BASE_PART, min(BASE_PART, info.base_bytes - i * BASE_PART), h]
                                          for i, h in enumerate(info.base_parts)][after:],
                               "complete": True, "bytes": info.base_bytes, "epoch": "file"})
@@ -320,20 +331,23 @@ async def _verified(request: web.Request, table, size: int, v: int) -> web.Strea
             pos += len(data)
         await resp.write_eof()
         return resp
+    except ConnectionResetError:  # the client went away: nothing to answer
+        return resp
     finally:
         os.close(fd)
 
 
 async def base(request: web.Request) -> web.StreamResponse:
-    """The base snapshot. A relay that lists it but does not hold it fetches it on the first GET
-    (a HEAD starts no fetch), and meanwhile sends only parts that have verified."""
+    """The base snapshot. A relay that lists it but does not hold it fetches it once its parts
+    are listed (`base_pieces`), and meanwhile sends only parts that have verified."""
     store, v, info = _base_info(request)
-    table = request.app[BASE_OVERRIDE](v, request.method == "GET")
+    table = request.app[BASE_OVERRIDE](v, False)
     if table is not None:
         _failed(table, v)
         resp = await _verified(request, table, info.base_bytes, v)
         if resp is not None:
             return resp
+    _here(store, v, info)
     return _file(store, "bases", info.base, f"base-{info.state_hash}")
 
 
