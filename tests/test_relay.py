@@ -85,6 +85,20 @@ def test_relay_is_cut_through(history, tmp_path, rng):
             t = paused_publish(store, old, new, got_first, writer_done)
             while v0 + 1 not in (l := await worker.versions(after=v0, wait=5))["producing"] + [l["newest"]]:
                 pass
+            while len(getattr(relay.relay.tables.get(v0 + 1), "pieces", [])) < 2:
+                await asyncio.sleep(0.01)
+            # meanwhile, a client that listed its pieces elsewhere (the origin, before falling back
+            # here) gets only bytes that have verified at the relay, at once
+            offset, length, _ = relay.relay.tables[v0 + 1].pieces[1]
+            url = f"{relay.url}/v1/versions/{v0 + 1}/delta"
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as curl:
+                async with curl.get(url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}) as r:
+                    assert (r.status, r.headers["Content-Range"]) == (206, f"bytes {offset}-{offset + length - 1}/*")
+                    early = await r.read()
+                async with curl.get(url, headers={"Range": f"bytes=0-{10 ** 9}"}) as r:
+                    assert r.status == 503 and "not reached this relay yet" in await r.text()
+                async with curl.get(url) as r:  # its size is not known yet
+                    assert r.status == 503
             seen = []
 
             def on_piece(piece, data):
@@ -94,6 +108,7 @@ def test_relay_is_cut_through(history, tmp_path, rng):
             d = await worker.delta(v0 + 1, on_piece)
             await asyncio.to_thread(t.join)
             assert seen[1] is False, "the worker's first chunk came only after the trainer finished"
+            assert early == d.data[offset:offset + length]
             held = {k: v.clone() for k, v in old.items()}
             assert apply_delta(d, held, base_hash=store.versions[v0].state_hash) == state_hash(new)
     asyncio.run(go())
@@ -138,7 +153,7 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
     from sparrowrl.transport.server import make_app
 
     path, states = history
-    table = Table()
+    table = Table(path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
     active = {"on": True}
     app = make_app(path, TOKEN, pieces_override=lambda v: table if v == 5 and active["on"] else None)
 

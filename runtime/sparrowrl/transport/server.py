@@ -151,9 +151,14 @@ def _file(store: Store, sub: str, name: str, etag: str) -> web.FileResponse:
 
 
 async def delta(request: web.Request) -> web.StreamResponse:
-    store = _store(request)
     v = int(request.match_info["version"])
-    if v not in store.versions and store.partial_path(v).exists():  # growing: ranges of what is written
+    table = request.app[OVERRIDE](v)
+    if table is not None:  # a relay's delta in flight, written in arrival order: verified pieces only
+        resp = await _verified(request, table, v, None)
+        if resp is not None:
+            return resp
+    store = _store(request)
+    if v not in store.versions and store.partial_path(v).exists():  # growing (in order): ranges of what is written
         return web.FileResponse(store.partial_path(v))
     v = _version(request, store)
     info = store.versions[v]
@@ -293,23 +298,42 @@ async def base_pieces(request: web.Request) -> web.Response:
                               "complete": True, "bytes": info.base_bytes, "epoch": "file"})
 
 
-async def _verified(request: web.Request, table, size: int, v: int) -> web.StreamResponse | None:
-    """Bytes of a base that a relay is still fetching: only parts that have verified, answered
-    at once (503 for a range not yet in, never a wait past a client's read timeout), read from
-    a descriptor opened here so that the fetch may finish meanwhile; ranges as the origin answers
-    them. None once the fetch has finished: the stored file answers."""
+def _covered(pieces: list[list], start: int, stop: int) -> bool:
+    """Whether pieces ([offset, length, sha256], any order) cover bytes start..stop-1."""
+    for offset, length, _ in sorted(pieces):
+        if offset > start:
+            return False
+        start = max(start, offset + length)
+        if start >= stop:
+            return True
+    return start >= stop
+
+
+async def _verified(request: web.Request, table, v: int, size: int | None) -> web.StreamResponse | None:
+    """Bytes of a file that a relay is still fetching (a base, or a delta of unknown `size`):
+    only pieces that have verified, answered at once (503 for a range not yet in, never a wait
+    past a client's read timeout), read from a descriptor opened here so that the fetch may
+    finish meanwhile; ranges as the origin answers them. None once the fetch has finished: the
+    stored file answers. A client that listed its pieces elsewhere (the origin, before falling
+    back here) may ask for any range: it gets no byte that has not verified."""
+    what, listing = ("delta", "pieces") if size is None else ("base", "base/pieces")
+    total = "*" if size is None else size
     try:
         r = request.http_range
     except ValueError:
-        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
-    start = 0 if r.start is None else max(0, size + r.start) if r.start < 0 else r.start
-    stop = size if r.stop is None else min(r.stop, size)
-    if start >= stop:
-        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
-    if not set(range(start // BASE_PART, (stop - 1) // BASE_PART + 1)) <= {p[0] // BASE_PART for p in table.pieces}:
+        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"}) from None
+    if size is None and (r.start is None or r.start < 0 or r.stop is None):
         raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
-            f"base v{v}: bytes {start}-{stop - 1} have not reached this relay yet "
-            f"(/v1/versions/{v}/base/pieces lists the parts that have)"))
+            f"delta v{v} is still reaching this relay: its size is not known yet, so ask for a range "
+            f"with both ends (/v1/versions/{v}/pieces lists those that are here)"))
+    start = 0 if r.start is None else max(0, size + r.start) if r.start < 0 else r.start
+    stop = r.stop if size is None else size if r.stop is None else min(r.stop, size)
+    if start >= stop:
+        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"})
+    if not _covered(table.pieces, start, stop):
+        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
+            f"{what} v{v}: bytes {start}-{stop - 1} have not reached this relay yet "
+            f"(/v1/versions/{v}/{listing} lists the pieces that have)"))
     try:
         fd = os.open(table.path, os.O_RDONLY)
     except FileNotFoundError:
@@ -319,7 +343,7 @@ async def _verified(request: web.Request, table, size: int, v: int) -> web.Strea
         ranged = hdrs.RANGE in request.headers
         resp = web.StreamResponse(status=206 if ranged else 200, headers={
             hdrs.ACCEPT_RANGES: "bytes", hdrs.CONTENT_TYPE: "application/octet-stream",
-            **({hdrs.CONTENT_RANGE: f"bytes {start}-{stop - 1}/{size}"} if ranged else {})})
+            **({hdrs.CONTENT_RANGE: f"bytes {start}-{stop - 1}/{total}"} if ranged else {})})
         resp.content_length = stop - start
         await resp.prepare(request)
         loop, pos = asyncio.get_running_loop(), start
@@ -344,7 +368,7 @@ async def base(request: web.Request) -> web.StreamResponse:
     table = request.app[BASE_OVERRIDE](v, False)
     if table is not None:
         _failed(table, v)
-        resp = await _verified(request, table, info.base_bytes, v)
+        resp = await _verified(request, table, v, info.base_bytes)
         if resp is not None:
             return resp
     _here(store, v, info)
