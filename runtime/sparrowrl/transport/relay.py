@@ -52,6 +52,14 @@ class Table:
         self.changed.set()
         self.changed = asyncio.Event()
 
+    def writer(self, fd: int):
+        """`keep(piece, bytes)` for the client: each verified piece written at its offset into
+        `fd` (this table's file), then listed."""
+        def keep(p: Piece, data: bytes) -> None:
+            os.pwrite(fd, data, p.offset)
+            self.add([p.offset, p.length, p.sha256])
+        return keep
+
     def close(self, error: str | None = None) -> None:
         self.closed, self.error = True, error
         self.changed.set()
@@ -119,7 +127,7 @@ class Relay:
                       f" ({c.stats.retries - retries} retries)", flush=True)
                 entry = entries.get(v)
                 if entry is None or entry["delta"] is None:  # still being produced when listed
-                    entry = await self._listed(c, v, lambda e: e["delta"] is not None)
+                    entry = await self._listed(c, v, "delta")
                     if entry is None:
                         raise FetchError(f"upstream did not list delta v{v} as stored")
                 if entry["delta"]["sha256"] != digest:
@@ -137,7 +145,7 @@ class Relay:
             Store._write_index(self.mirror, every, versions)
             self.tables.pop(v).close()
             if v % every == 0 and not entry["base"]:  # its snapshot is written after its delta
-                entry = await self._listed(c, v, lambda e: e["base"] is not None, base=True)
+                entry = await self._listed(c, v, "base")
                 if entry is None:
                     print(f"relay: upstream listed no base snapshot of v{v}", flush=True)
             if entry is not None:
@@ -174,11 +182,8 @@ class Relay:
         table = self.tables[v] = Table(partial)
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            def write(p: Piece, data: bytes) -> None:
-                os.pwrite(fd, data, p.offset)
-                table.add([p.offset, p.length, p.sha256])
             try:
-                d = await c.delta(v, write)
+                d = await c.delta(v, table.writer(fd))
             finally:
                 os.close(fd)
         except BaseException:
@@ -188,16 +193,16 @@ class Relay:
             raise
         return partial, hashlib.sha256(d.data).hexdigest(), len(d.data)
 
-    async def _listed(self, c: Client, v: int, ready, timeout: float = 60.0, base: bool = False) -> dict | None:
-        """Upstream's entry for v once `ready(entry)` holds. The origin indexes a delta only after
-        hashing its file, a moment after the last byte can be read (polled), and writes a base
-        snapshot after the delta (`base`: long-polled, it may take a while for a large model).
-        None after `timeout`, or once v has left upstream's window."""
+    async def _listed(self, c: Client, v: int, what: str, timeout: float = 60.0) -> dict | None:
+        """Upstream's entry for v once it lists v's `what` ("delta" or "base"). The origin indexes
+        a delta only after hashing its file, a moment after the last byte can be read (polled),
+        and writes a base snapshot after the delta (long-polled: it may take a while for a large
+        model). None after `timeout`, or once v has left upstream's window."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            listing = await (c.versions(base=v, wait=min(20.0, left)) if base else c.versions())
+            listing = await (c.versions(base=v, wait=min(20.0, left)) if what == "base" else c.versions())
             entry = next((e for e in listing["versions"] if e["version"] == v), None)
-            if entry is not None and ready(entry):
+            if entry is not None and entry[what] is not None:
                 return entry
             if entry is None and v <= listing["newest"] and v not in listing["producing"]:
                 return None
@@ -210,11 +215,11 @@ class Relay:
         share it. A fetch that failed stays here, failed, for FAILED_S: its clients go to
         another server instead of starting a fetch each. None where the file is here, or v
         lists no base."""
-        if v in self.bases:
-            return self.bases[v][0]
+        if v in self.bases or not start:
+            return self.bases.get(v, (None,))[0]
         store = self._store()
         info = store.versions.get(v) if store else None
-        if not start or info is None or not info.base or (self.mirror / "bases" / info.base).exists() \
+        if info is None or not info.base or (self.mirror / "bases" / info.base).exists() \
                 or self.client is None:
             return None
         table = Table()
@@ -228,10 +233,7 @@ class Relay:
         try:
             fd = os.open(table.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                def write(p: Piece, data: bytes) -> None:
-                    os.pwrite(fd, data, p.offset)
-                    table.add([p.offset, p.length, p.sha256])
-                await c.base_parts(v, entry, write)
+                await c.base_parts(v, entry, table.writer(fd))
             finally:
                 os.close(fd)
             store = self._store()
