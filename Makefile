@@ -36,7 +36,7 @@ test-vllm: $(VLLM_STAMP)
 
 # The main job, locally: trainer, relays and workers as processes on loopback (~3 minutes).
 demo: $(STAMP)
-	$(BIN)/sparrowrl run examples/local-job.yaml --run-dir runs/demo
+	$(BIN)/sparrowrl run examples/local-job.yaml --run-dir runs/demo --overwrite
 
 bench: $(STAMP)
 	$(BIN)/python hack/bench_codec.py --out docs/bench_codec.json

@@ -72,3 +72,12 @@ def history(tmp_path_factory):
     for s in states[1:]:
         store.add(s)
     return path, states
+
+
+@pytest.fixture
+def address_space_limit():
+    """Abuse cases in this process: bounded in memory (tests/bounded.py)."""
+    from bounded import address_space
+
+    with address_space():
+        yield

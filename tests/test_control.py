@@ -73,3 +73,54 @@ def test_a_lease_whose_answer_was_lost_is_not_handed_out_twice(trainer):
             await runner.cleanup()
 
     asyncio.run(go())
+
+
+@pytest.mark.usefixtures("address_space_limit")
+@pytest.mark.parametrize("path, edit, field", [
+    ("/v1/results", lambda b: b["results"]["0"]["samples"][0].update(logprobs=[float("nan")]),
+     "results.0.samples.0.logprobs.0: Input should be a finite number"),
+    ("/v1/results", lambda b: b["results"]["0"]["samples"][0].update(logprobs=[1e300]),
+     "results.0.samples.0.logprobs.0: Input should be less than or equal to 0"),
+    ("/v1/results", lambda b: b.update(generate_s=float("inf")), "generate_s: Input should be a finite number"),
+    ("/v1/results", lambda b: b["results"]["0"]["samples"][0].update(tokens=[3.5]),
+     "results.0.samples.0.tokens.0: Input should be a valid integer"),
+    ("/v1/results", lambda b: b.update(lease=-1), "lease: Input should be greater than or equal to 0"),
+    ("/v1/commit", lambda b: b.update(fetch_s=float("inf")), "fetch_s: Input should be a finite number"),
+    ("/v1/commit", lambda b: b.update(version=10**30), "version: Input should be less than 100000000"),
+    ("/v1/work", lambda b: b.update(worker="../x" * 100), "worker: String should match pattern"),
+    ("/v1/work", lambda b: b.pop("worker"), "worker: Field required"),
+])
+def test_a_malformed_body_is_refused_with_its_field_before_anything_acts(trainer, path, edit, field):
+    """Workers are not trusted: one NaN log-prob admitted would make every weight NaN."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"/v1/work": {"worker": "w", "version": 0},
+            "/v1/commit": {"worker": "w", "version": 0, "state_hash": trainer.coord.hashes[0], "fetch_s": 0.1},
+            "/v1/results": {"lease": 0, "worker": "w", "version": 0, "state_hash": trainer.coord.hashes[0],
+                            "generate_s": 0.1, "results": {"0": {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2}}},
+            }[path]
+    edit(body)
+
+    def post(port: int, data: bytes) -> tuple[int, str]:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    async def go():
+        runner, port = await serve(trainer)
+        try:
+            status, text = await asyncio.to_thread(post, port, json.dumps(body).encode())
+            assert status == 400 and text.startswith(f"{path}: {field}"), text
+            status, text = await asyncio.to_thread(post, port, b"{not json")
+            assert status == 400 and text.startswith(f"{path}: ")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    c = trainer.coord.counts
+    assert (c.admitted, c.verified, list(trainer.coord.leases), trainer.seen) == (0, 0, [], {})

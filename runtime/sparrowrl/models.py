@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 CHARS = string.digits + string.ascii_lowercase + " +-*=?:<>,.()"
@@ -35,6 +36,25 @@ def tiny_qwen3(vocab_size: int, hidden: int, layers: int, heads: int, seed: int)
 def load(path: str | Path, dtype: torch.dtype = torch.float32):
     """A local Hugging Face folder: (model, tokenizer)."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True), load_tokenizer(path)
+
+
+def check(path: str | Path, tokenizer: str | Path | None = None) -> None:
+    """A model folder the trainer could not load, named before any process starts (ValueError):
+    its config and tokenizer are read, and it must hold weights."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"model.path: {folder} is not a folder")
+    if not [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]:
+        raise ValueError(f"model.path: {folder} holds no weights (*.safetensors)")
+    try:
+        AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model.path: {folder}: {str(e).strip().splitlines()[0]}") from None
+    try:
+        load_tokenizer(tokenizer or folder)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        field = "model.tokenizer" if tokenizer else "model.path"
+        raise ValueError(f"{field}: {tokenizer or folder}: no tokenizer ({str(e).strip().splitlines()[0]})") from None
 
 
 def load_tokenizer(path: str | Path):

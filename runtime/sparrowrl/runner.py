@@ -25,9 +25,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sparrowrl import report
 from sparrowrl.job import SparrowRLJob
 
-EXE = [sys.executable, "-m", "sparrowrl.cli"]
+EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
 OUTPUTS = ("job.yaml", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
            "step_time.png", "payload.png", "store", "model", "final", "logs", "relays")
+MARK = ".sparrowrl-run"  # names a folder as a run's: the only kind a run replaces
 
 
 class RunError(Exception):
@@ -101,18 +102,39 @@ def _get(url: str, token: str) -> dict:
         return json.loads(r.read())
 
 
-def run(job: SparrowRLJob, run_dir: Path, console: Console, job_dir: Path) -> dict:
-    """Run `job`; a reward given as module:function is imported from `job_dir` (the job file's
-    folder) or the Python path."""
-    spec = job.spec
+def check_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse a run dir that a run may not write to, before anything is written: one that holds
+    what this tool did not write (never deleted, whatever the flags), or a previous run's
+    results without `overwrite`."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise RunError(f"--run-dir {run_dir}: not a folder")
+    if (run_dir / MARK).is_file():
+        if not overwrite:
+            raise RunError(f"--run-dir {run_dir} holds a previous run's results; --overwrite replaces them")
+        return
+    if any(run_dir.iterdir()):
+        raise RunError(f"--run-dir {run_dir}: not empty, and not a previous run's folder: "
+                       f"a run writes only to a new or empty folder, or replaces a previous run's")
+
+
+def claim_run_dir(run_dir: Path, job: SparrowRLJob) -> None:
+    """Mark the folder as a run's, and remove a previous run's results: only the names a run writes."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in OUTPUTS:  # a previous run's results, and only those
+    (run_dir / MARK).write_text(json.dumps({"job": job.metadata.name}) + "\n")
+    for stale in OUTPUTS:
         path = run_dir / stale
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+
+
+def run(job: SparrowRLJob, run_dir: Path, console: Console) -> dict:
+    """Run `job` in `run_dir`, which `check_run_dir` has allowed."""
+    spec = job.spec
+    claim_run_dir(run_dir, job)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
     token = secrets.token_hex(16)
-    path = os.pathsep.join(filter(None, [str(job_dir.resolve()), os.environ.get("PYTHONPATH")]))
-    procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1", PYTHONPATH=path))
+    procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))
     origin_port = free_port()
     origin = f"http://127.0.0.1:{origin_port}"
     layout: dict = {"trainer": None, "relays": {}, "workers": {}}

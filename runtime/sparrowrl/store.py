@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,13 +22,15 @@ from collections.abc import Iterator
 
 import torch
 
-from sparrowrl.checkpoint_io import Checkpoint, atomic_path, save_state
+from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_state
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
 from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.delta.errors import DeltaError
 
 FORMAT = 1
 BASE_PART = 8 << 20  # bases are verified (and fetched, and resumed) in pieces of this size
+MAX_BASE_EVERY = 1_000_000
+_HEX16, _HEX64 = re.compile(r"[0-9a-f]{16}"), re.compile(r"[0-9a-f]{64}")
 
 
 class StoreError(Exception):
@@ -69,8 +72,9 @@ class Store:
             raw = json.loads(index.read_text())
             if not isinstance(raw, dict) or raw.get("format") != FORMAT:
                 raise StoreError(f"{index}: unsupported store format {raw.get('format')}")
-            self.base_every = int(raw["base_every"])
-            self.versions = {int(v["version"]): Version(**v) for v in raw["versions"]}
+            self.base_every = raw["base_every"]
+            self.versions = {v["version"]: Version(**v) for v in raw["versions"]}
+            _check_index(self.base_every, self.versions, len(raw["versions"]))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise StoreError(f"{index}: damaged index ({e})") from None
 
@@ -80,8 +84,8 @@ class Store:
         path = Path(path)
         if (path / "store.json").exists():
             raise StoreError(f"{path}: a store already exists here")
-        if base_every < 1:
-            raise StoreError("base_every must be at least 1")
+        if not 1 <= base_every <= MAX_BASE_EVERY:
+            raise StoreError(f"base_every must be 1..{MAX_BASE_EVERY:,}, got {base_every}")
         (path / "bases").mkdir(parents=True, exist_ok=True)
         (path / "deltas").mkdir(exist_ok=True)
         v = Version(version, state_hash(base))
@@ -121,6 +125,16 @@ class Store:
         """Where the delta of `version` grows while it is being written (cut-through source)."""
         return self.path / "deltas" / f".v{version:08d}.partial"
 
+    def tensor_table(self) -> dict[str, TensorSpec]:
+        """The tensors every version has: those of the oldest base snapshot (the store's first
+        version always has one, also after pruning)."""
+        oldest = self.versions[min(self.versions)]
+        try:
+            with Checkpoint(self.path / "bases" / oldest.base) as ck:
+                return {t.name: t for t in ck.specs}
+        except (CheckpointError, TypeError) as e:
+            raise StoreError(f"base v{oldest.version} cannot be read for its tensor table ({e})") from None
+
     def producing(self) -> list[int]:
         """Versions whose delta is being written right now."""
         return sorted(v for v in (int(p.name[2:10]) for p in (self.path / "deltas").glob(".v*.partial")
@@ -152,6 +166,7 @@ class Store:
     def _publish(self, tensors: list[TensorSpec]) -> Iterator[DeltaWriter]:
         prev = self.versions[self.newest]
         version = prev.version + 1
+        _same_tensors(self.tensor_table(), {t.name: t for t in tensors}, prev.version)
         tmp_path = self.partial_path(version)
         try:
             with open(tmp_path, "wb") as f:
@@ -261,6 +276,47 @@ class Store:
 
     def _span(self) -> str:
         return f"v{min(self.versions)}..v{self.newest}"
+
+
+def _same_tensors(have: dict[str, TensorSpec], new: dict[str, TensorSpec], v: int) -> None:
+    """A new version has exactly the store's tensors: one with a tensor missing would be stored
+    as unchanged there, and no later version could be replayed onto it."""
+    for name in sorted(have.keys() | new.keys()):
+        a, b = have.get(name), new.get(name)
+        if a is None:
+            raise StoreError(f"the new version has tensor '{name}', which v{v} does not (a new version must have "
+                             f"exactly the same tensors)")
+        if b is None:
+            raise StoreError(f"the new version lacks tensor '{name}', which v{v} has (a new version must have "
+                             f"exactly the same tensors)")
+        if a != b:
+            raise StoreError(f"tensor '{name}' is {b.dtype}{list(b.shape)} in the new version, "
+                             f"{a.dtype}{list(a.shape)} in v{v}")
+
+
+def _check_index(base_every: object, versions: dict, listed: int) -> None:
+    """An index is read as untrusted: every file it names must lie inside the store, under the
+    name the store gives it, and every number must be in range (ValueError names the entry)."""
+    if type(base_every) is not int or not 1 <= base_every <= MAX_BASE_EVERY:
+        raise ValueError(f"base_every {base_every!r} is not 1..{MAX_BASE_EVERY:,}")
+    if not versions or len(versions) != listed:
+        raise ValueError("no versions" if not versions else "a version is listed twice")
+    for k, v in versions.items():
+        where = f"version {k!r}"
+        if type(k) is not int or not 0 <= k < 10**8:
+            raise ValueError(f"{where}: not a version number (0..99999999)")
+        if not isinstance(v.state_hash, str) or not _HEX16.fullmatch(v.state_hash):
+            raise ValueError(f"{where}: state_hash {v.state_hash!r} is not 16 hex digits")
+        for n in ("delta_bytes", "base_bytes", "changed"):
+            if type(getattr(v, n)) is not int or not 0 <= getattr(v, n) < 1 << 62:
+                raise ValueError(f"{where}: {n} {getattr(v, n)!r} is not a count")
+        if v.delta is not None and (not isinstance(v.delta_sha256, str) or not _HEX64.fullmatch(v.delta_sha256)
+                                    or v.delta != f"v{k:08d}-{v.delta_sha256[:16]}.spd"):
+            raise ValueError(f"{where}: delta {v.delta!r} is not the store's name for its content hash")
+        if v.base is not None and (v.base != f"v{k:08d}.safetensors" or not isinstance(v.base_parts, list)
+                                   or not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in v.base_parts)
+                                   or len(v.base_parts) != -(-v.base_bytes // BASE_PART)):
+            raise ValueError(f"{where}: base {v.base!r} is not the store's name, or its parts do not fit its size")
 
 
 def _sha256_file(path: Path) -> str:

@@ -3,18 +3,22 @@
 Built-in tasks a tiny model learns on a CPU in minutes, whose rewards give partial credit per
 character (so that a weak policy's samples differ in reward and GRPO has a signal), and user
 tasks read from JSONL (`prompt`, `answer`) scored by exact match, by number, or by a function
-given as `module:function` taking (prompt, completion, answer) and returning a float.
+in a file beside the job (`module:function`, resolved by the job loader to FILE.py:function)
+taking (prompt, completion, answer) and returning a float.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import math
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from sparrowrl.limits import MAX_TASK_BYTES, read_bounded
 
 Reward = Callable[[str, str, str], float]
 
@@ -50,18 +54,34 @@ REWARDS: dict[str, Reward] = {"exact": exact, "numeric": numeric, "char_match": 
 
 
 def reward_function(name: str) -> Reward:
-    """A named reward, or `module:function` importable from the job's Python path."""
+    """A named reward, or FILE.py:function (`module:function`: module.py in the current folder).
+
+    Loaded from the file itself under a name of its own, never imported from the Python path:
+    a job cannot name an arbitrary installed callable (`os:system`), and a file beside the job
+    cannot shadow the standard library. The file's folder goes last on the path, for its own
+    helper modules. It is code the trainer runs: the job's author is trusted with it."""
     if name in REWARDS:
         return REWARDS[name]
-    module, _, attr = name.partition(":")
-    if not module or not attr:
+    file, _, attr = name.rpartition(":")
+    if not file or not attr.isidentifier():
         raise ValueError(f"reward '{name}': not one of {sorted(REWARDS)} and not module:function")
+    path = Path(file if file.endswith(".py") else file + ".py").resolve()
+    if not path.is_file():
+        raise ValueError(f"reward '{name}': no file {path} (a reward module is a .py file beside the job file)")
+    module_name = f"sparrowrl_reward_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    sys.modules[module_name] = module
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward '{name}': {e}") from None
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise ValueError(f"reward '{name}': loading {path.name} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward '{name}': {attr} is not callable")
+        raise ValueError(f"reward '{name}': {path.name} defines no function {attr}")
     return fn
 
 
@@ -106,8 +126,12 @@ class Jsonl(Task):
 
     def __init__(self, seed: int, path: str | Path):
         super().__init__(seed)
+        try:
+            text = read_bounded(path, MAX_TASK_BYTES, "a JSONL task file").decode()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         self.rows: list[Example] = []
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from sparrowrl import grpo, models, tasks
+from sparrowrl import grpo, messages, models, tasks
 from sparrowrl.coordinator import Batch, Coordinator
 from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.job import JobSpec
@@ -156,22 +156,29 @@ def _pad(rows, pad: int):
 
 # ---------------------------------------------------------------- the trainer process
 
-def once(handler):
-    """A control POST acts once per idempotency key (`Client.post_json` sends the same key on
-    every retry). A retry after a lost answer, or while the first is still being answered, gets
-    the first answer: not a second lease, a second admission or a second commit."""
+def once(model: type[messages.Body]):
+    """A control POST whose body is a valid `model` (else 400 naming the field) acts once per
+    idempotency key (`Client.post_json` sends the same key on every retry). A retry after a lost
+    answer, or while the first is still being answered, gets the first answer: not a second
+    lease, a second admission or a second commit."""
 
-    @functools.wraps(handler)
-    async def answer(self: "Run", request: web.Request) -> web.Response:
-        body = await request.json()
-        key = request.headers.get("Idempotency-Key")
-        slot = (request.path, str(body.get("worker")))  # each worker's latest request per route
-        last = self.answers.get(slot)
-        if key is None or last is None or last[0] != key:
-            last = self.answers[slot] = (key, asyncio.ensure_future(handler(self, body)))
-        return web.json_response(await asyncio.shield(last[1]))  # a dropped connection does not cancel it
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def answer(self: "Run", request: web.Request) -> web.Response:
+            try:
+                body = messages.parse(model, await request.json()).model_dump()
+            except ValueError as e:  # also a body that is not JSON
+                raise web.HTTPBadRequest(text=f"{request.path}: {e}") from None
+            key = request.headers.get("Idempotency-Key")
+            slot = (request.path, body["worker"])  # each worker's latest request per route
+            last = self.answers.get(slot)
+            if key is None or last is None or last[0] != key:
+                last = self.answers[slot] = (key, asyncio.ensure_future(handler(self, body)))
+            return web.json_response(await asyncio.shield(last[1]))  # a dropped connection does not cancel it
 
-    return answer
+        return answer
+
+    return wrap
 
 
 class Run:
@@ -232,12 +239,12 @@ class Run:
         now = time.monotonic()
         return sorted(w for w, t in self.seen.items() if now - t < self.spec.rollout.lease_seconds)
 
-    @once
+    @once(messages.Work)
     async def h_work(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
         deadline = time.monotonic() + 10
         while True:
-            ans = self.coord.work(body["worker"], int(body["version"])) if self._started() else {"wait": True}
+            ans = self.coord.work(body["worker"], body["version"]) if self._started() else {"wait": True}
             if "wait" not in ans or time.monotonic() > deadline:
                 break
             await self._changed(1.0)
@@ -246,17 +253,17 @@ class Run:
                                         "seed": group_seed(self.spec.seed, g)} for g in ans["lease"]["groups"]]
         return ans
 
-    @once
+    @once(messages.Results)
     async def h_results(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
-        results = {int(g): r for g, r in body["results"].items()}
+        results = body["results"]
         if bad := self._malformed(results):
-            self.coord.refuse(int(body["lease"]), body["worker"])
+            self.coord.refuse(body["lease"], body["worker"])
             self._touch()
             return {"admitted": 0, "refused": bad}
-        ans = self.coord.submit(int(body["lease"]), body["worker"], int(body["version"]), body["state_hash"], results)
+        ans = self.coord.submit(body["lease"], body["worker"], body["version"], body["state_hash"], results)
         if ans["admitted"]:
-            self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + float(body["generate_s"])
+            self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
         self._touch()
         return ans
 
@@ -264,28 +271,28 @@ class Run:
         """Workers are not trusted: a result that would break the training step is refused."""
         g, vocab = self.spec.grpo, len(self.trainer.tok)
         for group, r in results.items():
-            samples = r.get("samples", [])
+            samples = r["samples"]
             if len(samples) != g.group_size:
                 return f"group {group}: {len(samples)} samples, the job's group size is {g.group_size}"
             for x in samples:
-                t, lp = x.get("tokens", []), x.get("logprobs", [])
+                t, lp = x["tokens"], x["logprobs"]
                 if not 1 <= len(t) <= g.max_new_tokens or len(t) != len(lp):
                     return f"group {group}: {len(t)} tokens with {len(lp)} log-probs (1..{g.max_new_tokens} tokens)"
-                if not all(isinstance(i, int) and 0 <= i < vocab for i in t):
+                if not all(0 <= i < vocab for i in t):
                     return f"group {group}: a token id outside the vocabulary (0..{vocab - 1})"
         return None
 
-    @once
+    @once(messages.Commit)
     async def h_commit(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
         deadline = time.monotonic() + 30
-        while int(body["version"]) > self.coord.published and time.monotonic() < deadline:
+        while body["version"] > self.coord.published and time.monotonic() < deadline:
             # a worker can hold a delta before the trainer has finished storing it
             await self._changed(1.0)
-        self.first.setdefault(body["worker"], int(body["version"]))
-        ok = self.coord.commit(body["worker"], int(body["version"]), body["state_hash"])
+        self.first.setdefault(body["worker"], body["version"])
+        ok = self.coord.commit(body["worker"], body["version"], body["state_hash"])
         if body.get("fetch_s") is not None:
-            self.fetch.setdefault(int(body["version"]), {})[body["worker"]] = float(body["fetch_s"])
+            self.fetch.setdefault(body["version"], {})[body["worker"]] = body["fetch_s"]
         self._flush()
         self._touch()
         return {"verified": ok}

@@ -36,6 +36,7 @@ from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
 from sparrowrl.delta.records import MAX_SEGMENT, Changes, Record, decode_record, encode_changes, extract_segment
 from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
+from sparrowrl.limits import memory_available, read_bounded
 
 FORMAT_VERSION = 1
 MAGIC = b"SPRWDLTA"
@@ -243,7 +244,13 @@ class DeltaFile:
 
     @classmethod
     def open(cls, path: str | Path) -> DeltaFile:
-        return cls(Path(path).read_bytes(), str(path))
+        """A delta file, read whole: refused before reading if it is not a regular file or would
+        not fit in the memory free now."""
+        try:
+            data = read_bounded(path, memory_available(), "a delta")
+        except ValueError as e:
+            raise FormatError(str(e)) from None
+        return cls(data, str(path))
 
     def _fail(self, cls, msg: str):
         raise cls(f"{self.source}: {msg}")

@@ -10,6 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from sparrowrl.delta.bitview import DTYPES
 
 MAX_NUMEL = 1 << 48  # per tensor; far beyond any model, small enough that offsets stay exact
+MAX_TENSORS = 1 << 20  # entries a header or manifest may list: far beyond any model, and each is parsed
+MAX_CHUNKS = 1 << 24
+Name = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Hash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
@@ -26,11 +29,17 @@ class Header(_Strict):
     base_hash: Hash
     target_version: Count
     segment_elements: Annotated[int, Field(ge=1, le=1 << 24)]
-    tensors: list[tuple[str, Dtype, list[Annotated[int, Field(ge=0, le=MAX_NUMEL)]]]]
+    tensors: Annotated[list[tuple[Name, Dtype, Annotated[list[Annotated[int, Field(ge=0, le=MAX_NUMEL)]],
+                                                        Field(max_length=64)]]],
+                       Field(max_length=MAX_TENSORS)]
 
     @model_validator(mode="after")
-    def _sizes(self) -> "Header":
+    def _table(self) -> "Header":
+        seen = set()
         for name, _, shape in self.tensors:
+            if name in seen:  # both would address one receiver tensor, hashed twice: the writer refuses this too
+                raise ValueError(f"tensor {name!r} is listed twice")
+            seen.add(name)
             numel = 1
             for s in shape:
                 numel *= s
@@ -62,8 +71,8 @@ class Manifest(_Strict):
     elements: Count
     changed: Count
     dense_bytes: Count
-    tensors: list[TensorEntry]
-    chunks: list[ChunkEntry]
+    tensors: Annotated[list[TensorEntry], Field(max_length=MAX_TENSORS)]
+    chunks: Annotated[list[ChunkEntry], Field(max_length=MAX_CHUNKS)]
 
 
 def parse(model: type[_Strict], raw: bytes) -> _Strict:
@@ -72,5 +81,5 @@ def parse(model: type[_Strict], raw: bytes) -> _Strict:
         return model.model_validate_json(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "document"
-        raise ValueError(f"{where}: {err['msg']}") from None
+        where, msg = ".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{where}: {msg}" if where else msg) from None

@@ -22,15 +22,24 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import aiohttp
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from safetensors.torch import load as load_safetensors
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
+from sparrowrl.limits import memory_available
 
 
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
+MAX_BYTES = 1 << 40  # the largest file (base snapshot or delta) a server may list
+MAX_ITEMS = 1 << 24  # versions, parts or pieces in one listing
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Index = Annotated[int, Field(ge=0, le=1 << 62)]
+PieceBytes = Annotated[int, Field(ge=1, le=1 << 30)]  # a piece is held in memory whole
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 class FetchError(Exception):
@@ -39,6 +48,69 @@ class FetchError(Exception):
 
 class _Transient(Exception):
     """A failed answer worth retrying (5xx, 404 from a lagging relay, an unreadable body)."""
+
+
+class _Answer(BaseModel):
+    """A server's listing, checked before its numbers size a buffer or a loop here."""
+    model_config = ConfigDict(strict=True)
+
+
+class _Base(_Answer):
+    bytes: Bytes
+    part_bytes: PieceBytes
+    parts: Annotated[list[Sha256], Field(max_length=MAX_ITEMS)]
+
+    @model_validator(mode="after")
+    def _cover(self) -> "_Base":
+        if len(self.parts) != -(-self.bytes // self.part_bytes):
+            raise ValueError(f"{len(self.parts)} parts of {self.part_bytes} bytes do not make {self.bytes} bytes")
+        return self
+
+
+class _Delta(_Answer):
+    bytes: Bytes
+    sha256: Sha256
+
+
+class _Entry(_Answer):
+    version: Index
+    state_hash: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+    changed: Index
+    delta: _Delta | None
+    base: _Base | None
+
+
+class _Listing(_Answer):
+    """GET /v1/versions"""
+    newest: Index
+    base_every: Annotated[int, Field(ge=1, le=1 << 62)]
+    producing: Annotated[list[Index], Field(max_length=MAX_ITEMS)]
+    versions: Annotated[list[_Entry], Field(max_length=MAX_ITEMS)]
+
+
+class _Plan(_Answer):
+    """GET /v1/plan"""
+    route: Literal["none", "chain", "base"]
+    base: Index | None
+    deltas: Annotated[list[Index], Field(max_length=MAX_ITEMS)]
+
+
+class _Pieces(_Answer):
+    """GET /v1/versions/V/pieces and /v1/versions/V/base/pieces"""
+    pieces: Annotated[list[tuple[Bytes, PieceBytes, Sha256]], Field(max_length=MAX_ITEMS)]
+    complete: bool
+    bytes: Bytes | None
+    epoch: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+    @model_validator(mode="after")
+    def _within(self) -> "_Pieces":
+        if self.complete and self.bytes is None:
+            raise ValueError("complete, but without its size")
+        size = MAX_BYTES if self.bytes is None else self.bytes
+        for i, (offset, length, _) in enumerate(self.pieces):
+            if offset + length > size:
+                raise ValueError(f"pieces.{i}: bytes {offset}+{length} end past the file's {size}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -162,8 +234,18 @@ class Client:
                     raise _Transient(f"unreadable response: {e}") from None
         return await self._attempts(path, request)
 
-    async def json(self, path: str, **kw) -> dict:
-        return (await self._get(path, parse=json.loads, **kw))[1]
+    async def json(self, path: str, model: type[BaseModel] | None = None, **kw) -> dict:
+        """The JSON answer at `path`; with `model`, checked against it first: FetchError naming
+        the first field out of type or bounds (an unreadable body is retried)."""
+        raw, doc = (await self._get(path, parse=lambda body: (body, json.loads(body)), **kw))[1]
+        if model is not None:
+            try:
+                model.model_validate_json(raw)
+            except ValidationError as e:
+                err = e.errors()[0]
+                loc, msg = ".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, ")
+                raise FetchError(f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}") from None
+        return doc
 
     async def post_json(self, path: str, body: dict) -> dict:
         """POST a JSON body, with the same retries and fallback as a GET. An answer lost on the way
@@ -185,10 +267,10 @@ class Client:
         with `base`, once that version's base snapshot is listed."""
         params = {k: x for k, x in (("after", after), ("base", base)) if x is not None}
         if not params:
-            return await self.json("/v1/versions")
+            return await self.json("/v1/versions", _Listing)
         # the server may hold the answer for `wait` seconds: that is not a stalled read
         timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.timeout.sock_read + wait)
-        return await self.json("/v1/versions", params={**params, "wait": wait}, timeout=timeout)
+        return await self.json("/v1/versions", _Listing, params={**params, "wait": wait}, timeout=timeout)
 
     async def download(self, path: str, size: int, pieces: list[Piece]) -> bytearray:
         """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams."""
@@ -289,7 +371,7 @@ class Client:
         arrival order giving way to file order) is read anew from its start."""
         after, epoch, listed = 0, None, set()
         while True:
-            t = await self.json(path, params={"after": after, "wait": 10})
+            t = await self.json(path, _Pieces, params={"after": after, "wait": 10})
             if t["epoch"] != epoch:
                 epoch, fresh = t["epoch"], after == 0
                 after = 0
@@ -341,8 +423,13 @@ class Client:
 
     async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:
         """A base snapshot, verified part by part and then by its full state hash."""
-        entry = next(v for v in listing["versions"] if v["version"] == version)
-        buf, got = bytearray(entry["base"]["bytes"]), set()
+        entry = next((v for v in listing["versions"] if v["version"] == version and v["base"]), None)
+        if entry is None:
+            raise FetchError(f"the plan names base v{version}, which the version listing does not hold")
+        size, free = entry["base"]["bytes"], memory_available()
+        if size > free:
+            raise FetchError(f"base v{version} is {size:,} bytes, more than the {free:,} bytes of memory free here")
+        buf, got = bytearray(size), set()
 
         def keep(p: Piece, data: bytes) -> None:
             buf[p.offset:p.offset + p.length] = data
@@ -364,8 +451,10 @@ class Client:
         `have` is (version, state, state hash) of what the caller holds; on the chain route its
         state is updated in place, and only after each delta has fully verified."""
         params = {"to": target} if have is None else {"to": target, "from": have[0]}
-        plan = await self.json("/v1/plan", params=params)
+        plan = await self.json("/v1/plan", _Plan, params=params)
         listing = await self.versions()
+        if plan["route"] != "base" and have is None:
+            raise FetchError(f"/v1/plan: route {plan['route']!r} to v{target} for a client that holds nothing")
         if plan["route"] == "none":
             return have[1], have[2]
         if plan["route"] == "base":
@@ -374,7 +463,7 @@ class Client:
             state, h = have[1], have[2]
         for v in plan["deltas"]:
             h = apply_delta(await self.delta(v), state, base_hash=h)
-        want = next(v["state_hash"] for v in listing["versions"] if v["version"] == target)
+        want = next((v["state_hash"] for v in listing["versions"] if v["version"] == target), None)
         if h != want:
             raise FetchError(f"v{target} hashes to {h}, the listing says {want}")
         return state, h

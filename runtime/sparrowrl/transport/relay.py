@@ -33,6 +33,7 @@ from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.transport.server import make_app
 
 
+MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
 FAILED_S = 30.0  # how long a failed base fetch is answered with its error before a new one starts
 
 
@@ -71,6 +72,11 @@ class Relay:
         self.tables: dict[int, Table] = {}  # version being mirrored → its verified pieces so far
         self.bases: dict[int, tuple[Table, asyncio.Task]] = {}  # base being fetched on request → its parts so far
         self.client: Client | None = None  # the one upstream client: deltas and bases share its streams and cap
+        if self.mirror.exists() and not (self.mirror / MARK).exists() and any(self.mirror.iterdir()):
+            raise ValueError(f"--cache {self.mirror}: not empty, and not a relay's cache: a relay deletes old "
+                             f"versions in its cache, so it takes only a new or empty folder, or its own")
+        self.mirror.mkdir(parents=True, exist_ok=True)
+        (self.mirror / MARK).touch()
         (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
         (self.mirror / "bases").mkdir(exist_ok=True)
         for stale in [*(self.mirror / "deltas").glob(".*.partial"), *(self.mirror / "bases").glob(".*.partial")]:

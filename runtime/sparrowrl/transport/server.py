@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import ssl
 from pathlib import Path
@@ -38,6 +39,7 @@ from sparrowrl.delta.frame import CHUNK, CHUNK_MAGIC, END, HEAD, TRAILER
 from sparrowrl.store import BASE_PART, Store, StoreError
 
 MAX_WAIT = 60.0
+MAX_INDEX = 1 << 62  # versions, piece indexes: far beyond any store, small enough to stay exact
 STORE = web.AppKey("store", Path)
 TOKEN = web.AppKey("token", str)
 MANIFESTS = web.AppKey("manifests", dict)
@@ -73,8 +75,8 @@ def _version(request: web.Request, store: Store) -> int:
 async def auth(request: web.Request, handler):
     token = request.app[TOKEN]
     if token:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        given = request.headers.get("Authorization", "")  # bytes that are not UTF-8 arrive surrogate-escaped
+        if not hmac.compare_digest(given.encode(errors="surrogateescape"), f"Bearer {token}".encode()):
             raise web.HTTPUnauthorized(text="missing or wrong bearer token",
                                        headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'})
     return await handler(request)
@@ -88,21 +90,44 @@ def _listing(store: Store) -> dict:
         for v in (store.versions[k] for k in sorted(store.versions))]}
 
 
-def _int_param(request: web.Request, name: str, default: float | None = None) -> float | None:
+def _int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
+    """An integer query parameter in 0..MAX_INDEX (a negative one would slice from the end)."""
     raw = request.query.get(name)
     if raw is None:
         return default
     try:
-        return float(raw) if name == "wait" else int(raw)
+        value = int(raw)
     except ValueError:
-        raise web.HTTPBadRequest(text=f"query parameter {name}={raw!r} is not a number") from None
+        raise web.HTTPBadRequest(text=f"query parameter {name}={raw!r} is not an integer") from None
+    if not 0 <= value <= MAX_INDEX:
+        raise web.HTTPBadRequest(text=f"query parameter {name}={raw!r} is out of range 0..{MAX_INDEX}")
+    return value
+
+
+def _wait(request: web.Request) -> float:
+    """The `wait` query parameter: finite seconds, not negative (NaN would make a deadline that
+    never passes); more than MAX_WAIT waits MAX_WAIT."""
+    raw = request.query.get("wait", "0")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"query parameter wait={raw!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise web.HTTPBadRequest(text=f"query parameter wait={raw!r} must be a finite number of seconds, 0 or more")
+    return min(value, MAX_WAIT)
+
+
+def _over(request: web.Request) -> bool:
+    """Whether a long-poll should stop waiting: the server is stopping, or its client has gone
+    (aiohttp does not cancel a handler when its client disconnects)."""
+    transport = request.transport
+    return request.app[STOPPING].is_set() or transport is None or transport.is_closing()
 
 
 async def versions(request: web.Request) -> web.Response:
     after, base = _int_param(request, "after"), _int_param(request, "base")
-    wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
+    deadline = loop.time() + _wait(request)
 
     def waiting(store: Store) -> bool:  # with both, for both
         gone = base is not None and base not in store.versions and base <= store.newest \
@@ -110,7 +135,7 @@ async def versions(request: web.Request) -> web.Response:
         return (after is not None and max([store.newest, *store.producing()]) <= after) or \
             (base is not None and not gone and not getattr(store.versions.get(base), "base", None))
     store = _store(request)
-    while waiting(store) and loop.time() < deadline and not request.app[STOPPING].is_set():
+    while waiting(store) and loop.time() < deadline and not _over(request):
         await asyncio.sleep(0.05)
         store = _store(request)
     return web.json_response(_listing(store))
@@ -218,9 +243,9 @@ async def _await_table(request: web.Request, table, after: int, deadline: float,
     """Wait until a relay's in-flight list has pieces beyond `after`, stops being `live()`, or
     `deadline` passes."""
     loop = asyncio.get_running_loop()
-    while len(table.pieces) <= after and live() and loop.time() < deadline and not request.app[STOPPING].is_set():
+    while len(table.pieces) <= after and live() and loop.time() < deadline and not _over(request):
         try:
-            await asyncio.wait_for(table.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see STOPPING
+            await asyncio.wait_for(table.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see _over
         except TimeoutError:
             pass
 
@@ -233,10 +258,9 @@ async def pieces(request: web.Request) -> web.Response:
     """GET /v1/versions/V/pieces?after=I&wait=S: the complete pieces of a delta from the I-th on,
     waiting up to S seconds for more while it is being written (multi-stream cut-through)."""
     v = int(request.match_info["version"])
-    after = int(_int_param(request, "after", 0))
-    wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
+    after = _int_param(request, "after", 0)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
+    deadline = loop.time() + _wait(request)
     table = request.app[OVERRIDE](v)
     if table is not None:  # a relay's delta in flight: its verified pieces, in arrival order
         await _await_table(request, table, after, deadline, lambda: request.app[OVERRIDE](v) is table)
@@ -249,7 +273,7 @@ async def pieces(request: web.Request) -> web.Response:
         key = (v, os.fstat(f.fileno()).st_ino)
         while True:
             st = _scan(f.fileno(), os.fstat(f.fileno()).st_size, request.app[PIECES], key)
-            if len(st["pieces"]) > after or st["complete"] or loop.time() >= deadline or request.app[STOPPING].is_set():
+            if len(st["pieces"]) > after or st["complete"] or loop.time() >= deadline or _over(request):
                 break
             await asyncio.sleep(0.01)
     return web.json_response({"pieces": st["pieces"][after:], "complete": st["complete"],
@@ -284,8 +308,8 @@ async def base_pieces(request: web.Request) -> web.Response:
     I-th on: all of them where the file is here (the origin); at a relay still fetching it, the
     parts that have verified so far, in arrival order, waiting up to S seconds for more."""
     store, v, info = _base_info(request)
-    after = int(_int_param(request, "after", 0))
-    wait = min(max(_int_param(request, "wait", 0.0), 0.0), MAX_WAIT)
+    after = _int_param(request, "after", 0)
+    wait = _wait(request)
     table = request.app[BASE_OVERRIDE](v, request.method == "GET")
     if table is not None:
         await _await_table(request, table, after, asyncio.get_running_loop().time() + wait, lambda: not table.closed)
@@ -420,6 +444,15 @@ def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
         return None
     if cert is None or key is None:
         raise ValueError("TLS needs both --tls-cert and --tls-key")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):  # ssl's own error does not say which
+        try:
+            open(path, "rb").close()
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        raise ValueError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key "
+                         f"({e})") from None
     return ctx

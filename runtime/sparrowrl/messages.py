@@ -1,0 +1,56 @@
+"""The bodies workers POST to the trainer, validated before any handler acts on them: workers
+are not trusted, and one NaN log-prob would turn every weight of the next step into NaN."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,252}$")]
+Version = Annotated[int, Field(ge=-1, lt=10**8)]  # -1: a worker that holds no version yet
+Hash = Annotated[str, Field(pattern=r"^([0-9a-f]{16})?$")]
+Seconds = Annotated[float, Field(ge=0, le=1e7)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Work(Body):
+    worker: Name
+    version: Version
+
+
+class Sample(Body):
+    tokens: Annotated[list[StrictInt], Field(max_length=4096)]
+    logprobs: Annotated[list[Annotated[float, Field(ge=-1e4, le=0)]], Field(max_length=4096)]
+
+
+class Group(Body):
+    samples: Annotated[list[Sample], Field(max_length=256)]
+
+
+class Results(Body):
+    lease: Annotated[int, Field(ge=0, lt=1 << 62)]
+    worker: Name
+    version: Version
+    state_hash: Hash
+    generate_s: Seconds
+    results: Annotated[dict[Annotated[int, Field(ge=0, lt=1 << 62)], Group], Field(max_length=4096)]
+
+
+class Commit(Body):
+    worker: Name
+    version: Version
+    state_hash: Hash
+    fetch_s: Seconds | None = None
+
+
+def parse(model: type[Body], body: object) -> Body:
+    """The body as `model`, or ValueError naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ValueError(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}") from None

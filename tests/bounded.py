@@ -1,0 +1,89 @@
+"""Abuse cases run the code under test in a child process with an address-space limit and a
+deadline: a regression that eats memory or hangs fails its test instead of taking the machine
+down with it."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+EXE = Path(sys.executable).parent / "sparrowrl"
+MEMORY = 2 << 30  # bytes of address space per child: the CLI with torch and numba needs under 1 GiB
+TOKEN = "t0ken-for-abuse"
+
+
+def limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+
+
+def sparrowrl(*args, timeout: float = 120, env: dict | None = None, cwd=None, input: str | None = None
+              ) -> subprocess.CompletedProcess:
+    """The CLI as a bounded child; a run past `timeout` fails the test (TimeoutExpired)."""
+    return subprocess.run([str(EXE), *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          input=input, env=dict(os.environ, **(env or {})), preexec_fn=limit_memory)
+
+
+def refused(p: subprocess.CompletedProcess, *words: str) -> str:
+    """A one-line error naming the problem: exit 1, no traceback, every word in the message."""
+    assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    for w in words:
+        assert w in p.stderr, (w, p.stderr)
+    return p.stderr.strip()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(*args, token: str = TOKEN):
+    """`sparrowrl ARGS --port P` (serve or relay) as a bounded child; yields (process, port)."""
+    port = free_port()
+    p = subprocess.Popen([str(EXE), *map(str, args), "--port", str(port)], env=dict(os.environ, SPARROWRL_TOKEN=token),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=limit_memory)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert p.poll() is None, p.stdout.read()
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.1)
+        yield p, port
+    finally:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def vm_size() -> int:
+    """This process's address space now, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+
+
+@contextmanager
+def address_space(extra: int = MEMORY):
+    """For abuse cases that run in the test's own process: it may grow by `extra` bytes at most
+    meanwhile (the soft limit, restored after), so a regression fails with MemoryError."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + extra, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
