@@ -13,13 +13,26 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch  # noqa: F401  (BASELINE: the address space of a process with torch loaded)
+
 EXE = Path(sys.executable).parent / "sparrowrl"
-MEMORY = 2 << 30  # bytes of address space per child: the CLI with torch and numba needs under 1 GiB
+MEMORY = 2 << 30  # bytes a case may take beyond what the code under test needs to start
 TOKEN = "t0ken-for-abuse"
 
 
+def vm_size() -> int:
+    """This process's address space now, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+
+
+BASELINE = vm_size()  # with torch loaded, as the CLI has it
+
+
 def limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+    """In a child before exec: the address space of a test process that has imported torch (as
+    the CLI does; a CUDA build maps much more than a CPU one), plus MEMORY."""
+    resource.setrlimit(resource.RLIMIT_AS, (BASELINE + MEMORY, BASELINE + MEMORY))
 
 
 def sparrowrl(*args, timeout: float = 120, env: dict | None = None, cwd=None, input: str | None = None
@@ -69,12 +82,6 @@ def serving(*args, token: str = TOKEN):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def vm_size() -> int:
-    """This process's address space now, in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
 
 
 @contextmanager

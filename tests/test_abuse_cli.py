@@ -89,10 +89,27 @@ def test_a_previous_run_is_replaced_only_with_overwrite_and_only_what_a_run_writ
     refused(sparrowrl("run", f, "--run-dir", d), "holds a previous run's results; --overwrite replaces them")
     assert (d / "summary.json").read_text() == "old"
 
-    runner.check_run_dir(d, overwrite=True)
-    runner.claim_run_dir(d, parse(job()))
+    runner.claim_run_dir(d, parse(job()), overwrite=True)
     assert sorted(p.name for p in d.iterdir()) == [runner.MARK, "notes.txt"]
     assert (d / "notes.txt").read_text() == "the user's"
+
+
+def test_a_run_dir_made_before_the_mark_is_a_previous_run(tmp_path):
+    d = tmp_path / "legacy"
+    (d / "store").mkdir(parents=True)
+    for name in ("job.yaml", "summary.json", "metrics.jsonl"):
+        (d / name).write_text("old")
+    f = write_job(tmp_path / "j.yaml")
+    refused(sparrowrl("run", f, "--run-dir", d), "holds a previous run's results; --overwrite replaces them")
+    runner.claim_run_dir(d, parse(job()), overwrite=True)
+    assert sorted(p.name for p in d.iterdir()) == [runner.MARK]
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(runner.RunError, match="--run-dir .*file/sub: Not a directory"):
+        runner.claim_run_dir(tmp_path / "file" / "sub", parse(job()), overwrite=False)
+    assert (tmp_path / "file").read_text() == "x"
 
 
 # ---------------------------------------------------------------- the job file and what it names
@@ -137,7 +154,10 @@ def test_job_and_task_files_are_bounded_and_regular(tmp_path):
      "spec.topology.regions.0.bandwidthMbit", "finite number"),
     ({"topology": {"regions": [{"name": f"r{i}"} for i in range(65)]}}, "spec.topology.regions",
      "at most 64 items"),
-    ({"task": {"builtin": "add", "reward": "os:system;rm"}}, "spec.task.reward", "should match pattern"),
+    ({"task": {"builtin": "add", "reward": "os:system;rm"}}, "spec.task.reward", "is not exact, numeric, char_match"),
+    ({"task": {"builtin": "add", "reward": "pkg.mod:f"}}, "spec.task.reward", "module:function (module.py beside"),
+    ({"grpo": {"groupSize": 256, "maxNewTokens": 4096}, "rollout": {"groupsPerLease": 8}}, "spec",
+     "8,388,608 tokens per lease (limit 4,194,304)"),
 ])
 def test_every_number_is_finite_and_bounded(spec, field, reason):
     with pytest.raises(JobError) as e:
@@ -154,7 +174,8 @@ def test_a_non_finite_number_in_yaml_is_refused_from_the_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("meta, reason", [
-    ({"name": "t", "uid": "x"}, "metadata.uid: unknown field"),
+    ({"name": "t", "nickname": "x"}, "metadata.nickname: unknown field"),
+    ({"name": "t", "finalizers": ["x"] * 65}, "metadata.finalizers: List should have at most 64 items"),
     ({"name": "t", "labels": {"a": "x" * 64}}, "is not 63 characters at most"),
     ({"name": "t", "labels": {"bad key!": "x"}}, "label key 'bad key!'"),
     ({"name": "t", "labels": {"a": ["nested"]}}, "metadata.labels.a: Input should be a valid string"),
@@ -173,13 +194,16 @@ def test_a_reward_names_a_file_beside_the_job_never_an_installed_callable(tmp_pa
 
 
 def test_a_file_beside_the_job_does_not_shadow_the_standard_library(tmp_path):
-    (tmp_path / "secrets.py").write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")
-    (tmp_path / "rw.py").write_text("import secrets\nimport helper\n"
+    """tabnanny: a standard module that nothing has imported before the reward does."""
+    (tmp_path / "tabnanny.py").write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")
+    (tmp_path / "rw.py").write_text("import tabnanny\nimport helper\n"
                                     "def f(prompt, completion, answer):\n"
-                                    "    return float(hasattr(secrets, 'token_hex')) * helper.ONE\n")
+                                    "    return float(hasattr(tabnanny, 'check')) * helper.ONE\n")
     (tmp_path / "helper.py").write_text("ONE = 1.0\n")  # the reward's own module, beside it
-    code = ("from sparrowrl.job import load; from sparrowrl.trainer import make_task; import secrets; "
-            f"_, r = make_task(load({str(tmp_path / 'j.yaml')!r}).spec); print(r('', '', ''), secrets.__file__)")
+    code = ("import sys; from sparrowrl.job import load; from sparrowrl.trainer import make_task; "
+            "assert 'tabnanny' not in sys.modules; "
+            f"_, r = make_task(load({str(tmp_path / 'j.yaml')!r}).spec); "
+            "import tabnanny; print(r('', '', ''), tabnanny.__file__)")
     write_job(tmp_path / "j.yaml", task={"builtin": "add", "reward": "rw:f"})
     p = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        preexec_fn=limit_memory)
@@ -275,7 +299,7 @@ def test_outputs_that_are_not_regular_files_are_never_replaced(store, tmp_path):
     assert (tmp_path / "folder" / "keep").read_text() == "x"
 
 
-def test_a_folder_output_is_replaced_only_if_it_is_a_checkpoint_folder(tmp_path):
+def test_a_folder_output_is_replaced_only_by_a_checkpoint_of_the_same_files(tmp_path):
     t = {"w": torch.ones(4, dtype=torch.bfloat16)}
     (tmp_path / "base").mkdir()
     save_file(t, tmp_path / "base" / "model.safetensors")
@@ -286,8 +310,11 @@ def test_a_folder_output_is_replaced_only_if_it_is_a_checkpoint_folder(tmp_path)
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "thesis.tex").write_text("years of work")
     refused(sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
-            "not a checkpoint folder", "not replaced")
-    assert (tmp_path / "home" / "thesis.tex").read_text() == "years of work"
+            "holds 'thesis.tex', which this checkpoint does not; not replaced")
+    save_file(t, tmp_path / "home" / "downloaded.safetensors")  # a checkpoint among other files is still theirs
+    refused(sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
+            "holds 'downloaded.safetensors', which this checkpoint does not")
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["downloaded.safetensors", "thesis.tex"]
     assert sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "out").returncode == 0
     assert sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "out").returncode == 0
 
@@ -298,6 +325,20 @@ def test_a_symlinked_output_is_written_through(store, tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "real.safetensors")
     assert sparrowrl("store", "materialize", path, "0", "-o", tmp_path / "link").returncode == 0
     assert (tmp_path / "link").is_symlink() and (tmp_path / "real.safetensors").read_bytes() != b"old"
+
+
+def test_fifos_given_as_files_and_a_missing_ca_file_are_named(tmp_path, store):
+    (tmp_path / "ck").mkdir()
+    save_file({"w": torch.ones(2)}, tmp_path / "ck" / "a.safetensors")
+    os.mkfifo(tmp_path / "ck" / "b.safetensors")
+    save_file({"w": torch.ones(2)}, tmp_path / "new.safetensors")
+    refused(sparrowrl("delta", "diff", tmp_path / "ck", tmp_path / "new.safetensors", "-o", tmp_path / "d.spd",
+                      timeout=60), "b.safetensors: not a regular file")
+    refused(sparrowrl("fetch", "https://127.0.0.1:9", "--version", "0", "-o", tmp_path / "o.safetensors",
+                      "--ca-cert", tmp_path / "none.pem"), "--ca-cert", "none.pem")
+    os.mkfifo(tmp_path / "cert.pem")
+    refused(sparrowrl("serve", store[0], "--port", "9", "--tls-cert", tmp_path / "cert.pem", "--tls-key",
+                      tmp_path / "cert.pem", timeout=60), "--tls-cert", "a PEM file must be a regular file")
 
 
 # ---------------------------------------------------------------- inputs read whole
@@ -313,13 +354,26 @@ def test_a_delta_that_is_endless_or_larger_than_memory_is_refused_before_reading
 
 
 def test_a_relay_cache_that_holds_other_files_is_refused(tmp_path):
-    """A relay deletes old versions in its cache: a folder of the user's is never one."""
+    """A relay deletes old versions in its cache: a folder of the user's is never one; a cache
+    made before the mark still is one."""
+    from sparrowrl.transport.relay import Relay
+
     d = tmp_path / "home"
     (d / "deltas").mkdir(parents=True)
     (d / "deltas" / "notes.txt").write_text("mine")
-    refused(sparrowrl("relay", "--upstream", "http://127.0.0.1:9", "--cache", d, "--port", "9", timeout=60),
-            "not empty, and not a relay's cache")
-    assert tree(d) == {"deltas/notes.txt": b"mine"}
+    (tmp_path / "file").write_text("x")
+    for cache in (d, tmp_path / "file"):
+        refused(sparrowrl("relay", "--upstream", "http://127.0.0.1:9", "--cache", cache, "--port", "9", timeout=60),
+                "not empty, and not a relay's cache")
+    assert tree(d) == {"deltas/notes.txt": b"mine"} and (tmp_path / "file").read_text() == "x"
+    old = tmp_path / "old"
+    (old / "deltas").mkdir(parents=True)
+    (old / "bases").mkdir()
+    (old / "store.json").write_text("{}")
+    (old / "deltas" / "v00000001-0123456789abcdef.spd").write_bytes(b"")
+    (old / "deltas" / ".v00000002.partial").write_bytes(b"")
+    Relay(["http://127.0.0.1:9"], old)
+    assert (old / ".sparrowrl-relay").exists() and not (old / "deltas" / ".v00000002.partial").exists()
 
 
 def test_a_server_refuses_an_index_that_points_outside_the_store(store):

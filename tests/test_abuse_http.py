@@ -28,7 +28,7 @@ from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError
 from sparrowrl.delta.frame import END, HEAD, MAGIC, TRAILER
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
-from sparrowrl.store import Store
+from sparrowrl.store import BASE_PART, Store
 
 pytestmark = pytest.mark.usefixtures("address_space_limit")
 
@@ -273,13 +273,14 @@ def test_a_header_that_lists_a_tensor_twice_is_refused(tmp_path, rng):
 
 
 @contextmanager
-def hostile(answers: dict[str, dict]):
+def hostile(answers: dict):
     """An HTTP server in this process that answers GET PATH with answers[PATH] as JSON, whatever
-    the query; yields its URL."""
+    the query, or with answers[PATH](request) where that is a function; yields its URL."""
     async def answer(request: web.Request) -> web.Response:
         if request.path not in answers:
             raise web.HTTPNotFound()
-        return web.json_response(answers[request.path])
+        a = answers[request.path]
+        return a(request) if callable(a) else web.json_response(a)
 
     app = web.Application()
     app.router.add_get("/{path:.*}", answer)
@@ -306,7 +307,7 @@ def listing(base: dict | None) -> dict:
 
 
 def huge_base(size: int) -> dict:
-    return {"bytes": size, "part_bytes": 1 << 30, "parts": ["a" * 64] * -(-size // (1 << 30))}
+    return {"bytes": size, "part_bytes": BASE_PART, "parts": ["a" * 64] * -(-size // BASE_PART)}
 
 
 @pytest.mark.timeout(120)
@@ -351,4 +352,30 @@ def test_a_plan_that_does_not_fit_the_listing_is_refused(tmp_path, plan, words):
     with hostile({"/v1/plan": plan, "/v1/versions": listing(huge_base(100))}) as url:
         p = sparrowrl("fetch", url, "--version", 1, "-o", out, env={"SPARROWRL_TOKEN": TOKEN})
     refused(p, *words)
+    assert not out.exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_delta_whose_pieces_never_end_is_refused_before_memory_runs_out(tmp_path, rng):
+    """Each listing names 64 more verified MiB, and the delta is never complete: the client
+    stops at the memory it has, with one line, not a MemoryError (its child has 2 GiB to spare)."""
+    mib = 1 << 20
+    zeros = hashlib.sha256(bytes(mib)).hexdigest()
+
+    def pieces(request):
+        after = int(request.query.get("after", 0))
+        return web.json_response({"pieces": [[(after + i) * mib, mib, zeros] for i in range(64)], "complete": False,
+                                  "bytes": None, "epoch": "file"})
+
+    def delta(request):
+        r = request.http_range
+        return web.Response(status=206, body=bytes(r.stop - r.start))
+
+    save_file({"w": random_tensor(rng, "F32", (8,))}, tmp_path / "base.safetensors")
+    out = tmp_path / "out.safetensors"
+    with hostile({"/v1/plan": {"route": "chain", "base": None, "deltas": [1]}, "/v1/versions": listing(None),
+                  "/v1/versions/1/pieces": pieces, "/v1/versions/1/delta": delta}) as url:
+        p = sparrowrl("fetch", url, "--version", 1, "--base", tmp_path / "base.safetensors", "--base-version", 0,
+                      "-o", out, env={"SPARROWRL_TOKEN": TOKEN}, timeout=200)
+    refused(p, "delta v1: the server's pieces take more than the memory free here")
     assert not out.exists()

@@ -75,52 +75,104 @@ def test_a_lease_whose_answer_was_lost_is_not_handed_out_twice(trainer):
     asyncio.run(go())
 
 
+def post(port: int, path: str, data: bytes) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def valid(trainer, path: str) -> dict:
+    h0 = trainer.coord.hashes[0]
+    return {"/v1/work": {"worker": "w", "version": 0},
+            "/v1/commit": {"worker": "w", "version": 0, "state_hash": h0, "fetch_s": 0.1},
+            "/v1/results": {"lease": 0, "worker": "w", "version": 0, "state_hash": h0, "generate_s": 0.1,
+                            "results": {"0": {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2}}}}[path]
+
+
 @pytest.mark.usefixtures("address_space_limit")
 @pytest.mark.parametrize("path, edit, field", [
-    ("/v1/results", lambda b: b["results"]["0"]["samples"][0].update(logprobs=[float("nan")]),
-     "results.0.samples.0.logprobs.0: Input should be a finite number"),
-    ("/v1/results", lambda b: b["results"]["0"]["samples"][0].update(logprobs=[1e300]),
-     "results.0.samples.0.logprobs.0: Input should be less than or equal to 0"),
-    ("/v1/results", lambda b: b.update(generate_s=float("inf")), "generate_s: Input should be a finite number"),
-    ("/v1/results", lambda b: b["results"]["0"]["samples"][0].update(tokens=[3.5]),
-     "results.0.samples.0.tokens.0: Input should be a valid integer"),
     ("/v1/results", lambda b: b.update(lease=-1), "lease: Input should be greater than or equal to 0"),
+    ("/v1/results", lambda b: b.pop("worker"), "worker: Field required"),
     ("/v1/commit", lambda b: b.update(fetch_s=float("inf")), "fetch_s: Input should be a finite number"),
     ("/v1/commit", lambda b: b.update(version=10**30), "version: Input should be less than 100000000"),
     ("/v1/work", lambda b: b.update(worker="../x" * 100), "worker: String should match pattern"),
     ("/v1/work", lambda b: b.pop("worker"), "worker: Field required"),
 ])
 def test_a_malformed_body_is_refused_with_its_field_before_anything_acts(trainer, path, edit, field):
-    """Workers are not trusted: one NaN log-prob admitted would make every weight NaN."""
     import json
-    import urllib.error
-    import urllib.request
 
-    body = {"/v1/work": {"worker": "w", "version": 0},
-            "/v1/commit": {"worker": "w", "version": 0, "state_hash": trainer.coord.hashes[0], "fetch_s": 0.1},
-            "/v1/results": {"lease": 0, "worker": "w", "version": 0, "state_hash": trainer.coord.hashes[0],
-                            "generate_s": 0.1, "results": {"0": {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2}}},
-            }[path]
+    body = valid(trainer, path)
     edit(body)
-
-    def post(port: int, data: bytes) -> tuple[int, str]:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
 
     async def go():
         runner, port = await serve(trainer)
         try:
-            status, text = await asyncio.to_thread(post, port, json.dumps(body).encode())
+            status, text = await asyncio.to_thread(post, port, path, json.dumps(body).encode())
             assert status == 400 and text.startswith(f"{path}: {field}"), text
-            status, text = await asyncio.to_thread(post, port, b"{not json")
-            assert status == 400 and text.startswith(f"{path}: ")
+            for junk, reason in ((b"{not json", "Expecting property name"), (b"[" * 100_000, "nested too deeply")):
+                status, text = await asyncio.to_thread(post, port, path, junk)
+                assert status == 400 and text.startswith(f"{path}: ") and reason in text, text
         finally:
             await runner.cleanup()
 
     asyncio.run(go())
     c = trainer.coord.counts
     assert (c.admitted, c.verified, list(trainer.coord.leases), trainer.seen) == (0, 0, [], {})
+
+
+@pytest.mark.usefixtures("address_space_limit")
+@pytest.mark.parametrize("edit, field", [
+    (lambda s: s.update(logprobs=[float("nan")]), "results.0.samples.0.logprobs.0: Input should be a finite number"),
+    (lambda s: s.update(logprobs=[1e300]), "results.0.samples.0.logprobs.0: Input should be less than or equal to 0"),
+    (lambda s: s.update(tokens=[3.5]), "results.0.samples.0.tokens.0: Input should be a valid integer"),
+])
+def test_malformed_results_refuse_their_lease_and_its_groups_go_back(trainer, edit, field):
+    """Workers are not trusted: one NaN log-prob admitted would make every weight NaN. The
+    worker goes on; its lease's groups are handed out again."""
+    import json
+
+    async def go():
+        runner, port = await serve(trainer)
+        try:
+            async with Client(f"http://127.0.0.1:{port}") as c:
+                lease = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
+            body = valid(trainer, "/v1/results")
+            body["lease"] = lease["id"]
+            body["results"] = {str(p["group"]): {"samples": [{"tokens": [3], "logprobs": [-1.0]} for _ in range(2)]}
+                               for p in lease["prompts"]}
+            edit(next(iter(body["results"].values()))["samples"][0])
+            body_json = json.dumps(body).encode()
+            status, text = await asyncio.to_thread(post, port, "/v1/results", body_json)
+            assert status == 200 and json.loads(text) == {"admitted": 0, "refused": f"/v1/results: {field}"}, text
+            assert lease["id"] not in trainer.coord.leases
+            async with Client(f"http://127.0.0.1:{port}") as c:  # the same groups, to whoever asks next
+                again = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
+            assert again["groups"] == lease["groups"] and again["id"] != lease["id"]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert trainer.coord.counts.admitted == 0
+
+
+def test_a_body_past_what_a_lease_can_carry_is_413(trainer):
+    """The body limit follows the job: a lease's results with every token fit, more does not."""
+    from sparrowrl import messages
+
+    limit = messages.max_body(trainer.spec.lease_tokens)
+
+    async def go():
+        runner, port = await serve(trainer)
+        try:
+            status, text = await asyncio.to_thread(post, port, "/v1/results", b" " * (limit + 1))
+            assert status == 413 and str(limit) in text, text
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())

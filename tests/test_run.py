@@ -168,9 +168,11 @@ def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     models.tiny_qwen3(len(tok), 32, 1, 2, 0).save_pretrained(tmp_path / "pretrained")
     tok.save_pretrained(tmp_path / "pretrained")
     (tmp_path / "qa.jsonl").write_text("".join(f'{{"prompt": "{a}*2=", "answer": "{2 * a}"}}\n' for a in range(10)))
-    (tmp_path / "myreward.py").write_text("def starts_right(prompt, completion, answer):\n"
+    (tmp_path / "myreward.py").write_text("import secrets, tabnanny\n"
+                                          "def starts_right(prompt, completion, answer):\n"
                                           "    return float(completion[:1] == answer[:1])\n")
-    (tmp_path / "secrets.py").write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")  # must stay unused
+    for shadow in ("secrets.py", "tabnanny.py"):  # the standard library's, in every process: never these
+        (tmp_path / shadow).write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")
     spec = job("sparse", steps=2)
     spec["spec"]["model"] = {"path": "pretrained"}
     spec["spec"]["task"] = {"jsonl": "qa.jsonl", "reward": "myreward:starts_right"}

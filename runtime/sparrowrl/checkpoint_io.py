@@ -34,6 +34,9 @@ class Checkpoint:
             self.files = sorted(self.path.glob("*.safetensors"))
             if not self.files:
                 raise CheckpointError(f"{self.path}: folder holds no *.safetensors files")
+            for f in self.files:
+                if not f.is_file():  # a FIFO would block the reader forever
+                    raise CheckpointError(f"{f}: not a regular file")
         elif self.path.is_file():
             self.files = [self.path]
         else:
@@ -89,40 +92,47 @@ class Checkpoint:
         self.close()
 
 
-def check_output(out: Path, is_dir: bool = False) -> None:
+def written_names(source: Path) -> frozenset[str] | None:
+    """The names `save_like` writes for a folder checkpoint (its shards and side files); None
+    for a single file."""
+    return frozenset(f.name for f in source.iterdir() if f.is_file()) if source.is_dir() else None
+
+
+def check_output(out: Path, names: frozenset[str] | None = None) -> None:
     """Refuse an output that a rename would destroy rather than update: a device, a FIFO, a
-    socket, a folder where a file goes, or a folder that is not a checkpoint folder. Commands
-    call this before their work, `atomic_path` again before its rename."""
+    socket, a folder where a file goes; for a folder output (`names`: what will be written
+    there), a folder holding anything else. Commands call this before their work, `atomic_path`
+    again before its rename."""
     out = out.resolve() if out.is_symlink() else out
     if not out.exists():
         return
-    if is_dir:
+    if names is not None:
         if not out.is_dir():
             raise CheckpointError(f"{out}: exists and is not a folder; not replaced")
-        entries = list(out.iterdir())
-        if entries and (not all(e.is_file() for e in entries) or not any(e.suffix == ".safetensors" for e in entries)):
-            raise CheckpointError(f"{out}: a folder that is not a checkpoint folder (only files, with *.safetensors); "
-                                  f"not replaced")
+        other = sorted(e.name for e in out.iterdir() if e.name not in names or not e.is_file())
+        if other:
+            raise CheckpointError(f"{out}: holds '{other[0]}', which this checkpoint does not; not replaced "
+                                  f"(a folder is replaced only by a checkpoint of the same files)")
     elif not out.is_file():
         kind = "a folder" if out.is_dir() else "not a regular file (a device, FIFO or socket)"
         raise CheckpointError(f"{out}: {kind}; not replaced")
 
 
 @contextmanager
-def atomic_path(out: str | Path, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside `out`; rename it to `out` only if the block succeeds. An
-    output that a rename would destroy is refused before the block runs (a symbolic link is
-    followed: its target is replaced)."""
+def atomic_path(out: str | Path, names: frozenset[str] | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside `out` (a folder when `names` says what it will hold); rename
+    it to `out` only if the block succeeds. An output that a rename would destroy is refused
+    before the block runs (a symbolic link is followed: its target is replaced)."""
     out = Path(out)
     out = out.resolve() if out.is_symlink() else out
-    check_output(out, is_dir)
+    check_output(out, names)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    target = tmp if is_dir else tmp / out.name
+    target = tmp if names is not None else tmp / out.name
     try:
         yield target
-        check_output(out, is_dir)  # again: it may have appeared meanwhile
-        if is_dir and out.exists():
+        check_output(out, names)  # again: it may have appeared meanwhile
+        if names is not None and out.exists():
             shutil.rmtree(out)
         os.replace(target, out)
     finally:
@@ -133,8 +143,7 @@ def atomic_path(out: str | Path, is_dir: bool = False) -> Iterator[Path]:
 def save_like(state: dict[str, torch.Tensor], source: Checkpoint, out: str | Path) -> None:
     """Write `state` in the layout of `source`: same shards, metadata and side files (config, tokenizer)."""
     if source.path.is_dir():
-        with atomic_path(out, is_dir=True) as tmp:
-            tmp.mkdir(exist_ok=True)
+        with atomic_path(out, written_names(source.path)) as tmp:
             for f in source.path.iterdir():
                 if f.is_file() and f.suffix != ".safetensors":
                     shutil.copy2(f, tmp / f.name)

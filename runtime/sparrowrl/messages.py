@@ -7,6 +7,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from sparrowrl.limits import first_problem
+
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,252}$")]
 Version = Annotated[int, Field(ge=-1, lt=10**8)]  # -1: a worker that holds no version yet
 Hash = Annotated[str, Field(pattern=r"^([0-9a-f]{16})?$")]
@@ -47,10 +49,24 @@ class Commit(Body):
     fetch_s: Seconds | None = None
 
 
+MAX_LEASE_TOKENS = 1 << 22  # a lease's results travel in one request
+TOKEN_BYTES = 48  # a token id and its log-prob in JSON, with room to spare
+
+
+def max_body(lease_tokens: int) -> int:
+    """The largest request body the trainer takes: a lease's results with `lease_tokens` tokens."""
+    return (1 << 20) + TOKEN_BYTES * lease_tokens
+
+
+class LeaseOf(BaseModel):
+    """The lease a results body names, when the rest of it is malformed: refused, and requeued."""
+    lease: Annotated[int, Field(ge=0, lt=1 << 62)]
+    worker: Name
+
+
 def parse(model: type[Body], body: object) -> Body:
     """The body as `model`, or ValueError naming the first bad field."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ValueError(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}") from None
+        raise ValueError(first_problem(e)) from None

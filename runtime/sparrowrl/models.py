@@ -33,9 +33,10 @@ def tiny_qwen3(vocab_size: int, hidden: int, layers: int, heads: int, seed: int)
     return Qwen3ForCausalLM(cfg)
 
 
-def load(path: str | Path, dtype: torch.dtype = torch.float32):
-    """A local Hugging Face folder: (model, tokenizer)."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True), load_tokenizer(path)
+def load(path: str | Path, tokenizer: str | Path | None = None, dtype: torch.dtype = torch.float32):
+    """A local Hugging Face folder: (model, tokenizer), the tokenizer from its own folder if given."""
+    return (AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True),
+            load_tokenizer(tokenizer or path))
 
 
 def check(path: str | Path, tokenizer: str | Path | None = None) -> None:
@@ -45,7 +46,7 @@ def check(path: str | Path, tokenizer: str | Path | None = None) -> None:
     if not folder.is_dir():
         raise ValueError(f"model.path: {folder} is not a folder")
     if not [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]:
-        raise ValueError(f"model.path: {folder} holds no weights (*.safetensors)")
+        raise ValueError(f"model.path: {folder} holds no weights (*.safetensors or pytorch_model*.bin)")
     try:
         AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:

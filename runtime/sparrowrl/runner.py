@@ -110,28 +110,34 @@ def check_run_dir(run_dir: Path, overwrite: bool) -> None:
         return
     if not run_dir.is_dir():
         raise RunError(f"--run-dir {run_dir}: not a folder")
-    if (run_dir / MARK).is_file():
-        if not overwrite:
-            raise RunError(f"--run-dir {run_dir} holds a previous run's results; --overwrite replaces them")
-        return
-    if any(run_dir.iterdir()):
+    names = {p.name for p in run_dir.iterdir()}
+    # a run's folder: marked, or (made before the mark) holding a run's names and nothing else
+    previous = MARK in names or ("job.yaml" in names and names <= set(OUTPUTS))
+    if previous and not overwrite:
+        raise RunError(f"--run-dir {run_dir} holds a previous run's results; --overwrite replaces them")
+    if names and not previous:
         raise RunError(f"--run-dir {run_dir}: not empty, and not a previous run's folder: "
                        f"a run writes only to a new or empty folder, or replaces a previous run's")
 
 
-def claim_run_dir(run_dir: Path, job: SparrowRLJob) -> None:
-    """Mark the folder as a run's, and remove a previous run's results: only the names a run writes."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / MARK).write_text(json.dumps({"job": job.metadata.name}) + "\n")
-    for stale in OUTPUTS:
-        path = run_dir / stale
-        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+def claim_run_dir(run_dir: Path, job: SparrowRLJob, overwrite: bool) -> None:
+    """Check the folder, mark it as a run's, and remove a previous run's results: only the
+    names a run writes."""
+    check_run_dir(run_dir, overwrite)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / MARK).write_text(json.dumps({"job": job.metadata.name}) + "\n")
+        for stale in OUTPUTS:
+            path = run_dir / stale
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+    except OSError as e:
+        raise RunError(f"--run-dir {run_dir}: {e.strerror} ({e.filename})") from None
 
 
-def run(job: SparrowRLJob, run_dir: Path, console: Console) -> dict:
-    """Run `job` in `run_dir`, which `check_run_dir` has allowed."""
+def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = False) -> dict:
+    """Run `job` in `run_dir` (see `check_run_dir`)."""
     spec = job.spec
-    claim_run_dir(run_dir, job)
+    claim_run_dir(run_dir, job, overwrite)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
     token = secrets.token_hex(16)
     procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))

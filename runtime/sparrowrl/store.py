@@ -142,9 +142,11 @@ class Store:
 
     def add(self, new: dict[str, torch.Tensor]) -> Version:
         """Append `new` as the next version, diffed against the newest (materialized and verified)."""
+        specs = [TensorSpec.of(n, t) for n, t in new.items()]
         with self._locked():
+            _same_tensors(self.tensor_table(), {t.name: t for t in specs}, self.newest)  # before the long work
             old = self.materialize(self.newest)
-            with self._publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
+            with self._publish(specs) as w:
                 w.add((n, old[n], new[n]) for n in new)
             v = self.versions[self.newest]
             if v.version % self.base_every == 0:

@@ -61,9 +61,7 @@ class Trainer:
             t = spec.model.tiny
             self.model = models.tiny_qwen3(len(self.tok), t.hidden, t.layers, t.heads, spec.seed)
         else:
-            self.model, self.tok = models.load(spec.model.path)
-            if spec.model.tokenizer:
-                self.tok = models.load_tokenizer(spec.model.tokenizer)
+            self.model, self.tok = models.load(spec.model.path, spec.model.tokenizer)
         self.task, self.reward = make_task(spec)
         if spec.model.tiny and spec.model.tiny.warmup_steps:
             warm_up(self.model, self.tok, self.task, spec.model.tiny.warmup_steps)
@@ -157,18 +155,26 @@ def _pad(rows, pad: int):
 # ---------------------------------------------------------------- the trainer process
 
 def once(model: type[messages.Body]):
-    """A control POST whose body is a valid `model` (else 400 naming the field) acts once per
-    idempotency key (`Client.post_json` sends the same key on every retry). A retry after a lost
-    answer, or while the first is still being answered, gets the first answer: not a second
-    lease, a second admission or a second commit."""
+    """A control POST whose body is a valid `model` acts once per idempotency key
+    (`Client.post_json` sends the same key on every retry). A retry after a lost answer, or
+    while the first is still being answered, gets the first answer: not a second lease, a
+    second admission or a second commit. A malformed body is a 400 naming the field; malformed
+    results whose lease can be read refuse that lease, whose groups go back to the queue."""
 
     def wrap(handler):
         @functools.wraps(handler)
         async def answer(self: "Run", request: web.Request) -> web.Response:
+            raw = None
             try:
-                body = messages.parse(model, await request.json()).model_dump()
-            except ValueError as e:  # also a body that is not JSON
-                raise web.HTTPBadRequest(text=f"{request.path}: {e}") from None
+                raw = await request.json()
+                body = messages.parse(model, raw).model_dump()
+            except (ValueError, RecursionError) as e:  # ValueError: also a body that is not JSON
+                reason = f"{request.path}: {e if isinstance(e, ValueError) else 'JSON nested too deeply'}"
+                if model is messages.Results and (lease := self._lease_of(raw)):
+                    self.coord.refuse(lease.lease, lease.worker)
+                    self._touch()
+                    return web.json_response({"admitted": 0, "refused": reason})
+                raise web.HTTPBadRequest(text=reason) from None
             key = request.headers.get("Idempotency-Key")
             slot = (request.path, body["worker"])  # each worker's latest request per route
             last = self.answers.get(slot)
@@ -204,7 +210,7 @@ class Run:
         (run_dir / "metrics.jsonl").write_text("")
 
     def app(self) -> web.Application:
-        app = make_app(self.trainer.store.path, self.token)
+        app = make_app(self.trainer.store.path, self.token, max_body=messages.max_body(self.spec.lease_tokens))
         self.sent = app[SERVED]  # what crossed from the origin: to relays, and to workers without one
         app.add_routes([web.get("/v1/job", self.h_job), web.post("/v1/work", self.h_work),
                         web.post("/v1/results", self.h_results), web.post("/v1/commit", self.h_commit),
@@ -266,6 +272,13 @@ class Run:
             self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
         self._touch()
         return ans
+
+    @staticmethod
+    def _lease_of(raw: object) -> messages.LeaseOf | None:
+        try:
+            return messages.LeaseOf.model_validate(raw, strict=False) if isinstance(raw, dict) else None
+        except ValueError:
+            return None
 
     def _malformed(self, results: dict[int, dict]) -> str | None:
         """Workers are not trusted: a result that would break the training step is refused."""

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from sparrowrl.delta.bitview import DTYPES
+from sparrowrl.limits import first_problem
 
 MAX_NUMEL = 1 << 48  # per tensor; far beyond any model, small enough that offsets stay exact
 MAX_TENSORS = 1 << 20  # entries a header or manifest may list: far beyond any model, and each is parsed
@@ -80,6 +81,4 @@ def parse(model: type[_Strict], raw: bytes) -> _Strict:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        where, msg = ".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
-        raise ValueError(f"{where}: {msg}" if where else msg) from None
+        raise ValueError(first_problem(e)) from None

@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from safetensors.torch import load as load_safetensors
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
-from sparrowrl.limits import memory_available
+from sparrowrl.limits import first_problem, memory_available
+from sparrowrl.store import BASE_PART, MAX_BASE_EVERY
 
 
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
@@ -57,7 +58,7 @@ class _Answer(BaseModel):
 
 class _Base(_Answer):
     bytes: Bytes
-    part_bytes: PieceBytes
+    part_bytes: Literal[BASE_PART]  # the store's: a relay indexes these parts as its own
     parts: Annotated[list[Sha256], Field(max_length=MAX_ITEMS)]
 
     @model_validator(mode="after")
@@ -83,7 +84,7 @@ class _Entry(_Answer):
 class _Listing(_Answer):
     """GET /v1/versions"""
     newest: Index
-    base_every: Annotated[int, Field(ge=1, le=1 << 62)]
+    base_every: Annotated[int, Field(ge=1, le=MAX_BASE_EVERY)]
     producing: Annotated[list[Index], Field(max_length=MAX_ITEMS)]
     versions: Annotated[list[_Entry], Field(max_length=MAX_ITEMS)]
 
@@ -242,9 +243,7 @@ class Client:
             try:
                 model.model_validate_json(raw)
             except ValidationError as e:
-                err = e.errors()[0]
-                loc, msg = ".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, ")
-                raise FetchError(f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}") from None
+                raise FetchError(f"{path}: {first_problem(e)}") from None
         return doc
 
     async def post_json(self, path: str, body: dict) -> dict:
@@ -394,8 +393,14 @@ class Client:
         then verified."""
         got: dict[int, bytes] = {}
         info: dict = {}
+        room = memory_available() // 2  # pieces, then joined: a server that lists pieces without end must not
+        # grow us until we are killed
 
         def keep(p: Piece, data: bytes) -> None:
+            nonlocal room
+            room -= len(data)
+            if room < 0:
+                raise FetchError(f"delta v{version}: the server's pieces take more than the memory free here")
             got[p.offset] = data
             if on_piece is not None:
                 on_piece(p, data)

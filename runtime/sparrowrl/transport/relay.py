@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import time
 import traceback
 import uuid
@@ -35,6 +36,24 @@ from sparrowrl.transport.server import make_app
 
 MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
 FAILED_S = 30.0  # how long a failed base fetch is answered with its error before a new one starts
+
+
+_CACHED = re.compile(r"\.?v\d{8}(-[0-9a-f]{16}\.spd|\.safetensors)?(\.[0-9a-f]{12})?(\.partial)?")
+
+
+def _own_cache(folder: Path) -> bool:
+    """A folder a relay may delete files in: new, empty, marked as a relay's cache, or (made
+    before the mark) holding nothing but a mirror's index, lock and version files."""
+    if not folder.exists():
+        return True
+    if not folder.is_dir():
+        return False
+    names = {p.name for p in folder.iterdir()}
+    if MARK in names or not names:
+        return True
+    return names <= {"store.json", ".lock", "deltas", "bases"} and all(
+        sub.is_dir() and all(_CACHED.fullmatch(f.name) for f in sub.iterdir())
+        for sub in (folder / "deltas", folder / "bases") if sub.exists())
 
 
 class Table:
@@ -72,13 +91,15 @@ class Relay:
         self.tables: dict[int, Table] = {}  # version being mirrored → its verified pieces so far
         self.bases: dict[int, tuple[Table, asyncio.Task]] = {}  # base being fetched on request → its parts so far
         self.client: Client | None = None  # the one upstream client: deltas and bases share its streams and cap
-        if self.mirror.exists() and not (self.mirror / MARK).exists() and any(self.mirror.iterdir()):
+        if not _own_cache(self.mirror):
             raise ValueError(f"--cache {self.mirror}: not empty, and not a relay's cache: a relay deletes old "
                              f"versions in its cache, so it takes only a new or empty folder, or its own")
-        self.mirror.mkdir(parents=True, exist_ok=True)
-        (self.mirror / MARK).touch()
-        (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
-        (self.mirror / "bases").mkdir(exist_ok=True)
+        try:
+            (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
+            (self.mirror / "bases").mkdir(exist_ok=True)
+            (self.mirror / MARK).touch()
+        except OSError as e:
+            raise ValueError(f"--cache {self.mirror}: {e.strerror} ({e.filename})") from None
         for stale in [*(self.mirror / "deltas").glob(".*.partial"), *(self.mirror / "bases").glob(".*.partial")]:
             stale.unlink()  # a fetch cut short by the relay's last exit (a persistent --cache)
         self.synced = asyncio.Event()  # set once the first version is mirrored

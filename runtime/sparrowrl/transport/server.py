@@ -36,6 +36,7 @@ from aiohttp import hdrs, web
 
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import CHUNK, CHUNK_MAGIC, END, HEAD, TRAILER
+from sparrowrl.limits import open_regular
 from sparrowrl.store import BASE_PART, Store, StoreError
 
 MAX_WAIT = 60.0
@@ -396,12 +397,12 @@ async def base(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None,
-             base_override=lambda v, start: None) -> web.Application:
+             base_override=lambda v, start: None, max_body: int = 1 << 20) -> web.Application:
     """`pieces_override(v)`: a relay's live piece table for a delta it is still mirroring;
     `base_override(v, start)`: a relay's piece table for a base snapshot it is fetching (with
     `start`, started by this call where it lists the base but does not hold it), None where
-    the file is here."""
-    app = web.Application(middlewares=[auth])
+    the file is here. `max_body`: the largest request body taken (413 beyond)."""
+    app = web.Application(middlewares=[auth], client_max_size=max_body)
     app[OVERRIDE], app[BASE_OVERRIDE] = pieces_override, base_override
     app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
     app[STOPPING] = asyncio.Event()
@@ -446,9 +447,9 @@ def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
         raise ValueError("TLS needs both --tls-cert and --tls-key")
     for flag, path in (("--tls-cert", cert), ("--tls-key", key)):  # ssl's own error does not say which
         try:
-            open(path, "rb").close()
-        except OSError as e:
-            raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+            open_regular(path, "a PEM file").close()
+        except ValueError as e:
+            raise ValueError(f"{flag} {e}") from None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         ctx.load_cert_chain(cert, key)
