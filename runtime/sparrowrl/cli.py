@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import TypeAdapter
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -396,36 +397,57 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
               f"payload.png, final/ (the trained model)", highlight=False)
 
 
-@app.command("trainer", hidden=True)
-def trainer(job: Path, run_dir: Annotated[Path, typer.Option()], port: Annotated[int, typer.Option()],
-            host: Annotated[str, typer.Option()] = "127.0.0.1") -> None:
-    """The trainer process of a run (started by `sparrowrl run` or the operator)."""
+@app.command("trainer")
+def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (in a pod: a mounted ConfigMap).")],
+            state_dir: Annotated[Path, typer.Option(help="Where the trainer keeps its store, metrics and results "
+                                                         "(in a pod: a volume).")],
+            host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+            port: Annotated[int, typer.Option(help="TCP port: versions, work, status, /healthz, /readyz.")] = 8470
+            ) -> None:
+    """The trainer of a job: GRPO steps, the checkpoint store and its server, the coordinator.
+    The token comes from SPARROWRL_TOKEN."""
     import asyncio
-    import os
 
     from sparrowrl.job import JobError, load
-    from sparrowrl.trainer import serve
+    from sparrowrl.trainer import make_task, serve
 
+    token = _server_token(host, port)
     try:
         j = load(job)
-    except JobError as e:
+        make_task(j.spec)
+    except (JobError, ValueError) as e:
         _fail(e)
-    asyncio.run(serve(j.spec, run_dir, host, port, os.environ.get("SPARROWRL_TOKEN", "")))
+    if (state_dir / "store" / "store.json").exists():
+        _fail(ValueError(f"--state-dir {state_dir} holds a trainer's state already; a trainer does not resume yet: "
+                         f"give a new or empty folder"))
+    asyncio.run(serve(j.spec, state_dir, host, port, token))
 
 
-@app.command("worker", hidden=True)
-def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL (leases, results, commits).")],
-           url: Annotated[str, typer.Option(help="Where versions come from: relay and origin URLs, comma-separated, "
-                                                 "in order of preference.")],
-           name: Annotated[str, typer.Option()], model_dir: Annotated[Path, typer.Option()],
-           engine: Annotated[str, typer.Option()] = "hf", streams: Annotated[int, typer.Option()] = 4,
+@app.command("worker")
+def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, results, commits, and versions "
+                                                     "when the relay has none.")],
+           name: Annotated[str, typer.Option(help="This worker's name, unique in the job (in a pod: its name).",
+                                             envvar="POD_NAME")],
+           relay: Annotated[str | None, typer.Option(help="The region's relay URL: versions come from it first.")]
+           = None,
+           host: Annotated[str, typer.Option(help="Address for /healthz and /readyz.")] = "127.0.0.1",
+           port: Annotated[int, typer.Option(help="TCP port for /healthz and /readyz.")] = 8472,
            rate_mbit: Annotated[float | None, typer.Option(help="Cap on this worker's download rate.")] = None) -> None:
-    """A rollout worker process (started by `sparrowrl run` or the operator)."""
+    """A rollout worker. It needs only the network: the job, the model's config and tokenizer and
+    its weights all come from the trainer (and the relay). The token comes from SPARROWRL_TOKEN."""
     import asyncio
 
+    from sparrowrl.messages import Name
     from sparrowrl.worker import main
 
-    asyncio.run(main(trainer, url.split(","), name, str(model_dir), engine, streams, rate_mbit))
+    _in_range("--port", port, 1, 65535)
+    _in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
+    try:
+        TypeAdapter(Name).validate_python(name)
+    except ValueError:
+        _fail(ValueError(f"--name {name!r}: a worker's name is 1..253 of [-A-Za-z0-9_.], starting with a letter or "
+                         f"digit"))
+    asyncio.run(main(trainer, relay, name, host, port, rate_mbit))
 
 
 def main() -> None:

@@ -16,14 +16,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import defaultdict
 from pathlib import Path
 
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sparrowrl import report
-from sparrowrl.job import SparrowRLJob
+from sparrowrl import layout, report
+from sparrowrl.job import JobSpec, SparrowRLJob
+from sparrowrl.layout import Role
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
 OUTPUTS = ("job.yaml", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
@@ -134,47 +136,56 @@ def claim_run_dir(run_dir: Path, job: SparrowRLJob, overwrite: bool) -> None:
         raise RunError(f"--run-dir {run_dir}: {e.strerror} ({e.filename})") from None
 
 
+def argv(role: Role, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
+    """The role's command line, as a user would type it in a shell of its own (README)."""
+    rate = ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []
+    if role.kind == "trainer":
+        return ["trainer", str(run_dir / "job.yaml"), "--state-dir", str(run_dir), "--port", str(port)]
+    if role.kind == "relay":
+        return ["relay", "--upstream", role.trainer, "--port", str(port), "--cache", str(run_dir / "relays" / role.region),
+                "--streams", str(spec.sync.streams), *rate]
+    return ["worker", "--trainer", role.trainer, *(["--relay", role.relay] if role.relay else []), "--name", role.name,
+            "--port", str(port), *rate]
+
+
+def _ready(url: str, procs: Processes) -> None:
+    """Until `url`/readyz answers 200, as a kubelet's readiness probe would ask."""
+    while True:
+        if err := procs.failed():
+            raise RunError(err)
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:  # not listening yet, or 503
+            pass
+        time.sleep(0.2)
+
+
 def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = False) -> dict:
-    """Run `job` in `run_dir` (see `check_run_dir`)."""
+    """Run `job` in `run_dir` (see `check_run_dir`): the roles of `layout.roles`, each a process
+    on its own loopback port, started with the same commands a user types by hand."""
     spec = job.spec
     claim_run_dir(run_dir, job, overwrite)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
     token = secrets.token_hex(16)
     procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))
-    origin_port = free_port()
-    origin = f"http://127.0.0.1:{origin_port}"
-    layout: dict = {"trainer": None, "relays": {}, "workers": {}}
+    ports: dict[str, int] = defaultdict(free_port)
+    everyone = layout.roles(spec, lambda name: f"http://127.0.0.1:{ports[name]}")
+    origin = f"http://127.0.0.1:{ports['trainer']}"
+    pids: dict = {"trainer": None, "relays": {}, "workers": {}}
     signal.signal(signal.SIGTERM, _exit)  # a terminated run stops its children too (the finally below)
     signal.signal(signal.SIGHUP, _exit)
     try:
-        layout["trainer"] = procs.start("trainer", ["trainer", str(run_dir / "job.yaml"), "--run-dir", str(run_dir),
-                                                    "--port", str(origin_port)]).pid
-        with console.status("starting the trainer (model, store, server) ..."):
-            while not (run_dir / "trainer.ready").exists():
-                if err := procs.failed():
-                    raise RunError(err)
-                time.sleep(0.1)
-        for region in spec.topology.regions:
-            if not region.workers:
-                continue
-            urls = [origin]
-            rate = ["--rate-mbit", str(region.bandwidth_mbit)] if region.bandwidth_mbit else []
-            if region.relay:
-                port = free_port()
-                name = f"relay-{region.name}"
-                layout["relays"][name] = procs.start(name, ["relay", "--upstream", origin, "--port", str(port),
-                                                            "--cache", str(run_dir / "relays" / region.name),
-                                                            "--streams", str(spec.sync.streams), *rate]).pid
-                urls = [f"http://127.0.0.1:{port}", origin]
-                rate = []  # the relay's upstream link carries the cap; inside a region is unshaped
-            for i in range(region.workers):
-                name = f"worker-{region.name}-{i}"
-                layout["workers"][name] = procs.start(name, ["worker", "--trainer", origin, "--url", ",".join(urls),
-                                                             "--name", name,
-                                                             "--model-dir", str(run_dir / "model"),
-                                                             "--engine", spec.rollout.engine,
-                                                             "--streams", str(spec.sync.streams), *rate]).pid
-        (run_dir / "processes.json").write_text(json.dumps(layout, indent=1))
+        for role in everyone:
+            p = procs.start(role.name, argv(role, spec, run_dir, ports[role.name]))
+            if role.kind == "trainer":
+                pids["trainer"] = p.pid
+                with console.status("starting the trainer (model, store, server) ..."):
+                    _ready(origin, procs)
+            else:
+                pids[role.kind + "s"][role.name] = p.pid
+        (run_dir / "processes.json").write_text(json.dumps(pids, indent=1))
         _follow(origin, token, spec.steps, procs, run_dir, console)
         procs.procs["trainer"].wait(timeout=60)
     finally:

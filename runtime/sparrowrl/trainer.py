@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from sparrowrl.coordinator import Batch, Coordinator
 from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.job import JobSpec
 from sparrowrl.store import Store
-from sparrowrl.transport.server import SERVED, make_app
+from sparrowrl.transport.server import SERVED, add_health, make_app
 
 
 def make_task(spec: JobSpec) -> tuple[tasks.Task, tasks.Reward]:
@@ -53,8 +54,8 @@ def group_seed(job_seed: int, group: int) -> int:
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, run_dir: Path):
-        self.spec, self.run_dir = spec, run_dir
+    def __init__(self, spec: JobSpec, state_dir: Path):
+        self.spec, self.state_dir = spec, state_dir
         torch.manual_seed(spec.seed)
         if spec.model.tiny:
             self.tok = models.char_tokenizer()
@@ -72,11 +73,14 @@ class Trainer:
         self.policy = models.policy_state(self.model)
         self.dense_bytes = sum(t.numel() * t.element_size() for t in self.policy.values())
         # workers build the architecture from this folder; the weights come from the store
-        self.model_dir = run_dir / "model"
+        self.model_dir = state_dir / "model"
         self.model.config.save_pretrained(self.model_dir)
         self.tok.save_pretrained(self.model_dir)
+        self.model_files = [{"name": f.name, "bytes": f.stat().st_size,
+                             "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+                            for f in sorted(self.model_dir.iterdir()) if f.is_file()]
         every = 1 if spec.sync.mode == "full" else spec.sync.base_every
-        self.store = Store.init(run_dir / "store", self.policy, base_every=every)
+        self.store = Store.init(state_dir / "store", self.policy, base_every=every)
 
     def prompt(self, group: int) -> tasks.Example:
         return self.task.example(group)
@@ -190,9 +194,9 @@ def once(model: type[messages.Body]):
 class Run:
     """The trainer process: store server + coordinator routes + the training loop."""
 
-    def __init__(self, spec: JobSpec, run_dir: Path, token: str):
-        self.spec, self.run_dir, self.token = spec, run_dir, token
-        self.trainer = Trainer(spec, run_dir)
+    def __init__(self, spec: JobSpec, state_dir: Path, token: str):
+        self.spec, self.state_dir, self.token = spec, state_dir, token
+        self.trainer = Trainer(spec, state_dir)
         s = spec.rollout
         self.coord = Coordinator(spec.grpo.prompts_per_step, s.groups_per_lease, s.lease_seconds, spec.sync.staleness,
                                  spec.steps)
@@ -207,14 +211,16 @@ class Run:
         self.changed = asyncio.Event()
         self.t_start = time.time()
         self.finished = False
-        (run_dir / "metrics.jsonl").write_text("")
+        (state_dir / "metrics.jsonl").write_text("")
 
     def app(self) -> web.Application:
         app = make_app(self.trainer.store.path, self.token, max_body=messages.max_body(self.spec.lease_tokens))
         self.sent = app[SERVED]  # what crossed from the origin: to relays, and to workers without one
-        app.add_routes([web.get("/v1/job", self.h_job), web.post("/v1/work", self.h_work),
-                        web.post("/v1/results", self.h_results), web.post("/v1/commit", self.h_commit),
-                        web.get("/v1/status", self.h_status)])
+        app.add_routes([web.get("/v1/job", self.h_job), web.get("/v1/model", self.h_model),
+                        web.get(r"/v1/model/{name:[A-Za-z0-9][-A-Za-z0-9_.]{0,127}}", self.h_model_file),
+                        web.post("/v1/work", self.h_work), web.post("/v1/results", self.h_results),
+                        web.post("/v1/commit", self.h_commit), web.get("/v1/status", self.h_status)])
+        add_health(app, lambda: self.coord.published >= 0)  # serving version 0 and taking work
         return app
 
     async def _changed(self, seconds: float) -> None:
@@ -237,7 +243,19 @@ class Run:
     async def h_job(self, request: web.Request) -> web.Response:
         g = self.spec.grpo
         return web.json_response({"group_size": g.group_size, "temperature": g.temperature,
-                                  "max_new_tokens": g.max_new_tokens, "mode": self.spec.sync.mode})
+                                  "max_new_tokens": g.max_new_tokens, "mode": self.spec.sync.mode,
+                                  "engine": self.spec.rollout.engine, "streams": self.spec.sync.streams})
+
+    async def h_model(self, request: web.Request) -> web.Response:
+        """The files a worker builds its engine from (the config and the tokenizer, no weights:
+        those come from the store), with their sizes and sha256: workers need no shared disk."""
+        return web.json_response({"files": self.trainer.model_files})
+
+    async def h_model_file(self, request: web.Request) -> web.FileResponse:
+        name = request.match_info["name"]
+        if name not in {f["name"] for f in self.trainer.model_files}:
+            raise web.HTTPNotFound(text=f"no model file {name!r}")
+        return web.FileResponse(self.trainer.model_dir / name)
 
     @property
     def workers(self) -> list[str]:
@@ -318,7 +336,7 @@ class Run:
 
     def _flush(self, final: bool = False) -> None:
         """Write metric rows in order once every worker has staged their version (or at the end)."""
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
+        with open(self.state_dir / "metrics.jsonl", "a") as f:
             while self.written + 1 in self.rows:
                 v = self.written + 1
                 staged = self.fetch.get(v, {})
@@ -353,13 +371,13 @@ class Run:
         while time.monotonic() < deadline and any(self.coord.commits.get(w, (-1,))[0] < self.spec.steps for w in self.workers):
             await asyncio.sleep(0.05)
         self._flush(final=True)
-        self.trainer.save(self.run_dir / "final")
+        self.trainer.save(self.state_dir / "final")
         self.summary(seconds)
         self.finished = True
         self._touch()
 
     def summary(self, seconds: float) -> dict:
-        rows = [json.loads(x) for x in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (self.state_dir / "metrics.jsonl").read_text().splitlines()]
         tenth = max(1, len(rows) // 10)
         c = self.coord.counts
         s = {"steps": len(rows), "reward_first": sum(r["reward_mean"] for r in rows[:tenth]) / tenth,
@@ -373,16 +391,16 @@ class Run:
              "tokens_per_second": sum(r["tokens"] for r in rows) / seconds, "seconds": seconds,
              "mode": self.spec.sync.mode, "final_version": self.coord.published,
              "final_state_hash": self.coord.hashes[self.coord.published]}
-        (self.run_dir / "summary.json").write_text(json.dumps(s, indent=1))
+        (self.state_dir / "summary.json").write_text(json.dumps(s, indent=1))
         return s
 
 
-async def serve(spec: JobSpec, run_dir: Path, host: str, port: int, token: str) -> None:
-    run = Run(spec, run_dir, token)
+async def serve(spec: JobSpec, state_dir: Path, host: str, port: int, token: str) -> None:
+    run = Run(spec, state_dir, token)
     runner = web.AppRunner(run.app())
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    (run_dir / "trainer.ready").write_text(str(port))
+    print(f"trainer: serving on {host}:{port}", flush=True)
     try:
         await run.train_loop()
         await asyncio.sleep(2.0)  # let workers see `finished` and the runner read the summary

@@ -9,14 +9,23 @@ its live weights in full and reporting the hash, which the trainer checks agains
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated
 
 import torch
+from aiohttp import web
+from pydantic import BaseModel, Field
 
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.engines import Engine, make_engine
 from sparrowrl.transport.client import Client, FetchError
+from sparrowrl.transport.server import add_health
+
+MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
 
 
 class Worker:
@@ -133,14 +142,51 @@ class Worker:
                                         "generate_s": time.perf_counter() - t0})
 
 
-async def main(trainer: str, urls: list[str], name: str, model_dir: str, engine: str, streams: int,
+class ModelFile(BaseModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,127}$")]  # a plain name: no path
+    bytes: Annotated[int, Field(ge=0, le=MAX_MODEL_FILE)]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ModelFiles(BaseModel):
+    files: Annotated[list[ModelFile], Field(max_length=64)]
+
+
+async def fetch_model(control: Client, dest: Path) -> None:
+    """The model's config and tokenizer from the trainer into `dest`, each file checked by its
+    sha256 (the weights come from the store)."""
+    for f in (await control.json("/v1/model", ModelFiles))["files"]:
+        data = await control.content(f"/v1/model/{f['name']}", f["bytes"])
+        if hashlib.sha256(data).hexdigest() != f["sha256"]:
+            raise FetchError(f"model file {f['name']}: bytes do not hash to the listed sha256")
+        (dest / f["name"]).write_bytes(data)
+
+
+async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
                rate_mbit: float | None = None) -> None:
+    """A worker needs only the network: the job, the model's config and tokenizer, and the
+    weights come from the trainer (versions from its region's relay first). /healthz and
+    /readyz (once a verified version is committed) on host:port."""
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
-    async with Client(trainer, attempts=12) as control, \
-            Client(urls, streams=streams, attempts=12, rate_mbit=rate_mbit) as data:
-        mode = (await control.json("/v1/job"))["mode"]
-        t0 = time.perf_counter()
-        on_engine = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(1,))
-        built = await asyncio.get_running_loop().run_in_executor(on_engine, make_engine, engine, model_dir)
-        print(f"{name}: {engine} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
-        await Worker(name, data, control, built, mode, on_engine).run()
+    async with Client(trainer, attempts=12) as control:
+        job = await control.json("/v1/job")
+        with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
+            await fetch_model(control, Path(model_dir))
+            async with Client([u for u in (relay, trainer) if u], streams=job["streams"], attempts=12,
+                              rate_mbit=rate_mbit) as data:
+                t0 = time.perf_counter()
+                on_engine = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
+                                               initargs=(1,))
+                built = await asyncio.get_running_loop().run_in_executor(on_engine, make_engine, job["engine"],
+                                                                         model_dir)
+                print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+                worker = Worker(name, data, control, built, job["mode"], on_engine)
+                app = web.Application()
+                add_health(app, lambda: worker.version >= 0)  # a commit is reported only once verified
+                runner = web.AppRunner(app)
+                await runner.setup()
+                await web.TCPSite(runner, host, port).start()
+                try:
+                    await worker.run()
+                finally:
+                    await runner.cleanup()

@@ -246,6 +246,20 @@ class Client:
                 raise FetchError(f"{path}: {first_problem(e)}") from None
         return doc
 
+    async def content(self, path: str, limit: int) -> bytes:
+        """The body at `path`, at most `limit` bytes (FetchError beyond: the server is not trusted
+        to end it)."""
+        async def request(url: str) -> bytes:
+            async with self._session.get(url) as r:
+                await self._check(r, url)
+                data = bytearray()
+                while block := await r.content.read(1 << 16):
+                    data += block
+                    if len(data) > limit:
+                        raise FetchError(f"{url}: more than {limit:,} bytes")
+                return bytes(data)
+        return await self._attempts(path, request)
+
     async def post_json(self, path: str, body: dict) -> dict:
         """POST a JSON body, with the same retries and fallback as a GET. An answer lost on the way
         back means the body is sent again, with the same `Idempotency-Key`, so that the server can

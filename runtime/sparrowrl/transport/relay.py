@@ -31,7 +31,7 @@ from aiohttp import web
 
 from sparrowrl.store import BASE_PART, Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
-from sparrowrl.transport.server import make_app
+from sparrowrl.transport.server import add_health, make_app
 
 
 MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
@@ -307,6 +307,7 @@ def make_relay_app(relay: Relay, token: str) -> web.Application:
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it."""
     app = make_app(relay.mirror, token, pieces_override=lambda v: relay.tables.get(v), base_override=relay.base_table)
+    add_health(app, relay.synced.is_set)  # ready once it has listed upstream and mirrors its versions
 
     async def mirror_loop(app: web.Application):
         task = asyncio.create_task(relay.run())

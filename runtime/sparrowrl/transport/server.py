@@ -31,6 +31,7 @@ import math
 import os
 import ssl
 from pathlib import Path
+from typing import Callable
 
 from aiohttp import hdrs, web
 
@@ -40,6 +41,7 @@ from sparrowrl.limits import open_regular
 from sparrowrl.store import BASE_PART, Store, StoreError
 
 MAX_WAIT = 60.0
+OPEN = frozenset({"/healthz", "/readyz"})  # probes (a kubelet's) carry no token, and these say nothing else
 MAX_INDEX = 1 << 62  # versions, piece indexes: far beyond any store, small enough to stay exact
 STORE = web.AppKey("store", Path)
 TOKEN = web.AppKey("token", str)
@@ -75,7 +77,7 @@ def _version(request: web.Request, store: Store) -> int:
 @web.middleware
 async def auth(request: web.Request, handler):
     token = request.app[TOKEN]
-    if token:
+    if token and request.path not in OPEN:
         given = request.headers.get("Authorization", "")  # bytes that are not UTF-8 arrive surrogate-escaped
         if not hmac.compare_digest(given.encode(errors="surrogateescape"), f"Bearer {token}".encode()):
             raise web.HTTPUnauthorized(text="missing or wrong bearer token",
@@ -429,6 +431,17 @@ def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None,
         web.get(r"/v1/versions/{version:\d{1,12}}/base", base),
     ])
     return app
+
+
+def add_health(app: web.Application, ready: Callable[[], bool]) -> None:
+    """/healthz: the process serves; /readyz: it does its job (`ready()`), 503 until then."""
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(_request: web.Request) -> web.Response:
+        return web.Response(text="ready") if ready() else web.Response(status=503, text="not ready")
+
+    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz)])
 
 
 def is_loopback(host: str) -> bool:

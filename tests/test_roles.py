@@ -1,0 +1,116 @@
+"""Which processes a job runs (layout.roles), called directly as the runner and the operator do;
+and the role commands, started by hand."""
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+
+from bounded import EXE, free_port
+from sparrowrl.job import parse
+from sparrowrl.layout import Role, roles
+
+
+def spec(*regions) -> object:
+    return parse({"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
+                  "spec": {"model": {"tiny": {}}, "task": {"builtin": "add"},
+                           "topology": {"regions": list(regions)}}}).spec
+
+
+def url(name: str) -> str:
+    return f"http://{name}.svc"
+
+
+def test_a_relay_per_region_with_workers_and_workers_that_prefer_it():
+    got = roles(spec({"name": "us", "workers": 2, "bandwidthMbit": 100}, {"name": "eu", "workers": 0},
+                     {"name": "ap", "workers": 1, "relay": False, "bandwidthMbit": 50}), url)
+    t, r = "http://trainer.svc", "http://relay-us.svc"
+    assert got == [
+        Role("trainer", "trainer"),
+        Role("relay", "relay-us", "us", t, rate_mbit=100),  # the cap is on the region's WAN link
+        Role("worker", "worker-us-0", "us", t, r),  # versions from the relay first; work from the trainer
+        Role("worker", "worker-us-1", "us", t, r),
+        Role("worker", "worker-ap-0", "ap", t, None, 50),  # no relay: each worker's link is capped
+    ]
+
+
+def test_names_are_unique_dns_labels():
+    many = roles(spec(*({"name": f"r{i}", "workers": 64} for i in range(64))), url)
+    names = [r.name for r in many]
+    assert len(names) == len(set(names)) == 1 + 64 + 64 * 64
+    assert all(len(n) <= 63 and n.replace("-", "").isalnum() and n == n.lower() for n in names)
+
+
+@pytest.mark.timeout(400)
+def test_role_commands_started_by_hand_form_a_job(tmp_path):
+    """The README's commands, one process each, sharing nothing but the network: a worker gets
+    the job, the model's config and tokenizer, and its weights over HTTP."""
+    job = {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "by-hand"},
+           "spec": {"steps": 3, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"},
+                    "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3}, "rollout": {"groupsPerLease": 1},
+                    "topology": {"regions": [{"name": "a", "workers": 1}, {"name": "b", "workers": 1, "relay": False}]}}}
+    for d in ("trainer", "relay", "w0", "w1"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "trainer" / "job.yaml").write_text(yaml.safe_dump(job))
+    env = dict(os.environ, SPARROWRL_TOKEN="s3cret")
+    t, r, w0, w1 = (free_port() for _ in range(4))
+    trainer, relay = f"http://127.0.0.1:{t}", f"http://127.0.0.1:{r}"
+    commands = {  # each in a folder of its own, as on separate machines
+        "trainer": ["trainer", "job.yaml", "--state-dir", "state", "--port", t],
+        "relay": ["relay", "--upstream", trainer, "--port", r, "--cache", "cache"],
+        "w0": ["worker", "--trainer", trainer, "--relay", relay, "--name", "worker-a-0", "--port", w0],
+        "w1": ["worker", "--trainer", trainer, "--name", "worker-b-0", "--port", w1],
+    }
+    procs = {}
+    try:
+        for name, args in commands.items():
+            procs[name] = subprocess.Popen([EXE, *map(str, args)], cwd=tmp_path / name, env=env, text=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            if name == "trainer":
+                wait_for(f"{trainer}/readyz", procs)
+        assert get(f"{trainer}/healthz") == 200 and get(f"{trainer}/v1/status") == 401  # probes need no token
+        for port in (w0, w1):
+            wait_for(f"http://127.0.0.1:{port}/readyz", procs)  # ready: a verified version is committed
+        wait_for(f"{relay}/readyz", procs)
+        summary = tmp_path / "trainer" / "state" / "summary.json"
+        deadline = time.monotonic() + 300
+        while not summary.exists():
+            assert time.monotonic() < deadline and procs["trainer"].poll() is None, procs["trainer"].stdout.read()
+            time.sleep(0.5)
+        s = json.loads(summary.read_text())
+        assert s["steps"] == 3 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 4  # v0..v3, 2 workers
+        assert s["prompt_groups_lost"] == 0 and s["prompt_groups_duplicated"] == 0
+        assert sorted(p.name for p in (tmp_path / "w0").iterdir()) == []  # a worker writes nothing to disk
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(30)
+
+
+def get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def wait_for(url: str, procs: dict, seconds: float = 240) -> None:
+    """Until `url` answers 200 (a readiness probe), while every process lives."""
+    deadline = time.monotonic() + seconds
+    while True:
+        dead = {n: p for n, p in procs.items() if p.poll() is not None}
+        assert not dead, {n: p.stdout.read() for n, p in dead.items()}
+        try:
+            if get(url) == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not ready"
+        time.sleep(0.2)
