@@ -7,7 +7,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     constriction==0.5.0 zstandard==0.25.0
-# then run it with the device tool: command `bash hack/gpu-check.sh`, carry [".whl"].
+# then copy the working tree with .whl/ to the CUDA machine and run `bash hack/gpu-check.sh` there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"

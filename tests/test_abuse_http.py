@@ -198,20 +198,33 @@ def test_an_authorization_header_that_is_not_utf8_is_unauthorized(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("command", ["serve", "relay"])
+@pytest.mark.parametrize("command", ["serve", "relay", "trainer", "worker"])
 def test_a_port_in_use_is_named(tmp_path, command):
-    args = [make_store(tmp_path / "s", deltas=0)] if command == "serve" else ["--upstream", "http://127.0.0.1:9"]
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        refused(sparrowrl(command, *args, "--port", port, timeout=60), f"127.0.0.1:{port}", "in use")
+        refused(sparrowrl(*role_args(tmp_path, command), "--port", port, timeout=60), f"127.0.0.1:{port}", "in use")
+    assert not (tmp_path / "state").exists()  # a trainer checks its address before it writes its state
+
+
+def role_args(tmp_path: Path, command: str) -> list:
+    if command == "serve":
+        return ["serve", make_store(tmp_path / "s", deltas=0)]
+    if command == "relay":
+        return ["relay", "--upstream", "http://127.0.0.1:9"]
+    if command == "trainer":
+        (tmp_path / "j.yaml").write_text(json.dumps({
+            "apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
+            "spec": {"model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"}}}))
+        return ["trainer", tmp_path / "j.yaml", "--state-dir", tmp_path / "state"]
+    return ["worker", "--trainer", "http://127.0.0.1:9", "--name", "w"]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("command", ["serve", "relay"])
+@pytest.mark.parametrize("command", ["serve", "relay", "trainer", "worker"])
 @pytest.mark.parametrize("port", [0, 70000, -1])
 def test_a_port_out_of_range_is_named(tmp_path, command, port):
-    args = [make_store(tmp_path / "s", deltas=0)] if command == "serve" else ["--upstream", "http://127.0.0.1:9"]
-    refused(sparrowrl(command, *args, f"--port={port}", timeout=60), "--port", str(port), "out of range")
+    refused(sparrowrl(*role_args(tmp_path, command), f"--port={port}", timeout=60), "--port", str(port),
+            "out of range")
 
 
 @pytest.mark.timeout(120)

@@ -38,13 +38,14 @@ def test_results_are_admitted_only_with_a_live_lease_and_the_trainers_hash():
     c, clock = coord()
     a, b = c.work("w1", 0)["lease"], c.work("w2", 0)["lease"]
     assert c.submit(a["id"], "w1", 0, "forged", result(a))["refused"].startswith("state hash")
-    assert c.counts.lost == 2  # the refused groups go back to the queue
+    assert c.counts.requeued == 2  # the refused groups go back to the queue
     assert c.submit(b["id"], "w1", 0, "h0", result(b))["refused"] == f"lease {b['id']} is not w1's"
     assert c.submit(b["id"], "w2", 0, "h0", result(b)) == {"admitted": 2, "batch": 0}
     again = c.work("w3", 0)["lease"]
     assert again["groups"] == a["groups"]
     assert c.submit(again["id"], "w3", 0, "h0", result(again))["admitted"] == 2
     assert c.take(0) is not None and c.counts.admitted == 4
+    assert (c.lost, c.counts.trained, c.counts.requeued) == (0, 4, 2)  # requeued groups came back: none lost
 
 
 def test_an_expired_lease_is_reassigned_and_a_late_duplicate_is_dropped():
@@ -52,7 +53,7 @@ def test_an_expired_lease_is_reassigned_and_a_late_duplicate_is_dropped():
     slow = c.work("slow", 0)["lease"]
     clock.t = 11  # past the deadline
     fast = c.work("fast", 0)["lease"]
-    assert fast["groups"] == slow["groups"] and c.counts.lost == 2
+    assert fast["groups"] == slow["groups"] and c.counts.requeued == 2 and c.counts.leases_expired == 1
     assert c.submit(fast["id"], "fast", 0, "h0", result(fast))["admitted"] == 2
     late = c.submit(slow["id"], "slow", 0, "h0", result(slow))
     assert late["admitted"] == 0 and c.counts.duplicated == 2 and c.counts.admitted == 2

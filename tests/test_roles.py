@@ -63,20 +63,31 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
     commands = {  # each in a folder of its own, as on separate machines
         "trainer": ["trainer", "job.yaml", "--state-dir", "state", "--port", t],
         "relay": ["relay", "--upstream", trainer, "--port", r, "--cache", "cache"],
-        "w0": ["worker", "--trainer", trainer, "--relay", relay, "--name", "worker-a-0", "--port", w0],
+        "w0": ["worker", "--trainer", trainer, "--relay", relay, "--name", "worker-a-0", "--region", "a",
+               "--port", w0],
         "w1": ["worker", "--trainer", trainer, "--name", "worker-b-0", "--port", w1],
     }
+    # the trainer waits for both workers before it hands out work: until w1 calls in, nothing runs
+    probes = {"trainer": f"{trainer}/readyz", "relay": f"{relay}/readyz",  # listed upstream
+              "w0": f"http://127.0.0.1:{w0}/readyz",  # committed a verified version
+              "w1": f"http://127.0.0.1:{w1}/healthz"}  # alive: it may be done before its readiness is seen
     procs = {}
     try:
         for name, args in commands.items():
             procs[name] = subprocess.Popen([EXE, *map(str, args)], cwd=tmp_path / name, env=env, text=True,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            if name == "trainer":
-                wait_for(f"{trainer}/readyz", procs)
-        assert get(f"{trainer}/healthz") == 200 and get(f"{trainer}/v1/status") == 401  # probes need no token
-        for port in (w0, w1):
-            wait_for(f"http://127.0.0.1:{port}/readyz", procs)  # ready: a verified version is committed
-        wait_for(f"{relay}/readyz", procs)
+            if name == "w1":
+                r = subprocess.run([EXE, "status", trainer, "--json"], env=env, capture_output=True, text=True,
+                                   timeout=60)
+                assert r.returncode == 0, r.stderr
+                s = json.loads(r.stdout)
+                assert s["phase"] == "Pending" and [(w["name"], w["region"], w["committed_version"])
+                                                    for w in s["workers"]] == [("worker-a-0", "a", 0)]
+                r = subprocess.run([EXE, "status", trainer], env=dict(env, SPARROWRL_TOKEN="wrong"),
+                                   capture_output=True, text=True, timeout=60)
+                assert r.returncode == 1 and "401 unauthorized" in r.stderr
+                assert get(f"{trainer}/healthz") == 200 and get(f"{trainer}/v1/status") == 401  # probes need no token
+            wait_for(probes[name], procs)
         summary = tmp_path / "trainer" / "state" / "summary.json"
         deadline = time.monotonic() + 300
         while not summary.exists():
@@ -84,7 +95,7 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
             time.sleep(0.5)
         s = json.loads(summary.read_text())
         assert s["steps"] == 3 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 4  # v0..v3, 2 workers
-        assert s["prompt_groups_lost"] == 0 and s["prompt_groups_duplicated"] == 0
+        assert s["prompt_groups_lost"] == 0 and s["prompt_groups_duplicated"] == 0 and s["trainer_restarts"] == 0
         assert sorted(p.name for p in (tmp_path / "w0").iterdir()) == []  # a worker writes nothing to disk
     finally:
         for p in procs.values():

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -88,8 +89,10 @@ def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
             assert x[key] is not None, key
         assert x["behaviour_versions"] == [x["version"] - 1]  # staleness 0
     procs = json.loads((d / "processes.json").read_text())
-    assert set(procs) == {"trainer", "workers", "relays"}
+    assert set(procs) == {"trainer", "workers", "relays", "urls"}
     assert set(procs["workers"]) == {"worker-a-0", "worker-b-0"} and set(procs["relays"]) == {"relay-a"}
+    assert set(procs["urls"]) == {"trainer", "relay-a", "worker-a-0", "worker-b-0"}
+    assert oct((d / "token").stat().st_mode & 0o777) == "0o600"
     for png in ("reward.png", "step_time.png", "payload.png"):
         assert (d / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "weights verified / mismatched" in r.stdout and "8 / 0" in r.stdout
@@ -108,8 +111,23 @@ def test_workers_fetch_from_their_regions_relay(runs, mode):
     assert relay_url not in {u for _, u in staged["worker-b-0"]} and len(staged["worker-b-0"]) == STEPS
 
 
+def status(run_dir, cli: bool = False) -> dict:
+    """GET /v1/status of a run in progress, or `sparrowrl status RUN_DIR --json` as a user asks it."""
+    if cli:
+        r = subprocess.run([EXE, "status", str(run_dir), "--json"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+    url = json.loads((run_dir / "processes.json").read_text())["urls"]["trainer"]
+    req = urllib.request.Request(f"{url}/v1/status",
+                                 headers={"Authorization": f"Bearer {(run_dir / 'token').read_text().strip()}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
 def test_a_lost_worker_leases_go_to_the_others(tmp_path):
-    spec = job("sparse", steps=4)
+    """A worker killed with SIGKILL while it holds a lease: the lease expires, its groups go to
+    the others, the run completes with nothing lost or trained twice."""
+    spec = job("sparse", steps=12)
     spec["spec"]["rollout"]["leaseSeconds"] = 3
     spec["spec"]["topology"]["regions"][1]["workers"] = 2
     f = tmp_path / "j.yaml"
@@ -121,14 +139,25 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
     while not (out / "processes.json").exists() and time.time() < deadline:
         time.sleep(0.1)
     victim = json.loads((out / "processes.json").read_text())["workers"]["worker-b-1"]
-    while (not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()) and time.time() < deadline:
-        time.sleep(0.05)
-    assert p.poll() is None, "the run ended before a worker could be lost"
+    def holds_a_lease() -> bool:
+        return any(w["name"] == "worker-b-1" and w["leases_held"] for w in status(out)["workers"])
+
+    while True:  # frozen (SIGSTOP) at a moment it holds a lease, then killed
+        assert p.poll() is None and time.time() < deadline, "the run ended before a worker could be lost"
+        if holds_a_lease():
+            os.kill(victim, signal.SIGSTOP)
+            if holds_a_lease():  # still: it cannot hand the lease back now
+                break
+            os.kill(victim, signal.SIGCONT)
+    s = status(out, cli=True)  # while its lease holds back the batch, the run goes on
+    assert {w["name"]: w["region"] for w in s["workers"]} == {"worker-a-0": "a", "worker-b-0": "b", "worker-b-1": "b"}
     os.kill(victim, signal.SIGKILL)
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
-    assert s["steps"] == 4 and s["weights_mismatch"] == 0 and s["prompt_groups_admitted"] == 16
+    assert s["steps"] == 12 and s["weights_mismatch"] == 0 and s["prompt_groups_admitted"] == 48
+    assert s["leases_expired"] >= 1 and s["prompt_groups_requeued"] >= 1
+    assert s["prompt_groups_lost"] == 0 and s["prompt_groups_duplicated"] == 0
 
 
 def alive(pid: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -243,15 +244,15 @@ def _trusting(ca_cert: Path | None):
 
 def _listen(app, host: str, port: int, banner: str, ssl_context=None) -> None:
     """Serve `app` until stopped; an address that cannot be bound is one line."""
-    import os
-
     from aiohttp import web
+
+    from sparrowrl.transport.server import ListenError
 
     try:
         web.run_app(app, host=host, port=port, ssl_context=ssl_context, access_log=None,
                     print=lambda _: err.print(banner, highlight=False))
-    except OSError as e:  # asyncio's message repeats the address; the errno says why
-        _fail(OSError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if (e.errno or 0) > 0 else e.strerror}"))
+    except OSError as e:
+        _fail(ListenError.of(host, port, e))
 
 
 @app.command("serve")
@@ -397,6 +398,42 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
               f"payload.png, final/ (the trained model)", highlight=False)
 
 
+@app.command("status")
+def status(url: Annotated[str, typer.Argument(help="The trainer's URL, or the run dir of a `sparrowrl run` in "
+                                                  "progress (its trainer's URL and token).")],
+           as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+           ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for HTTPS.")] = None) -> None:
+    """A job's status, as its trainer reports it (GET /v1/status); the token comes from SPARROWRL_TOKEN,
+    or from the run dir."""
+    import asyncio
+    import os
+
+    from sparrowrl.status import JobStatus, table
+    from sparrowrl.transport.client import Client, FetchError
+
+    ctx = _trusting(ca_cert)
+    token = os.environ.get("SPARROWRL_TOKEN")
+    if Path(url).is_dir():
+        try:
+            token = (Path(url) / "token").read_text().strip()
+            url = json.loads((Path(url) / "processes.json").read_text())["urls"]["trainer"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            _fail(ValueError(f"{url}: not the run dir of a `sparrowrl run` in progress ({e})"))
+
+    async def get() -> dict:
+        async with Client(url, token=token, attempts=2, ssl_context=ctx) as c:
+            return await c.json("/v1/status", JobStatus)
+
+    try:
+        s = JobStatus.model_validate(asyncio.run(get()))
+    except FetchError as e:
+        _fail(e)
+    if as_json:
+        print(s.model_dump_json(indent=1))
+        return
+    out.print(table(s, url))
+
+
 @app.command("trainer")
 def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (in a pod: a mounted ConfigMap).")],
             state_dir: Annotated[Path, typer.Option(help="Where the trainer keeps its store, metrics and results "
@@ -420,7 +457,19 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
     if (state_dir / "store" / "store.json").exists():
         _fail(ValueError(f"--state-dir {state_dir} holds a trainer's state already; a trainer does not resume yet: "
                          f"give a new or empty folder"))
-    asyncio.run(serve(j.spec, state_dir, host, port, token))
+    import socket
+
+    from sparrowrl.transport.server import ListenError
+
+    try:
+        with socket.create_server((host, port)):  # before the state dir is written: the address is free
+            pass
+    except OSError as e:
+        _fail(ListenError.of(host, port, e))
+    try:
+        asyncio.run(serve(j.spec, state_dir, host, port, token))
+    except ListenError as e:  # taken meanwhile
+        _fail(e)
 
 
 @app.command("worker")
@@ -432,7 +481,9 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
            = None,
            host: Annotated[str, typer.Option(help="Address for /healthz and /readyz.")] = "127.0.0.1",
            port: Annotated[int, typer.Option(help="TCP port for /healthz and /readyz.")] = 8472,
-           rate_mbit: Annotated[float | None, typer.Option(help="Cap on this worker's download rate.")] = None) -> None:
+           rate_mbit: Annotated[float | None, typer.Option(help="Cap on this worker's download rate.")] = None,
+           region: Annotated[str | None, typer.Option(help="The region this worker is in (shown in the job's "
+                                                           "status).")] = None) -> None:
     """A rollout worker. It needs only the network: the job, the model's config and tokenizer and
     its weights all come from the trainer (and the relay). The token comes from SPARROWRL_TOKEN."""
     import asyncio
@@ -447,7 +498,15 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
     except ValueError:
         _fail(ValueError(f"--name {name!r}: a worker's name is 1..253 of [-A-Za-z0-9_.], starting with a letter or "
                          f"digit"))
-    asyncio.run(main(trainer, relay, name, host, port, rate_mbit))
+    if region is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", region):
+        _fail(ValueError(f"--region {region!r}: a region's name is a DNS label (lower-case letters, digits, -)"))
+    from sparrowrl.transport.client import FetchError
+    from sparrowrl.transport.server import ListenError
+
+    try:
+        asyncio.run(main(trainer, relay, name, host, port, rate_mbit, region))
+    except (ListenError, FetchError) as e:
+        _fail(e)
 
 
 def main() -> None:

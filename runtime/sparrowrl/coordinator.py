@@ -42,7 +42,10 @@ class Batch:
 @dataclass
 class Counts:
     admitted: int = 0
-    lost: int = 0  # leased groups whose result never came back in time, or was refused
+    batches_trained: int = 0  # batches handed to the trainer
+    trained: int = 0  # admitted groups in them
+    requeued: int = 0  # leased groups that went back to the queue: their lease expired or was refused
+    leases_expired: int = 0  # leases whose deadline passed before their results came
     duplicated: int = 0  # results for groups already admitted (a reassigned lease came back twice)
     verified: int = 0  # worker commits whose state hash matched the trainer's
     mismatched: int = 0
@@ -85,13 +88,14 @@ class Coordinator:
     def expire(self) -> None:
         now = self.clock()
         for lease in [x for x in self.leases.values() if x.deadline <= now]:
+            self.counts.leases_expired += 1
             self._drop(lease)
 
     def _drop(self, lease: Lease) -> None:
         del self.leases[lease.id]
         batch = self.batches[lease.batch]
         back = [g for g in lease.groups if g not in batch.results]
-        self.counts.lost += len(back)
+        self.counts.requeued += len(back)
         batch.pending = sorted(batch.pending + back)
 
     def work(self, worker: str, version: int) -> dict:
@@ -175,4 +179,14 @@ class Coordinator:
     def take(self, b: int) -> Batch | None:
         """Batch b's results once every group is admitted."""
         batch = self.batches.get(b)
-        return batch if batch is not None and batch.complete else None
+        if batch is None or not batch.complete:
+            return None
+        self.counts.batches_trained += 1
+        self.counts.trained += len(batch.results)
+        return batch
+
+    @property
+    def lost(self) -> int:
+        """Groups of the batches trained so far that the trainer did not train on: a batch is
+        handed over only when every group of it is admitted, so this must stay 0."""
+        return self.counts.batches_trained * self.per_step - self.counts.trained

@@ -22,6 +22,7 @@ class Body(BaseModel):
 class Work(Body):
     worker: Name
     version: Version
+    region: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = None
 
 
 class Sample(Body):

@@ -28,7 +28,7 @@ from sparrowrl.job import JobSpec, SparrowRLJob
 from sparrowrl.layout import Role
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
-OUTPUTS = ("job.yaml", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
+OUTPUTS = ("job.yaml", "token", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
            "step_time.png", "payload.png", "store", "model", "final", "logs", "relays")
 MARK = ".sparrowrl-run"  # names a folder as a run's: the only kind a run replaces
 
@@ -145,7 +145,7 @@ def argv(role: Role, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
         return ["relay", "--upstream", role.trainer, "--port", str(port), "--cache", str(run_dir / "relays" / role.region),
                 "--streams", str(spec.sync.streams), *rate]
     return ["worker", "--trainer", role.trainer, *(["--relay", role.relay] if role.relay else []), "--name", role.name,
-            "--port", str(port), *rate]
+            "--region", role.region, "--port", str(port), *rate]
 
 
 def _ready(url: str, procs: Processes) -> None:
@@ -168,12 +168,16 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     spec = job.spec
     claim_run_dir(run_dir, job, overwrite)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
-    token = secrets.token_hex(16)
+    token = os.environ.get("SPARROWRL_TOKEN") or secrets.token_hex(16)
+    fd = os.open(run_dir / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # for `sparrowrl status RUN_DIR`
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
     procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))
     ports: dict[str, int] = defaultdict(free_port)
     everyone = layout.roles(spec, lambda name: f"http://127.0.0.1:{ports[name]}")
     origin = f"http://127.0.0.1:{ports['trainer']}"
-    pids: dict = {"trainer": None, "relays": {}, "workers": {}}
+    pids: dict = {"trainer": None, "relays": {}, "workers": {}, "urls": {r.name: f"http://127.0.0.1:{ports[r.name]}"
+                                                                        for r in everyone}}
     signal.signal(signal.SIGTERM, _exit)  # a terminated run stops its children too (the finally below)
     signal.signal(signal.SIGHUP, _exit)
     try:
@@ -207,11 +211,12 @@ def _follow(origin: str, token: str, steps: int, procs: Processes, run_dir: Path
             except OSError:
                 s = None
             if s:
-                reward = "-" if s["reward_mean"] is None else f"{s['reward_mean']:.3f}"
+                reward = "-" if s["reward_mean_10"] is None else f"{s['reward_mean_10']:.3f}"
                 lost = procs.lost()
-                progress.update(task, completed=max(0, s["version"]),
-                                info=f"reward {reward} · {len(s['workers'])} workers · "
-                                     f"commits verified {s['verified']}, mismatched {s['mismatched']}"
-                                     + (f" · lost: {', '.join(lost)}" if lost else ""))
+                live = len(s["workers"]) - len(s["stale_workers"])
+                progress.update(task, completed=s["step"],
+                                info=f"reward {reward} · {live} workers · commits verified {s['commits_verified']}, "
+                                     f"mismatched {s['commits_mismatched']}"
+                                     + (f" · exited: {', '.join(lost)}" if lost else ""))
             time.sleep(0.5)
         progress.update(task, completed=steps)

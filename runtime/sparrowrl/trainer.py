@@ -19,8 +19,9 @@ from sparrowrl import grpo, messages, models, tasks
 from sparrowrl.coordinator import Batch, Coordinator
 from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.job import JobSpec
+from sparrowrl.status import JobStatus, WorkerStatus
 from sparrowrl.store import Store
-from sparrowrl.transport.server import SERVED, add_health, make_app
+from sparrowrl.transport.server import SERVED, add_health, listen, make_app
 
 
 def make_task(spec: JobSpec) -> tuple[tasks.Task, tasks.Reward]:
@@ -206,11 +207,13 @@ class Run:
         self.fetch: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
         self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
         self.seen: dict[str, float] = {}  # worker → when it last called
+        self.regions: dict[str, str] = {}  # worker → the region it says it is in
         self.first: dict[str, int] = {}  # worker → the first version it committed
         self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `once`
         self.changed = asyncio.Event()
         self.t_start = time.time()
         self.finished = False
+        self.t_loop: float | None = None  # when the training loop started
         (state_dir / "metrics.jsonl").write_text("")
 
     def app(self) -> web.Application:
@@ -266,6 +269,8 @@ class Run:
     @once(messages.Work)
     async def h_work(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
+        if body["region"]:
+            self.regions[body["worker"]] = body["region"]
         deadline = time.monotonic() + 10
         while True:
             ans = self.coord.work(body["worker"], body["version"]) if self._started() else {"wait": True}
@@ -329,10 +334,37 @@ class Run:
         return {"verified": ok}
 
     async def h_status(self, request: web.Request) -> web.Response:
-        last = self.rows.get(max(self.rows)) if self.rows else None
-        return web.json_response({"steps": self.spec.steps, "version": self.coord.published, "finished": self.finished,
-                                  "reward_mean": last and last["reward_mean"], "workers": self.workers,
-                                  "verified": self.coord.counts.verified, "mismatched": self.coord.counts.mismatched})
+        return web.json_response(self.status().model_dump())
+
+    def status(self) -> JobStatus:
+        rows = [self.rows[v] for v in sorted(self.rows)]
+        c, now, newest = self.coord.counts, time.monotonic(), self.coord.published
+        held: dict[str, int] = {}
+        for lease in self.coord.leases.values():
+            held[lease.worker] = held.get(lease.worker, 0) + 1
+        workers = []
+        for w in sorted(self.seen):
+            version, h = self.coord.commits.get(w, (None, None))
+            workers.append(WorkerStatus(
+                name=w, region=self.regions.get(w), committed_version=version,
+                staleness=None if version is None else max(0, newest - version),
+                last_verification=None if version is None else "ok" if self.coord.hashes.get(version) == h else "mismatch",
+                seconds_since_seen=now - self.seen[w], leases_held=held.get(w, 0),
+                stale=now - self.seen[w] >= self.spec.rollout.lease_seconds))
+        running = time.perf_counter() - self.t_loop if self.t_loop else 0.0
+        return JobStatus(
+            phase="Succeeded" if self.finished else "Running" if self._started() else "Pending",
+            step=len(rows), steps=self.spec.steps, version=newest,
+            reward_last=rows[-1]["reward_mean"] if rows else None,
+            reward_mean_10=sum(r["reward_mean"] for r in rows[-10:]) / len(rows[-10:]) if rows else None,
+            tokens_per_second=sum(r["tokens"] for r in rows) / running if rows and running else None,
+            last_payload_bytes=rows[-1]["payload_bytes"] if rows else None,
+            last_changed_fraction=rows[-1]["changed_fraction"] if rows else None,
+            leases_active=len(self.coord.leases), leases_expired=c.leases_expired,
+            prompt_groups_admitted=c.admitted, prompt_groups_requeued=c.requeued, prompt_groups_lost=self.coord.lost,
+            prompt_groups_duplicated=c.duplicated, commits_verified=c.verified, commits_mismatched=c.mismatched,
+            origin_sent_delta_bytes=self.sent["delta"], origin_sent_base_bytes=self.sent["base"],
+            workers=workers, stale_workers=[w.name for w in workers if w.stale])
 
     def _flush(self, final: bool = False) -> None:
         """Write metric rows in order once every worker has staged their version (or at the end)."""
@@ -348,7 +380,7 @@ class Run:
                 self.written = v
 
     async def train_loop(self) -> None:
-        loop_t = time.perf_counter()
+        loop_t = self.t_loop = time.perf_counter()
         for b in range(self.spec.steps):
             t0 = time.perf_counter()
             while (batch := self.coord.take(b)) is None:
@@ -386,8 +418,9 @@ class Run:
              "payload_bytes_total": sum(r["payload_bytes"] for r in rows),
              "dense_bytes_total": sum(r["dense_bytes"] for r in rows),
              "origin_sent_delta_bytes": self.sent["delta"], "origin_sent_base_bytes": self.sent["base"],
-             "prompt_groups_admitted": c.admitted, "prompt_groups_lost": c.lost,
-             "prompt_groups_duplicated": c.duplicated,
+             "prompt_groups_admitted": c.admitted, "prompt_groups_lost": self.coord.lost,
+             "prompt_groups_duplicated": c.duplicated, "prompt_groups_requeued": c.requeued,
+             "leases_expired": c.leases_expired, "trainer_restarts": 0,
              "tokens_per_second": sum(r["tokens"] for r in rows) / seconds, "seconds": seconds,
              "mode": self.spec.sync.mode, "final_version": self.coord.published,
              "final_state_hash": self.coord.hashes[self.coord.published]}
@@ -399,7 +432,7 @@ async def serve(spec: JobSpec, state_dir: Path, host: str, port: int, token: str
     run = Run(spec, state_dir, token)
     runner = web.AppRunner(run.app())
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await listen(runner, host, port)
     print(f"trainer: serving on {host}:{port}", flush=True)
     try:
         await run.train_loop()

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.engines import Engine, make_engine
 from sparrowrl.transport.client import Client, FetchError
-from sparrowrl.transport.server import add_health
+from sparrowrl.transport.server import add_health, listen
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
 
@@ -32,8 +32,9 @@ class Worker:
     """`data` fetches versions (relays first, the origin last); `control` talks to the trainer."""
 
     def __init__(self, name: str, data: Client, control: Client, engine: Engine, mode: str,
-                 on_engine: ThreadPoolExecutor):
+                 on_engine: ThreadPoolExecutor, region: str | None = None):
         self.name, self.c, self.control, self.engine, self.mode = name, data, control, engine, mode
+        self.region = region
         self.on_engine = on_engine  # one thread for all engine work: vLLM's CPU kernels check that
         # they run with the OpenMP thread count they were set up with, which is per thread
         self.version, self.hash = -1, ""
@@ -118,7 +119,8 @@ class Worker:
                 if self.fetch.done():
                     self.fetch.result()  # a fetch that gave up ends the worker with its error
                 await self.commit_staged()
-                ans = await self.control.post_json("/v1/work", {"worker": self.name, "version": self.version})
+                ans = await self.control.post_json("/v1/work", {"worker": self.name, "version": self.version,
+                                                                 "region": self.region})
                 if "done" in ans:
                     await self.commit_staged(at_least=ans["done"])
                     return
@@ -163,30 +165,31 @@ async def fetch_model(control: Client, dest: Path) -> None:
 
 
 async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
-               rate_mbit: float | None = None) -> None:
+               rate_mbit: float | None = None, region: str | None = None) -> None:
     """A worker needs only the network: the job, the model's config and tokenizer, and the
     weights come from the trainer (versions from its region's relay first). /healthz and
-    /readyz (once a verified version is committed) on host:port."""
+    /readyz (once a verified version is committed) on host:port, from the start."""
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
-    async with Client(trainer, attempts=12) as control:
-        job = await control.json("/v1/job")
-        with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
-            await fetch_model(control, Path(model_dir))
-            async with Client([u for u in (relay, trainer) if u], streams=job["streams"], attempts=12,
-                              rate_mbit=rate_mbit) as data:
-                t0 = time.perf_counter()
-                on_engine = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
-                                               initargs=(1,))
-                built = await asyncio.get_running_loop().run_in_executor(on_engine, make_engine, job["engine"],
-                                                                         model_dir)
-                print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
-                worker = Worker(name, data, control, built, job["mode"], on_engine)
-                app = web.Application()
-                add_health(app, lambda: worker.version >= 0)  # a commit is reported only once verified
-                runner = web.AppRunner(app)
-                await runner.setup()
-                await web.TCPSite(runner, host, port).start()
-                try:
+    worker: Worker | None = None
+    app = web.Application()
+    add_health(app, lambda: worker is not None and worker.version >= 0)  # a commit is reported only once verified
+    probes = web.AppRunner(app)
+    await probes.setup()
+    await listen(probes, host, port)
+    try:
+        async with Client(trainer, attempts=12) as control:
+            job = await control.json("/v1/job")
+            with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
+                await fetch_model(control, Path(model_dir))
+                async with Client([u for u in (relay, trainer) if u], streams=job["streams"], attempts=12,
+                                  rate_mbit=rate_mbit) as data:
+                    t0 = time.perf_counter()
+                    on_engine = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
+                                                   initargs=(1,))
+                    built = await asyncio.get_running_loop().run_in_executor(on_engine, make_engine, job["engine"],
+                                                                             model_dir)
+                    print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+                    worker = Worker(name, data, control, built, job["mode"], on_engine, region)
                     await worker.run()
-                finally:
-                    await runner.cleanup()
+    finally:
+        await probes.cleanup()

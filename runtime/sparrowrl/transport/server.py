@@ -433,6 +433,23 @@ def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None,
     return app
 
 
+class ListenError(Exception):
+    """The address cannot be bound (in use, not this host's, a privileged port)."""
+
+    @classmethod
+    def of(cls, host: str, port: int, e: OSError) -> "ListenError":
+        # asyncio's message repeats the address; the errno says why
+        return cls(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if (e.errno or 0) > 0 else e.strerror}")
+
+
+async def listen(runner: web.AppRunner, host: str, port: int) -> None:
+    """Start `runner` on host:port; ListenError in one line if that address cannot be had."""
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:
+        raise ListenError.of(host, port, e) from None
+
+
 def add_health(app: web.Application, ready: Callable[[], bool]) -> None:
     """/healthz: the process serves; /readyz: it does its job (`ready()`), 503 until then."""
     async def healthz(_request: web.Request) -> web.Response:

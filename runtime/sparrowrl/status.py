@@ -1,0 +1,83 @@
+"""What a job is doing, in one model: the trainer serves it at GET /v1/status, `sparrowrl status`
+prints it, and the operator copies it into the custom resource's status. No torch here: the
+operator's image imports this."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from rich.table import Table
+
+Count = Annotated[int, Field(ge=0, lt=1 << 62)]
+Version = Annotated[int, Field(ge=-1, lt=10**8)]
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class WorkerStatus(_Status):
+    name: Annotated[str, Field(max_length=253)]
+    region: Annotated[str, Field(max_length=63)] | None = None
+    committed_version: Version | None = None
+    staleness: Count | None = None  # versions behind the trainer's newest
+    last_verification: Literal["ok", "mismatch"] | None = None
+    seconds_since_seen: Annotated[float, Field(ge=0)]
+    leases_held: Count = 0
+    stale: bool = False  # not heard from within a lease period
+
+
+class JobStatus(_Status):
+    phase: Literal["Pending", "Running", "Succeeded"]  # Pending: until the workers have called in
+    step: Count
+    steps: Count
+    version: Version  # the newest published policy version
+    reward_last: float | None = None
+    reward_mean_10: float | None = None  # over the last 10 steps
+    tokens_per_second: Annotated[float, Field(ge=0)] | None = None
+    last_payload_bytes: Count | None = None
+    last_changed_fraction: Annotated[float, Field(ge=0, le=1)] | None = None
+    leases_active: Count = 0
+    leases_expired: Count = 0
+    prompt_groups_admitted: Count = 0
+    prompt_groups_requeued: Count = 0  # went back to the queue: their lease expired or was refused
+    prompt_groups_lost: Count = 0  # never trained on: 0 once the job has succeeded
+    prompt_groups_duplicated: Count = 0
+    commits_verified: Count = 0
+    commits_mismatched: Count = 0
+    origin_sent_delta_bytes: Count = 0
+    origin_sent_base_bytes: Count = 0
+    trainer_restarts: Count = 0
+    workers: Annotated[list[WorkerStatus], Field(max_length=4096)] = []
+    stale_workers: Annotated[list[str], Field(max_length=4096)] = []
+
+
+def table(s: JobStatus, url: str) -> Table:
+    """`sparrowrl status`: the job, then one row per worker."""
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    t = Table(title=f"{url}: {s.phase}, step {s.step}/{s.steps}, policy v{s.version}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_row("reward last / mean of last 10", f"{num(s.reward_last, '.3f')} / {num(s.reward_mean_10, '.3f')}")
+    t.add_row("tokens per second", num(s.tokens_per_second, ".0f"))
+    t.add_row("last step: payload, changed", f"{num(s.last_payload_bytes, ',')} B, "
+                                             f"{num(s.last_changed_fraction, '.2%')}")
+    t.add_row("leases active / expired", f"{s.leases_active} / {s.leases_expired}")
+    t.add_row("groups admitted / requeued / lost / duplicated",
+              f"{s.prompt_groups_admitted} / {s.prompt_groups_requeued} / {s.prompt_groups_lost} / "
+              f"{s.prompt_groups_duplicated}")
+    t.add_row("commits verified / mismatched", f"{s.commits_verified} / {s.commits_mismatched}")
+    t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")
+    t.add_row("trainer restarts", str(s.trainer_restarts))
+    w = Table("worker", "region", "committed", "behind", "verified", "last heard", "leases", title="workers")
+    for x in s.workers:
+        w.add_row(x.name + (" (stale)" if x.stale else ""), x.region or "-", num(x.committed_version, "d"),
+                  num(x.staleness, "d"), x.last_verification or "-", f"{x.seconds_since_seen:.1f} s ago",
+                  str(x.leases_held))
+    grid = Table.grid()
+    grid.add_row(t)
+    grid.add_row(w)
+    return grid
