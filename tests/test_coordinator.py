@@ -38,7 +38,7 @@ def test_results_are_admitted_only_with_a_live_lease_and_the_trainers_hash():
     c, clock = coord()
     a, b = c.work("w1", 0)["lease"], c.work("w2", 0)["lease"]
     assert c.submit(a["id"], "w1", 0, "forged", result(a))["refused"].startswith("state hash")
-    assert c.counts.requeued == 2  # the refused groups go back to the queue
+    assert c.counts.requeued == c.counts.refused == 2  # the refused groups go back to the queue
     assert c.submit(b["id"], "w1", 0, "h0", result(b))["refused"] == f"lease {b['id']} is not w1's"
     assert c.submit(b["id"], "w2", 0, "h0", result(b)) == {"admitted": 2, "batch": 0}
     again = c.work("w3", 0)["lease"]

@@ -74,9 +74,7 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
     procs = {}
     try:
         for name, args in commands.items():
-            procs[name] = subprocess.Popen([EXE, *map(str, args)], cwd=tmp_path / name, env=env, text=True,
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            if name == "w1":
+            if name == "w1":  # before it starts: the job waits for it
                 r = subprocess.run([EXE, "status", trainer, "--json"], env=env, capture_output=True, text=True,
                                    timeout=60)
                 assert r.returncode == 0, r.stderr
@@ -87,6 +85,16 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
                                    capture_output=True, text=True, timeout=60)
                 assert r.returncode == 1 and "401 unauthorized" in r.stderr
                 assert get(f"{trainer}/healthz") == 200 and get(f"{trainer}/v1/status") == 401  # probes need no token
+                m = {url: scrape(url) for url in (trainer, relay, f"http://127.0.0.1:{w0}")}
+                assert m[trainer]["sparrowrl_versions_published_total"] == 0
+                assert m[trainer]["sparrowrl_prompt_groups_total", "state", "admitted"] == 0
+                assert m[trainer]["sparrowrl_commit_verifications_total", "result", "ok"] == 1  # w0's v0
+                assert m[relay]["sparrowrl_received_bytes_total", "kind", "base"] > 0  # v0, once, for w0
+                assert m[relay]["sparrowrl_sent_bytes_total", "kind", "base"] == \
+                    m[f"http://127.0.0.1:{w0}"]["sparrowrl_received_bytes_total", "kind", "base"] > 0
+                assert m[f"http://127.0.0.1:{w0}"]["sparrowrl_commit_verifications_total", "result", "ok"] == 1
+            procs[name] = subprocess.Popen([EXE, *map(str, args)], cwd=tmp_path / name, env=env, text=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             wait_for(probes[name], procs)
         summary = tmp_path / "trainer" / "state" / "summary.json"
         deadline = time.monotonic() + 300
@@ -102,6 +110,23 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
             p.terminate()
         for p in procs.values():
             p.wait(30)
+
+
+def scrape(url: str) -> dict:
+    """/metrics (401 without the token), parsed by prometheus-client's own parser: name (and
+    label, value) → sample value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert get(f"{url}/metrics") == 401
+    req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=")
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, *next(iter(s.labels.items()))) if s.labels else s.name] = s.value
+    return out
 
 
 def get(url: str) -> int:

@@ -45,6 +45,7 @@ class Counts:
     batches_trained: int = 0  # batches handed to the trainer
     trained: int = 0  # admitted groups in them
     requeued: int = 0  # leased groups that went back to the queue: their lease expired or was refused
+    refused: int = 0  # groups whose results were refused (a stale version, a wrong hash, malformed)
     leases_expired: int = 0  # leases whose deadline passed before their results came
     duplicated: int = 0  # results for groups already admitted (a reassigned lease came back twice)
     verified: int = 0  # worker commits whose state hash matched the trainer's
@@ -91,8 +92,9 @@ class Coordinator:
             self.counts.leases_expired += 1
             self._drop(lease)
 
-    def _drop(self, lease: Lease) -> None:
+    def _drop(self, lease: Lease, refused: bool = False) -> None:
         del self.leases[lease.id]
+        self.counts.refused += len(lease.groups) if refused else 0
         batch = self.batches[lease.batch]
         back = [g for g in lease.groups if g not in batch.results]
         self.counts.requeued += len(back)
@@ -127,12 +129,12 @@ class Coordinator:
             return {"admitted": 0, "refused": f"lease {lease_id} is not {worker}'s"}
         b = lease.batch
         if version < self.min_version(b) or self.hashes.get(version) != state_hash:
-            self._drop(lease)
+            self._drop(lease, refused=True)
             why = (f"version {version} is older than batch {b} allows ({self.min_version(b)})"
                    if version < self.min_version(b) else f"state hash {state_hash[:16]} is not the trainer's v{version}")
             return {"admitted": 0, "refused": why}
         if sorted(results) != sorted(lease.groups):
-            self._drop(lease)
+            self._drop(lease, refused=True)
             return {"admitted": 0, "refused": f"results cover groups {sorted(results)}, the lease has {lease.groups}"}
         del self.leases[lease_id]
         batch = self.batches[b]
@@ -164,7 +166,7 @@ class Coordinator:
         """Drop a live lease whose results were refused: its groups go back to the queue."""
         lease = self.leases.get(lease_id)
         if lease is not None and lease.worker == worker:
-            self._drop(lease)
+            self._drop(lease, refused=True)
 
     def commit(self, worker: str, version: int, state_hash: str) -> bool:
         """A worker reports the weights it now holds; True if they are the trainer's, bit for bit."""

@@ -19,6 +19,7 @@ from sparrowrl import grpo, messages, models, tasks
 from sparrowrl.coordinator import Batch, Coordinator
 from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.job import JobSpec
+from sparrowrl.metrics import add_metrics, family
 from sparrowrl.status import JobStatus, WorkerStatus
 from sparrowrl.store import Store
 from sparrowrl.transport.server import SERVED, add_health, listen, make_app
@@ -224,7 +225,33 @@ class Run:
                         web.post("/v1/work", self.h_work), web.post("/v1/results", self.h_results),
                         web.post("/v1/commit", self.h_commit), web.get("/v1/status", self.h_status)])
         add_health(app, lambda: self.coord.published >= 0)  # serving version 0 and taking work
+        add_metrics(app, self.metrics)
         return app
+
+    def metrics(self) -> list:
+        """/metrics: the status's counts, and the last step's phases."""
+        s, c = self.status(), self.coord.counts
+        last = self.rows[max(self.rows)] if self.rows else {}
+        return [
+            family("counter", "versions_published", "Policy versions published", s.version),
+            family("counter", "steps", "Optimizer steps taken", s.step),
+            family("gauge", "leases_active", "Leases out now", s.leases_active),
+            family("counter", "leases_expired", "Leases whose deadline passed before their results", s.leases_expired),
+            family("counter", "prompt_groups", "Prompt groups by what became of them",
+                   by=("state", {"admitted": c.admitted, "refused": c.refused, "requeued": c.requeued,
+                                 "duplicated": c.duplicated, "lost": s.prompt_groups_lost})),
+            family("counter", "commit_verifications", "Worker commits, by whether their state hash was the trainer's",
+                   by=("result", {"ok": c.verified, "mismatch": c.mismatched})),
+            family("counter", "sent_bytes", "Bytes the origin sent, by kind",
+                   by=("kind", {"delta": s.origin_sent_delta_bytes, "base": s.origin_sent_base_bytes})),
+            family("gauge", "step_seconds", "The last step's time, by phase",
+                   by=("phase", {p: last[f"{p}_s"] for p in ("generate", "train", "extract", "transfer", "wait")
+                                 if last.get(f"{p}_s") is not None})),
+            family("gauge", "changed_fraction", "Share of elements the last step changed", s.last_changed_fraction),
+            family("gauge", "payload_bytes", "Bytes the last step shipped", s.last_payload_bytes),
+            family("gauge", "worker_staleness", "Versions a worker's committed weights lag the newest",
+                   by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None})),
+        ]
 
     async def _changed(self, seconds: float) -> None:
         """Until the coordinator's state changes (a publish, a result, a commit), or `seconds`."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,8 @@ from pydantic import BaseModel, Field
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.engines import Engine, make_engine
 from sparrowrl.transport.client import Client, FetchError
-from sparrowrl.transport.server import add_health, listen
+from sparrowrl.metrics import add_metrics, family
+from sparrowrl.transport.server import TOKEN, add_health, auth, listen
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
 
@@ -38,9 +40,21 @@ class Worker:
         self.on_engine = on_engine  # one thread for all engine work: vLLM's CPU kernels check that
         # they run with the OpenMP thread count they were set up with, which is per thread
         self.version, self.hash = -1, ""
+        self.verified = -1  # the newest version the trainer has confirmed this worker holds
+        self.commits = {"ok": 0, "mismatch": 0}
         self.staged: dict[int, tuple[object, float]] = {}  # version → (delta or full state, seconds to fetch)
         self.known = -1  # newest version fetched or being fetched
         self.arrived = asyncio.Event()
+
+    def metrics(self) -> list:
+        """/metrics: this worker's commits and what it has fetched."""
+        return [
+            family("counter", "commit_verifications", "This worker's commits, by whether the trainer confirmed them",
+                   by=("result", self.commits)),
+            family("gauge", "committed_version", "The version this worker generates with", self.version),
+            family("gauge", "staleness", "Versions fetched but not yet committed", max(0, self.known - self.version)),
+            family("counter", "received_bytes", "Verified bytes fetched, by kind", by=("kind", self.c.stats.kinds)),
+        ]
 
     async def start(self) -> None:
         """The newest version by the server's cheapest plan (nearest base, then deltas)."""
@@ -72,7 +86,10 @@ class Worker:
         self.version, self.hash = version, h
         ok = (await self.control.post_json("/v1/commit", {"worker": self.name, "version": version, "state_hash": h,
                                              "fetch_s": fetch_s}))["verified"]
-        if not ok:
+        self.commits["ok" if ok else "mismatch"] += 1
+        if ok:
+            self.verified = version
+        else:
             raise RuntimeError(f"{self.name}: weights after committing v{version} hash to {h}, not the trainer's")
 
     async def fetcher(self) -> None:
@@ -171,8 +188,10 @@ async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
     /readyz (once a verified version is committed) on host:port, from the start."""
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
     worker: Worker | None = None
-    app = web.Application()
-    add_health(app, lambda: worker is not None and worker.version >= 0)  # a commit is reported only once verified
+    app = web.Application(middlewares=[auth])  # /metrics wants the token; the probes do not
+    app[TOKEN] = os.environ.get("SPARROWRL_TOKEN", "")
+    add_health(app, lambda: worker is not None and worker.verified >= 0)
+    add_metrics(app, lambda: [] if worker is None else worker.metrics())
     probes = web.AppRunner(app)
     await probes.setup()
     await listen(probes, host, port)

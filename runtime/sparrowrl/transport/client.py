@@ -21,7 +21,7 @@ import secrets
 import socket
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import aiohttp
@@ -124,6 +124,7 @@ class Piece:
 @dataclass
 class Stats:
     bytes: int = 0
+    kinds: dict[str, int] = field(default_factory=lambda: {"delta": 0, "base": 0})  # bytes by what they were
     requests: int = 0
     retries: int = 0
     refetched: int = 0  # pieces that failed their checksum
@@ -308,6 +309,7 @@ class Client:
         again. A piece that fails its checksum is fetched again, `attempts` times at most."""
         queue: list[Piece] = []
         failures: dict[Piece, int] = {}
+        kind = path.rsplit("/", 1)[-1]  # .../delta or .../base
         more = asyncio.Condition()
         listed = False
         t0 = time.perf_counter()
@@ -352,6 +354,7 @@ class Client:
                             if hashlib.sha256(data).hexdigest() == p.sha256:
                                 keep(p, data)
                                 self.stats.bytes += p.length
+                                self.stats.kinds[kind] = self.stats.kinds.get(kind, 0) + p.length
                                 continue
                             failures[p] = failures.get(p, 0) + 1
                             self.stats.refetched += 1

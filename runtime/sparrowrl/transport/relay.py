@@ -31,7 +31,8 @@ from aiohttp import web
 
 from sparrowrl.store import BASE_PART, Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
-from sparrowrl.transport.server import add_health, make_app
+from sparrowrl.metrics import add_metrics, family
+from sparrowrl.transport.server import SERVED, add_health, make_app
 
 
 MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
@@ -308,6 +309,18 @@ def make_relay_app(relay: Relay, token: str) -> web.Application:
     own handler serves it."""
     app = make_app(relay.mirror, token, pieces_override=lambda v: relay.tables.get(v), base_override=relay.base_table)
     add_health(app, relay.synced.is_set)  # ready once it has listed upstream and mirrors its versions
+
+    def metrics() -> list:
+        store = relay._store()
+        return [
+            family("counter", "received_bytes", "Verified bytes fetched from upstream, by kind",
+                   by=("kind", relay.client.stats.kinds if relay.client else {"delta": 0, "base": 0})),
+            family("counter", "sent_bytes", "Bytes sent to this region's workers, by kind", by=("kind", app[SERVED])),
+            family("gauge", "newest_version", "The newest version this relay holds",
+                   None if store is None else store.newest),
+        ]
+
+    add_metrics(app, metrics)
 
     async def mirror_loop(app: web.Application):
         task = asyncio.create_task(relay.run())

@@ -1,0 +1,48 @@
+"""Prometheus metrics at /metrics on every role, read at scrape time from the counts each role
+already keeps (the trainer's JobStatus, a client's transfer stats): nothing is counted twice."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class _Read(Collector):
+    """A collector whose metrics `read()` makes at each scrape."""
+
+    def __init__(self, read: Callable[[], Iterable[Metric]]):
+        self.read = read
+
+    def collect(self) -> Iterable[Metric]:
+        return self.read()
+
+
+def add_metrics(app: web.Application, read: Callable[[], Iterable[Metric]]) -> None:
+    """GET /metrics: what `read()` yields, in Prometheus' text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Read(read))
+
+    async def metrics(_request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(registry))
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    app.add_routes([web.get("/metrics", metrics)])
+
+
+def family(kind: str, name: str, doc: str, value: float | None = None,
+           by: tuple[str, dict[str, float]] | None = None) -> Metric:
+    """A `counter` (exposed as sparrowrl_NAME_total) or `gauge` family: one value, or one per
+    label value, `by` = (label, {label value: value})."""
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    if by is None:
+        return cls(f"sparrowrl_{name}", doc, value=value)
+    label, values = by
+    m = cls(f"sparrowrl_{name}", doc, labels=[label])
+    for key, v in values.items():
+        m.add_metric([key], v)
+    return m
