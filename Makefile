@@ -12,7 +12,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[runtime,test]'
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -16,13 +16,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sparrowrl.checkpoint_io import (Checkpoint, CheckpointError, atomic_path, check_output, save_like, save_state,
-                                     written_names)
-from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta
-from sparrowrl.delta.errors import DeltaError, MismatchError
-from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
-from sparrowrl.delta.bitview import bits
-from sparrowrl.store import Store, StoreError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="SparrowRL: sparse delta weight sync for RL.")
 delta_app = typer.Typer(no_args_is_help=True, help="Make, apply and inspect sparse delta checkpoints.")
@@ -33,6 +26,8 @@ out = Console()
 err = Console(stderr=True)
 
 MAX_STREAMS = 64
+RUNTIME = {"torch", "numpy", "safetensors", "zstandard", "constriction", "aiohttp", "numba", "transformers",
+           "tokenizers", "matplotlib", "prometheus_client"}  # the [runtime] extra
 Out = Annotated[Path, typer.Option("-o", "--output", help="Where to write; written only if everything verifies.")]
 
 
@@ -53,6 +48,9 @@ def _progress() -> Progress:
 
 
 def _checkpoint_hash(ck: Checkpoint, progress: Progress) -> str:
+    from sparrowrl.delta.bitview import bits
+    from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
+
     task = progress.add_task("hashing base", total=len(ck.specs))
     total = 0
     for name, t in ck.tensors():
@@ -66,6 +64,10 @@ def delta_diff(old: Path, new: Path, output: Out,
                base_version: Annotated[int, typer.Option(help="Version number of OLD.")] = 0,
                version: Annotated[int, typer.Option(help="Version number of NEW.")] = 1) -> None:
     """Diff two checkpoints (safetensors files or shard folders) into a delta."""
+    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, check_output
+    from sparrowrl.delta import DeltaWriter
+    from sparrowrl.delta.errors import DeltaError, MismatchError
+
     _in_range("--base-version", base_version, 0, 10**8 - 1)
     _in_range("--version", version, 0, 10**8 - 1)
     try:
@@ -96,6 +98,10 @@ def _desc(spec) -> str:
 @delta_app.command("apply")
 def delta_apply(base: Path, delta: Path, output: Out) -> None:
     """Apply DELTA to BASE; OUT is written only if every check passes."""
+    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, check_output, save_like, written_names
+    from sparrowrl.delta import DeltaFile, apply_delta
+    from sparrowrl.delta.errors import DeltaError
+
     try:
         check_output(output, written_names(base))
         d = DeltaFile.open(delta)
@@ -111,6 +117,9 @@ def delta_apply(base: Path, delta: Path, output: Out) -> None:
 @delta_app.command("inspect")
 def delta_inspect(delta: Path, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Versions, hashes, sizes and per-tensor counts of a delta (all checksums are verified)."""
+    from sparrowrl.delta import DeltaFile
+    from sparrowrl.delta.errors import DeltaError
+
     try:
         d = DeltaFile.open(delta)
         for i in range(len(d.manifest["chunks"])):
@@ -137,6 +146,8 @@ def delta_inspect(delta: Path, as_json: Annotated[bool, typer.Option("--json", h
 
 
 def _open_store(path: Path) -> Store:
+    from sparrowrl.store import Store, StoreError
+
     try:
         return Store(path)
     except StoreError as e:
@@ -147,6 +158,9 @@ def _open_store(path: Path) -> Store:
 def store_init(store: Path, base: Path,
                base_every: Annotated[int, typer.Option(help="Write a full snapshot every K versions.")] = 10) -> None:
     """Create a store whose version 0 is BASE."""
+    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError
+    from sparrowrl.store import Store, StoreError
+
     try:
         with Checkpoint(base) as ck:
             s = Store.init(store, ck.load(), base_every=base_every)
@@ -158,6 +172,10 @@ def store_init(store: Path, base: Path,
 @store_app.command("add")
 def store_add(store: Path, new: Path) -> None:
     """Diff NEW against the newest version, append it, print the new version number."""
+    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError
+    from sparrowrl.delta.errors import DeltaError
+    from sparrowrl.store import StoreError
+
     s = _open_store(store)
     try:
         with Checkpoint(new) as ck:
@@ -171,6 +189,10 @@ def store_add(store: Path, new: Path) -> None:
 @store_app.command("materialize")
 def store_materialize(store: Path, version: int, output: Out) -> None:
     """Write VERSION as a safetensors file (base + delta chain, every step hash-checked)."""
+    from sparrowrl.checkpoint_io import CheckpointError, check_output, save_state
+    from sparrowrl.delta.errors import DeltaError
+    from sparrowrl.store import StoreError
+
     s = _open_store(store)
     try:
         check_output(output)
@@ -200,6 +222,8 @@ def store_ls(store: Path, as_json: Annotated[bool, typer.Option("--json", help="
 def store_plan(store: Path, to: Annotated[int, typer.Option("--to", help="Target version.")],
                have: Annotated[int | None, typer.Option("--from", help="Version the receiver holds.")] = None) -> None:
     """Show the cheapest route (in bytes) from one version to another."""
+    from sparrowrl.store import StoreError
+
     s = _open_store(store)
     try:
         p = s.plan(have, to)
@@ -211,6 +235,8 @@ def store_plan(store: Path, to: Annotated[int, typer.Option("--to", help="Target
 @store_app.command("prune")
 def store_prune(store: Path, keep: Annotated[int, typer.Option(help="Keep the newest N versions reachable.")]) -> None:
     """Remove versions that no longer serve the newest KEEP."""
+    from sparrowrl.store import StoreError
+
     s = _open_store(store)
     try:
         removed = s.prune(keep)
@@ -323,7 +349,9 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
     import asyncio
     import ssl
 
+    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, check_output, save_state
     from sparrowrl.delta import state_hash
+    from sparrowrl.delta.errors import DeltaError
     from sparrowrl.transport.client import Client, FetchError
 
     if (base is None) != (base_version is None):
@@ -405,11 +433,14 @@ def status(url: Annotated[str, typer.Argument(help="The trainer's URL, or the ru
            ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for HTTPS.")] = None) -> None:
     """A job's status, as its trainer reports it (GET /v1/status); the token comes from SPARROWRL_TOKEN,
     or from the run dir."""
-    import asyncio
     import os
+    import urllib.error
+    import urllib.request
 
+    from pydantic import ValidationError
+
+    from sparrowrl.limits import first_problem
     from sparrowrl.status import JobStatus, table
-    from sparrowrl.transport.client import Client, FetchError
 
     ctx = _trusting(ca_cert)
     token = os.environ.get("SPARROWRL_TOKEN")
@@ -420,14 +451,18 @@ def status(url: Annotated[str, typer.Argument(help="The trainer's URL, or the ru
         except (OSError, ValueError, KeyError, TypeError) as e:
             _fail(ValueError(f"{url}: not the run dir of a `sparrowrl run` in progress ({e})"))
 
-    async def get() -> dict:
-        async with Client(url, token=token, attempts=2, ssl_context=ctx) as c:
-            return await c.json("/v1/status", JobStatus)
-
-    try:
-        s = JobStatus.model_validate(asyncio.run(get()))
-    except FetchError as e:
-        _fail(e)
+    req = urllib.request.Request(f"{url.rstrip('/')}/v1/status",
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:  # one GET: this command needs no runtime (torch, aiohttp) installed
+        with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
+            s = JobStatus.model_validate_json(r.read(16 << 20))
+    except urllib.error.HTTPError as e:
+        _fail(ValueError(f"{url}/v1/status: HTTP {e.code}" + (" unauthorized (is SPARROWRL_TOKEN set?)"
+                                                            if e.code == 401 else f": {e.read(200).decode()}")))
+    except (urllib.error.URLError, OSError) as e:
+        _fail(ValueError(f"{url}/v1/status: {getattr(e, 'reason', e)}"))
+    except ValidationError as e:
+        _fail(ValueError(f"{url}/v1/status: not a job's status ({first_problem(e)})"))
     if as_json:
         print(s.model_dump_json(indent=1))
         return
@@ -510,7 +545,14 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as e:  # a base install: the CLI, the job spec and `status` only
+        if e.name not in RUNTIME:
+            raise
+        err.print(f"error: this command needs the runtime ({e.name} is not installed): pip install "
+                  f"'sparrowrl[runtime]'", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

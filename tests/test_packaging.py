@@ -1,0 +1,47 @@
+"""The base install (`pip install sparrowrl`, no extras) is the CLI, the job spec and the status
+model, without torch: what the operator's image carries. Built from this checkout into a venv of
+its own, as a user installs it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    venv = tmp_path_factory.mktemp("base") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    p = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", str(ROOT)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return venv / "bin"
+
+
+@pytest.mark.timeout(900)
+def test_the_base_install_has_the_job_spec_and_status_without_torch(base):
+    listed = subprocess.run([str(base / "pip"), "list"], capture_output=True, text=True, timeout=120).stdout.lower()
+    assert "pydantic" in listed and not any(f"\n{m} " in listed for m in ("torch", "numpy", "aiohttp", "numba"))
+    code = ("import sys; from sparrowrl.job import parse; from sparrowrl.status import JobStatus; import sparrowrl.cli; "
+            "j = parse({'apiVersion': 'sparrowrl.dev/v1alpha1', 'kind': 'SparrowRLJob', 'metadata': {'name': 'x'}, "
+            "'spec': {'model': {'tiny': {}}, 'task': {'builtin': 'add'}}}); "
+            "JobStatus(phase='Pending', step=0, steps=j.spec.steps, version=0); "
+            "print(sorted(m for m in ('torch', 'numpy', 'aiohttp') if m in sys.modules))")
+    p = subprocess.run([str(base / "python"), "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
+
+
+@pytest.mark.timeout(900)
+def test_the_base_cli_says_what_a_command_needs(base, tmp_path):
+    p = subprocess.run([str(base / "sparrowrl"), "status", "http://127.0.0.1:9"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and p.stderr.startswith("error: http://127.0.0.1:9/v1/status: ") and \
+        "Traceback" not in p.stderr, p.stderr
+    (tmp_path / "d.spd").write_bytes(b"x")
+    p = subprocess.run([str(base / "sparrowrl"), "delta", "inspect", str(tmp_path / "d.spd")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1 and "this command needs the runtime" in p.stderr and "sparrowrl[runtime]" in p.stderr, \
+        p.stderr
