@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -523,18 +522,17 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
     its weights all come from the trainer (and the relay). The token comes from SPARROWRL_TOKEN."""
     import asyncio
 
-    from sparrowrl.messages import Name
+    from sparrowrl.messages import Name, Region
     from sparrowrl.worker import main
 
     _in_range("--port", port, 1, 65535)
     _in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
-    try:
-        TypeAdapter(Name).validate_python(name)
-    except ValueError:
-        _fail(ValueError(f"--name {name!r}: a worker's name is 1..253 of [-A-Za-z0-9_.], starting with a letter or "
-                         f"digit"))
-    if region is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", region):
-        _fail(ValueError(f"--region {region!r}: a region's name is a DNS label (lower-case letters, digits, -)"))
+    for flag, value, kind, rule in (("--name", name, Name, "1..253 of [-A-Za-z0-9_.], starting with a letter or digit"),
+                                    ("--region", region, Region, "a DNS label (lower-case letters, digits, -)")):
+        try:
+            TypeAdapter(kind | None).validate_python(value)
+        except ValueError:
+            _fail(ValueError(f"{flag} {value!r}: {rule}"))
     from sparrowrl.transport.client import FetchError
     from sparrowrl.transport.server import ListenError
 

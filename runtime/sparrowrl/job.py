@@ -177,6 +177,7 @@ def _annotations(annotations: dict[str, str]) -> dict[str, str]:
 
 
 Short = Annotated[str, Field(max_length=253)]
+DnsLabel = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
 Timestamp = Annotated[str, Field(max_length=64)] | datetime.datetime  # YAML reads an unquoted one as a datetime
 
 
@@ -195,8 +196,8 @@ class Metadata(_Spec):
     back from a cluster (`kubectl get -o yaml`) carries. The server-set fields are accepted and
     not used; `managedFields` is opaque, bounded by the job file's own limits."""
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-    namespace: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    name: DnsLabel
+    namespace: DnsLabel | None = None
     labels: Annotated[dict[str, str], AfterValidator(_labels)] = {}
     annotations: Annotated[dict[str, str], AfterValidator(_annotations)] = {}
     generate_name: Short | None = Field(None, alias="generateName")

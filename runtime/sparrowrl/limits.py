@@ -39,26 +39,27 @@ def _cgroup_room() -> int | None:
     return None
 
 
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A `Key:   N kB` line of a /proc file, in bytes; None where there is none."""
+    try:
+        lines = Path(path).read_text().splitlines()
+        return next(int(line.split()[1]) << 10 for line in lines if line.startswith(f"{key}:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def _address_space_room() -> int | None:
     """Bytes this process's address space may still grow by, under `ulimit -v`."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    try:
-        status = Path("/proc/self/status").read_text()
-        used = next(int(line.split()[1]) << 10 for line in status.splitlines() if line.startswith("VmSize:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return max(0, soft - used)
+    used = _proc_bytes("/proc/self/status", "VmSize")
+    return None if soft == resource.RLIM_INFINITY or used is None else max(0, soft - used)
 
 
 def memory_available() -> int:
     """Bytes of memory this process can take now: the kernel's MemAvailable, less where its
     cgroup (a container's limit) or `ulimit -v` allow less. A file read whole must fit in it."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        available = next(int(line.split()[1]) << 10 for line in meminfo.splitlines() if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+    available = _proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is None:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(x for x in (available, _cgroup_room(), _address_space_room()) if x is not None)
 

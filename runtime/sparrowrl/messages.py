@@ -13,6 +13,8 @@ Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,252}$")]
 Version = Annotated[int, Field(ge=-1, lt=10**8)]  # -1: a worker that holds no version yet
 Hash = Annotated[str, Field(pattern=r"^([0-9a-f]{16})?$")]
 Seconds = Annotated[float, Field(ge=0, le=1e7)]
+LeaseId = Annotated[int, Field(ge=0, lt=1 << 62)]
+Region = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]  # a DNS label
 
 
 class Body(BaseModel):
@@ -22,7 +24,7 @@ class Body(BaseModel):
 class Work(Body):
     worker: Name
     version: Version
-    region: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = None
+    region: Region | None = None
 
 
 class Sample(Body):
@@ -35,12 +37,12 @@ class Group(Body):
 
 
 class Results(Body):
-    lease: Annotated[int, Field(ge=0, lt=1 << 62)]
+    lease: LeaseId
     worker: Name
     version: Version
     state_hash: Hash
     generate_s: Seconds
-    results: Annotated[dict[Annotated[int, Field(ge=0, lt=1 << 62)], Group], Field(max_length=4096)]
+    results: Annotated[dict[LeaseId, Group], Field(max_length=4096)]  # prompt group → its samples
 
 
 class Commit(Body):
@@ -61,7 +63,7 @@ def max_body(lease_tokens: int) -> int:
 
 class LeaseOf(BaseModel):
     """The lease a results body names, when the rest of it is malformed: refused, and requeued."""
-    lease: Annotated[int, Field(ge=0, lt=1 << 62)]
+    lease: LeaseId
     worker: Name
 
 

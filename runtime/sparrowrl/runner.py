@@ -174,10 +174,13 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
         f.write(token + "\n")
     procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))
     ports: dict[str, int] = defaultdict(free_port)
-    everyone = layout.roles(spec, lambda name: f"http://127.0.0.1:{ports[name]}")
-    origin = f"http://127.0.0.1:{ports['trainer']}"
-    pids: dict = {"trainer": None, "relays": {}, "workers": {}, "urls": {r.name: f"http://127.0.0.1:{ports[r.name]}"
-                                                                        for r in everyone}}
+
+    def url(name: str) -> str:
+        return f"http://127.0.0.1:{ports[name]}"
+
+    everyone = layout.roles(spec, url)
+    origin = url("trainer")
+    pids: dict = {"trainer": None, "relays": {}, "workers": {}, "urls": {r.name: url(r.name) for r in everyone}}
     signal.signal(signal.SIGTERM, _exit)  # a terminated run stops its children too (the finally below)
     signal.signal(signal.SIGHUP, _exit)
     try:

@@ -366,7 +366,7 @@ class Run:
     def status(self) -> JobStatus:
         rows = [self.rows[v] for v in sorted(self.rows)]
         c, now, newest = self.coord.counts, time.monotonic(), self.coord.published
-        held: dict[str, int] = {}
+        held, live = {}, set(self.workers)
         for lease in self.coord.leases.values():
             held[lease.worker] = held.get(lease.worker, 0) + 1
         workers = []
@@ -377,7 +377,7 @@ class Run:
                 staleness=None if version is None else max(0, newest - version),
                 last_verification=None if version is None else "ok" if self.coord.hashes.get(version) == h else "mismatch",
                 seconds_since_seen=now - self.seen[w], leases_held=held.get(w, 0),
-                stale=now - self.seen[w] >= self.spec.rollout.lease_seconds))
+                stale=w not in live))
         running = time.perf_counter() - self.t_loop if self.t_loop else 0.0
         return JobStatus(
             phase="Succeeded" if self.finished else "Running" if self._started() else "Pending",
