@@ -1,5 +1,6 @@
 """Servers for transport tests: the app on a real loopback socket, or the CLI as a process."""
 
+import asyncio
 import os
 import shutil
 import socket
@@ -96,3 +97,12 @@ def paused_publish(store, old: dict, new: dict, resume, done) -> threading.Threa
     t = threading.Thread(target=trainer)
     t.start()
     return t
+
+
+async def until(condition, what: str, seconds: float = 60.0) -> None:
+    """Until `condition()` holds; fails naming `what` after `seconds` (a test must not hang)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not condition():
+        assert loop.time() < deadline, f"after {seconds:g} s: {what}"
+        await asyncio.sleep(0.005)

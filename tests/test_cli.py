@@ -108,7 +108,9 @@ def test_store_commands(files, rng):
     assert [v["version"] for v in listing] == [0, 1, 2, 3] and listing[2]["base"]
     assert "state hash" in run("store", "ls", store).stdout
     plan = json.loads(run("store", "plan", store, "--from", "1", "--to", "3").stdout)
-    assert plan["route"] in ("chain", "base") and plan["deltas"][-1] == 3
+    assert (plan["route"], plan["deltas"]) == ("chain", [2, 3])  # two 1% deltas are less than a base
+    plan = json.loads(run("store", "plan", store, "--to", "3").stdout)
+    assert (plan["route"], plan["base"], plan["deltas"]) == ("base", 2, [3])  # from nothing: the nearest base
     run("store", "prune", store, "--keep", "1")
     assert [v["version"] for v in json.loads(run("store", "ls", store, "--json").stdout)] == [2, 3]
     p = run("store", "materialize", store, 0, "-o", files / "m0.safetensors", ok=False)

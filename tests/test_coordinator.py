@@ -1,5 +1,7 @@
 """Leases and admission: the coordinator's decisions, called directly."""
 
+import json
+
 from sparrowrl.coordinator import Coordinator
 
 
@@ -40,7 +42,7 @@ def test_results_are_admitted_only_with_a_live_lease_and_the_trainers_hash():
     assert c.submit(a["id"], "w1", 0, "forged", result(a))["refused"].startswith("state hash")
     assert c.counts.requeued == c.counts.refused == 2  # the refused groups go back to the queue
     assert c.submit(b["id"], "w1", 0, "h0", result(b))["refused"] == f"lease {b['id']} is not w1's"
-    assert c.submit(b["id"], "w2", 0, "h0", result(b)) == {"admitted": 2, "batch": 0}
+    assert c.submit(b["id"], "w2", 0, "h0", result(b)) == {"admitted": 2, "batch": 0, "groups": b["groups"]}
     again = c.work("w3", 0)["lease"]
     assert again["groups"] == a["groups"]
     assert c.submit(again["id"], "w3", 0, "h0", result(again))["admitted"] == 2
@@ -64,7 +66,7 @@ def test_a_late_result_still_counts_for_groups_nobody_delivered():
     slow = c.work("slow", 0)["lease"]
     clock.t = 11  # expired; its groups are back in the queue, not yet handed out again
     assert c.submit(slow["id"], "slow", 0, "forged", result(slow))["admitted"] == 0  # still hash-checked
-    assert c.submit(slow["id"], "slow", 0, "h0", result(slow)) == {"admitted": 2, "batch": 0}
+    assert c.submit(slow["id"], "slow", 0, "h0", result(slow)) == {"admitted": 2, "batch": 0, "groups": slow["groups"]}
     other = c.work("other", 0)["lease"]
     assert not set(other["groups"]) & set(slow["groups"])  # not handed out twice
 
@@ -86,3 +88,30 @@ def test_done_once_every_batch_is_admitted_and_commits_are_checked():
     assert c.work("w", 0) == {"done": 1}
     assert c.commit("w", 0, "h0") and not c.commit("w", 0, "h-other")
     assert (c.counts.verified, c.counts.mismatched) == (1, 1)
+
+
+def test_a_live_lease_whose_groups_a_late_result_delivered_counts_them_once():
+    """An expired lease's late results come first; the lease that took its groups over
+    delivers the same groups again: dropped and counted, not admitted twice."""
+    c, clock = coord()
+    slow = c.work("slow", 0)["lease"]
+    clock.t = 11
+    fast = c.work("fast", 0)["lease"]
+    assert c.submit(slow["id"], "slow", 0, "h0", result(slow))["admitted"] == 2  # late, nobody had delivered
+    assert c.submit(fast["id"], "fast", 0, "h0", result(fast))["admitted"] == 0
+    assert (c.counts.admitted, c.counts.duplicated) == (2, 2)
+
+
+def test_state_and_restore_carry_leases_counts_and_ids_across_a_restart():
+    c, clock = coord()
+    a, b = c.work("w1", 0)["lease"], c.work("w2", 0)["lease"]
+    c.submit(a["id"], "w1", 0, "h0", result(a))
+    saved = json.loads(json.dumps(c.state()))  # through the journal's JSON
+    again, clock2 = coord()
+    again.restore(saved, taken=0, results={0: {g: c.batches[0].results[g] for g in a["groups"]}})
+    assert list(again.leases) == [b["id"]] and again.leases[b["id"]].deadline == clock2.t + 10  # a full period
+    assert again.counts.admitted == 1 * 2 and again.batches[0].pending == []
+    nxt = again.work("w3", 0)["lease"]
+    assert nxt["id"] == b["id"] + 1 and nxt["batch"] == 1  # no id handed out twice
+    assert again.submit(b["id"], "w2", 0, "h0", result(b))["admitted"] == 2
+    assert again.take(0) is not None and again.taken == 1 and 0 not in again.batches

@@ -18,7 +18,7 @@ from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store import BASE_PART, Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
-from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server
+from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server, until
 
 
 class RelayServer:
@@ -83,10 +83,13 @@ def test_relay_is_cut_through(history, tmp_path, rng):
         async with Server(path) as origin, RelayServer(origin.url, tmp_path / "mirror") as relay, \
                 Client(relay.url, token=TOKEN) as worker:
             t = paused_publish(store, old, new, got_first, writer_done)
-            while v0 + 1 not in (l := await worker.versions(after=v0, wait=5))["producing"] + [l["newest"]]:
-                pass
-            while len(getattr(relay.relay.tables.get(v0 + 1), "pieces", [])) < 2:
-                await asyncio.sleep(0.01)
+            for _ in range(12):  # long-polls of 5 s: a minute
+                if v0 + 1 in (l := await worker.versions(after=v0, wait=5))["producing"] + [l["newest"]]:
+                    break
+            else:
+                pytest.fail(f"v{v0 + 1} never listed")
+            await until(lambda: len(getattr(relay.relay.tables.get(v0 + 1), "pieces", [])) >= 2,
+                        "the relay mirrors two pieces")
             # meanwhile, a client that listed its pieces elsewhere (the origin, before falling back
             # here) gets only bytes that have verified at the relay, at once
             offset, length, _ = relay.relay.tables[v0 + 1].pieces[1]
@@ -173,8 +176,7 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
                     table.add(p)
 
                 async def switch():  # midway, the list turns to file order (as after a fallback to the origin)
-                    while len(got) < 2:
-                        await asyncio.sleep(0.01)
+                    await until(lambda: len(got) >= 2, "two pieces arrive")
                     active["on"] = False
                     table.close()
                 got = []
@@ -222,8 +224,7 @@ def test_relay_serves_a_base_cut_through(big_base, tmp_path):
                 buf[p.offset:p.offset + p.length] = data
             crossed = wan.bytes_down
             download = asyncio.create_task(worker.base_parts(0, entry, keep))
-            while not relay_busy:
-                await asyncio.sleep(0.005)
+            await until(lambda: relay_busy, "the worker's first part")
             url = f"{relay.url}/v1/versions/0/base"
             async with curl.get(url, headers={"Range": "bytes=0-99"}) as r:  # in: the worker has it
                 assert (r.status, r.headers["Content-Range"], await r.read()) == \
@@ -237,8 +238,7 @@ def test_relay_serves_a_base_cut_through(big_base, tmp_path):
             assert len(relay_busy) == 4
             assert same(load_safetensors(bytes(buf)), states[0])
             assert len(whole) <= wan.bytes_down - crossed < len(whole) + 64 * 1024  # once, for everyone
-            while 0 in relay.relay.bases:
-                await asyncio.sleep(0.01)
+            await until(lambda: 0 not in relay.relay.bases, "the relay stores base v0")
             async with curl.get(url) as r:
                 assert r.status == 200 and await r.read() == whole
             assert (tmp_path / "mirror" / "bases" / "v00000000.safetensors").read_bytes() == whole
@@ -280,8 +280,7 @@ def test_a_base_pruned_while_fetched_is_dropped(history, tmp_path):
                 RelayServer(wan.url, tmp_path / "mirror", keep=2) as relay, \
                 Client([relay.url, origin.url], token=TOKEN, backoff=0.01) as worker:
             fetch = asyncio.create_task(worker.advance(6))  # from base 4: six seconds over this link
-            while 4 not in relay.relay.bases:
-                await asyncio.sleep(0.01)
+            await until(lambda: 4 in relay.relay.bases, "the relay starts fetching base v4")
             table = relay.relay.bases[4][0]
             for _ in range(3):  # v7, v8 (a base), v9: base 8 now serves the relay's two newest
                 states.append({k: mutate(rng, t, 0.02) for k, t in states[-1].items()})

@@ -58,13 +58,13 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
         (tmp_path / d).mkdir()
     (tmp_path / "trainer" / "job.yaml").write_text(yaml.safe_dump(job))
     env = dict(os.environ, SPARROWRL_TOKEN="s3cret")
-    t, r, w0, w1 = (free_port() for _ in range(4))
+    t, r, w0, w1, tm, rm, wm = (free_port() for _ in range(7))  # tm, rm, wm: open /metrics ports
     trainer, relay = f"http://127.0.0.1:{t}", f"http://127.0.0.1:{r}"
     commands = {  # each in a folder of its own, as on separate machines
-        "trainer": ["trainer", "job.yaml", "--state-dir", "state", "--port", t],
-        "relay": ["relay", "--upstream", trainer, "--port", r, "--cache", "cache"],
+        "trainer": ["trainer", "job.yaml", "--state-dir", "state", "--port", t, "--metrics-port", tm],
+        "relay": ["relay", "--upstream", trainer, "--port", r, "--cache", "cache", "--metrics-port", rm],
         "w0": ["worker", "--trainer", trainer, "--relay", relay, "--name", "worker-a-0", "--region", "a",
-               "--port", w0],
+               "--port", w0, "--metrics-port", wm],
         "w1": ["worker", "--trainer", trainer, "--name", "worker-b-0", "--port", w1],
     }
     # the trainer waits for both workers before it hands out work: until w1 calls in, nothing runs
@@ -85,7 +85,8 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
                                    capture_output=True, text=True, timeout=60)
                 assert r.returncode == 1 and "401 unauthorized" in r.stderr
                 assert get(f"{trainer}/healthz") == 200 and get(f"{trainer}/v1/status") == 401  # probes need no token
-                m = {url: scrape(url) for url in (trainer, relay, f"http://127.0.0.1:{w0}")}
+                m = {url: scrape(url, f"http://127.0.0.1:{o}")
+                     for url, o in ((trainer, tm), (relay, rm), (f"http://127.0.0.1:{w0}", wm))}
                 assert m[trainer]["sparrowrl_versions_published_total"] == 0
                 assert m[trainer]["sparrowrl_prompt_groups_total", "state", "admitted"] == 0
                 assert m[trainer]["sparrowrl_commit_verifications_total", "result", "ok"] == 1  # w0's v0
@@ -112,21 +113,24 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
             p.wait(30)
 
 
-def scrape(url: str) -> dict:
+def scrape(url: str, open_url: str) -> dict:
     """/metrics (401 without the token), parsed by prometheus-client's own parser: name (and
-    label, value) → sample value."""
+    label, value) → sample value. `open_url` (--metrics-port) serves the same without the token,
+    and nothing else."""
     from prometheus_client.parser import text_string_to_metric_families
 
     assert get(f"{url}/metrics") == 401
-    req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=")
-        text = r.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, *next(iter(s.labels.items()))) if s.labels else s.name] = s.value
-    return out
+    assert get(f"{open_url}/v1/versions") == get(f"{open_url}/healthz") == 404
+    out = []
+    for req in (urllib.request.Request(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}),
+                urllib.request.Request(f"{open_url}/metrics")):
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=")
+            text = r.read().decode()
+        out.append({(s.name, *next(iter(s.labels.items()))) if s.labels else s.name: s.value
+                    for family in text_string_to_metric_families(text) for s in family.samples})
+    assert out[0].keys() == out[1].keys()
+    return out[0]
 
 
 def get(url: str) -> int:

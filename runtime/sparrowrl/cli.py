@@ -278,6 +278,8 @@ def _listen(app, host: str, port: int, banner: str, ssl_context=None) -> None:
                     print=lambda _: err.print(banner, highlight=False))
     except OSError as e:
         _fail(ListenError.of(host, port, e))
+    except ListenError as e:  # the open metrics port
+        _fail(e)
 
 
 @app.command("serve")
@@ -308,7 +310,10 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
           ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for an HTTPS upstream.")] = None,
           local_ports: Annotated[str | None, typer.Option(help="Comma-separated local ports for the upstream "
                                                                "streams (per-flow shaped links, hack/wan).")] = None,
-          rate_mbit: Annotated[float | None, typer.Option(help="Cap on the download rate from upstream.")] = None
+          rate_mbit: Annotated[float | None, typer.Option(help="Cap on the download rate from upstream.")] = None,
+          metrics_port: Annotated[int | None, typer.Option(help="Also serve /metrics here without the token, for a "
+                                                                   "scraper that has none (this port serves nothing "
+                                                                   "else).")] = None
           ) -> None:
     """Serve a region: fetch each version once from UPSTREAM, serve it with the origin's API."""
     import tempfile
@@ -317,6 +322,7 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
 
     token = _server_token(host, port)
     _in_range("--keep", keep, 1, 1_000_000)
+    _in_range("--metrics-port", metrics_port, 1, 65535)
     _in_range("--streams", streams, 1, MAX_STREAMS)
     _in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
     try:
@@ -332,7 +338,8 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
                       local_ports=ports, rate_mbit=rate_mbit)
         except ValueError as e:
             _fail(e)
-        _listen(make_relay_app(r, token), host, port, f"relay for {upstream} on http://{host}:{port}/v1/versions")
+        _listen(make_relay_app(r, token, None if metrics_port is None else (host, metrics_port)), host, port,
+                f"relay for {upstream} on http://{host}:{port}/v1/versions")
 
 
 @app.command("fetch")
@@ -473,24 +480,26 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
             state_dir: Annotated[Path, typer.Option(help="Where the trainer keeps its store, metrics and results "
                                                          "(in a pod: a volume).")],
             host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-            port: Annotated[int, typer.Option(help="TCP port: versions, work, status, /healthz, /readyz.")] = 8470
+            port: Annotated[int, typer.Option(help="TCP port: versions, work, status, /healthz, /readyz.")] = 8470,
+            metrics_port: Annotated[int | None, typer.Option(
+                help="Also serve /metrics here without the token, for a scraper that has none (this port "
+                     "serves nothing else).")] = None
             ) -> None:
     """The trainer of a job: GRPO steps, the checkpoint store and its server, the coordinator.
-    The token comes from SPARROWRL_TOKEN."""
+    Started again on the same --state-dir, it goes on from its newest checkpoint. The token comes
+    from SPARROWRL_TOKEN."""
     import asyncio
 
     from sparrowrl.job import JobError, load
     from sparrowrl.trainer import make_task, serve
 
     token = _server_token(host, port)
+    _in_range("--metrics-port", metrics_port, 1, 65535)
     try:
         j = load(job)
         make_task(j.spec)
     except (JobError, ValueError) as e:
         _fail(e)
-    if (state_dir / "store" / "store.json").exists():
-        _fail(ValueError(f"--state-dir {state_dir} holds a trainer's state already; a trainer does not resume yet: "
-                         f"give a new or empty folder"))
     import socket
 
     from sparrowrl.transport.server import ListenError
@@ -500,9 +509,12 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
             pass
     except OSError as e:
         _fail(ListenError.of(host, port, e))
+    from sparrowrl.resume import ResumeError
+    from sparrowrl.store import StoreError
+
     try:
-        asyncio.run(serve(j.spec, state_dir, host, port, token))
-    except ListenError as e:  # taken meanwhile
+        asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port))
+    except (ListenError, ResumeError, StoreError) as e:  # the port taken meanwhile; a state dir not to resume
         _fail(e)
 
 
@@ -517,7 +529,10 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
            port: Annotated[int, typer.Option(help="TCP port for /healthz and /readyz.")] = 8472,
            rate_mbit: Annotated[float | None, typer.Option(help="Cap on this worker's download rate.")] = None,
            region: Annotated[str | None, typer.Option(help="The region this worker is in (shown in the job's "
-                                                           "status).")] = None) -> None:
+                                                           "status).")] = None,
+           metrics_port: Annotated[int | None, typer.Option(
+                help="Also serve /metrics here without the token, for a scraper that has none (this port "
+                     "serves nothing else).")] = None) -> None:
     """A rollout worker. It needs only the network: the job, the model's config and tokenizer and
     its weights all come from the trainer (and the relay). The token comes from SPARROWRL_TOKEN."""
     import asyncio
@@ -526,6 +541,7 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
     from sparrowrl.worker import main
 
     _in_range("--port", port, 1, 65535)
+    _in_range("--metrics-port", metrics_port, 1, 65535)
     _in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
     for flag, value, kind, rule in (("--name", name, Name, "1..253 of [-A-Za-z0-9_.], starting with a letter or digit"),
                                     ("--region", region, Region, "a DNS label (lower-case letters, digits, -)")):
@@ -537,7 +553,7 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
     from sparrowrl.transport.server import ListenError
 
     try:
-        asyncio.run(main(trainer, relay, name, host, port, rate_mbit, region))
+        asyncio.run(main(trainer, relay, name, host, port, rate_mbit, region, metrics_port))
     except (ListenError, FetchError) as e:
         _fail(e)
 

@@ -8,14 +8,14 @@ allowed version; a result is admitted only if its lease is still live, and its v
 allowed and hashes to what the trainer published. An expired lease's groups go back to the
 queue; a result for a group already admitted is dropped and counted.
 
-Pure bookkeeping, no I/O: the trainer's HTTP routes call it, tests call it directly.
+Pure bookkeeping, no I/O: the trainer's HTTP routes call it, tests call it directly. `state()`
+and `restore()` carry it across a trainer restart (the trainer journals them, see `journal.py`).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -62,7 +62,8 @@ class Coordinator:
         self.leases: dict[int, Lease] = {}
         self.counts = Counts()
         self.commits: dict[str, tuple[int, str]] = {}  # worker → (version, hash) it last committed
-        self._ids = itertools.count(1)
+        self.taken = 0  # batches handed to the trainer; their results are let go
+        self.next_lease = 1
 
     @property
     def published(self) -> int:
@@ -75,6 +76,7 @@ class Coordinator:
         return batch - self.staleness
 
     def _batch(self, b: int) -> Batch:
+        assert b >= self.taken, f"batch {b} was trained already"
         if b not in self.batches:
             groups = list(range(b * self.per_step, (b + 1) * self.per_step))
             self.batches[b] = Batch(b, groups, list(groups))
@@ -82,7 +84,7 @@ class Coordinator:
 
     def _open_batches(self) -> list[int]:
         """Batches whose oldest allowed version is published and that still need groups."""
-        first = min((b for b, x in self.batches.items() if not x.complete), default=len(self.batches))
+        first = min((b for b, x in self.batches.items() if not x.complete), default=self.taken)
         return [b for b in range(first, min(self.steps, self.published + self.staleness + 1))
                 if not self._batch(b).complete]
 
@@ -95,6 +97,8 @@ class Coordinator:
     def _drop(self, lease: Lease, refused: bool = False) -> None:
         del self.leases[lease.id]
         self.counts.refused += len(lease.groups) if refused else 0
+        if lease.batch < self.taken:  # trained without it: nothing goes back
+            return
         batch = self.batches[lease.batch]
         back = [g for g in lease.groups if g not in batch.results]
         self.counts.requeued += len(back)
@@ -105,7 +109,7 @@ class Coordinator:
         `wait` (everything is leased; ask again when something changes), or `done` with the
         final version, which the worker should still commit and verify."""
         self.expire()
-        if all(self._batch(b).complete for b in range(self.steps)):
+        if all(self._batch(b).complete for b in range(self.taken, self.steps)):
             return {"done": self.steps}
         for b in self._open_batches():
             batch = self.batches[b]
@@ -114,8 +118,9 @@ class Coordinator:
             if version < self.min_version(b):
                 return {"update": self.min_version(b)}
             groups, batch.pending = batch.pending[:self.per_lease], batch.pending[self.per_lease:]
-            lease = Lease(next(self._ids), worker, b, groups, self.clock() + self.lease_seconds)
+            lease = Lease(self.next_lease, worker, b, groups, self.clock() + self.lease_seconds)
             self.leases[lease.id] = lease
+            self.next_lease += 1
             return {"lease": {"id": lease.id, "batch": b, "groups": groups, "deadline_s": self.lease_seconds}}
         return {"wait": True}
 
@@ -137,30 +142,36 @@ class Coordinator:
             self._drop(lease, refused=True)
             return {"admitted": 0, "refused": f"results cover groups {sorted(results)}, the lease has {lease.groups}"}
         del self.leases[lease_id]
-        batch = self.batches[b]
-        for g, r in results.items():
+        return self._admit(b, version, results)
+
+    def _admit(self, b: int, version: int, results: dict[int, dict]) -> dict:
+        """Keep the results of groups not yet admitted; count the others as duplicated (another
+        worker's late results for the same groups came first, or the batch is trained)."""
+        batch = self.batches.get(b) if b >= self.taken else None
+        new = {g: r for g, r in results.items() if batch is not None and g not in batch.results}
+        self.counts.duplicated += len(results) - len(new)
+        for g, r in new.items():
             batch.results[g] = {**r, "version": version}
-        self.counts.admitted += len(results)
-        return {"admitted": len(results), "batch": b}
+        if new:
+            batch.pending = [x for x in batch.pending if x not in new]
+        self.counts.admitted += len(new)
+        return {"admitted": len(new), "batch": b, "groups": sorted(new)}
 
     def _late(self, lease_id: int, version: int, state_hash: str, results: dict[int, dict]) -> dict:
-        """Results of a lease that expired: still good for groups nobody has delivered yet (a
-        slow worker is not wasted), dropped and counted for groups already admitted."""
-        admitted, batch = 0, None
-        for g, r in results.items():
-            b = self.batches.get(g // self.per_step)
-            if b is None or g not in b.groups:
-                continue
-            if g in b.results:
-                self.counts.duplicated += 1
-            elif version >= self.min_version(b.index) and self.hashes.get(version) == state_hash:
-                b.results[g] = {**r, "version": version}
-                b.pending = [x for x in b.pending if x != g]
-                admitted, batch = admitted + 1, b.index
-        self.counts.admitted += admitted
-        if not admitted:
-            return {"admitted": 0, "refused": f"lease {lease_id} is not live (expired or reassigned)"}
-        return {"admitted": admitted, "batch": batch}
+        """Results of a lease that expired (or that a previous trainer process handed out):
+        still good for groups nobody has delivered yet (a slow worker is not wasted), dropped and
+        counted for groups already admitted. One lease is one batch's groups."""
+        not_live = {"admitted": 0, "refused": f"lease {lease_id} is not live (expired or reassigned)"}
+        batches = {g // self.per_step for g in results}
+        b = batches.pop() if len(batches) == 1 else -1
+        if not 0 <= b < self.steps:
+            return {"admitted": 0, "refused": f"lease {lease_id} is not live, and its groups are not one batch's"}
+        if b >= self.taken:
+            if version < self.min_version(b) or self.hashes.get(version) != state_hash:
+                return not_live
+            self._batch(b)
+        ans = self._admit(b, version, results)
+        return ans if ans["admitted"] else not_live
 
     def refuse(self, lease_id: int, worker: str) -> None:
         """Drop a live lease whose results were refused: its groups go back to the queue."""
@@ -179,10 +190,12 @@ class Coordinator:
         return ok
 
     def take(self, b: int) -> Batch | None:
-        """Batch b's results once every group is admitted."""
+        """Batch b's results once every group is admitted; the coordinator lets them go."""
         batch = self.batches.get(b)
-        if batch is None or not batch.complete:
+        if batch is None or not batch.complete or b != self.taken:
             return None
+        del self.batches[b]
+        self.taken = b + 1
         self.counts.batches_trained += 1
         self.counts.trained += len(batch.results)
         return batch
@@ -192,3 +205,34 @@ class Coordinator:
         """Groups of the batches trained so far that the trainer did not train on: a batch is
         handed over only when every group of it is admitted, so this must stay 0."""
         return self.counts.batches_trained * self.per_step - self.counts.trained
+
+    # ---- across a trainer restart ----
+    def state(self) -> dict:
+        """Everything but the admitted results (the trainer journals those as they come) and the
+        hashes (the store holds them): small, JSON."""
+        now = self.clock()
+        return {"taken": self.taken, "next_lease": self.next_lease, "counts": asdict(self.counts),
+                "commits": {w: list(c) for w, c in self.commits.items()},
+                "leases": [{"id": x.id, "worker": x.worker, "batch": x.batch, "groups": x.groups,
+                            "seconds_left": max(0.0, x.deadline - now)} for x in self.leases.values()]}
+
+    def restore(self, state: dict, taken: int, results: dict[int, dict[int, dict]]) -> None:
+        """Pick up where a previous trainer process left off: `taken` batches are trained (the
+        trainer's checkpoint says how many), `results` are the admitted results of the others
+        (batch → group → result). Leases stay live, with a full period from now: their workers
+        could not deliver while the trainer was away. Lease ids are never reused."""
+        self.taken, self.next_lease = taken, state["next_lease"]
+        self.counts = Counts(**state["counts"])
+        self.counts.batches_trained, self.counts.trained = taken, taken * self.per_step
+        self.commits = {w: (c[0], c[1]) for w, c in state["commits"].items()}
+        for b, groups in results.items():
+            if b >= taken:
+                self._batch(b).results.update(groups)
+        deadline = self.clock() + self.lease_seconds
+        for x in state["leases"]:
+            if x["batch"] >= taken:
+                self.leases[x["id"]] = Lease(x["id"], x["worker"], x["batch"], x["groups"], deadline)
+        for b in sorted({x.batch for x in self.leases.values()} | set(self.batches)):
+            batch = self._batch(b)
+            leased = {g for x in self.leases.values() if x.batch == b for g in x.groups}
+            batch.pending = [g for g in batch.groups if g not in batch.results and g not in leased]

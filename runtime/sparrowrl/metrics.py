@@ -10,6 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sparrowrl.transport.server import listen
+
 
 class _Read(Collector):
     """A collector whose metrics `read()` makes at each scrape."""
@@ -21,8 +23,11 @@ class _Read(Collector):
         return self.read()
 
 
-def add_metrics(app: web.Application, read: Callable[[], Iterable[Metric]]) -> None:
-    """GET /metrics: what `read()` yields, in Prometheus' text format."""
+def add_metrics(app: web.Application, read: Callable[[], Iterable[Metric]],
+                open_at: tuple[str, int] | None = None) -> None:
+    """GET /metrics: what `read()` yields, in Prometheus' text format, behind the app's token.
+    `open_at` (host, port): also there without the token, for a scraper that has none, on a
+    port of its own that serves nothing else."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Read(read))
 
@@ -32,6 +37,23 @@ def add_metrics(app: web.Application, read: Callable[[], Iterable[Metric]]) -> N
         return resp
 
     app.add_routes([web.get("/metrics", metrics)])
+    if open_at is None:
+        return
+
+    async def open_port(_app: web.Application):
+        scrape = web.Application()
+        scrape.add_routes([web.get("/metrics", metrics)])
+        runner = web.AppRunner(scrape, access_log=None)
+        await runner.setup()
+        try:
+            await listen(runner, *open_at)
+        except BaseException:
+            await runner.cleanup()
+            raise
+        yield
+        await runner.cleanup()
+
+    app.cleanup_ctx.append(open_port)
 
 
 def family(kind: str, name: str, doc: str, value: float | None = None,

@@ -80,8 +80,10 @@ def summary_table(s: dict) -> Table:
     t.add_row("origin sent: deltas + bases", f"{_mb(s['origin_sent_delta_bytes'])} + {_mb(s['origin_sent_base_bytes'])}")
     t.add_row("prompt groups admitted / lost / duplicated",
               f"{s['prompt_groups_admitted']} / {s['prompt_groups_lost']} / {s['prompt_groups_duplicated']}")
+    t.add_row("leases expired / groups requeued", f"{s['leases_expired']} / {s['prompt_groups_requeued']}")
+    t.add_row("trainer restarts", str(s["trainer_restarts"]))
     t.add_row("tokens per second", f"{s['tokens_per_second']:.0f}")
-    t.add_row("wall time", f"{s['seconds']:.0f} s")
+    t.add_row("training time", f"{s['seconds']:.0f} s")
     return t
 
 

@@ -29,8 +29,11 @@ from sparrowrl.layout import Role
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
 OUTPUTS = ("job.yaml", "token", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
-           "step_time.png", "payload.png", "store", "model", "final", "logs", "relays")
+           "step_time.png", "payload.png", "store", "model", "final", "logs", "relays", "job.json", "trainer",
+           "journal.jsonl", ".processes.json.tmp")
 MARK = ".sparrowrl-run"  # names a folder as a run's: the only kind a run replaces
+TRAINER_RESTARTS = 3  # a trainer that exits with an error is started again (a pod's restartPolicy
+# OnFailure), this many times at most; it resumes from its state dir
 
 
 class RunError(Exception):
@@ -57,16 +60,28 @@ class Processes:
         self.logs, self.env = run_dir / "logs", env
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.args: dict[str, list[str]] = {}
+        self.restarts: dict[str, int] = defaultdict(int)
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "w")
+        log = open(self.logs / f"{name}.log", "a" if name in self.procs else "w")  # a restart's log follows on
         p = subprocess.Popen(EXE + args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        self.procs[name] = p
+        self.procs[name], self.args[name] = p, args
         return p
 
+    def restart(self, name: str, limit: int) -> int | None:
+        """Start `name` again if it exited with an error and has restarts left; its exit code if so."""
+        code = self.procs[name].poll()
+        if code in (None, 0) or self.restarts[name] >= limit:
+            return None
+        self.restarts[name] += 1
+        self.start(name, self.args[name])
+        return code
+
     def failed(self) -> str | None:
-        """Why the run cannot go on, if it cannot: the trainer died, or every worker did.
+        """Why the run cannot go on, if it cannot: the trainer died (and `restart` gave up), or
+        every worker did.
         A lost relay or worker is survivable: workers fall back to the origin, and a lost
         worker's leases expire and go to the others."""
         dead = {name: p.returncode for name, p in self.procs.items() if p.poll() not in (None, 0)}
@@ -192,8 +207,8 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
                     _ready(origin, procs)
             else:
                 pids[role.kind + "s"][role.name] = p.pid
-        (run_dir / "processes.json").write_text(json.dumps(pids, indent=1))
-        _follow(origin, token, spec.steps, procs, run_dir, console)
+        _write_pids(run_dir, pids)
+        _follow(origin, token, spec.steps, procs, run_dir, console, pids)
         procs.procs["trainer"].wait(timeout=60)
     finally:
         procs.stop()
@@ -202,11 +217,25 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     return summary
 
 
-def _follow(origin: str, token: str, steps: int, procs: Processes, run_dir: Path, console: Console) -> None:
+def _write_pids(run_dir: Path, pids: dict) -> None:
+    """processes.json, replaced whole: a reader never sees half of it."""
+    tmp = run_dir / ".processes.json.tmp"
+    tmp.write_text(json.dumps(pids, indent=1))
+    os.replace(tmp, run_dir / "processes.json")
+
+
+def _follow(origin: str, token: str, steps: int, procs: Processes, run_dir: Path, console: Console,
+            pids: dict) -> None:
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                   TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console) as progress:
         task = progress.add_task("training", total=steps, info="waiting for workers")
         while not (run_dir / "summary.json").exists():
+            if (code := procs.restart("trainer", TRAINER_RESTARTS)) is not None:
+                n = procs.restarts["trainer"]
+                progress.console.print(f"the trainer exited ({code}); started again ({n}/{TRAINER_RESTARTS}), "
+                                       f"it resumes from {run_dir}")
+                pids["trainer"] = procs.procs["trainer"].pid
+                _write_pids(run_dir, pids)
             if err := procs.failed():
                 raise RunError(err)
             try:

@@ -121,6 +121,17 @@ class Store:
     def newest(self) -> int:
         return max(self.versions)
 
+    def base_due(self, version: int) -> bool:
+        """Whether `version` gets a base snapshot (every `base_every` versions)."""
+        return version % self.base_every == 0
+
+    def drop_partial(self) -> None:
+        """Remove the delta a writer was writing when it died (the store's own file): its readers
+        would wait for it forever. Only the next writer calls this, before writing."""
+        with self._locked():
+            for v in self.producing():
+                self.partial_path(v).unlink(missing_ok=True)
+
     def partial_path(self, version: int) -> Path:
         """Where the delta of `version` grows while it is being written (cut-through source)."""
         return self.path / "deltas" / f".v{version:08d}.partial"
@@ -149,7 +160,7 @@ class Store:
             with self._publish(specs) as w:
                 w.add((n, old[n], new[n]) for n in new)
             v = self.versions[self.newest]
-            if v.version % self.base_every == 0:
+            if self.base_due(v.version):
                 self._write_base(self.path, v.version, new, v)
                 self._write_index(self.path, self.base_every, self.versions)
             return v

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from sparrowrl import grpo, messages, models, tasks
+from sparrowrl import grpo, messages, models, resume, tasks
 from sparrowrl.coordinator import Batch, Coordinator
+from sparrowrl.delta import state_hash
 from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.job import JobSpec
 from sparrowrl.metrics import add_metrics, family
@@ -56,8 +57,12 @@ def group_seed(job_seed: int, group: int) -> int:
 
 
 class Trainer:
+    """The model, its optimizer and the store. Started on a state dir that holds a checkpoint, it
+    goes on from there (see resume.py): `version` is the newest version it has trained."""
+
     def __init__(self, spec: JobSpec, state_dir: Path):
         self.spec, self.state_dir = spec, state_dir
+        resumed = resume.claim(state_dir, spec.model_dump(mode="json"))
         torch.manual_seed(spec.seed)
         if spec.model.tiny:
             self.tok = models.char_tokenizer()
@@ -66,12 +71,25 @@ class Trainer:
         else:
             self.model, self.tok = models.load(spec.model.path, spec.model.tokenizer)
         self.task, self.reward = make_task(spec)
-        if spec.model.tiny and spec.model.tiny.warmup_steps:
-            warm_up(self.model, self.tok, self.task, spec.model.tiny.warmup_steps)
-        self.model.train()
         g = spec.grpo
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.kl_coef > 0 else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
+        self.saved = resume.Checkpoints(state_dir / "trainer")
+        newest = self.saved.newest() if resumed else None
+        if newest is None:
+            if spec.model.tiny and spec.model.tiny.warmup_steps:
+                warm_up(self.model, self.tok, self.task, spec.model.tiny.warmup_steps)
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.kl_coef > 0 else None
+            if self.ref is not None:
+                self.saved.save_ref(self.ref)
+            self.version, self.row = 0, None
+            self.saved.save(0, self.model, self.opt, None)
+        else:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.kl_coef > 0 else None
+            if self.ref is not None:
+                self.saved.load_ref(self.ref)
+            self.version = newest
+            self.row = self.saved.load(newest, self.model, self.opt)  # the step's metrics before it published
+        self.model.train()
         self.policy = models.policy_state(self.model)
         self.dense_bytes = sum(t.numel() * t.element_size() for t in self.policy.values())
         # workers build the architecture from this folder; the weights come from the store
@@ -81,8 +99,32 @@ class Trainer:
         self.model_files = [{"name": f.name, "bytes": f.stat().st_size,
                              "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
                             for f in sorted(self.model_dir.iterdir()) if f.is_file()]
-        every = 1 if spec.sync.mode == "full" else spec.sync.base_every
-        self.store = Store.init(state_dir / "store", self.policy, base_every=every)
+        self.store, self.extract_s = self._open_store()
+
+    def _open_store(self) -> tuple[Store, float | None]:
+        """The store, brought to the checkpoint's version: a trainer killed between its checkpoint
+        and its publish publishes now, from the same weights, so the same bytes (the seconds it
+        took are returned). The store is never ahead of the checkpoint."""
+        path = self.state_dir / "store"
+        if not (path / "store.json").exists():
+            if self.version:
+                raise resume.ResumeError(f"{path}: missing, and the checkpoint is at v{self.version}")
+            every = 1 if self.spec.sync.mode == "full" else self.spec.sync.base_every
+            return Store.init(path, self.policy, base_every=every), None
+        store = Store(path)
+        store.drop_partial()  # the delta a killed trainer was writing: written again below, or next step
+        t0, extract_s = time.perf_counter(), None
+        if store.newest == self.version - 1:
+            old = store.materialize(store.newest)
+            self.policy, new = old, self.policy
+            self.publish_state(store, new)
+            extract_s = time.perf_counter() - t0
+        if store.newest != self.version or store.versions[store.newest].state_hash != state_hash(self.policy):
+            raise resume.ResumeError(f"{path}: its newest version v{store.newest} is not the checkpoint's "
+                                     f"v{self.version}")
+        if store.base_due(self.version) and not store.versions[self.version].base:
+            store.snapshot(self.version, self.policy)  # killed before its snapshot
+        return store, extract_s
 
     def prompt(self, group: int) -> tasks.Example:
         return self.task.example(group)
@@ -114,24 +156,35 @@ class Trainer:
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm))
         self.opt.step()
-        return {"reward_mean": float(r.mean()), "reward_exact": float((r == 1).float().mean()), "loss": float(loss),
+        return {"reward_mean": float(r.mean()), "reward_exact": float((r == 1).float().mean()), "loss": float(loss.detach()),
                 "grad_norm": grad_norm, "tokens": tokens, "train_s": time.perf_counter() - t0, **stats,
                 "behaviour_versions": sorted({res["version"] for res in batch.results.values()})}
 
-    def publish(self) -> dict:
-        """Stream the new bf16 policy's delta into the store (served as it is written)."""
+    def checkpoint(self, row: dict) -> None:
+        """After a step, before its publish: the store is never ahead of the checkpoint."""
+        self.version += 1
+        self.saved.save(self.version, self.model, self.opt, row)
+
+    def publish(self) -> float:
+        """Stream the new bf16 policy's delta into the store (served as it is written); returns
+        the seconds it took."""
         t0 = time.perf_counter()
-        new = models.policy_state(self.model)
-        with self.store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
+        self.publish_state(self.store, models.policy_state(self.model))
+        return time.perf_counter() - t0
+
+    def publish_state(self, store: Store, new: dict[str, torch.Tensor]) -> None:
+        with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
             w.add((n, self.policy[n], new[n]) for n in new)
-        v = self.store.versions[self.store.newest]
-        if v.version % self.store.base_every == 0:
-            self.store.snapshot(v.version, new)
+        if store.base_due(store.newest):
+            store.snapshot(store.newest, new)
         self.policy = new
-        full = self.spec.sync.mode == "full"
-        return {"version": v.version, "state_hash": v.state_hash, "extract_s": time.perf_counter() - t0,
-                "changed_fraction": v.changed / sum(t.numel() for t in new.values()),
-                "payload_bytes": self.store.versions[v.version].base_bytes if full else v.delta_bytes,  # snapshot re-reads the index
+
+    def published(self, version: int) -> dict:
+        """What version `version` shipped, from the store's index."""
+        v = self.store.versions[version]
+        return {"version": version, "state_hash": v.state_hash,
+                "changed_fraction": v.changed / sum(t.numel() for t in self.policy.values()),
+                "payload_bytes": v.base_bytes if self.spec.sync.mode == "full" else v.delta_bytes,
                 "dense_bytes": self.dense_bytes}
 
     def save(self, out: Path) -> None:
@@ -202,9 +255,8 @@ class Run:
         s = spec.rollout
         self.coord = Coordinator(spec.grpo.prompts_per_step, s.groups_per_lease, s.lease_seconds, spec.sync.staleness,
                                  spec.steps)
-        self.coord.publish(0, self.trainer.store.versions[0].state_hash)
-        self.rows: dict[int, dict] = {}  # version → metrics row, written once its transfer is known
-        self.written = 0
+        for v, entry in self.trainer.store.versions.items():
+            self.coord.publish(v, entry.state_hash)
         self.fetch: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
         self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
         self.seen: dict[str, float] = {}  # worker → when it last called
@@ -214,18 +266,82 @@ class Run:
         self.changed = asyncio.Event()
         self.t_start = time.time()
         self.finished = False
-        self.t_loop: float | None = None  # when the training loop started
-        (state_dir / "metrics.jsonl").write_text("")
+        self.begun = False  # rollouts have started (see `_started`)
+        self.restarts = 0  # trainer processes before this one, on this state dir
+        self.seconds_before = 0.0  # the training loop's time in those processes
+        self.sent = {"delta": 0, "base": 0}  # what crossed from the origin: to relays, and to workers without one
+        self.t_loop: float | None = None  # when this process's training loop started
+        self.rows = self._written_rows()  # version → metrics row, written once its transfer is known
+        self.written = max(self.rows, default=0)  # rows 1..written are in metrics.jsonl
+        self._resume()
+        self.journal = resume.Journal(state_dir / "journal.jsonl")
+        self.journal.compact(self._state(), self._results())  # also drops a line a crash cut short
 
-    def app(self) -> web.Application:
+    def _written_rows(self) -> dict[int, dict]:
+        """Metric rows already written (by a previous process): kept; a line cut short is dropped."""
+        path = self.state_dir / "metrics.jsonl"
+        rows = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+        with resume.atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {r["version"]: r for r in rows}
+
+    def _resume(self) -> None:
+        """Take over from the previous trainer process on this state dir, if there was one."""
+        state, results = resume.Journal.read(self.state_dir / "journal.jsonl")
+        if state is None:
+            return
+        version = self.trainer.version
+        self.coord.restore(state["coordinator"], taken=version, results=results)
+        run = state["run"]
+        self.restarts, self.seconds_before, self.begun = run["restarts"] + 1, run["seconds"], run["begun"]
+        self.sent = run["sent"]
+        self.rows.update({int(v): r for v, r in run["rows"].items() if int(v) > self.written})
+        self.gen = {int(b): x for b, x in run["gen"].items() if int(b) >= version}
+        self.regions, self.first = run["regions"], run["first"]
+        if version > self.written and version not in self.rows and self.trainer.row is not None:
+            # killed after its checkpoint, before the row was journaled: complete it from the store
+            self.rows[version] = self._row(self.trainer.row, self.trainer.extract_s, None)
+        print(f"trainer: resumed at v{version} (restart {self.restarts}), {len(self.coord.leases)} leases live, "
+              f"{sum(len(b.results) for b in self.coord.batches.values())} groups admitted for coming steps",
+              flush=True)
+
+    def _state(self) -> dict:
+        """What the journal keeps besides admitted results (see resume.py)."""
+        return {"coordinator": self.coord.state(),
+                "run": {"restarts": self.restarts, "seconds": self._seconds(), "begun": self._started(),
+                        "sent": self.sent, "rows": {v: r for v, r in self.rows.items() if v > self.written},
+                        "gen": self.gen, "regions": self.regions, "first": self.first}}
+
+    def _results(self, groups: tuple[int, list[int]] | None = None) -> resume.Results:
+        """Admitted results of the batches not yet trained, or of `groups` (batch, its groups)."""
+        if groups is None:
+            return {b: batch.results for b, batch in self.coord.batches.items()}
+        b, gs = groups
+        return {b: {g: self.coord.batches[b].results[g] for g in gs}} if gs else {}
+
+    def _seconds(self) -> float:
+        return self.seconds_before + (time.perf_counter() - self.t_loop if self.t_loop else 0.0)
+
+    def _row(self, partial: dict, extract_s: float | None, step_s: float | None) -> dict:
+        p = self.trainer.published(partial["version"])
+        return {**partial, "extract_s": extract_s, "payload_bytes": p["payload_bytes"], "dense_bytes": p["dense_bytes"],
+                "changed_fraction": p["changed_fraction"], "step_s": step_s}
+
+    def app(self, metrics_port: int | None = None, host: str = "127.0.0.1") -> web.Application:
         app = make_app(self.trainer.store.path, self.token, max_body=messages.max_body(self.spec.lease_tokens))
-        self.sent = app[SERVED]  # what crossed from the origin: to relays, and to workers without one
+        app[SERVED].update(self.sent)  # counted on from a previous process's
+        self.sent = app[SERVED]
         app.add_routes([web.get("/v1/job", self.h_job), web.get("/v1/model", self.h_model),
                         web.get(r"/v1/model/{name:[A-Za-z0-9][-A-Za-z0-9_.]{0,127}}", self.h_model_file),
                         web.post("/v1/work", self.h_work), web.post("/v1/results", self.h_results),
                         web.post("/v1/commit", self.h_commit), web.get("/v1/status", self.h_status)])
         add_health(app, lambda: self.coord.published >= 0)  # serving version 0 and taking work
-        add_metrics(app, self.metrics)
+        add_metrics(app, self.metrics, None if metrics_port is None else (host, metrics_port))
         return app
 
     def metrics(self) -> list:
@@ -260,7 +376,10 @@ class Run:
         except TimeoutError:
             pass
 
-    def _touch(self) -> None:
+    def _touch(self, admitted: tuple[int, list[int]] | None = None) -> None:
+        """The state changed: journal it (before the request that changed it is answered), and
+        wake whoever waits for a change."""
+        self.journal.append(self._state(), self._results(admitted))
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -268,7 +387,8 @@ class Run:
         """Rollouts start once every worker of the topology has called in (so all of them share
         the first batch), or after one lease period with those that have."""
         expected = sum(r.workers for r in self.spec.topology.regions)
-        return len(self.seen) >= expected or time.time() - self.t_start > self.spec.rollout.lease_seconds
+        self.begun = self.begun or len(self.seen) >= expected or time.time() - self.t_start > self.spec.rollout.lease_seconds
+        return self.begun
 
     async def h_job(self, request: web.Request) -> web.Response:
         g = self.spec.grpo
@@ -305,6 +425,7 @@ class Run:
                 break
             await self._changed(1.0)
         if "lease" in ans:
+            self._touch()  # journaled before it is answered: a restarted trainer knows the lease
             ans["lease"]["prompts"] = [{"group": g, "ids": models.prompt_ids(self.trainer.tok, self.trainer.prompt(g).prompt),
                                         "seed": group_seed(self.spec.seed, g)} for g in ans["lease"]["groups"]]
         return ans
@@ -320,7 +441,7 @@ class Run:
         ans = self.coord.submit(body["lease"], body["worker"], body["version"], body["state_hash"], results)
         if ans["admitted"]:
             self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
-        self._touch()
+        self._touch((ans["batch"], ans.pop("groups")) if ans["admitted"] else None)  # admitted: journaled first
         return ans
 
     @staticmethod
@@ -378,7 +499,7 @@ class Run:
                 last_verification=None if version is None else "ok" if self.coord.hashes.get(version) == h else "mismatch",
                 seconds_since_seen=now - self.seen[w], leases_held=held.get(w, 0),
                 stale=w not in live))
-        running = time.perf_counter() - self.t_loop if self.t_loop else 0.0
+        running = self._seconds()
         return JobStatus(
             phase="Succeeded" if self.finished else "Running" if self._started() else "Pending",
             step=len(rows), steps=self.spec.steps, version=newest,
@@ -399,7 +520,8 @@ class Run:
             while self.written + 1 in self.rows:
                 v = self.written + 1
                 staged = self.fetch.get(v, {})
-                if not final and any(w not in staged and self.first.get(w, -1) < v for w in self.workers):
+                if not final and any(w not in staged and self.first.get(w, -1) < v
+                                     and self.coord.commits.get(w, (-1,))[0] < v for w in self.workers):
                     break
                 row = self.rows[v]
                 row["transfer_s"] = max(staged.values(), default=None)
@@ -407,31 +529,33 @@ class Run:
                 self.written = v
 
     async def train_loop(self) -> None:
-        loop_t = self.t_loop = time.perf_counter()
-        for b in range(self.spec.steps):
+        """From the version the trainer holds (0, or where a previous process stopped) to the last."""
+        self.t_loop = time.perf_counter()
+        self._flush()
+        for b in range(self.trainer.version, self.spec.steps):
             t0 = time.perf_counter()
             while (batch := self.coord.take(b)) is None:
                 self.coord.expire()
-                await asyncio.sleep(0.02)
+                await self._changed(0.2)  # a result admitted, or time to expire leases
+            self._touch()
             wait = time.perf_counter() - t0
             m = await asyncio.to_thread(self.trainer.train, batch)
-            p = await asyncio.to_thread(self.trainer.publish)
-            self.coord.publish(p["version"], p["state_hash"])
-            self._touch()
             n_workers = max(1, len(self.workers))
-            self.rows[p["version"]] = {"version": p["version"], "step": b, **m, "generate_s": self.gen.get(b, 0.0) / n_workers,
-                                       "extract_s": p["extract_s"], "wait_s": wait, "payload_bytes": p["payload_bytes"],
-                                       "dense_bytes": p["dense_bytes"], "changed_fraction": p["changed_fraction"],
-                                       "step_s": time.perf_counter() - t0}
+            partial = {"version": b + 1, "step": b, **m, "generate_s": self.gen.pop(b, 0.0) / n_workers, "wait_s": wait}
+            await asyncio.to_thread(self.trainer.checkpoint, partial)
+            self.journal.compact(self._state(), self._results())  # batch b's results are in the checkpoint now
+            extract_s = await asyncio.to_thread(self.trainer.publish)
+            self.coord.publish(b + 1, self.trainer.store.versions[b + 1].state_hash)
+            self.rows[b + 1] = self._row(partial, extract_s, time.perf_counter() - t0)
+            self._touch()
             self._flush()
-        seconds = time.perf_counter() - loop_t
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(self.coord.commits.get(w, (-1,))[0] < self.spec.steps for w in self.workers):
-            await asyncio.sleep(0.05)
+            await self._changed(deadline - time.monotonic())
         self._flush(final=True)
         self.trainer.save(self.state_dir / "final")
-        self.summary(seconds)
+        self.summary(self._seconds())
         self.finished = True
         self._touch()
 
@@ -447,7 +571,7 @@ class Run:
              "origin_sent_delta_bytes": self.sent["delta"], "origin_sent_base_bytes": self.sent["base"],
              "prompt_groups_admitted": c.admitted, "prompt_groups_lost": self.coord.lost,
              "prompt_groups_duplicated": c.duplicated, "prompt_groups_requeued": c.requeued,
-             "leases_expired": c.leases_expired, "trainer_restarts": 0,
+             "leases_expired": c.leases_expired, "trainer_restarts": self.restarts,
              "tokens_per_second": sum(r["tokens"] for r in rows) / seconds, "seconds": seconds,
              "mode": self.spec.sync.mode, "final_version": self.coord.published,
              "final_state_hash": self.coord.hashes[self.coord.published]}
@@ -455,9 +579,10 @@ class Run:
         return s
 
 
-async def serve(spec: JobSpec, state_dir: Path, host: str, port: int, token: str) -> None:
+async def serve(spec: JobSpec, state_dir: Path, host: str, port: int, token: str,
+                metrics_port: int | None = None) -> None:
     run = Run(spec, state_dir, token)
-    runner = web.AppRunner(run.app())
+    runner = web.AppRunner(run.app(metrics_port, host))
     await runner.setup()
     await listen(runner, host, port)
     print(f"trainer: serving on {host}:{port}", flush=True)

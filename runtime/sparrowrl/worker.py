@@ -28,6 +28,7 @@ from sparrowrl.metrics import add_metrics, family
 from sparrowrl.transport.server import TOKEN, add_health, auth, listen
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
+ATTEMPTS = 40  # about four minutes of backoff per request: a trainer pod restarting, pulled, rescheduled
 
 
 class Worker:
@@ -182,7 +183,7 @@ async def fetch_model(control: Client, dest: Path) -> None:
 
 
 async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
-               rate_mbit: float | None = None, region: str | None = None) -> None:
+               rate_mbit: float | None = None, region: str | None = None, metrics_port: int | None = None) -> None:
     """A worker needs only the network: the job, the model's config and tokenizer, and the
     weights come from the trainer (versions from its region's relay first). /healthz and
     /readyz (once a verified version is committed) on host:port, from the start."""
@@ -191,16 +192,17 @@ async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
     app = web.Application(middlewares=[auth])  # /metrics wants the token; the probes do not
     app[TOKEN] = os.environ.get("SPARROWRL_TOKEN", "")
     add_health(app, lambda: worker is not None and worker.verified >= 0)
-    add_metrics(app, lambda: [] if worker is None else worker.metrics())
+    add_metrics(app, lambda: [] if worker is None else worker.metrics(),
+                None if metrics_port is None else (host, metrics_port))
     probes = web.AppRunner(app)
     await probes.setup()
     await listen(probes, host, port)
     try:
-        async with Client(trainer, attempts=12) as control:
+        async with Client(trainer, attempts=ATTEMPTS) as control:
             job = await control.json("/v1/job")
             with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
                 await fetch_model(control, Path(model_dir))
-                async with Client([u for u in (relay, trainer) if u], streams=job["streams"], attempts=12,
+                async with Client([u for u in (relay, trainer) if u], streams=job["streams"], attempts=ATTEMPTS,
                                   rate_mbit=rate_mbit) as data:
                     t0 = time.perf_counter()
                     on_engine = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,

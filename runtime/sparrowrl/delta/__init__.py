@@ -1,8 +1,9 @@
 """The sparse delta checkpoint codec.
 
-Reading order for one delta: `extract` finds changed bit patterns, `records` entropy-codes them
-(via `entropy`), `frame` writes/reads the chunked file, `apply` verifies and commits it,
-`statehash` is the additive hash that ties base and target together.
+Reading order for one delta: `records` finds the changed bit patterns of a tensor (with
+`kernels`' fused pass on the CPU, `gpu` on CUDA) and entropy-codes them (via `entropy`, with
+`extract`'s zigzag difference), `frame` writes/reads the chunked file, `apply` verifies and
+commits it, `statehash` is the additive hash that ties base and target together.
 """
 
 from sparrowrl.delta.errors import DeltaError

@@ -1,7 +1,7 @@
-"""Find changed elements by comparing bit patterns, never by float subtraction.
-
-Written against the array-module protocol, so the same functions run on numpy (CPU) and CuPy
-(GPU) and produce the same arrays, hence byte-identical deltas once entropy-coded on the host.
+"""Changed elements by their bit patterns, never by float subtraction, and the zigzag-mapped
+difference that the records code. On the CPU, `kernels.py` finds the changes in one fused pass;
+these array-module functions serve the GPU path (CuPy) and the codec's zigzag on either, and
+give the same arrays on numpy and CuPy, hence byte-identical deltas once entropy-coded.
 """
 
 from __future__ import annotations
@@ -14,11 +14,7 @@ from sparrowrl.delta.bitview import SINT, UINT
 
 
 def changed_positions(xp: Any, old: Any, new: Any) -> Any:
-    """Sorted int64 positions where the bit patterns of two equal-length flat arrays differ.
-
-    (Comparing 64-bit words first and then refining was measured slower on CPU: the gather of
-    candidate elements costs more than the scan it saves.)
-    """
+    """Sorted int64 positions where the bit patterns of two equal-length flat arrays differ."""
     return xp.flatnonzero(old != new)
 
 

@@ -303,7 +303,7 @@ class Relay:
             table.close("the relay dropped it (pruned, or restarted its mirror)")
 
 
-def make_relay_app(relay: Relay, token: str) -> web.Application:
+def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None = None) -> web.Application:
     """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it."""
@@ -320,7 +320,7 @@ def make_relay_app(relay: Relay, token: str) -> web.Application:
                    None if store is None else store.newest),
         ]
 
-    add_metrics(app, metrics)
+    add_metrics(app, metrics, metrics_at)
 
     async def mirror_loop(app: web.Application):
         task = asyncio.create_task(relay.run())

@@ -1,0 +1,134 @@
+"""A trainer started again on its state dir: each moment a kill can fall on, taken in turn.
+The end-to-end kill -9 under the runner is in test_run.py."""
+
+import asyncio
+import json
+
+import pytest
+
+from sparrowrl import models
+from sparrowrl.delta import state_hash
+from sparrowrl.job import parse
+from sparrowrl.resume import Journal, ResumeError
+from sparrowrl.store import Store
+from sparrowrl.trainer import Run
+from sparrowrl.transport.client import Client
+from test_control import SPEC, serve
+
+pytestmark = pytest.mark.timeout(300)
+JOB = parse(SPEC).spec
+
+
+def results(lease: dict, token: int = 3) -> dict:
+    return {str(p["group"]): {"samples": [{"tokens": [token], "logprobs": [-1.0]}] * 2} for p in lease["prompts"]}
+
+
+def body(run: Run, lease: dict, token: int = 3) -> dict:
+    return {"lease": lease["id"], "worker": "w", "version": 0, "state_hash": run.coord.hashes[0],
+            "results": results(lease, token), "generate_s": 0.1}
+
+
+async def over_http(run: Run, calls):
+    runner, port = await serve(run)
+    try:
+        async with Client(f"http://127.0.0.1:{port}", attempts=2, backoff=0.01) as c:
+            return await calls(c)
+    finally:
+        await runner.cleanup()
+
+
+def step(run: Run) -> dict:
+    """Batch 0 from two leases over HTTP, then the optimizer step and its checkpoint (not yet
+    published): the moment a kill leaves the store one version behind the checkpoint."""
+    async def calls(c):
+        for _ in range(2):
+            lease = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
+            assert (await c.post_json("/v1/results", body(run, lease)))["admitted"] == 1
+
+    asyncio.run(over_http(run, calls))
+    batch = run.coord.take(0)
+    run._touch()
+    partial = {"version": 1, "step": 0, **run.trainer.train(batch), "generate_s": 0.2, "wait_s": 0.0}
+    run.trainer.checkpoint(partial)
+    return partial
+
+
+def test_killed_between_checkpoint_and_publish_it_publishes_the_same_bytes(tmp_path):
+    """The store is never ahead of the checkpoint; a trainer killed after its checkpoint
+    publishes that version when it starts again: the weights an uninterrupted trainer
+    publishes, bit for bit, under the same delta."""
+    whole, killed = Run(JOB, tmp_path / "whole", token=""), Run(JOB, tmp_path / "killed", token="")
+    step(whole)
+    whole.trainer.publish()
+    partial = step(killed)
+    assert Store(tmp_path / "killed" / "store").newest == 0
+    again = Run(JOB, tmp_path / "killed", token="")  # the killed process's objects are never used again
+    a, b = whole.trainer.store.versions[1], again.trainer.store.versions[1]
+    assert (b.state_hash, b.delta_sha256) == (a.state_hash, a.delta_sha256)
+    assert state_hash(again.trainer.store.materialize(1)) == state_hash(models.policy_state(whole.trainer.model))
+    assert again.restarts == 1 and again.trainer.version == again.coord.published == again.coord.taken == 1
+    assert again.rows[1]["reward_mean"] == partial["reward_mean"]  # the step's row, completed from the store
+    assert again.rows[1]["payload_bytes"] == a.delta_bytes
+
+
+def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
+    """Admitted results are journaled before they are answered, live leases too: after a
+    restart the results are there (not generated again), a lease handed out before is still
+    the worker's, a retried delivery counts as a duplicate and not twice, and no lease id
+    is handed out again."""
+    first = Run(JOB, tmp_path, token="")
+
+    async def before(c):
+        a = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
+        b = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
+        assert (await c.post_json("/v1/results", body(first, a)))["admitted"] == 1
+        return a, b
+
+    a, b = asyncio.run(over_http(first, before))
+    (tmp_path / "journal.jsonl").open("a").write('{"results": {"0": {"1": ')  # a write the kill cut short
+    again = Run(JOB, tmp_path, token="")
+    assert again.coord.batches[0].results[a["groups"][0]]["samples"][0]["tokens"] == [3]
+    assert list(again.coord.leases) == [b["id"]] and again.coord.batches[0].pending == []
+
+    async def after(c):
+        got = [await c.post_json("/v1/results", body(again, b, token=4)),
+               await c.post_json("/v1/results", body(again, a, token=5))]  # a retry the first process answered
+        return got, await c.post_json("/v1/work", {"worker": "w", "version": 0})
+
+    (got_b, got_a), nxt = asyncio.run(over_http(again, after))
+    assert got_b["admitted"] == 1 and got_a["admitted"] == 0
+    c = again.coord.counts
+    assert (c.admitted, c.duplicated) == (2, 1)
+    assert again.coord.batches[0].results[a["groups"][0]]["samples"][0]["tokens"] == [3]  # the first delivery stays
+    assert nxt["lease"]["id"] > b["id"] and nxt["lease"]["batch"] == 1
+
+
+def test_a_damaged_journal_line_is_refused_with_its_line(tmp_path):
+    Run(JOB, tmp_path, token="")
+    path = tmp_path / "journal.jsonl"
+    path.write_text("not json\n" + path.read_text())
+    with pytest.raises(ResumeError, match=r"journal.jsonl: line 1 is damaged"):
+        Journal.read(path)
+
+
+def test_a_stale_partial_delta_is_removed(tmp_path):
+    """A delta a killed trainer was writing would keep its readers waiting: gone on restart."""
+    Run(JOB, tmp_path, token="")
+    partial = Store(tmp_path / "store").partial_path(1)
+    partial.write_bytes(b"half a delta")
+    assert Store(tmp_path / "store").producing() == [1]
+    again = Run(JOB, tmp_path, token="")
+    assert again.trainer.store.producing() == [] and not partial.exists()
+
+
+def test_another_jobs_state_or_a_stranger_folder_is_refused(tmp_path):
+    Run(JOB, tmp_path / "a", token="")
+    other = parse({**SPEC, "spec": {**SPEC["spec"], "steps": 3}}).spec
+    with pytest.raises(ResumeError, match=r"holds the state of another job \(spec\.steps differs\)"):
+        Run(other, tmp_path / "a", token="")
+    (tmp_path / "b" / "store").mkdir(parents=True)
+    (tmp_path / "b" / "store" / "theirs.txt").write_text("not ours")
+    with pytest.raises(ResumeError, match=r"holds 'store' but no job.json: not a trainer's state"):
+        Run(JOB, tmp_path / "b", token="")
+    assert (tmp_path / "b" / "store" / "theirs.txt").read_text() == "not ours"
+    assert json.loads((tmp_path / "a" / "job.json").read_text())["steps"] == 2
