@@ -200,9 +200,9 @@ def test_a_file_beside_the_job_does_not_shadow_the_standard_library(tmp_path):
                                     "def f(prompt, completion, answer):\n"
                                     "    return float(hasattr(tabnanny, 'check')) * helper.ONE\n")
     (tmp_path / "helper.py").write_text("ONE = 1.0\n")  # the reward's own module, beside it
-    code = ("import sys; from sparrowrl.job import load; from sparrowrl.trainer import make_task; "
+    code = ("import sys; from sparrowrl.job import load; from sparrowrl.tasks import for_job; "
             "assert 'tabnanny' not in sys.modules; "
-            f"_, r = make_task(load({str(tmp_path / 'j.yaml')!r}).spec); "
+            f"_, r = for_job(load({str(tmp_path / 'j.yaml')!r}).spec); "
             "import tabnanny; print(r('', '', ''), tabnanny.__file__)")
     write_job(tmp_path / "j.yaml", task={"builtin": "add", "reward": "rw:f"})
     p = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,

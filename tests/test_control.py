@@ -123,7 +123,7 @@ def test_a_malformed_body_is_refused_with_its_field_before_anything_acts(trainer
 
     asyncio.run(go())
     c = trainer.coord.counts
-    assert (c.admitted, c.verified, list(trainer.coord.leases), trainer.seen) == (0, 0, [], {})
+    assert (c.admitted, c.verified, list(trainer.coord.leases), trainer.control.seen) == (0, 0, [], {})
 
 
 @pytest.mark.usefixtures("address_space_limit")

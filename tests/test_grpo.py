@@ -42,14 +42,13 @@ def test_the_trainers_batch_scores_each_row_as_a_forward_of_that_row_alone():
     """Prompts of different lengths are left-padded and completions right-padded into one batch;
     each row's completion log-probs must be those of the row on its own (2 layers, so padding
     leaking into later layers would show)."""
-    from sparrowrl.trainer import _pad
 
     tok = models.char_tokenizer()
     m = models.tiny_qwen3(len(tok), 32, 2, 2, 0).eval()
     rows = [(models.prompt_ids(tok, "1+2="), [5, 6, 2], [0.0] * 3),
             (models.prompt_ids(tok, "11+12="), [7, 2], [0.0] * 2),
             (models.prompt_ids(tok, "3="), [8, 9, 10, 2], [0.0] * 4)]
-    ids, att, pos, mask, _ = _pad(rows, tok.pad_token_id)
+    ids, att, pos, mask, _ = grpo.pad(rows, tok.pad_token_id)
     n = max(len(p) for p, _, _ in rows)
     both = grpo.token_logprobs(m, ids, att, n, 0.7, pos)
     for i, (p, c, _) in enumerate(rows):

@@ -47,9 +47,9 @@ def step(run: Run) -> dict:
 
     asyncio.run(over_http(run, calls))
     batch = run.coord.take(0)
-    run._touch()
-    partial = {"version": 1, "step": 0, **run.trainer.train(batch), "generate_s": 0.2, "wait_s": 0.0}
-    run.trainer.checkpoint(partial)
+    run.control.touch()
+    partial = {"version": 1, "step": 0, **run.learner.train(batch), "generate_s": 0.2, "wait_s": 0.0}
+    run.learner.checkpoint(partial)
     return partial
 
 
@@ -59,16 +59,16 @@ def test_killed_between_checkpoint_and_publish_it_publishes_the_same_bytes(tmp_p
     publishes, bit for bit, under the same delta."""
     whole, killed = Run(JOB, tmp_path / "whole", token=""), Run(JOB, tmp_path / "killed", token="")
     step(whole)
-    whole.trainer.publish()
+    whole.learner.publish()
     partial = step(killed)
     assert Store(tmp_path / "killed" / "store").newest == 0
     again = Run(JOB, tmp_path / "killed", token="")  # the killed process's objects are never used again
-    a, b = whole.trainer.store.versions[1], again.trainer.store.versions[1]
+    a, b = whole.learner.store.versions[1], again.learner.store.versions[1]
     assert (b.state_hash, b.delta_sha256) == (a.state_hash, a.delta_sha256)
-    assert state_hash(again.trainer.store.materialize(1)) == state_hash(models.policy_state(whole.trainer.model))
-    assert again.restarts == 1 and again.trainer.version == again.coord.published == again.coord.taken == 1
-    assert again.rows[1]["reward_mean"] == partial["reward_mean"]  # the step's row, completed from the store
-    assert again.rows[1]["payload_bytes"] == a.delta_bytes
+    assert state_hash(again.learner.store.materialize(1)) == state_hash(models.policy_state(whole.learner.model))
+    assert again.ledger.restarts == 1 and again.learner.version == again.coord.published == again.coord.taken == 1
+    assert again.ledger.rows[1]["reward_mean"] == partial["reward_mean"]  # the step's row, completed from the store
+    assert again.ledger.rows[1]["payload_bytes"] == a.delta_bytes
 
 
 def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
@@ -118,7 +118,7 @@ def test_a_stale_partial_delta_is_removed(tmp_path):
     partial.write_bytes(b"half a delta")
     assert Store(tmp_path / "store").producing() == [1]
     again = Run(JOB, tmp_path, token="")
-    assert again.trainer.store.producing() == [] and not partial.exists()
+    assert again.learner.store.producing() == [] and not partial.exists()
 
 
 def test_another_jobs_state_or_a_stranger_folder_is_refused(tmp_path):

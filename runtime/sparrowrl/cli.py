@@ -408,10 +408,10 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
                        "spec": {**j.spec.model_dump(by_alias=True, exclude_none=True), "steps": steps}}, "--steps")
     except JobError as e:
         _fail(e)
-    from sparrowrl.trainer import make_task
+    from sparrowrl import tasks
 
     try:
-        make_task(j.spec)  # the task's data and reward load before any process starts
+        tasks.for_job(j.spec)  # the task's data and reward load before any process starts
     except (ValueError, OSError) as e:
         _fail(JobError(f"{job}: spec.task: {e}"))
     try:
@@ -491,13 +491,14 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
     import asyncio
 
     from sparrowrl.job import JobError, load
-    from sparrowrl.trainer import make_task, serve
+    from sparrowrl import tasks
+    from sparrowrl.trainer import serve
 
     token = _server_token(host, port)
     _in_range("--metrics-port", metrics_port, 1, 65535)
     try:
         j = load(job)
-        make_task(j.spec)
+        tasks.for_job(j.spec)
     except (JobError, ValueError) as e:
         _fail(e)
     import socket

@@ -40,3 +40,22 @@ def loss(logp: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor, ma
     n = mask.sum().clamp(min=1)
     stats["clipped"] = float((((ratio - 1).abs() > clip).float() * mask).sum() / n)
     return (per_token * mask).sum() / n, stats
+
+
+def pad(rows: list[tuple[list[int], list[int], list[float]]], pad_id: int):
+    """Left-pad prompts, right-pad completions: prompts end at one column, so completion token j
+    sits at the same position in every row."""
+    n_prompt = max(len(p) for p, _, _ in rows)
+    n_comp = max(len(c) for _, c, _ in rows)
+    ids = torch.full((len(rows), n_prompt + n_comp), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    mask = torch.zeros(len(rows), n_comp)
+    behaviour = torch.zeros(len(rows), n_comp)
+    for i, (p, c, lp) in enumerate(rows):
+        ids[i, n_prompt - len(p):n_prompt] = torch.tensor(p)
+        ids[i, n_prompt:n_prompt + len(c)] = torch.tensor(c, dtype=torch.long)
+        attention[i, n_prompt - len(p):n_prompt + len(c)] = 1
+        mask[i, :len(c)] = 1
+        behaviour[i, :len(c)] = torch.tensor(lp)
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    return ids, attention, positions, mask, behaviour

@@ -11,6 +11,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
                           Qwen3ForCausalLM)
 
+from sparrowrl.tasks import Task
+
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 CHARS = string.digits + string.ascii_lowercase + " +-*=?:<>,.()"
 
@@ -83,3 +85,22 @@ def completion_text(tok, ids: list[int]) -> str:
     if tok.eos_token_id in ids:
         ids = ids[:ids.index(tok.eos_token_id)]
     return tok.decode(ids, skip_special_tokens=True)
+
+
+def warm_up(model: torch.nn.Module, tok, task: Task, steps: int, batch: int = 64, lr: float = 3e-3) -> None:
+    """Stand in for pretraining: teach a model made from scratch the task's answers, but let half
+    of them run on (`7` as `7=7`), so that it knows the answers and often fails to stop, the kind
+    of habit RL post-training removes."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for s in range(steps):
+        exs = [task.example(10**9 + s * batch + i) for i in range(batch)]  # far beyond any RL prompt
+        answers = [e.answer if i % 2 else f"{e.answer}={e.answer}" for i, e in enumerate(exs)]
+        ids = [prompt_ids(tok, e.prompt) + tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id]
+               for e, a in zip(exs, answers)]
+        n = max(map(len, ids))
+        x = torch.tensor([i + [tok.pad_token_id] * (n - len(i)) for i in ids])
+        labels = torch.tensor([i + [-100] * (n - len(i)) for i in ids])
+        loss = model(input_ids=x, attention_mask=(labels != -100).long(), labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()

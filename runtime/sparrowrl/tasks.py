@@ -16,9 +16,12 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from sparrowrl.limits import MAX_TASK_BYTES, read_bounded
+
+if TYPE_CHECKING:
+    from sparrowrl.job import JobSpec
 
 Reward = Callable[[str, str, str], float]
 
@@ -149,3 +152,10 @@ class Jsonl(Task):
 
 
 BUILTIN: dict[str, type[Task]] = {"add": Add, "reverse": Reverse}
+
+
+def for_job(spec: JobSpec) -> tuple[Task, Reward]:
+    """The job's task and its reward function (a user's file is read here: errors name it)."""
+    t = spec.task
+    task = BUILTIN[t.builtin](spec.seed) if t.builtin else Jsonl(spec.seed, t.jsonl)
+    return task, reward_function(t.reward or task.default_reward)

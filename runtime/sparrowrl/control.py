@@ -1,0 +1,215 @@
+"""The trainer's control plane: what workers ask of it over HTTP. Thin handlers over the
+coordinator's decisions (coordinator.py):
+
+    GET  /v1/job, /v1/model[/NAME]   what a worker builds its engine from
+    POST /v1/work                    a lease, a version to reach first, wait, or done
+    POST /v1/results                 a lease's samples, admitted or refused
+    POST /v1/commit                  the version a worker now holds and its hash, checked
+
+Each POST acts once per idempotency key (`once`). Every change to the coordinator goes through
+`touch`: the trainer journals it before the request is answered, and whoever waits wakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Callable
+
+from aiohttp import web
+
+from sparrowrl import messages, models
+from sparrowrl.coordinator import Coordinator
+from sparrowrl.job import JobSpec
+from sparrowrl.learner import Learner
+
+
+def group_seed(job_seed: int, group: int) -> int:
+    """Sampling is seeded per prompt group, so a group's samples depend only on the weights."""
+    return (job_seed * 1_000_003 + group) % 2**63
+
+
+def once(model: type[messages.Body]):
+    """A control POST whose body is a valid `model` acts once per idempotency key
+    (`Client.post_json` sends the same key on every retry). A retry after a lost answer, or
+    while the first is still being answered, gets the first answer: not a second lease, a
+    second admission or a second commit. A malformed body is a 400 naming the field; malformed
+    results whose lease can be read refuse that lease, whose groups go back to the queue."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def answer(self: Control, request: web.Request) -> web.Response:
+            raw = None
+            try:
+                raw = await request.json()
+                body = messages.parse(model, raw).model_dump()
+            except (ValueError, RecursionError) as e:  # ValueError: also a body that is not JSON
+                reason = f"{request.path}: {e if isinstance(e, ValueError) else 'JSON nested too deeply'}"
+                if model is messages.Results and (lease := _lease_of(raw)):
+                    self.coord.refuse(lease.lease, lease.worker)
+                    self.touch()
+                    return web.json_response({"admitted": 0, "refused": reason})
+                raise web.HTTPBadRequest(text=reason) from None
+            key = request.headers.get("Idempotency-Key")
+            slot = (request.path, body["worker"])  # each worker's latest request per route
+            last = self.answers.get(slot)
+            if key is None or last is None or last[0] != key:
+                last = self.answers[slot] = (key, asyncio.ensure_future(handler(self, body)))
+            return web.json_response(await asyncio.shield(last[1]))  # a dropped connection does not cancel it
+
+        return answer
+
+    return wrap
+
+
+def _lease_of(raw: object) -> messages.LeaseOf | None:
+    try:
+        return messages.LeaseOf.model_validate(raw, strict=False) if isinstance(raw, dict) else None
+    except ValueError:
+        return None
+
+
+class Control:
+    """The routes workers call, and what the trainer knows of its workers. `journal(admitted)`
+    records a change (with the (batch, groups) just admitted) before it is answered."""
+
+    def __init__(self, spec: JobSpec, learner: Learner, coord: Coordinator,
+                 journal: Callable[[tuple[int, list[int]] | None], None]):
+        self.spec, self.learner, self.coord, self.journal = spec, learner, coord, journal
+        self.seen: dict[str, float] = {}  # worker → when it last called
+        self.regions: dict[str, str] = {}  # worker → the region it says it is in
+        self.first: dict[str, int] = {}  # worker → the first version it committed
+        self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
+        self.fetch: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
+        self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `once`
+        self.begun = False  # rollouts have started (see `started`)
+        self.t_start = time.time()
+        self._changed = asyncio.Event()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/v1/job", self.h_job), web.get("/v1/model", self.h_model),
+                web.get(r"/v1/model/{name:[A-Za-z0-9][-A-Za-z0-9_.]{0,127}}", self.h_model_file),
+                web.post("/v1/work", self.h_work), web.post("/v1/results", self.h_results),
+                web.post("/v1/commit", self.h_commit)]
+
+    # ---- across a restart ----
+    def state(self) -> dict:
+        return {"begun": self.begun, "regions": self.regions, "first": self.first, "gen": self.gen}
+
+    def restore(self, state: dict, taken: int) -> None:
+        self.begun, self.regions, self.first = state["begun"], state["regions"], state["first"]
+        self.gen = {int(b): x for b, x in state["gen"].items() if int(b) >= taken}
+
+    # ---- one way to wait for a change ----
+    def touch(self, admitted: tuple[int, list[int]] | None = None) -> None:
+        """The coordinator's state changed: journal it, then wake whoever waits for a change."""
+        self.journal(admitted)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def until_changed(self, seconds: float) -> None:
+        """Until the coordinator's state changes (a publish, a result, a commit), or `seconds`."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(0.0, seconds))
+        except TimeoutError:
+            pass
+
+    def started(self) -> bool:
+        """Rollouts start once every worker of the topology has called in (so all of them share
+        the first batch), or after one lease period with those that have."""
+        expected = sum(r.workers for r in self.spec.topology.regions)
+        self.begun = self.begun or len(self.seen) >= expected or \
+            time.time() - self.t_start > self.spec.rollout.lease_seconds
+        return self.begun
+
+    @property
+    def workers(self) -> list[str]:
+        """Workers heard from within a lease period: a lost one stops counting."""
+        now = time.monotonic()
+        return sorted(w for w, t in self.seen.items() if now - t < self.spec.rollout.lease_seconds)
+
+    # ---- the routes ----
+    async def h_job(self, request: web.Request) -> web.Response:
+        g = self.spec.grpo
+        return web.json_response({"group_size": g.group_size, "temperature": g.temperature,
+                                  "max_new_tokens": g.max_new_tokens, "mode": self.spec.sync.mode,
+                                  "engine": self.spec.rollout.engine, "streams": self.spec.sync.streams})
+
+    async def h_model(self, request: web.Request) -> web.Response:
+        """The files a worker builds its engine from (the config and the tokenizer, no weights:
+        those come from the store), with their sizes and sha256: workers need no shared disk."""
+        return web.json_response({"files": self.learner.model_files})
+
+    async def h_model_file(self, request: web.Request) -> web.FileResponse:
+        name = request.match_info["name"]
+        if name not in {f["name"] for f in self.learner.model_files}:
+            raise web.HTTPNotFound(text=f"no model file {name!r}")
+        return web.FileResponse(self.learner.model_dir / name)
+
+    @once(messages.Work)
+    async def h_work(self, body: dict) -> dict:
+        self.seen[body["worker"]] = time.monotonic()
+        if body["region"]:
+            self.regions[body["worker"]] = body["region"]
+        deadline = time.monotonic() + 10
+        while True:
+            ans = self.coord.work(body["worker"], body["version"]) if self.started() else {"wait": True}
+            if "wait" not in ans or time.monotonic() > deadline:
+                break
+            await self.until_changed(1.0)
+        if "lease" in ans:
+            self.touch()  # journaled before it is answered: a restarted trainer knows the lease
+            tok = self.learner.tok
+            ans["lease"]["prompts"] = [{"group": g, "ids": models.prompt_ids(tok, self.learner.prompt(g).prompt),
+                                        "seed": group_seed(self.spec.seed, g)} for g in ans["lease"]["groups"]]
+        return ans
+
+    @once(messages.Results)
+    async def h_results(self, body: dict) -> dict:
+        self.seen[body["worker"]] = time.monotonic()
+        results = body["results"]
+        if bad := self._malformed(results):
+            self.coord.refuse(body["lease"], body["worker"])
+            self.touch()
+            return {"admitted": 0, "refused": bad}
+        ans = self.coord.submit(body["lease"], body["worker"], body["version"], body["state_hash"], results)
+        if ans["admitted"]:
+            self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
+        self.touch((ans["batch"], ans.pop("groups")) if ans["admitted"] else None)  # admitted: journaled first
+        return ans
+
+    def _malformed(self, results: dict[int, dict]) -> str | None:
+        """Workers are not trusted: a result that would break the training step is refused."""
+        g, vocab = self.spec.grpo, len(self.learner.tok)
+        for group, r in results.items():
+            samples = r["samples"]
+            if len(samples) != g.group_size:
+                return f"group {group}: {len(samples)} samples, the job's group size is {g.group_size}"
+            for x in samples:
+                t, lp = x["tokens"], x["logprobs"]
+                if not 1 <= len(t) <= g.max_new_tokens or len(t) != len(lp):
+                    return f"group {group}: {len(t)} tokens with {len(lp)} log-probs (1..{g.max_new_tokens} tokens)"
+                if not all(0 <= i < vocab for i in t):
+                    return f"group {group}: a token id outside the vocabulary (0..{vocab - 1})"
+        return None
+
+    @once(messages.Commit)
+    async def h_commit(self, body: dict) -> dict:
+        self.seen[body["worker"]] = time.monotonic()
+        deadline = time.monotonic() + 30
+        while body["version"] > self.coord.published and time.monotonic() < deadline:
+            # a worker can hold a delta before the trainer has finished storing it
+            await self.until_changed(1.0)
+        self.first.setdefault(body["worker"], body["version"])
+        ok = self.coord.commit(body["worker"], body["version"], body["state_hash"])
+        if body.get("fetch_s") is not None:
+            self.fetch.setdefault(body["version"], {})[body["worker"]] = body["fetch_s"]
+        self.touch()
+        return {"verified": ok}
+
+    def staged(self, version: int) -> bool:
+        """Whether every live worker has staged `version` (or started past it)."""
+        staged = self.fetch.get(version, {})
+        return all(w in staged or self.first.get(w, -1) >= version or self.coord.commits.get(w, (-1,))[0] >= version
+                   for w in self.workers)
