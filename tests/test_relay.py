@@ -156,9 +156,10 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
     from sparrowrl.transport.server import make_app
 
     path, states = history
-    table = Table(path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
+    table = Table("delta", 5, path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
     active = {"on": True}
-    app = make_app(path, TOKEN, pieces_override=lambda v: table if v == 5 and active["on"] else None)
+    app = make_app(path, TOKEN, arriving=lambda what, v, start: table if (what, v) == ("delta", 5) and active["on"]
+                   else None)
 
     async def go():
         runner = web.AppRunner(app)

@@ -102,6 +102,34 @@ class Store:
         with open(f, "rb") as fh:
             v.base_parts = [hashlib.sha256(block).hexdigest() for block in iter(lambda: fh.read(BASE_PART), b"")]
 
+    @classmethod
+    def mirror(cls, path: str | Path, base_every: int, version: int, state_hash: str) -> Store:
+        """An empty mirror of another store (a relay's), starting at `version`: an index with
+        that one entry and no files yet. `record` adds what arrives."""
+        if not 1 <= base_every <= MAX_BASE_EVERY:
+            raise StoreError(f"base_every must be 1..{MAX_BASE_EVERY:,}, got {base_every}")
+        path = Path(path)
+        (path / "bases").mkdir(parents=True, exist_ok=True)
+        (path / "deltas").mkdir(exist_ok=True)
+        cls._write_index(path, base_every, {version: Version(version, state_hash)})
+        return cls(path)
+
+    def record(self, *entries: Version) -> None:
+        """Add or replace index entries for files a mirror has put in place (a delta under its
+        content-hashed name), or will fetch on request (a base: `base` names it before the file
+        is here). The index never names a delta that is not here."""
+        with self._locked():
+            for v in entries:
+                if v.delta and not (self.path / "deltas" / v.delta).is_file():
+                    raise StoreError(f"v{v.version}: delta {v.delta} is not in the store")
+                self.versions[v.version] = v
+            try:
+                _check_index(self.base_every, self.versions, len(self.versions))
+            except ValueError as e:
+                self.__init__(self.path)  # the index on disk is untouched
+                raise StoreError(f"refused index entry: {e}") from None
+            self._write_index(self.path, self.base_every, self.versions)
+
     @staticmethod
     def _write_index(path: Path, base_every: int, versions: dict[int, Version]) -> None:
         data = {"format": FORMAT, "base_every": base_every,

@@ -19,6 +19,7 @@ to the clients as soon as it has verified.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import re
@@ -27,12 +28,12 @@ import traceback
 import uuid
 from pathlib import Path
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from sparrowrl.store import BASE_PART, Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.metrics import add_metrics, family
-from sparrowrl.transport.server import SERVED, add_health, make_app
+from sparrowrl.transport.server import SERVED, add_health, listing_json, make_app, over
 
 
 MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
@@ -58,11 +59,15 @@ def _own_cache(folder: Path) -> bool:
 
 
 class Table:
-    """The verified pieces of a file being mirrored (a delta, or a base), as the relay's
-    workers see them."""
+    """A file being mirrored (a delta, or a base): the pieces that have verified so far, in
+    arrival order, as the relay's workers see them. A `server.Served`: it lists them (long-polled)
+    and sends only their bytes, until it closes: stored (the store answers from then on), or
+    failed (a 503 with the error: its clients try another server)."""
 
-    def __init__(self, path: Path | None = None) -> None:
-        self.path = path  # where the verified pieces are written (bases: named after the epoch)
+    def __init__(self, what: str, v: int, path: Path, size: int | None = None) -> None:
+        self.what, self.v = what, v  # "delta" or "base", of version v
+        self.path = path  # where the verified pieces are written
+        self.size = size  # a base's, known from the listing; a delta's is not known until its end
         self.pieces: list[list] = []
         self.changed = asyncio.Event()
         self.epoch = uuid.uuid4().hex  # this list's order; a retried mirror lists in another
@@ -84,6 +89,82 @@ class Table:
     def close(self, error: str | None = None) -> None:
         self.closed, self.error = True, error
         self.changed.set()
+
+    def _failed(self) -> None:
+        if self.error:
+            raise web.HTTPServiceUnavailable(text=f"relay could not fetch {self.what} v{self.v}: {self.error}")
+
+    async def listing(self, request: web.Request, after: int, deadline: float) -> web.Response | None:
+        loop = asyncio.get_running_loop()
+        while len(self.pieces) <= after and not self.closed and loop.time() < deadline and not over(request):
+            try:
+                await asyncio.wait_for(self.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see over
+            except TimeoutError:
+                pass
+        self._failed()
+        if len(self.pieces) > after or not self.closed:
+            return listing_json(self.pieces, after, False, None, self.epoch)
+        return None
+
+    async def send(self, request: web.Request) -> web.StreamResponse | None:
+        """Only pieces that have verified, answered at once (503 for a range not yet in, never a
+        wait past a client's read timeout), read from a descriptor opened here so that the
+        fetch may finish meanwhile; ranges as the origin answers them. None once the fetch has
+        finished: the stored file answers. A client that listed its pieces elsewhere (the
+        origin, before falling back here) may ask for any range: it gets no byte that has not
+        verified."""
+        self._failed()
+        listing = "pieces" if self.what == "delta" else "base/pieces"
+        size, v = self.size, self.v
+        total = "*" if size is None else size
+        try:
+            r = request.http_range
+        except ValueError:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"}) from None
+        if size is None and (r.start is None or r.start < 0 or r.stop is None):
+            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
+                f"delta v{v} is still reaching this relay: its size is not known yet, so ask for a range "
+                f"with both ends (/v1/versions/{v}/pieces lists those that are here)"))
+        start = 0 if r.start is None else max(0, size + r.start) if r.start < 0 else r.start
+        stop = r.stop if size is None else size if r.stop is None else min(r.stop, size)
+        if start >= stop:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"})
+        if not _covered(self.pieces, start, stop):
+            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
+                f"{self.what} v{v}: bytes {start}-{stop - 1} have not reached this relay yet "
+                f"(/v1/versions/{v}/{listing} lists the pieces that have)"))
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            self._failed()
+            return None
+        with f:
+            ranged = hdrs.RANGE in request.headers
+            resp = web.StreamResponse(status=206 if ranged else 200, headers={
+                hdrs.ACCEPT_RANGES: "bytes", hdrs.CONTENT_TYPE: "application/octet-stream",
+                **({hdrs.CONTENT_RANGE: f"bytes {start}-{stop - 1}/{total}"} if ranged else {})})
+            resp.content_length = stop - start
+            try:
+                await resp.prepare(request)
+                if request.method == "GET":  # as aiohttp's FileResponse sends: sendfile, past the writer
+                    if request.transport is None:
+                        raise ConnectionResetError("connection lost")
+                    await asyncio.get_running_loop().sendfile(request.transport, f, start, stop - start)
+                await resp.write_eof()
+            except ConnectionResetError:  # the client went away: nothing to answer
+                pass
+            return resp
+
+
+def _covered(pieces: list[list], start: int, stop: int) -> bool:
+    """Whether pieces ([offset, length, sha256], any order) cover bytes start..stop-1."""
+    for offset, length, _ in sorted(pieces):
+        if offset > start:
+            return False
+        start = max(start, offset + length)
+        if start >= stop:
+            return True
+    return start >= stop
 
 
 class Relay:
@@ -143,8 +224,7 @@ class Relay:
             self._drop_bases(lambda v: True)
             for f in [*(self.mirror / "deltas").iterdir(), *(self.mirror / "bases").iterdir()]:
                 f.unlink()
-            Store._write_index(self.mirror, every, {start: Version(start, entries[start]["state_hash"])})
-            store = self._store()
+            store = Store.mirror(self.mirror, every, start, entries[start]["state_hash"])
             wanted = [v for v in wanted if v > start]
         self._list_bases(entries.values())  # also any whose listing an earlier pass missed
         for v in wanted:
@@ -168,11 +248,9 @@ class Relay:
             # stored, indexed and unlisted as in flight in one go: its readers never see it missing
             name = f"v{v:08d}-{digest[:16]}.spd"
             os.replace(partial, self.mirror / "deltas" / name)
-            versions = self._store().versions  # read just now: only this loop writes the index
-            versions[v] = Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"])
-            Store._write_index(self.mirror, every, versions)
+            store.record(Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"]))
             self.tables.pop(v).close()
-            if v % every == 0 and not entry["base"]:  # its snapshot is written after its delta
+            if store.base_due(v) and not entry["base"]:  # its snapshot is written after its delta
                 entry = await self._listed(c, v, "base")
                 if entry is None:
                     print(f"relay: upstream listed no base snapshot of v{v}", flush=True)
@@ -194,12 +272,10 @@ class Relay:
             return
         new = [e for e in entries if e["base"] and e["version"] in store.versions
                and not store.versions[e["version"]].base and e["state_hash"] == store.versions[e["version"]].state_hash]
-        for e in new:
-            info = store.versions[e["version"]]
-            info.base, info.base_bytes, info.base_parts = (f"v{info.version:08d}.safetensors", e["base"]["bytes"],
-                                                           list(e["base"]["parts"]))
         if new:
-            Store._write_index(self.mirror, store.base_every, store.versions)
+            store.record(*(dataclasses.replace(store.versions[e["version"]], base=f"v{e['version']:08d}.safetensors",
+                                               base_bytes=e["base"]["bytes"], base_parts=list(e["base"]["parts"]))
+                           for e in new))
 
     async def _mirror_delta(self, c: Client, v: int) -> tuple[Path, str, int]:
         """Fetch delta v (also while upstream still writes it) into the mirror's partial file,
@@ -207,7 +283,7 @@ class Relay:
         in whatever order the streams deliver: one slow piece holds back only itself. The
         piece table stays listed until the caller has stored the file."""
         partial = self.mirror / "deltas" / f".v{v:08d}.partial"
-        table = self.tables[v] = Table(partial)
+        table = self.tables[v] = Table("delta", v, partial)
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
@@ -237,6 +313,10 @@ class Relay:
             await asyncio.sleep(0.05)
         return None
 
+    def arriving(self, what: str, v: int, start: bool) -> Table | None:
+        """What the relay's server answers from while it is still arriving (`server.Served`)."""
+        return self.tables.get(v) if what == "delta" else self.base_table(v, start)
+
     def base_table(self, v: int, start: bool = True) -> Table | None:
         """The parts of v's base snapshot that have arrived, where the mirror lists the base but
         does not hold its file: the first request (`start`) starts the one fetch, later ones
@@ -250,8 +330,8 @@ class Relay:
         if info is None or not info.base or (self.mirror / "bases" / info.base).exists() \
                 or self.client is None:
             return None
-        table = Table()
-        table.path = self.mirror / "bases" / f".{info.base}.{table.epoch[:12]}.partial"
+        table = Table("base", v, self.mirror / "bases" / f".{info.base}.{uuid.uuid4().hex[:12]}.partial",
+                      info.base_bytes)
         self.bases[v] = table, asyncio.create_task(self._fetch_base(self.client, info, table))
         return table
 
@@ -307,7 +387,7 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
     """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it."""
-    app = make_app(relay.mirror, token, pieces_override=lambda v: relay.tables.get(v), base_override=relay.base_table)
+    app = make_app(relay.mirror, token, arriving=relay.arriving)
     add_health(app, relay.synced.is_set)  # ready once it has listed upstream and mirrors its versions
 
     def metrics() -> list:

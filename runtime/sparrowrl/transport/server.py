@@ -24,19 +24,19 @@ Files are immutable and content-hashed, so responses carry strong ETags.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import ipaddress
 import math
 import os
 import ssl
 from pathlib import Path
-from typing import Callable
+from collections.abc import Iterator
+from typing import Callable, Protocol
 
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from sparrowrl.delta.errors import DeltaError
-from sparrowrl.delta.frame import CHUNK, CHUNK_MAGIC, END, HEAD, TRAILER
+from sparrowrl.delta.frame import Pieces
 from sparrowrl.limits import open_regular
 from sparrowrl.store import BASE_PART, Store, StoreError
 
@@ -49,19 +49,67 @@ MANIFESTS = web.AppKey("manifests", dict)
 CACHE = web.AppKey("cache", dict)
 STOPPING = web.AppKey("stopping", asyncio.Event)
 PIECES = web.AppKey("pieces", dict)
-OVERRIDE = web.AppKey("pieces_override", object)
-BASE_OVERRIDE = web.AppKey("base_override", object)
+ARRIVING = web.AppKey("arriving", object)
 SERVED = web.AppKey("served", dict)
+WATCH = web.AppKey("watch", object)
+TICK = 0.01  # how often the one watcher of a store looks for a change, while someone waits for one
+
+
+class Watch:
+    """The one way a server waits for its store to change (a new version in the index, a delta
+    growing), however it changes: written by this process (the trainer, a relay) or another
+    (`sparrowrl store add`). One poller per store, running only while a request waits; the
+    long-polls wait on it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._seen = self._look()
+        self._event = asyncio.Event()
+        self._waiters = 0
+        self._task: asyncio.Task | None = None
+
+    def _look(self) -> tuple:
+        try:
+            st = (self.path / "store.json").stat()
+            index = st.st_ino, st.st_mtime_ns
+            growing = sorted((f.name, f.stat().st_size) for f in (self.path / "deltas").glob(".v*.partial"))
+        except OSError:  # a file went while we looked: that is a change too
+            return (None,)
+        return index, growing
+
+    async def _poll(self) -> None:
+        while self._waiters:
+            if (now := self._look()) != self._seen:
+                self._seen = now
+                self._event.set()
+                self._event = asyncio.Event()
+            await asyncio.sleep(TICK)
+        self._task = None
+
+    async def changed(self, seconds: float) -> None:
+        """Until the store changes, or `seconds` pass. A change since the last waiter left wakes
+        the next at once (a spurious wake at most: callers look again)."""
+        event = self._event
+        self._waiters += 1
+        if self._task is None:
+            self._task = asyncio.create_task(self._poll())
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, seconds))
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters -= 1
 
 
 def _store(request: web.Request) -> Store:
     """The store's index, re-read only when store.json changes (long-polls stat it often)."""
     path = request.app[STORE]
     try:
-        mtime = (path / "store.json").stat().st_mtime_ns
+        st = (path / "store.json").stat()
+        seen = st.st_ino, st.st_mtime_ns  # each write is a new file (renamed into place): a new inode
         cached = request.app[CACHE]
-        if cached.get("mtime") != mtime:
-            cached.update(mtime=mtime, store=Store(path))
+        if cached.get("seen") != seen:
+            cached.update(seen=seen, store=Store(path))
         return cached["store"]
     except (StoreError, OSError) as e:
         raise web.HTTPServiceUnavailable(text=f"store unavailable: {e}") from None
@@ -120,7 +168,7 @@ def _wait(request: web.Request) -> float:
     return min(value, MAX_WAIT)
 
 
-def _over(request: web.Request) -> bool:
+def over(request: web.Request) -> bool:
     """Whether a long-poll should stop waiting: the server is stopping, or its client has gone
     (aiohttp does not cancel a handler when its client disconnects)."""
     transport = request.transport
@@ -138,8 +186,8 @@ async def versions(request: web.Request) -> web.Response:
         return (after is not None and max([store.newest, *store.producing()]) <= after) or \
             (base is not None and not gone and not getattr(store.versions.get(base), "base", None))
     store = _store(request)
-    while waiting(store) and loop.time() < deadline and not _over(request):
-        await asyncio.sleep(0.05)
+    while waiting(store) and loop.time() < deadline and not over(request):
+        await request.app[WATCH].changed(min(1.0, deadline - loop.time()))  # 1 s: see over
         store = _store(request)
     return web.json_response(_listing(store))
 
@@ -178,83 +226,109 @@ def _file(store: Store, sub: str, name: str, etag: str) -> web.FileResponse:
     return resp
 
 
-async def delta(request: web.Request) -> web.StreamResponse:
-    v = int(request.match_info["version"])
-    table = request.app[OVERRIDE](v)
-    if table is not None:  # a relay's delta in flight, written in arrival order: verified pieces only
-        resp = await _verified(request, table, v, None)
-        if resp is not None:
-            return resp
+class Served(Protocol):
+    """A file the server answers for: a delta or a base, stored here (`StoredDelta`,
+    `StoredBase`) or still arriving (a relay's mirror in flight, `relay.Table`). It lists its
+    pieces, long-polled until `deadline` (the loop's time), and sends its bytes (HTTP Range).
+    None: not, or no longer, this source's to answer (it is stored now): the store answers."""
+
+    async def listing(self, request: web.Request, after: int, deadline: float) -> web.Response | None: ...
+
+    async def send(self, request: web.Request) -> web.StreamResponse | None: ...
+
+
+def listing_json(pieces: list[list], after: int, complete: bool, size: int | None, epoch: str) -> web.Response:
+    return web.json_response({"pieces": pieces[after:], "complete": complete, "bytes": size, "epoch": epoch})
+
+
+class StoredDelta:
+    """A delta in the store, or growing there (the trainer writing it: cut-through, in file order)."""
+
+    def __init__(self, request: web.Request, v: int):
+        self.store, self.v = _store(request), v
+
+    def _open(self):
+        """The delta file of v, growing (being written) or finished; None if neither."""
+        try:
+            return open(self.store.partial_path(self.v), "rb")
+        except FileNotFoundError:
+            info = self.store.versions.get(self.v)
+            if info is None or not info.delta:
+                return None
+            return open(self.store.path / "deltas" / info.delta, "rb")
+
+    async def listing(self, request: web.Request, after: int, deadline: float) -> web.Response:
+        f = self._open()
+        if f is None:
+            raise web.HTTPNotFound(text=f"version {self.v} is neither stored nor being written")
+        loop = asyncio.get_running_loop()
+        with f:
+            st = request.app[PIECES].setdefault((self.v, os.fstat(f.fileno()).st_ino), Pieces())  # hashed once
+            while True:
+                st.scan(f.fileno(), os.fstat(f.fileno()).st_size)
+                if len(st.pieces) > after or st.complete or loop.time() >= deadline or over(request):
+                    break
+                await request.app[WATCH].changed(min(1.0, deadline - loop.time()))  # 1 s: see over
+        return listing_json(st.pieces, after, st.complete, st.bytes, "file")
+
+    async def send(self, request: web.Request) -> web.StreamResponse:
+        store, v = self.store, self.v
+        if v not in store.versions and store.partial_path(v).exists():  # growing: ranges of what is written
+            return web.FileResponse(store.partial_path(v))
+        v = _version(request, store)
+        info = store.versions[v]
+        if not info.delta:
+            raise web.HTTPNotFound(text=f"version {v} has no delta")
+        return _file(store, "deltas", info.delta, info.delta_sha256)
+
+
+class StoredBase:
+    """A base snapshot this store lists. A relay lists bases it does not hold (it fetches one on
+    request): without the file, and not arriving, a 503 says to ask again (a 404 would say it
+    does not exist)."""
+
+    def __init__(self, store: Store, v: int, info):
+        self.store, self.v, self.info = store, v, info
+
+    def _here(self) -> None:
+        if not (self.store.path / "bases" / self.info.base).exists():
+            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
+                f"base v{self.v} is not at this relay yet (/v1/versions/{self.v}/base/pieces fetches it)"))
+
+    async def listing(self, request: web.Request, after: int, deadline: float) -> web.Response:
+        self._here()
+        size = self.info.base_bytes
+        parts = [[i * BASE_PART, min(BASE_PART, size - i * BASE_PART), h] for i, h in enumerate(self.info.base_parts)]
+        return listing_json(parts, after, True, size, "file")
+
+    async def send(self, request: web.Request) -> web.StreamResponse:
+        self._here()
+        return _file(self.store, "bases", self.info.base, f"base-{self.info.state_hash}")
+
+
+def _base(request: web.Request) -> StoredBase:
     store = _store(request)
-    if v not in store.versions and store.partial_path(v).exists():  # growing (in order): ranges of what is written
-        return web.FileResponse(store.partial_path(v))
     v = _version(request, store)
     info = store.versions[v]
-    if not info.delta:
-        raise web.HTTPNotFound(text=f"version {v} has no delta")
-    return _file(store, "deltas", info.delta, info.delta_sha256)
+    if not info.base:
+        raise web.HTTPNotFound(text=f"version {v} has no base snapshot")
+    return StoredBase(store, v, info)
 
 
-def _complete(fd: int, size: int) -> bool:
-    """Whether `size` bytes of a delta end in a consistent trailer (the writer has finished)."""
-    if size < TRAILER.size:
-        return False
-    offset, length, _, end = TRAILER.unpack(os.pread(fd, TRAILER.size, size - TRAILER.size))
-    return end == END and offset + length + TRAILER.size == size
+def _sources(request: web.Request, kind: str, v: int, start: bool, stored: Callable[[], Served]) -> Iterator[Served]:
+    """Who answers for file `kind` of version v: what is arriving (a relay's; `start`: a request
+    that may start a base's fetch), then the store."""
+    arriving = request.app[ARRIVING](kind, v, start)
+    if arriving is not None:
+        yield arriving
+    yield stored()
 
 
-def _open_delta(store: Store, v: int) -> tuple[object, bool]:
-    """The delta file of v, growing (being written) or finished; None if neither."""
-    try:
-        return open(store.partial_path(v), "rb"), True
-    except FileNotFoundError:
-        info = store.versions.get(v)
-        if info is None or not info.delta:
-            return None, False
-        return open(store.path / "deltas" / info.delta, "rb"), False
-
-
-def _scan(fd: int, size: int, cache: dict, key: tuple) -> dict:
-    """The pieces of a (possibly growing) delta file that are complete: the header, each whole
-    chunk, and once the file is complete the tail (manifest and trailer), each with the sha256
-    of its bytes. Parsed incrementally; what was hashed once is kept in `cache`."""
-    st = cache.setdefault(key, {"pieces": [], "next": None, "complete": False})
-    if st["next"] is None and size >= HEAD.size:
-        _, _, n = HEAD.unpack(os.pread(fd, HEAD.size, 0))
-        end = HEAD.size + n + 32
-        if size >= end:
-            st["pieces"].append([0, end, hashlib.sha256(os.pread(fd, end, 0)).hexdigest()])
-            st["next"] = end
-    while st["next"] is not None and not st["complete"]:
-        pos = st["next"]
-        head = os.pread(fd, CHUNK.size, pos)
-        if len(head) == CHUNK.size and head[:4] == CHUNK_MAGIC:
-            end = pos + CHUNK.size + CHUNK.unpack(head)[2]
-            if end > size:
-                break
-            st["pieces"].append([pos, end - pos, hashlib.sha256(os.pread(fd, end - pos, pos)).hexdigest()])
-            st["next"] = end
-        elif _complete(fd, size):
-            st["pieces"].append([pos, size - pos, hashlib.sha256(os.pread(fd, size - pos, pos)).hexdigest()])
-            st["complete"], st["bytes"] = True, size
-        else:
-            break
-    return st
-
-
-async def _await_table(request: web.Request, table, after: int, deadline: float, live) -> None:
-    """Wait until a relay's in-flight list has pieces beyond `after`, stops being `live()`, or
-    `deadline` passes."""
-    loop = asyncio.get_running_loop()
-    while len(table.pieces) <= after and live() and loop.time() < deadline and not _over(request):
-        try:
-            await asyncio.wait_for(table.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see _over
-        except TimeoutError:
-            pass
-
-
-def _table_json(table, after: int) -> web.Response:
-    return web.json_response({"pieces": table.pieces[after:], "complete": False, "bytes": None, "epoch": table.epoch})
+async def delta(request: web.Request) -> web.StreamResponse:
+    v = int(request.match_info["version"])
+    for src in _sources(request, "delta", v, False, lambda: StoredDelta(request, v)):
+        if (resp := await src.send(request)) is not None:
+            return resp
 
 
 async def pieces(request: web.Request) -> web.Response:
@@ -262,151 +336,43 @@ async def pieces(request: web.Request) -> web.Response:
     waiting up to S seconds for more while it is being written (multi-stream cut-through)."""
     v = int(request.match_info["version"])
     after = _int_param(request, "after", 0)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + _wait(request)
-    table = request.app[OVERRIDE](v)
-    if table is not None:  # a relay's delta in flight: its verified pieces, in arrival order
-        await _await_table(request, table, after, deadline, lambda: request.app[OVERRIDE](v) is table)
-        if len(table.pieces) > after or request.app[OVERRIDE](v) is not None:
-            return _table_json(table, after)
-    f, growing = _open_delta(_store(request), v)
-    if f is None:
-        raise web.HTTPNotFound(text=f"version {v} is neither stored nor being written")
-    with f:
-        key = (v, os.fstat(f.fileno()).st_ino)
-        while True:
-            st = _scan(f.fileno(), os.fstat(f.fileno()).st_size, request.app[PIECES], key)
-            if len(st["pieces"]) > after or st["complete"] or loop.time() >= deadline or _over(request):
-                break
-            await asyncio.sleep(0.01)
-    return web.json_response({"pieces": st["pieces"][after:], "complete": st["complete"],
-                              "bytes": st.get("bytes"), "epoch": "file"})
-
-
-def _base_info(request: web.Request):
-    store = _store(request)
-    v = _version(request, store)
-    info = store.versions[v]
-    if not info.base:
-        raise web.HTTPNotFound(text=f"version {v} has no base snapshot")
-    return store, v, info
-
-
-def _failed(table, v: int) -> None:
-    """A relay's base fetch that gave up: the client should try another server."""
-    if table.error:
-        raise web.HTTPServiceUnavailable(text=f"relay could not fetch base v{v}: {table.error}")
-
-
-def _here(store: Store, v: int, info) -> None:
-    """A base that a relay lists but neither holds nor is fetching (listing its parts starts
-    the fetch): not a 404, which would say it does not exist."""
-    if not (store.path / "bases" / info.base).exists():
-        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
-            f"base v{v} is not at this relay yet (/v1/versions/{v}/base/pieces fetches it)"))
+    deadline = asyncio.get_running_loop().time() + _wait(request)
+    for src in _sources(request, "delta", v, False, lambda: StoredDelta(request, v)):
+        if (resp := await src.listing(request, after, deadline)) is not None:
+            return resp
 
 
 async def base_pieces(request: web.Request) -> web.Response:
     """GET /v1/versions/V/base/pieces?after=I&wait=S: the base's parts that can be read, from the
     I-th on: all of them where the file is here (the origin); at a relay still fetching it, the
     parts that have verified so far, in arrival order, waiting up to S seconds for more."""
-    store, v, info = _base_info(request)
+    stored = _base(request)
     after = _int_param(request, "after", 0)
-    wait = _wait(request)
-    table = request.app[BASE_OVERRIDE](v, request.method == "GET")
-    if table is not None:
-        await _await_table(request, table, after, asyncio.get_running_loop().time() + wait, lambda: not table.closed)
-        _failed(table, v)
-        if len(table.pieces) > after or not table.closed:
-            return _table_json(table, after)
-    _here(store, v, info)
-    return web.json_response({"pieces": [[i * BASE_PART, min(BASE_PART, info.base_bytes - i * BASE_PART), h]
-                                         for i, h in enumerate(info.base_parts)][after:],
-                              "complete": True, "bytes": info.base_bytes, "epoch": "file"})
-
-
-def _covered(pieces: list[list], start: int, stop: int) -> bool:
-    """Whether pieces ([offset, length, sha256], any order) cover bytes start..stop-1."""
-    for offset, length, _ in sorted(pieces):
-        if offset > start:
-            return False
-        start = max(start, offset + length)
-        if start >= stop:
-            return True
-    return start >= stop
-
-
-async def _verified(request: web.Request, table, v: int, size: int | None) -> web.StreamResponse | None:
-    """Bytes of a file that a relay is still fetching (a base, or a delta of unknown `size`):
-    only pieces that have verified, answered at once (503 for a range not yet in, never a wait
-    past a client's read timeout), read from a descriptor opened here so that the fetch may
-    finish meanwhile; ranges as the origin answers them. None once the fetch has finished: the
-    stored file answers. A client that listed its pieces elsewhere (the origin, before falling
-    back here) may ask for any range: it gets no byte that has not verified."""
-    what, listing = ("delta", "pieces") if size is None else ("base", "base/pieces")
-    total = "*" if size is None else size
-    try:
-        r = request.http_range
-    except ValueError:
-        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"}) from None
-    if size is None and (r.start is None or r.start < 0 or r.stop is None):
-        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
-            f"delta v{v} is still reaching this relay: its size is not known yet, so ask for a range "
-            f"with both ends (/v1/versions/{v}/pieces lists those that are here)"))
-    start = 0 if r.start is None else max(0, size + r.start) if r.start < 0 else r.start
-    stop = r.stop if size is None else size if r.stop is None else min(r.stop, size)
-    if start >= stop:
-        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"})
-    if not _covered(table.pieces, start, stop):
-        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
-            f"{what} v{v}: bytes {start}-{stop - 1} have not reached this relay yet "
-            f"(/v1/versions/{v}/{listing} lists the pieces that have)"))
-    try:
-        f = open(table.path, "rb")
-    except FileNotFoundError:
-        _failed(table, v)
-        return None
-    with f:
-        ranged = hdrs.RANGE in request.headers
-        resp = web.StreamResponse(status=206 if ranged else 200, headers={
-            hdrs.ACCEPT_RANGES: "bytes", hdrs.CONTENT_TYPE: "application/octet-stream",
-            **({hdrs.CONTENT_RANGE: f"bytes {start}-{stop - 1}/{total}"} if ranged else {})})
-        resp.content_length = stop - start
-        try:
-            await resp.prepare(request)
-            if request.method == "GET":  # as aiohttp's FileResponse sends: sendfile, past the writer
-                if request.transport is None:
-                    raise ConnectionResetError("connection lost")
-                await asyncio.get_running_loop().sendfile(request.transport, f, start, stop - start)
-            await resp.write_eof()
-        except ConnectionResetError:  # the client went away: nothing to answer
-            pass
-        return resp
+    deadline = asyncio.get_running_loop().time() + _wait(request)
+    for src in _sources(request, "base", stored.v, request.method == "GET", lambda: stored):
+        if (resp := await src.listing(request, after, deadline)) is not None:
+            return resp
 
 
 async def base(request: web.Request) -> web.StreamResponse:
     """The base snapshot. A relay that lists it but does not hold it fetches it once its parts
     are listed (`base_pieces`), and meanwhile sends only parts that have verified."""
-    store, v, info = _base_info(request)
-    table = request.app[BASE_OVERRIDE](v, False)
-    if table is not None:
-        _failed(table, v)
-        resp = await _verified(request, table, v, info.base_bytes)
-        if resp is not None:
+    stored = _base(request)
+    for src in _sources(request, "base", stored.v, False, lambda: stored):
+        if (resp := await src.send(request)) is not None:
             return resp
-    _here(store, v, info)
-    return _file(store, "bases", info.base, f"base-{info.state_hash}")
 
 
-def make_app(store: str | Path, token: str = "", pieces_override=lambda v: None,
-             base_override=lambda v, start: None, max_body: int = 1 << 20) -> web.Application:
-    """`pieces_override(v)`: a relay's live piece table for a delta it is still mirroring;
-    `base_override(v, start)`: a relay's piece table for a base snapshot it is fetching (with
-    `start`, started by this call where it lists the base but does not hold it), None where
-    the file is here. `max_body`: the largest request body taken (413 beyond)."""
+def make_app(store: str | Path, token: str = "", arriving=lambda kind, v, start: None,
+             max_body: int = 1 << 20) -> web.Application:
+    """`arriving(kind, v, start)`: the `Served` for file `kind` ("delta" or "base") of version v
+    while it is still arriving (a relay's mirror in flight; with `start`, a request that may
+    start a base's fetch), else None: the store answers. `max_body`: the largest request body
+    taken (413 beyond)."""
     app = web.Application(middlewares=[auth], client_max_size=max_body)
-    app[OVERRIDE], app[BASE_OVERRIDE] = pieces_override, base_override
+    app[ARRIVING] = arriving
     app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
+    app[WATCH] = Watch(Path(store))
     app[STOPPING] = asyncio.Event()
     app[PIECES] = {}
     app[SERVED] = {"delta": 0, "base": 0}
