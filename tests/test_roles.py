@@ -94,6 +94,11 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
                 assert m[relay]["sparrowrl_sent_bytes_total", "kind", "base"] == \
                     m[f"http://127.0.0.1:{w0}"]["sparrowrl_received_bytes_total", "kind", "base"] > 0
                 assert m[f"http://127.0.0.1:{w0}"]["sparrowrl_commit_verifications_total", "result", "ok"] == 1
+                by_stream = {k[3:]: x for k, x in m[f"http://127.0.0.1:{w0}"].items()
+                             if k[:3] == ("sparrowrl_received_stream_bytes_total", "kind", "base")}
+                assert {k[:2] for k in by_stream} == {("server", relay)}  # its relay, not the origin
+                assert sum(by_stream.values()) == m[f"http://127.0.0.1:{w0}"]["sparrowrl_received_bytes_total",
+                                                                                 "kind", "base"]
             procs[name] = subprocess.Popen([EXE, *map(str, args)], cwd=tmp_path / name, env=env, text=True,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             wait_for(probes[name], procs)
@@ -127,7 +132,7 @@ def scrape(url: str, open_url: str) -> dict:
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=")
             text = r.read().decode()
-        out.append({(s.name, *next(iter(s.labels.items()))) if s.labels else s.name: s.value
+        out.append({(s.name, *(x for kv in s.labels.items() for x in kv)) if s.labels else s.name: s.value
                     for family in text_string_to_metric_families(text) for s in family.samples})
     assert out[0].keys() == out[1].keys()
     return out[0]

@@ -57,14 +57,15 @@ def add_metrics(app: web.Application, read: Callable[[], Iterable[Metric]],
 
 
 def family(kind: str, name: str, doc: str, value: float | None = None,
-           by: tuple[str, dict[str, float]] | None = None) -> Metric:
+           by: tuple[str | tuple[str, ...], dict] | None = None) -> Metric:
     """A `counter` (exposed as sparrowrl_NAME_total) or `gauge` family: one value, or one per
-    label value, `by` = (label, {label value: value})."""
+    label value, `by` = (label, {label value: value}); with several labels, (labels, {values: value})."""
     cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
     if by is None:
         return cls(f"sparrowrl_{name}", doc, value=value)
-    label, values = by
-    m = cls(f"sparrowrl_{name}", doc, labels=[label])
+    labels, values = by
+    labels = [labels] if isinstance(labels, str) else list(labels)
+    m = cls(f"sparrowrl_{name}", doc, labels=labels)
     for key, v in values.items():
-        m.add_metric([key], v)
+        m.add_metric([str(k) for k in (key if isinstance(key, tuple) else (key,))], v)
     return m

@@ -55,6 +55,8 @@ class Worker:
             family("gauge", "committed_version", "The version this worker generates with", self.version),
             family("gauge", "staleness", "Versions fetched but not yet committed", max(0, self.known - self.version)),
             family("counter", "received_bytes", "Verified bytes fetched, by kind", by=("kind", self.c.stats.kinds)),
+            family("counter", "received_stream_bytes", "Verified bytes fetched, by kind, server (relay or origin) "
+                   "and download stream", by=(("kind", "server", "stream"), self.c.stats.sources)),
         ]
 
     async def start(self) -> None:

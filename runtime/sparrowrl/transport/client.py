@@ -123,12 +123,60 @@ class Piece:
 
 @dataclass
 class Stats:
-    bytes: int = 0
+    bytes: int = 0  # verified bytes received
     kinds: dict[str, int] = field(default_factory=lambda: {"delta": 0, "base": 0})  # bytes by what they were
+    sources: dict[tuple[str, str, int], int] = field(default_factory=dict)  # (kind, server URL, stream) → bytes
     requests: int = 0
     retries: int = 0
     refetched: int = 0  # pieces that failed their checksum
     seconds: float = 0.0
+
+    def count(self, kind: str, server: str, stream: int, n: int) -> None:
+        self.bytes += n
+        self.kinds[kind] = self.kinds.get(kind, 0) + n
+        self.sources[kind, server, stream] = self.sources.get((kind, server, stream), 0) + n
+
+
+class _Queue:
+    """The pieces a download still needs, in file order, shared by its streams: each takes a
+    run of neighbouring pieces, about an equal share of what is known (at most `group_bytes`),
+    for one Range request. Pieces are added as the server lists them (cut-through) and again
+    when a stream fails them; `take` waits for more until the listing has ended."""
+
+    def __init__(self, streams: int, group_bytes: int):
+        self.streams, self.group_bytes = max(1, streams), group_bytes
+        self.pieces: list[Piece] = []
+        self.failures: dict[Piece, int] = {}
+        self.more = asyncio.Condition()
+        self.done = False  # the listing has ended
+
+    async def add(self, pieces: list[Piece]) -> None:
+        async with self.more:
+            self.pieces = sorted(self.pieces + pieces, key=lambda x: x.offset)
+            self.more.notify_all()
+
+    async def listed(self) -> None:
+        async with self.more:
+            self.done = True
+            self.more.notify_all()
+
+    def failed(self, p: Piece) -> int:
+        """Count a failed checksum of `p`; how many it has had."""
+        self.failures[p] = self.failures.get(p, 0) + 1
+        return self.failures[p]
+
+    async def take(self) -> list[Piece] | None:
+        """The next run of neighbouring pieces; None once the listing has ended and none are left."""
+        async with self.more:
+            await self.more.wait_for(lambda: self.pieces or self.done)
+            if not self.pieces:
+                return None
+            share = max(1, min(self.group_bytes, -(-sum(p.length for p in self.pieces) // self.streams)))
+            run = [self.pieces.pop(0)]
+            while self.pieces and self.pieces[0].offset == run[-1].offset + run[-1].length and \
+                    sum(p.length for p in run) + self.pieces[0].length <= share:
+                run.append(self.pieces.pop(0))
+            return run
 
 
 def _reusable(addr_info) -> socket.socket:
@@ -301,84 +349,58 @@ class Client:
 
     async def _pull(self, path: str, source, keep) -> None:
         """Fetch the pieces that `source` (an async iterator of lists) names, as they are named,
-        over parallel streams; `keep(piece, bytes)` receives each verified piece.
-
-        Each stream asks for a run of neighbouring pieces in one Range request (about an equal
-        share of what is known, at most `group_bytes`) and verifies them one by one as they
-        arrive, so a dropped connection costs only the piece in flight; the rest is asked for
-        again. A piece that fails its checksum is fetched again, `attempts` times at most."""
-        queue: list[Piece] = []
-        failures: dict[Piece, int] = {}
-        kind = path.rsplit("/", 1)[-1]  # .../delta or .../base
-        more = asyncio.Condition()
-        listed = False
-        t0 = time.perf_counter()
+        over parallel streams; `keep(piece, bytes)` receives each verified piece (see `_Queue`)."""
+        queue, kind, t0 = _Queue(self.streams, self.group_bytes), path.rsplit("/", 1)[-1], time.perf_counter()
 
         async def lister() -> None:
-            nonlocal listed
             try:
                 async for batch in source:
-                    async with more:
-                        queue.extend(batch)
-                        queue.sort(key=lambda x: x.offset)
-                        more.notify_all()
+                    await queue.add(batch)
             finally:
-                async with more:
-                    listed = True
-                    more.notify_all()
+                await queue.listed()
 
-        async def worker(i: int) -> None:
-            session = self._stream_sessions[i % len(self._stream_sessions)] if self._stream_sessions else self._session
-            while True:
-                async with more:
-                    await more.wait_for(lambda: queue or listed)
-                    if not queue:
-                        return
-                    share = max(1, min(self.group_bytes, -(-sum(p.length for p in queue) // max(1, self.streams))))
-                    pending = [queue.pop(0)]
-                    while queue and queue[0].offset == pending[-1].offset + pending[-1].length and \
-                            sum(p.length for p in pending) + queue[0].length <= share:
-                        pending.append(queue.pop(0))
-
-                async def request(url: str) -> None:
-                    start, end = pending[0].offset, pending[-1].offset + pending[-1].length
-                    async with session.get(url, headers={"Range": f"bytes={start}-{end - 1}"}) as r:
-                        await self._check(r, url)
-                        if r.status == 200:  # a server that ignores Range sends the whole file
-                            await r.content.readexactly(start)
-                        while pending:
-                            p = pending[0]
-                            data = await r.content.readexactly(p.length)
-                            await self._throttle(p.length)
-                            pending.pop(0)
-                            if hashlib.sha256(data).hexdigest() == p.sha256:
-                                keep(p, data)
-                                self.stats.bytes += p.length
-                                self.stats.kinds[kind] = self.stats.kinds.get(kind, 0) + p.length
-                                continue
-                            failures[p] = failures.get(p, 0) + 1
-                            self.stats.refetched += 1
-                            if failures[p] >= self.attempts:
-                                raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
-                                                 f"{failures[p]} times")
-                            async with more:  # asked for again later, maybe from another server
-                                queue.append(p)
-                                queue.sort(key=lambda x: x.offset)
-                                more.notify_all()
-
-                try:
-                    await self._attempts(path, request)
-                except FetchError:
-                    queue.extend(pending)
-                    raise
-
-        tasks = [asyncio.create_task(lister())] + [asyncio.create_task(worker(i)) for i in range(max(1, self.streams))]
+        tasks = [asyncio.create_task(lister())] + [asyncio.create_task(self._stream(i, path, kind, queue, keep))
+                                                   for i in range(max(1, self.streams))]
         try:
             await asyncio.gather(*tasks)
         finally:
             for t in tasks:
                 t.cancel()
         self.stats.seconds += time.perf_counter() - t0
+
+    async def _stream(self, i: int, path: str, kind: str, queue: _Queue, keep) -> None:
+        """Download stream i: takes runs of neighbouring pieces from `queue` and asks for each
+        run in one Range request, verifying piece by piece as they arrive, so a dropped
+        connection costs only the piece in flight; the rest go back to the queue. A piece that
+        fails its checksum goes back too, `attempts` times at most."""
+        session = self._stream_sessions[i % len(self._stream_sessions)] if self._stream_sessions else self._session
+        while (run := await queue.take()) is not None:
+            async def request(url: str) -> None:
+                start, end = run[0].offset, run[-1].offset + run[-1].length
+                async with session.get(url, headers={"Range": f"bytes={start}-{end - 1}"}) as r:
+                    await self._check(r, url)
+                    if r.status == 200:  # a server that ignores Range sends the whole file
+                        await r.content.readexactly(start)
+                    while run:
+                        p = run[0]
+                        data = await r.content.readexactly(p.length)
+                        await self._throttle(p.length)
+                        run.pop(0)
+                        if hashlib.sha256(data).hexdigest() == p.sha256:
+                            keep(p, data)
+                            self.stats.count(kind, url[:len(url) - len(path)], i, p.length)
+                            continue
+                        self.stats.refetched += 1
+                        if queue.failed(p) >= self.attempts:
+                            raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
+                                             f"{self.attempts} times")
+                        await queue.add([p])  # asked for again later, maybe from another server
+
+            try:
+                await self._attempts(path, request)
+            except FetchError:
+                await queue.add(run)
+                raise
 
     async def _listed(self, path: str, done: dict):
         """The pieces that `path` (a pieces endpoint) lists as ready, batch by batch, each once,

@@ -395,6 +395,8 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
         return [
             family("counter", "received_bytes", "Verified bytes fetched from upstream, by kind",
                    by=("kind", relay.client.stats.kinds if relay.client else {"delta": 0, "base": 0})),
+            family("counter", "received_stream_bytes", "Verified bytes fetched from upstream, by kind, server and "
+                   "stream", by=(("kind", "server", "stream"), relay.client.stats.sources if relay.client else {})),
             family("counter", "sent_bytes", "Bytes sent to this region's workers, by kind", by=("kind", app[SERVED])),
             family("gauge", "newest_version", "The newest version this relay holds",
                    None if store is None else store.newest),
