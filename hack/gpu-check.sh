@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Builds, tests and benchmarks every GPU path in one short run (< 5 minutes) on a CUDA machine.
 #
-# The device image has torch, cupy-cuda13x, numba, safetensors, rich, typer, pytest and hypothesis
-# but not constriction or zstandard: carry them as wheels in .whl/ (git-ignored), made here with
+# It needs torch, cupy-cuda13x, numba, safetensors, rich, typer, pytest and hypothesis there (the
+# [gpu] and [test] extras). On a machine without a package index, bring the two small wheels
+# that a CUDA image often lacks in .whl/ (git-ignored), made where there is one:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     constriction==0.5.0 zstandard==0.25.0
-# then copy the working tree with .whl/ to the CUDA machine and run `bash hack/gpu-check.sh` there.
+# then copy the checkout with .whl/ to the CUDA machine and run `bash hack/gpu-check.sh` there.
+# Results go to $OUT (default gpu-out/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"

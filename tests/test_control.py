@@ -176,3 +176,27 @@ def test_a_body_past_what_a_lease_can_carry_is_413(trainer):
             await runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_worker_names_are_bounded(trainer, monkeypatch):
+    """Each name a worker gives is remembered (status, idempotency): a bounded number of them."""
+    import json
+
+    from sparrowrl import control
+
+    monkeypatch.setattr(control, "MAX_WORKERS", 2)
+
+    async def go():
+        runner, port = await serve(trainer)
+        try:
+            h0 = trainer.coord.hashes[0]
+            for name, want in (("a", 200), ("b", 200), ("a", 200), ("c", 503)):
+                body = {"worker": name, "version": 0, "state_hash": h0}
+                status, text = await asyncio.to_thread(post, port, "/v1/commit", json.dumps(body).encode())
+                assert status == want, (name, status, text)
+            assert "tracks 2 workers already; 'c'" in text
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert sorted(trainer.control.seen) == ["a", "b"]

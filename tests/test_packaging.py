@@ -1,5 +1,5 @@
-"""The base install (`pip install sparrowrl`, no extras) is the CLI, the job spec and the status
-model, without torch: what the operator's image carries. Built from this checkout into a venv of
+"""The base install (`pip install sparrowrl`, no extras) is the CLI, the job spec, the roles of
+a job and the status model, without torch: what the operator's image carries. Built from this checkout into a venv of
 its own, as a user installs it."""
 
 import subprocess
@@ -26,9 +26,11 @@ def test_the_base_install_has_the_job_spec_and_status_without_torch(base):
     listed = subprocess.run([str(base / "pip"), "list"], capture_output=True, text=True, timeout=120).stdout.lower()
     assert "pydantic" in listed and not any(f"\n{m} " in listed for m in ("torch", "numpy", "aiohttp", "numba"))
     code = ("import sys; from sparrowrl.job import parse; from sparrowrl.status import JobStatus; import sparrowrl.cli; "
+            "from sparrowrl.layout import roles; "
             "j = parse({'apiVersion': 'sparrowrl.dev/v1alpha1', 'kind': 'SparrowRLJob', 'metadata': {'name': 'x'}, "
             "'spec': {'model': {'tiny': {}}, 'task': {'builtin': 'add'}}}); "
             "JobStatus(phase='Pending', step=0, steps=j.spec.steps, version=0); "
+            "assert [r.kind for r in roles(j.spec, lambda n: n)][0] == 'trainer'; "
             "print(sorted(m for m in ('torch', 'numpy', 'aiohttp') if m in sys.modules))")
     p = subprocess.run([str(base / "python"), "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr

@@ -24,6 +24,9 @@ from sparrowrl.coordinator import Coordinator
 from sparrowrl.job import JobSpec
 from sparrowrl.learner import Learner
 
+MAX_WORKERS = 1 << 16  # distinct worker names the trainer keeps track of (a job has 4096 at most at once;
+# replaced pods come back under new names)
+
 
 def group_seed(job_seed: int, group: int) -> int:
     """Sampling is seeded per prompt group, so a group's samples depend only on the weights."""
@@ -51,6 +54,9 @@ def once(model: type[messages.Body]):
                     self.touch()
                     return web.json_response({"admitted": 0, "refused": reason})
                 raise web.HTTPBadRequest(text=reason) from None
+            if body["worker"] not in self.seen and len(self.seen) >= MAX_WORKERS:
+                raise web.HTTPServiceUnavailable(text=f"{request.path}: the trainer tracks {MAX_WORKERS} workers "
+                                                      f"already; {body['worker']!r} is not one of them")
             key = request.headers.get("Idempotency-Key")
             slot = (request.path, body["worker"])  # each worker's latest request per route
             last = self.answers.get(slot)
