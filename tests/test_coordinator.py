@@ -115,3 +115,21 @@ def test_state_and_restore_carry_leases_counts_and_ids_across_a_restart():
     assert nxt["id"] == b["id"] + 1 and nxt["batch"] == 1  # no id handed out twice
     assert again.submit(b["id"], "w2", 0, "h0", result(b))["admitted"] == 2
     assert again.take(0) is not None and again.taken == 1 and 0 not in again.batches
+
+
+def test_changes_replayed_onto_a_snapshot_give_the_state():
+    """The journal keeps a snapshot and then each request's changes: replayed, they must give
+    exactly the state, whatever happened in between (leases, expiry, admission, commits)."""
+    c, clock = coord()
+    snapshot = json.loads(json.dumps(c.state()))
+    c.changes()
+    a, b = c.work("w1", 0)["lease"], c.work("w2", 0)["lease"]
+    c.submit(a["id"], "w1", 0, "h0", result(a))
+    c.commit("w1", 0, "h0")
+    clock.t = 11  # b expires, its groups go to w3
+    again = c.work("w3", 0)["lease"]
+    c.submit(b["id"], "w2", 0, "h0", result(b))  # late, nobody had delivered: admitted
+    c.submit(b["id"], "w2", 0, "h0", result(b))  # the same delivery again: the same answer, counted once
+    Coordinator.replay(snapshot, json.loads(json.dumps(c.changes())))
+    assert snapshot == json.loads(json.dumps(c.state()))
+    assert again["groups"] == b["groups"] and (c.counts.admitted, c.counts.duplicated) == (4, 0)

@@ -19,6 +19,20 @@ pytestmark = pytest.mark.timeout(300)
 JOB = parse(SPEC).spec
 
 
+def died(run: Run) -> Run:
+    """What a process's death does to what it holds: the kernel closes its files, and its lock
+    on the state dir goes (the objects are never used again)."""
+    run.learner.held.close()
+    run.journal.close()
+    return run
+
+
+def restart(run: Run) -> Run:
+    """The same command again, on the state dir of a trainer that was killed."""
+    died(run)
+    return Run(JOB, run.state_dir, token="")
+
+
 def results(lease: dict, token: int = 3) -> dict:
     return {str(p["group"]): {"samples": [{"tokens": [token], "logprobs": [-1.0]}] * 2} for p in lease["prompts"]}
 
@@ -62,7 +76,7 @@ def test_killed_between_checkpoint_and_publish_it_publishes_the_same_bytes(tmp_p
     whole.learner.publish()
     partial = step(killed)
     assert Store(tmp_path / "killed" / "store").newest == 0
-    again = Run(JOB, tmp_path / "killed", token="")  # the killed process's objects are never used again
+    again = restart(killed)
     a, b = whole.learner.store.versions[1], again.learner.store.versions[1]
     assert (b.state_hash, b.delta_sha256) == (a.state_hash, a.delta_sha256)
     assert state_hash(again.learner.store.materialize(1)) == state_hash(models.policy_state(whole.learner.model))
@@ -74,8 +88,8 @@ def test_killed_between_checkpoint_and_publish_it_publishes_the_same_bytes(tmp_p
 def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
     """Admitted results are journaled before they are answered, live leases too: after a
     restart the results are there (not generated again), a lease handed out before is still
-    the worker's, a retried delivery counts as a duplicate and not twice, and no lease id
-    is handed out again."""
+    the worker's, a retried delivery (its answer lost in the kill) gets the first answer and
+    counts once, and no lease id is handed out again."""
     first = Run(JOB, tmp_path, token="")
 
     async def before(c):
@@ -86,7 +100,7 @@ def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
 
     a, b = asyncio.run(over_http(first, before))
     (tmp_path / "journal.jsonl").open("a").write('{"results": {"0": {"1": ')  # a write the kill cut short
-    again = Run(JOB, tmp_path, token="")
+    again = restart(first)
     assert again.coord.batches[0].results[a["groups"][0]]["samples"][0]["tokens"] == [3]
     assert list(again.coord.leases) == [b["id"]] and again.coord.batches[0].pending == []
 
@@ -96,24 +110,58 @@ def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
         return got, await c.post_json("/v1/work", {"worker": "w", "version": 0})
 
     (got_b, got_a), nxt = asyncio.run(over_http(again, after))
-    assert got_b["admitted"] == 1 and got_a["admitted"] == 0
+    assert got_b["admitted"] == 1 and got_a == {"admitted": 1, "batch": 0}
     c = again.coord.counts
-    assert (c.admitted, c.duplicated) == (2, 1)
+    assert (c.admitted, c.duplicated) == (2, 0)
     assert again.coord.batches[0].results[a["groups"][0]]["samples"][0]["tokens"] == [3]  # the first delivery stays
     assert nxt["lease"]["id"] > b["id"] and nxt["lease"]["batch"] == 1
 
 
 def test_a_damaged_journal_line_is_refused_with_its_line(tmp_path):
-    Run(JOB, tmp_path, token="")
+    died(Run(JOB, tmp_path, token=""))
     path = tmp_path / "journal.jsonl"
-    path.write_text("not json\n" + path.read_text())
-    with pytest.raises(ResumeError, match=r"journal.jsonl: line 1 is damaged"):
-        Journal.read(path)
+    snapshot = path.read_text()
+    path.write_text("not json\n" + snapshot)
+    with pytest.raises(ResumeError, match=r"journal.jsonl: line 1 is damaged \(not JSON\)"):
+        Journal.read(path, Run.replay)
+    path.write_text(snapshot + '{"events": {"coordinator": [["drop", 1]]}, "results": {}}\n' + snapshot)
+    with pytest.raises(ResumeError, match=r"journal.jsonl: line 2 is damaged \(KeyError: 'control'\)"):
+        Journal.read(path, Run.replay)
+
+
+def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):
+    """Each request journals its own changes, not the whole state: with 2,000 workers known, a
+    commit's line is as short as with one."""
+    run = Run(JOB, tmp_path, token="")
+    h0 = run.coord.hashes[0]
+    sizes = []
+    for n in range(2000):
+        run.coord.commit(f"w{n}", 0, h0)
+        run.control.touch()
+        sizes.append(len((tmp_path / "journal.jsonl").read_text().splitlines()[-1]))
+    assert sizes[-1] < 1000 and sizes[-1] - sizes[0] < 20, (sizes[0], sizes[-1])
+    again = restart(run)  # and every commit is still there after a restart
+    assert len(again.coord.commits) == 2000 and again.coord.counts.verified == 2000
+
+
+def test_restarts_are_counted_and_cut_writes_swept(tmp_path):
+    """Every process that started counts, also one killed before it journaled anything; the
+    temporary folders of writes a kill cut short are removed (only ours, by their names)."""
+    for _ in range(3):
+        run = died(Run(JOB, tmp_path, token=""))
+    assert run.ledger.restarts == 2
+    cut = tmp_path / "trainer" / ".v00000001.safetensors.k2x_9abc"  # as atomic_path names it
+    stranger = tmp_path / "trainer" / ".notes.k2x_9abc"
+    for d in (cut, stranger):
+        d.mkdir()
+        (d / "f").write_bytes(b"x" * 1000)
+    again = Run(JOB, tmp_path, token="")
+    assert again.ledger.restarts == 3 and not cut.exists() and (stranger / "f").exists()
 
 
 def test_a_stale_partial_delta_is_removed(tmp_path):
     """A delta a killed trainer was writing would keep its readers waiting: gone on restart."""
-    Run(JOB, tmp_path, token="")
+    died(Run(JOB, tmp_path, token=""))
     partial = Store(tmp_path / "store").partial_path(1)
     partial.write_bytes(b"half a delta")
     assert Store(tmp_path / "store").producing() == [1]
@@ -121,8 +169,11 @@ def test_a_stale_partial_delta_is_removed(tmp_path):
     assert again.learner.store.producing() == [] and not partial.exists()
 
 
-def test_another_jobs_state_or_a_stranger_folder_is_refused(tmp_path):
-    Run(JOB, tmp_path / "a", token="")
+def test_another_jobs_state_a_stranger_folder_or_a_second_trainer_is_refused(tmp_path):
+    running = Run(JOB, tmp_path / "a", token="")
+    with pytest.raises(ResumeError, match=r"another trainer is running on it"):
+        Run(JOB, tmp_path / "a", token="")
+    died(running)
     other = parse({**SPEC, "spec": {**SPEC["spec"], "steps": 3}}).spec
     with pytest.raises(ResumeError, match=r"holds the state of another job \(spec\.steps differs\)"):
         Run(other, tmp_path / "a", token="")

@@ -92,6 +92,7 @@ class Control:
         self.begun = False  # rollouts have started (see `started`)
         self.t_start = time.time()
         self._changed = asyncio.Event()
+        self._events: list[list] = []  # changes since `changes()` was last called
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/v1/job", self.h_job), web.get("/v1/model", self.h_model),
@@ -102,6 +103,19 @@ class Control:
     # ---- across a restart ----
     def state(self) -> dict:
         return {"begun": self.begun, "regions": self.regions, "first": self.first, "gen": self.gen}
+
+    def changes(self) -> list[list]:
+        """What changed since the last call, as events `replay` applies to a `state`."""
+        events, self._events = self._events, []
+        return events
+
+    @staticmethod
+    def replay(state: dict, events: list[list]) -> None:
+        for kind, *args in events:
+            if kind == "begun":
+                state["begun"] = True
+            else:  # regions, first, gen: one key's new value
+                state[kind][str(args[0])] = args[1]
 
     def restore(self, state: dict, taken: int) -> None:
         self.begun, self.regions, self.first = state["begun"], state["regions"], state["first"]
@@ -125,8 +139,10 @@ class Control:
         """Rollouts start once every worker of the topology has called in (so all of them share
         the first batch), or after one lease period with those that have."""
         expected = sum(r.workers for r in self.spec.topology.regions)
-        self.begun = self.begun or len(self.seen) >= expected or \
-            time.time() - self.t_start > self.spec.rollout.lease_seconds
+        waited = time.time() - self.t_start > self.spec.rollout.lease_seconds
+        if not self.begun and (len(self.seen) >= expected or waited):
+            self.begun = True
+            self._events.append(["begun"])
         return self.begun
 
     @property
@@ -156,8 +172,9 @@ class Control:
     @once(messages.Work)
     async def h_work(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
-        if body["region"]:
+        if body["region"] and self.regions.get(body["worker"]) != body["region"]:
             self.regions[body["worker"]] = body["region"]
+            self._events.append(["regions", body["worker"], body["region"]])
         deadline = time.monotonic() + 10
         while True:
             ans = self.coord.work(body["worker"], body["version"]) if self.started() else {"wait": True}
@@ -180,8 +197,9 @@ class Control:
             self.touch()
             return {"admitted": 0, "refused": bad}
         ans = self.coord.submit(body["lease"], body["worker"], body["version"], body["state_hash"], results)
-        if ans["admitted"]:
+        if ans["admitted"] and ans["groups"]:  # not a repeated delivery
             self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
+            self._events.append(["gen", ans["batch"], self.gen[ans["batch"]]])
         self.touch((ans["batch"], ans.pop("groups")) if ans["admitted"] else None)  # admitted: journaled first
         return ans
 
@@ -207,7 +225,9 @@ class Control:
         while body["version"] > self.coord.published and time.monotonic() < deadline:
             # a worker can hold a delta before the trainer has finished storing it
             await self.until_changed(1.0)
-        self.first.setdefault(body["worker"], body["version"])
+        if body["worker"] not in self.first:
+            self.first[body["worker"]] = body["version"]
+            self._events.append(["first", body["worker"], body["version"]])
         ok = self.coord.commit(body["worker"], body["version"], body["state_hash"])
         if body.get("fetch_s") is not None:
             self.fetch.setdefault(body["version"], {})[body["worker"]] = body["fetch_s"]

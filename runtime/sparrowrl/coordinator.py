@@ -64,6 +64,8 @@ class Coordinator:
         self.commits: dict[str, tuple[int, str]] = {}  # worker → (version, hash) it last committed
         self.taken = 0  # batches handed to the trainer; their results are let go
         self.next_lease = 1
+        self.delivered: dict[int, tuple[str, int, int]] = {}  # lease → (worker, groups admitted, batch), untrained
+        self._events: list[list] = []  # changes since `changes()` was last called (the trainer journals them)
 
     @property
     def published(self) -> int:
@@ -96,6 +98,7 @@ class Coordinator:
 
     def _drop(self, lease: Lease, refused: bool = False) -> None:
         del self.leases[lease.id]
+        self._events.append(["drop", lease.id])
         self.counts.refused += len(lease.groups) if refused else 0
         if lease.batch < self.taken:  # trained without it: nothing goes back
             return
@@ -121,6 +124,7 @@ class Coordinator:
             lease = Lease(self.next_lease, worker, b, groups, self.clock() + self.lease_seconds)
             self.leases[lease.id] = lease
             self.next_lease += 1
+            self._events.append(["lease", lease.id, worker, b, groups])
             return {"lease": {"id": lease.id, "batch": b, "groups": groups, "deadline_s": self.lease_seconds}}
         return {"wait": True}
 
@@ -129,7 +133,9 @@ class Coordinator:
         self.expire()
         lease = self.leases.get(lease_id)
         if lease is None:
-            return self._late(lease_id, version, state_hash, results)
+            if (d := self.delivered.get(lease_id)) and d[0] == worker:  # delivered again (a retry): the same answer
+                return {"admitted": d[1], "batch": d[2], "groups": []}
+            return self._late(lease_id, worker, version, state_hash, results)
         if lease.worker != worker:
             return {"admitted": 0, "refused": f"lease {lease_id} is not {worker}'s"}
         b = lease.batch
@@ -142,9 +148,10 @@ class Coordinator:
             self._drop(lease, refused=True)
             return {"admitted": 0, "refused": f"results cover groups {sorted(results)}, the lease has {lease.groups}"}
         del self.leases[lease_id]
-        return self._admit(b, version, results)
+        self._events.append(["drop", lease_id])
+        return self._admit(lease_id, worker, b, version, results)
 
-    def _admit(self, b: int, version: int, results: dict[int, dict]) -> dict:
+    def _admit(self, lease_id: int, worker: str, b: int, version: int, results: dict[int, dict]) -> dict:
         """Keep the results of groups not yet admitted; count the others as duplicated (another
         worker's late results for the same groups came first, or the batch is trained)."""
         batch = self.batches.get(b) if b >= self.taken else None
@@ -155,13 +162,18 @@ class Coordinator:
         if new:
             batch.pending = [x for x in batch.pending if x not in new]
         self.counts.admitted += len(new)
+        if new:
+            self.delivered[lease_id] = (worker, len(new), b)
+            self._events.append(["delivered", lease_id, worker, len(new), b])
         return {"admitted": len(new), "batch": b, "groups": sorted(new)}
 
-    def _late(self, lease_id: int, version: int, state_hash: str, results: dict[int, dict]) -> dict:
+    def _late(self, lease_id: int, worker: str, version: int, state_hash: str, results: dict[int, dict]) -> dict:
         """Results of a lease that expired (or that a previous trainer process handed out):
         still good for groups nobody has delivered yet (a slow worker is not wasted), dropped and
         counted for groups already admitted. One lease is one batch's groups."""
         not_live = {"admitted": 0, "refused": f"lease {lease_id} is not live (expired or reassigned)"}
+        if lease_id >= self.next_lease:
+            return {"admitted": 0, "refused": f"lease {lease_id} was never handed out"}
         batches = {g // self.per_step for g in results}
         b = batches.pop() if len(batches) == 1 else -1
         if not 0 <= b < self.steps:
@@ -170,7 +182,7 @@ class Coordinator:
             if version < self.min_version(b) or self.hashes.get(version) != state_hash:
                 return not_live
             self._batch(b)
-        ans = self._admit(b, version, results)
+        ans = self._admit(lease_id, worker, b, version, results)
         return ans if ans["admitted"] else not_live
 
     def refuse(self, lease_id: int, worker: str) -> None:
@@ -187,6 +199,7 @@ class Coordinator:
         else:
             self.counts.mismatched += 1
         self.commits[worker] = (version, state_hash)
+        self._events.append(["commit", worker, version, state_hash])
         return ok
 
     def take(self, b: int) -> Batch | None:
@@ -196,6 +209,7 @@ class Coordinator:
             return None
         del self.batches[b]
         self.taken = b + 1
+        self.delivered = {k: d for k, d in self.delivered.items() if d[2] > b}
         self.counts.batches_trained += 1
         self.counts.trained += len(batch.results)
         return batch
@@ -209,12 +223,33 @@ class Coordinator:
     # ---- across a trainer restart ----
     def state(self) -> dict:
         """Everything but the admitted results (the trainer journals those as they come) and the
-        hashes (the store holds them): small, JSON."""
-        now = self.clock()
-        return {"taken": self.taken, "next_lease": self.next_lease, "counts": asdict(self.counts),
+        hashes (the store holds them), as JSON: what `restore` takes, and `replay` updates."""
+        return {"next_lease": self.next_lease, "counts": asdict(self.counts),
                 "commits": {w: list(c) for w, c in self.commits.items()},
-                "leases": [{"id": x.id, "worker": x.worker, "batch": x.batch, "groups": x.groups,
-                            "seconds_left": max(0.0, x.deadline - now)} for x in self.leases.values()]}
+                "leases": {str(x.id): [x.worker, x.batch, x.groups] for x in self.leases.values()},
+                "delivered": {str(k): list(d) for k, d in self.delivered.items()}}
+
+    def changes(self) -> list[list]:
+        """What changed since the last call, as events `replay` applies to a `state`: a few
+        entries per request, whatever the number of workers."""
+        events, self._events = self._events, []
+        return [*events, ["counts", asdict(self.counts)], ["next_lease", self.next_lease]]
+
+    @staticmethod
+    def replay(state: dict, events: list[list]) -> None:
+        """Apply `changes()` to a `state()` in place."""
+        for e in events:
+            kind = e[0]
+            if kind == "lease":
+                state["leases"][str(e[1])] = e[2:]
+            elif kind == "drop":
+                state["leases"].pop(str(e[1]), None)
+            elif kind == "delivered":
+                state["delivered"][str(e[1])] = e[2:]
+            elif kind == "commit":
+                state["commits"][e[1]] = e[2:]
+            else:  # counts, next_lease
+                state[kind] = e[1]
 
     def restore(self, state: dict, taken: int, results: dict[int, dict[int, dict]]) -> None:
         """Pick up where a previous trainer process left off: `taken` batches are trained (the
@@ -225,13 +260,14 @@ class Coordinator:
         self.counts = Counts(**state["counts"])
         self.counts.batches_trained, self.counts.trained = taken, taken * self.per_step
         self.commits = {w: (c[0], c[1]) for w, c in state["commits"].items()}
+        self.delivered = {int(k): (d[0], d[1], d[2]) for k, d in state["delivered"].items() if d[2] >= taken}
         for b, groups in results.items():
             if b >= taken:
                 self._batch(b).results.update(groups)
         deadline = self.clock() + self.lease_seconds
-        for x in state["leases"]:
-            if x["batch"] >= taken:
-                self.leases[x["id"]] = Lease(x["id"], x["worker"], x["batch"], x["groups"], deadline)
+        for k, (worker, b, groups) in state["leases"].items():
+            if b >= taken:
+                self.leases[int(k)] = Lease(int(k), worker, b, groups, deadline)
         for b in sorted({x.batch for x in self.leases.values()} | set(self.batches)):
             batch = self._batch(b)
             leased = {g for x in self.leases.values() if x.batch == b for g in x.groups}

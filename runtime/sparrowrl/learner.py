@@ -25,7 +25,8 @@ class Learner:
 
     def __init__(self, spec: JobSpec, state_dir: Path):
         self.spec, self.state_dir = spec, state_dir
-        resumed = resume.claim(state_dir, spec.model_dump(mode="json"))
+        # processes before this one; `held` keeps a second trainer off the state dir while this one lives
+        self.restarts, self.held = resume.claim(state_dir, spec.model_dump(mode="json"))
         torch.manual_seed(spec.seed)
         if spec.model.tiny:
             self.tok = models.char_tokenizer()
@@ -37,7 +38,7 @@ class Learner:
         g = spec.grpo
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.saved = resume.Checkpoints(state_dir / "trainer")
-        newest = self.saved.newest() if resumed else None
+        newest = self.saved.newest() if self.restarts else None
         if newest is None:
             if spec.model.tiny and spec.model.tiny.warmup_steps:
                 models.warm_up(self.model, self.tok, self.task, spec.model.tiny.warmup_steps)

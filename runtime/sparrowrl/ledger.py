@@ -26,7 +26,7 @@ class Ledger:
         self.coord = control.coord
         self.rows = self._written()  # version → metrics row
         self.written = max(self.rows, default=0)  # rows 1..written are in metrics.jsonl
-        self.restarts = 0  # trainer processes before this one, on this state dir
+        self.restarts = learner.restarts  # trainer processes before this one, on this state dir
         self.seconds_before = 0.0  # the training loop's time in those processes
         self.t_loop: float | None = None  # when this process's training loop started
         self.sent = {"delta": 0, "base": 0}  # what crossed from the origin: to relays, and to workers without one
@@ -46,11 +46,11 @@ class Ledger:
 
     # ---- across a restart ----
     def state(self) -> dict:
-        return {"restarts": self.restarts, "seconds": self.seconds(), "sent": self.sent,
+        return {"seconds": self.seconds(), "sent": dict(self.sent),
                 "rows": {v: r for v, r in self.rows.items() if v > self.written}}
 
     def restore(self, state: dict) -> None:
-        self.restarts, self.seconds_before, self.sent = state["restarts"] + 1, state["seconds"], state["sent"]
+        self.seconds_before, self.sent = state["seconds"], state["sent"]
         self.rows.update({int(v): r for v, r in state["rows"].items() if int(v) > self.written})
         version, partial = self.learner.version, self.learner.row
         if version > self.written and version not in self.rows and partial is not None:

@@ -3,20 +3,27 @@
     STATE/job.json                    the job this state belongs to: another job is refused
     STATE/trainer/v00000007.safetensors   fp32 weights and optimizer state after step 7 (the newest only)
     STATE/trainer/ref.safetensors     the frozen reference policy, when the job has a KL term
-    STATE/journal.jsonl               admitted results and the coordinator's state since then
+    STATE/journal.jsonl               a snapshot of the coordinator's state after the newest
+                                      checkpoint, then each request's changes and admitted results
+    STATE/starts                      how many trainer processes have started on it
+    STATE/.trainer.lock               held by the trainer running on it: there is one at a time
     STATE/store/                      the published versions (store.py)
 
 A step writes its checkpoint before it publishes the version, so the store is never ahead of the
 checkpoint: a trainer killed in between publishes the same bytes again from the checkpoint. Every
-admission is in the journal before the worker hears it was admitted. This survives the process
+admission and every lease is in the journal before the worker hears of it. This survives the process
 dying at any moment (kill -9, OOM, a pod evicted), not the machine losing power: nothing is
 fsynced.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import re
+import shutil
 from pathlib import Path
+from typing import IO, Callable
 
 import torch
 from safetensors import safe_open
@@ -25,25 +32,34 @@ from safetensors.torch import save_file
 from sparrowrl.checkpoint_io import atomic_path
 
 # what a trainer writes in its state dir; a folder holding any of them without job.json is not ours
-OWNED = ("job.json", "trainer", "journal.jsonl", "store", "model", "metrics.jsonl", "summary.json", "final")
+OWNED = ("job.json", ".trainer.lock", "starts", "trainer", "journal.jsonl", "store", "model", "metrics.jsonl", "summary.json", "final")
+# the folders `atomic_path` writes in before its rename, which a kill leaves behind: (where, whose name)
+_TEMPORARY = (("", r"job\.json|starts|journal\.jsonl|metrics\.jsonl"),
+              ("trainer", r"v\d{8}\.safetensors|ref\.safetensors"),
+              ("store", r"store\.json"), ("store/bases", r"v\d{8}\.safetensors"))
 
 
 class ResumeError(Exception):
     """The state dir cannot be resumed from: another job's, damaged, or not a trainer's."""
 
 
-def claim(state_dir: Path, spec: dict) -> bool:
-    """Whether `state_dir` holds this job's state (True: resume); a new state dir is marked as this
-    job's. Refused: another job's state, or a trainer's names without the mark (not ours to touch)."""
+def claim(state_dir: Path, spec: dict) -> tuple[int, IO]:
+    """How many trainer processes started on `state_dir` before this one (0: a new state dir,
+    now marked as this job's), and the lock that keeps a second trainer off it while this one
+    lives (keep it open). Refused: another job's state, a trainer's names without the mark (not
+    ours to touch), or a trainer still running on it. What a killed process was writing when it
+    died is removed."""
     mark = state_dir / "job.json"
     if not mark.exists():
         if ours := [n for n in OWNED if (state_dir / n).exists()]:
             raise ResumeError(f"--state-dir {state_dir} holds '{ours[0]}' but no job.json: not a trainer's state; "
                               f"give a new or empty folder")
         state_dir.mkdir(parents=True, exist_ok=True)
+        held = _hold(state_dir)
         with atomic_path(mark) as tmp:
             tmp.write_text(json.dumps(spec, indent=1))
-        return False
+        _count(state_dir, 1)
+        return 0, held
     try:
         saved = json.loads(mark.read_text())
     except (OSError, ValueError) as e:
@@ -53,7 +69,41 @@ def claim(state_dir: Path, spec: dict) -> bool:
             if isinstance(saved, dict) else "?"
         raise ResumeError(f"--state-dir {state_dir} holds the state of another job (spec.{field} differs); "
                           f"give a new folder, or the job it was made with")
-    return True
+    held = _hold(state_dir)
+    _sweep(state_dir)
+    try:
+        before = int((state_dir / "starts").read_text())
+    except (OSError, ValueError):
+        before = 1  # killed between its mark and its count
+    _count(state_dir, before + 1)
+    return before, held
+
+
+def _hold(state_dir: Path) -> IO:
+    """An exclusive lock on the state dir for this process's life (the kernel lets go when it dies)."""
+    f = open(state_dir / ".trainer.lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ResumeError(f"--state-dir {state_dir}: another trainer is running on it") from None
+    return f
+
+
+def _count(state_dir: Path, starts: int) -> None:
+    with atomic_path(state_dir / "starts") as tmp:
+        tmp.write_text(f"{starts}\n")
+
+
+def _sweep(state_dir: Path) -> None:
+    """Remove the temporary folders of writes a kill cut short: only `atomic_path`'s, beside our
+    own file names (a whole checkpoint each: repeated kills would fill the volume)."""
+    for where, names in _TEMPORARY:
+        folder = state_dir / where
+        pattern = re.compile(rf"\.({names})\.[a-z0-9_]{{8}}")
+        for p in folder.iterdir() if folder.is_dir() else []:
+            if p.is_dir() and not p.is_symlink() and pattern.fullmatch(p.name):
+                shutil.rmtree(p)
 
 
 class Checkpoints:
@@ -125,16 +175,20 @@ Results = dict[int, dict[int, dict]]  # batch → prompt group → admitted resu
 
 
 class Journal:
-    """Append-only JSON lines: each holds the admitted results it adds and the state after it.
-    Written (to the OS) before the request that caused it is answered."""
+    """Append-only JSON lines. The first is a snapshot of the state (and the admitted results of
+    the batches not yet trained); each next one holds one request's changes, as events that
+    `replay` applies to the state, and the results it admitted. A line is written (to the OS)
+    before the request that caused it is answered, and is a few entries long whatever the
+    number of workers; `compact` starts a new file from a snapshot after every checkpoint."""
 
     def __init__(self, path: Path):
         self.path = path
         self._f = open(path, "a")
 
     @staticmethod
-    def read(path: Path) -> tuple[dict | None, Results]:
-        """The last state and every admitted result; a last line cut short by a crash is ignored."""
+    def read(path: Path, replay: Callable[[dict, dict], None]) -> tuple[dict | None, Results]:
+        """The state after the last line, and every admitted result; a last line cut short by a
+        crash is ignored."""
         if not path.exists():
             return None, {}
         state, results = None, {}
@@ -142,23 +196,29 @@ class Journal:
         for i, line in enumerate(lines):
             try:
                 entry = json.loads(line)
-                for b, groups in entry.get("results", {}).items():
-                    results.setdefault(int(b), {}).update({int(g): r for g, r in groups.items()})
-                state = entry["state"]
-            except (ValueError, KeyError, AttributeError, TypeError) as e:
+            except ValueError:
                 if i == len(lines) - 1:
                     break  # the write the crash interrupted: its request was never answered
-                raise ResumeError(f"{path}: line {i + 1} is damaged ({e})") from None
+                raise ResumeError(f"{path}: line {i + 1} is damaged (not JSON)") from None
+            try:
+                if "snapshot" in entry:
+                    state = entry["snapshot"]
+                else:
+                    replay(state, entry["events"])
+                for b, groups in entry["results"].items():
+                    results.setdefault(int(b), {}).update({int(g): r for g, r in groups.items()})
+            except (ValueError, KeyError, AttributeError, TypeError) as e:
+                raise ResumeError(f"{path}: line {i + 1} is damaged ({type(e).__name__}: {e})") from None
         return state, results
 
-    def append(self, state: dict, results: Results | None = None) -> None:
-        self._f.write(json.dumps({"results": results or {}, "state": state}) + "\n")
+    def append(self, events: dict, results: Results | None = None) -> None:
+        self._f.write(json.dumps({"events": events, "results": results or {}}) + "\n")
         self._f.flush()
 
     def compact(self, state: dict, results: Results) -> None:
-        """Rewrite with only `results` (those of batches not yet trained): the file stays small."""
+        """Start again from a snapshot, with only `results` (those of batches not yet trained)."""
         with atomic_path(self.path) as tmp:
-            tmp.write_text(json.dumps({"results": results, "state": state}) + "\n")
+            tmp.write_text(json.dumps({"snapshot": state, "results": results}) + "\n")
         self._f.close()
         self._f = open(self.path, "a")
 

@@ -30,7 +30,7 @@ from sparrowrl.layout import Role
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
 OUTPUTS = ("job.yaml", "token", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
            "step_time.png", "payload.png", "store", "model", "final", "logs", "relays", "job.json", "trainer",
-           "journal.jsonl", ".processes.json.tmp")
+           "journal.jsonl", "starts", ".trainer.lock", ".processes.json.tmp")
 MARK = ".sparrowrl-run"  # names a folder as a run's: the only kind a run replaces
 TRAINER_RESTARTS = 3  # a trainer that exits with an error is started again (a pod's restartPolicy
 # OnFailure), this many times at most; it resumes from its state dir

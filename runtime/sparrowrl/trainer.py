@@ -38,11 +38,11 @@ class Run:
         self.ledger = Ledger(spec, state_dir, self.learner, self.control)
         self._resume()
         self.journal = resume.Journal(state_dir / "journal.jsonl")
-        self.journal.compact(self._state(), self._results())  # also drops a line a crash cut short
+        self._compact()  # also drops a line a crash cut short
 
     def _resume(self) -> None:
         """Take over from the previous trainer process on this state dir, if there was one."""
-        state, results = resume.Journal.read(self.state_dir / "journal.jsonl")
+        state, results = resume.Journal.read(self.state_dir / "journal.jsonl", self.replay)
         if state is None:
             return
         version = self.learner.version
@@ -54,8 +54,15 @@ class Run:
               flush=True)
 
     def _state(self) -> dict:
-        """What the journal keeps besides admitted results (see resume.py)."""
+        """What the journal's snapshot keeps besides admitted results (see resume.py)."""
         return {"coordinator": self.coord.state(), "control": self.control.state(), "ledger": self.ledger.state()}
+
+    @staticmethod
+    def replay(state: dict, events: dict) -> None:
+        """Apply one journal line's events to a snapshot (`resume.Journal.read`)."""
+        Coordinator.replay(state["coordinator"], events["coordinator"])
+        Control.replay(state["control"], events["control"])
+        state["ledger"] = events["ledger"]
 
     def _results(self, groups: tuple[int, list[int]] | None = None) -> resume.Results:
         """Admitted results of the batches not yet trained, or of `groups` (batch, its groups)."""
@@ -64,10 +71,16 @@ class Run:
         b, gs = groups
         return {b: {g: self.coord.batches[b].results[g] for g in gs}} if gs else {}
 
+    def _compact(self) -> None:
+        """A new journal from a snapshot: the changes so far are in it."""
+        self.coord.changes(), self.control.changes()
+        self.journal.compact(self._state(), self._results())
+
     def _journal(self, admitted: tuple[int, list[int]] | None) -> None:
         """Every change, before the request that made it is answered."""
         self.ledger.flush()
-        self.journal.append(self._state(), self._results(admitted))
+        self.journal.append({"coordinator": self.coord.changes(), "control": self.control.changes(),
+                             "ledger": self.ledger.state()}, self._results(admitted))
 
     def app(self, metrics_port: int | None = None, host: str = "127.0.0.1") -> web.Application:
         app = make_app(self.learner.store.path, self.token, max_body=messages.max_body(self.spec.lease_tokens))
@@ -94,7 +107,7 @@ class Run:
             generate_s = control.gen.pop(b, 0.0) / max(1, len(control.workers))
             partial = {"version": b + 1, "step": b, **m, "generate_s": generate_s, "wait_s": wait}
             await asyncio.to_thread(learner.checkpoint, partial)
-            self.journal.compact(self._state(), self._results())  # batch b's results are in the checkpoint now
+            self._compact()  # batch b's results are in the checkpoint now
             extract_s = await asyncio.to_thread(learner.publish)
             self.coord.publish(b + 1, learner.store.versions[b + 1].state_hash)
             ledger.record(partial, extract_s, time.perf_counter() - t0)
