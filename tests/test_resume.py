@@ -83,6 +83,9 @@ def test_killed_between_checkpoint_and_publish_it_publishes_the_same_bytes(tmp_p
     assert again.ledger.restarts == 1 and again.learner.version == again.coord.published == again.coord.taken == 1
     assert again.ledger.rows[1]["reward_mean"] == partial["reward_mean"]  # the step's row, completed from the store
     assert again.ledger.rows[1]["payload_bytes"] == a.delta_bytes
+    (tmp_path / "killed" / "journal.jsonl").unlink()  # a state dir that lost its journal is not guessed at
+    with pytest.raises(ResumeError, match=r"journal.jsonl: missing, and the checkpoint is at v1"):
+        restart(again)
 
 
 def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
@@ -127,6 +130,8 @@ def test_a_damaged_journal_line_is_refused_with_its_line(tmp_path):
     path.write_text(snapshot + '{"events": {"coordinator": [["drop", 1]]}, "results": {}}\n' + snapshot)
     with pytest.raises(ResumeError, match=r"journal.jsonl: line 2 is damaged \(KeyError: 'control'\)"):
         Journal.read(path, Run.replay)
+    (tmp_path / "journal.jsonl").unlink()
+    died(Run(JOB, tmp_path, token=""))  # killed before its first journal line: a start from v0 again
 
 
 def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):

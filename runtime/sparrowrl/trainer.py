@@ -42,10 +42,13 @@ class Run:
 
     def _resume(self) -> None:
         """Take over from the previous trainer process on this state dir, if there was one."""
-        state, results = resume.Journal.read(self.state_dir / "journal.jsonl", self.replay)
-        if state is None:
-            return
+        path = self.state_dir / "journal.jsonl"
+        state, results = resume.Journal.read(path, self.replay)
         version = self.learner.version
+        if state is None:
+            if version:
+                raise resume.ResumeError(f"{path}: missing, and the checkpoint is at v{version}")
+            return
         self.coord.restore(state["coordinator"], taken=version, results=results)
         self.control.restore(state["control"], taken=version)
         self.ledger.restore(state["ledger"])
