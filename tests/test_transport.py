@@ -196,6 +196,28 @@ def test_long_poll_waits_for_a_base_snapshot(history, tmp_path, rng):
     run(go())
 
 
+def test_long_poll_waits_for_a_version_to_be_stored(history, tmp_path, rng):
+    """A relay that mirrored a delta while it was written waits for its index entry: one
+    long-poll (`delta=V`), through the version's whole production, not a polling loop."""
+    import shutil
+
+    path = tmp_path / "s"
+    shutil.copytree(history[0], path)
+    store = Store(path)
+    newest, state = store.newest, store.materialize(store.newest)
+
+    async def go():
+        async with Server(path) as s, Client(s.url, token=TOKEN) as c:
+            assert (await c.versions(delta=newest, wait=30))["newest"] == newest  # stored: at once
+            adder = threading.Timer(0.3, lambda: Store(path).add({k: mutate(rng, v, 0.01) for k, v in state.items()}))
+            adder.start()
+            listing = await c.versions(delta=newest + 1, wait=30)  # also while it is only being written
+            adder.join()
+            entry = next(e for e in listing["versions"] if e["version"] == newest + 1)
+            assert entry["delta"]["sha256"] == Store(path).versions[newest + 1].delta_sha256
+    run(go())
+
+
 def test_server_restart_mid_fetch(history):
     """The server dies with the client's fetch under way and comes back: the fetch completes."""
     path, states = history

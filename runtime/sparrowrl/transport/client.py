@@ -324,10 +324,12 @@ class Client:
                     raise _Transient(f"unreadable response: {e}") from None
         return await self._attempts(path, request)
 
-    async def versions(self, after: int | None = None, wait: float = 0.0, base: int | None = None) -> dict:
+    async def versions(self, after: int | None = None, wait: float = 0.0, base: int | None = None,
+                       delta: int | None = None) -> dict:
         """The version list; with `after`, returns once a newer version exists or `wait` passes;
-        with `base`, once that version's base snapshot is listed."""
-        params = {k: x for k, x in (("after", after), ("base", base)) if x is not None}
+        with `base`, once that version's base snapshot is listed; with `delta`, once that version
+        is stored (its delta hashed and indexed)."""
+        params = {k: x for k, x in (("after", after), ("base", base), ("delta", delta)) if x is not None}
         if not params:
             return await self.json("/v1/versions", _Listing)
         # the server may hold the answer for `wait` seconds: that is not a stalled read

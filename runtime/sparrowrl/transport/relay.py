@@ -298,19 +298,19 @@ class Relay:
         return partial, hashlib.sha256(d.data).hexdigest(), len(d.data)
 
     async def _listed(self, c: Client, v: int, what: str, timeout: float = 60.0) -> dict | None:
-        """Upstream's entry for v once it lists v's `what` ("delta" or "base"). The origin indexes
-        a delta only after hashing its file, a moment after the last byte can be read (polled),
-        and writes a base snapshot after the delta (long-polled: it may take a while for a large
+        """Upstream's entry for v once it lists v's `what` ("delta" or "base"), long-polled: the
+        origin indexes a delta only after hashing its file, a moment after the last byte can be
+        read, and writes a base snapshot after the delta (it may take a while for a large
         model). None after `timeout`, or once v has left upstream's window."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            listing = await (c.versions(base=v, wait=min(20.0, left)) if what == "base" else c.versions())
+            listing = await c.versions(**{what: v}, wait=min(20.0, left))
             entry = next((e for e in listing["versions"] if e["version"] == v), None)
             if entry is not None and entry[what] is not None:
                 return entry
-            if entry is None and v <= listing["newest"] and v not in listing["producing"]:
+            if entry is None and v <= listing["newest"] and v not in listing["producing"] or \
+                    entry is not None and what == "delta":  # stored without a delta: it will never have one
                 return None
-            await asyncio.sleep(0.05)
         return None
 
     def arriving(self, what: str, v: int, start: bool) -> Table | None:

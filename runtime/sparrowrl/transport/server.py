@@ -2,7 +2,8 @@
 
     GET /v1/versions[?after=N&wait=S]   versions (JSON); with `after`, waits up to S seconds
                                         for a version newer than N (long-poll, no tight loops);
-                                        with `base=V`, for V's base snapshot (full sync)
+                                        with `base=V`, for V's base snapshot (full sync); with
+                                        `delta=V`, until V is stored and indexed
     GET /v1/plan?to=V[&from=U]          the store's cheapest route from U to V
     GET /v1/versions/V/manifest         a delta's header, chunk table and manifest (JSON)
     GET /v1/versions/V/delta            the delta file (HTTP Range: 206 Partial Content), also
@@ -176,15 +177,16 @@ def over(request: web.Request) -> bool:
 
 
 async def versions(request: web.Request) -> web.Response:
-    after, base = _int_param(request, "after"), _int_param(request, "base")
+    after, base, delta = _int_param(request, "after"), _int_param(request, "base"), _int_param(request, "delta")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + _wait(request)
 
-    def waiting(store: Store) -> bool:  # with both, for both
+    def waiting(store: Store) -> bool:  # with several, for all
         gone = base is not None and base not in store.versions and base <= store.newest \
             and base not in store.producing()  # pruned: its snapshot will never come
         return (after is not None and max([store.newest, *store.producing()]) <= after) or \
-            (base is not None and not gone and not getattr(store.versions.get(base), "base", None))
+            (base is not None and not gone and not getattr(store.versions.get(base), "base", None)) or \
+            (delta is not None and delta > store.newest)  # versions are indexed in order, once stored
     store = _store(request)
     while waiting(store) and loop.time() < deadline and not over(request):
         await request.app[WATCH].changed(min(1.0, deadline - loop.time()))  # 1 s: see over
