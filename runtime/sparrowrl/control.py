@@ -118,8 +118,12 @@ class Control:
                 state[kind][str(args[0])] = args[1]
 
     def restore(self, state: dict, taken: int) -> None:
+        """After the coordinator's restore. The workers that had committed count as heard from
+        now: they wait out the trainer's absence (backing off, some for seconds), and the
+        trainer waits for them too, at every row and at the end."""
         self.begun, self.regions, self.first = state["begun"], state["regions"], state["first"]
         self.gen = {int(b): x for b, x in state["gen"].items() if int(b) >= taken}
+        self.seen = {w: time.monotonic() for w in self.coord.commits}
 
     # ---- one way to wait for a change ----
     def touch(self, admitted: tuple[int, list[int]] | None = None) -> None:
