@@ -147,6 +147,7 @@ def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):
     assert sizes[-1] < 1000 and sizes[-1] - sizes[0] < 20, (sizes[0], sizes[-1])
     again = restart(run)  # and every commit is still there after a restart
     assert len(again.coord.commits) == 2000 and again.coord.counts.verified == 2000
+    assert len(again.control.workers) == 2000  # awaited, while they back off through the trainer's absence
 
 
 def test_restarts_are_counted_and_cut_writes_swept(tmp_path):
