@@ -39,16 +39,15 @@ class Learner:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.saved = resume.Checkpoints(state_dir / "trainer")
         newest = self.saved.newest() if self.restarts else None
+        if newest is None and spec.model.tiny and spec.model.tiny.warmup_steps:
+            models.warm_up(self.model, self.tok, self.task, spec.model.tiny.warmup_steps)
+        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.kl_coef > 0 else None  # KL's anchor
         if newest is None:
-            if spec.model.tiny and spec.model.tiny.warmup_steps:
-                models.warm_up(self.model, self.tok, self.task, spec.model.tiny.warmup_steps)
-            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.kl_coef > 0 else None
             if self.ref is not None:
                 self.saved.save_ref(self.ref)
             self.version, self.row = 0, None
             self.saved.save(0, self.model, self.opt, None)
         else:
-            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.kl_coef > 0 else None
             if self.ref is not None:
                 self.saved.load_ref(self.ref)
             self.version = newest

@@ -32,7 +32,8 @@ from safetensors.torch import save_file
 from sparrowrl.checkpoint_io import atomic_path
 
 # what a trainer writes in its state dir; a folder holding any of them without job.json is not ours
-OWNED = ("job.json", ".trainer.lock", "starts", "trainer", "journal.jsonl", "store", "model", "metrics.jsonl", "summary.json", "final")
+OWNED = ("job.json", ".trainer.lock", "starts", "trainer", "journal.jsonl", "store", "model", "metrics.jsonl",
+         "summary.json", "final")
 # the folders `atomic_path` writes in before its rename, which a kill leaves behind: (where, whose name)
 _TEMPORARY = (("", r"job\.json|starts|journal\.jsonl|metrics\.jsonl"),
               ("trainer", r"v\d{8}\.safetensors|ref\.safetensors"),
