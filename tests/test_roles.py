@@ -22,8 +22,8 @@ def spec(*regions) -> object:
                            "topology": {"regions": list(regions)}}}).spec
 
 
-def url(name: str) -> str:
-    return f"http://{name}.svc"
+def url(name: str, region: str) -> str:
+    return f"http://{name}.svc" if name != "trainer" or region == "us" else f"http://lb-for-{region}"
 
 
 def test_a_relay_per_region_with_workers_and_workers_that_prefer_it():
@@ -35,8 +35,21 @@ def test_a_relay_per_region_with_workers_and_workers_that_prefer_it():
         Role("relay", "relay-us", "us", t, rate_mbit=100),  # the cap is on the region's WAN link
         Role("worker", "worker-us-0", "us", t, r),  # versions from the relay first; work from the trainer
         Role("worker", "worker-us-1", "us", t, r),
-        Role("worker", "worker-ap-0", "ap", t, None, 50),  # no relay: each worker's link is capped
-    ]
+        Role("worker", "worker-ap-0", "ap", "http://lb-for-ap", None, 50),  # no relay: each worker's link is capped
+    ]  # ap reaches the trainer by another address (in a cluster: a member cluster's, through a load balancer)
+
+
+def test_placements_are_the_regions_in_a_cluster():
+    j = parse({"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
+               "spec": {"model": {"tiny": {}}, "task": {"builtin": "add"}, "trainer": {"service": {"type": "LoadBalancer"}},
+                        "placements": [{"region": "us", "replicas": 2}, {"region": "eu", "cluster": "eu-west",
+                                                                          "replicas": 1, "relay": False}]}})
+    assert [(r.kind, r.name, r.trainer, r.relay) for r in roles(j.spec, url)] == [
+        ("trainer", "trainer", None, None), ("relay", "relay-us", "http://trainer.svc", None),
+        ("worker", "worker-us-0", "http://trainer.svc", "http://relay-us.svc"),
+        ("worker", "worker-us-1", "http://trainer.svc", "http://relay-us.svc"),
+        ("worker", "worker-eu-0", "http://lb-for-eu", None)]
+    assert j.spec.quorum == 2  # each placement's minReplicas (1) must call in before rollouts start
 
 
 def test_names_are_unique_dns_labels():

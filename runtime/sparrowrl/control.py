@@ -140,9 +140,10 @@ class Control:
             pass
 
     def started(self) -> bool:
-        """Rollouts start once every worker of the topology has called in (so all of them share
-        the first batch), or after one lease period with those that have."""
-        expected = sum(r.workers for r in self.spec.topology.regions)
+        """Rollouts start once the job's quorum of workers has called in (every worker of the
+        topology, so all of them share the first batch; in a cluster, each placement's
+        minReplicas), or after one lease period with those that have."""
+        expected = self.spec.quorum
         waited = time.time() - self.t_start > self.spec.rollout.lease_seconds
         if not self.begun and (len(self.seen) >= expected or waited):
             self.begun = True

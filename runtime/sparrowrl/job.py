@@ -14,6 +14,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from sparrowrl.kubespec import MANAGED_BY, Health, ManagedBy, Placement, RunPolicy, Scheduling, TrainerSpec
 from sparrowrl.limits import MAX_JOB_BYTES, MAX_YAML_NODES, read_bounded
 from sparrowrl.messages import MAX_LEASE_TOKENS
 
@@ -38,6 +39,9 @@ class _Spec(BaseModel):
 
 class TinyModel(_Spec):
     """A Qwen3 made from config, with the built-in character tokenizer."""
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.hidden) || !has(self.heads) || self.hidden % self.heads == 0",
+         "message": "hidden must be a multiple of heads"}]})
     hidden: int = Field(128, ge=16, le=4096)
     layers: int = Field(2, ge=1, le=64)
     heads: int = Field(4, ge=1, le=64)
@@ -53,6 +57,10 @@ class TinyModel(_Spec):
 
 
 class ModelSpec(_Spec):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "has(self.path) != has(self.tiny)", "message": "give exactly one of model.path and model.tiny"},
+        {"rule": "!has(self.tiny) || !has(self.tokenizer)",
+         "message": "model.tiny uses the built-in character tokenizer; drop model.tokenizer"}]})
     path: Text | None = Field(None, description="A local Hugging Face model folder.")
     tiny: TinyModel | None = None
     tokenizer: Text | None = Field(None, description="A tokenizer folder; default: the model folder's.")
@@ -67,6 +75,8 @@ class ModelSpec(_Spec):
 
 
 class TaskSpec(_Spec):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "has(self.builtin) != has(self.jsonl)", "message": "give exactly one of task.builtin and task.jsonl"}]})
     builtin: Literal["add", "reverse"] | None = None
     jsonl: Text | None = Field(None, description="A file of {\"prompt\", \"answer\"} lines.")
     reward: Annotated[Text, AfterValidator(_reward)] | None = Field(None, description=(
@@ -93,7 +103,7 @@ class GrpoSpec(_Spec):
     max_new_tokens: int = Field(8, ge=1, le=4096)
 
 
-class RolloutSpec(_Spec):
+class RolloutSpec(Scheduling):
     engine: Literal["hf", "vllm"] = "hf"
     groups_per_lease: int = Field(2, ge=1, le=4096, description="Prompt groups a worker takes at once.")
     lease_seconds: float = Field(120.0, ge=1, le=86_400,
@@ -109,13 +119,14 @@ class SyncSpec(_Spec):
 
 
 class RegionSpec(_Spec):
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$", max_length=32)
     workers: int = Field(1, ge=0, le=64)
     relay: bool = True
     bandwidth_mbit: float | None = Field(None, gt=0, le=1e6, description="Cap on this region's link to the trainer.")
 
 
 class TopologySpec(_Spec):
+    """Regions for `sparrowrl run`; in a cluster, `placements` say where each region runs."""
     regions: list[RegionSpec] = Field(default_factory=lambda: [RegionSpec(name="local")], min_length=1, max_length=64)
 
     @model_validator(mode="after")
@@ -129,6 +140,21 @@ class TopologySpec(_Spec):
 
 
 class JobSpec(_Spec):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.topology) || !has(self.placements)",
+         "message": "give topology (regions for sparrowrl run) or placements (regions in clusters), not both"},
+        {"rule": "has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || "
+                 "self.managedBy == oldSelf.managedBy)", "message": "managedBy is immutable"},
+        {"rule": "self.steps == oldSelf.steps && self.seed == oldSelf.seed && self.model == oldSelf.model && "
+                 "self.task == oldSelf.task && has(self.grpo) == has(oldSelf.grpo) && (!has(self.grpo) || "
+                 "self.grpo == oldSelf.grpo) && has(self.sync) == has(oldSelf.sync) && (!has(self.sync) || "
+                 "self.sync == oldSelf.sync)",
+         "message": "steps, seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"},
+        {"rule": "!has(self.placements) || !self.placements.exists(p, has(p.cluster)) || (has(self.trainer) && "
+                 "has(self.trainer.service) && (has(self.trainer.service.url) || (has(self.trainer.service.type) && "
+                 "self.trainer.service.type != 'ClusterIP')))",
+         "message": "workers in a member cluster cannot reach a ClusterIP trainer; set trainer.service.type to "
+                    "LoadBalancer or NodePort, or trainer.service.url"}]})
     steps: int = Field(50, ge=1, le=10_000_000)  # version numbers are 8 digits in file names
     seed: int = Field(0, ge=0, le=2**63 - 1)
     model: ModelSpec
@@ -137,11 +163,55 @@ class JobSpec(_Spec):
     rollout: RolloutSpec = RolloutSpec()
     sync: SyncSpec = SyncSpec()
     topology: TopologySpec = TopologySpec()
+    image: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")] | None = Field(None, description=(
+        "The runtime image of the job's pods; default: the operator's."))
+    trainer: TrainerSpec = TrainerSpec()
+    placements: Annotated[list[Placement], Field(min_length=1, max_length=64, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["region"]})] | None = None
+    run_policy: RunPolicy = RunPolicy()
+    health: Health = Health()
+    managed_by: ManagedBy | None = None
+
+    @property
+    def regions(self) -> list[RegionSpec]:
+        """Where the workers run: the placements in a cluster, else the topology."""
+        if self.placements is None:
+            return self.topology.regions
+        return [RegionSpec(name=p.region, workers=p.replicas, relay=p.relay) for p in self.placements]
+
+    @property
+    def quorum(self) -> int:
+        """Workers that must call in before rollouts start: every worker, or each placement's minReplicas."""
+        if self.placements is None:
+            return sum(r.workers for r in self.topology.regions)
+        return sum(p.min_replicas for p in self.placements)
+
+    @property
+    def manager(self) -> str:
+        return self.managed_by or MANAGED_BY
 
     @property
     def lease_tokens(self) -> int:
         """The most tokens one lease's results carry."""
         return self.grpo.group_size * self.rollout.groups_per_lease * self.grpo.max_new_tokens
+
+    @model_validator(mode="after")
+    def _placements(self) -> JobSpec:
+        if self.placements is None:
+            return self
+        if "topology" in self.model_fields_set:
+            raise ValueError("give topology (regions for sparrowrl run) or placements (regions in clusters), not both")
+        regions = [p.region for p in self.placements]
+        if len(set(regions)) != len(regions):
+            raise ValueError(f"placements: region names must be unique, got {regions}")
+        if not sum(p.replicas for p in self.placements):
+            raise ValueError("placements: at least one needs replicas")
+        remote = [p for p in self.placements if p.cluster]
+        if remote and self.trainer.service.type == "ClusterIP" and not self.trainer.service.url:
+            raise ValueError(f"placements: region {remote[0].region} runs in cluster {remote[0].cluster}, which cannot "
+                             f"reach a ClusterIP trainer; set trainer.service.type to LoadBalancer or NodePort, or "
+                             f"trainer.service.url")
+        return self
 
     @model_validator(mode="after")
     def _lease_fits_a_request(self) -> JobSpec:

@@ -1,6 +1,7 @@
 """Which processes a job runs: one pure function of the spec. `sparrowrl run` starts its roles as
 local processes; the operator turns the same roles into pods. Only how a role is reached (a
-loopback port, a Service name) differs, and that is the caller's `url`."""
+loopback port; a Service name, or a load balancer's address from a member cluster) differs, and
+that is the caller's `url(role name, region it is reached from)`."""
 
 from __future__ import annotations
 
@@ -20,19 +21,18 @@ class Role:
     rate_mbit: float | None = None  # cap on this role's downloads: the region's link to the trainer
 
 
-def roles(spec: JobSpec, url: Callable[[str], str]) -> list[Role]:
+def roles(spec: JobSpec, url: Callable[[str, str], str]) -> list[Role]:
     """The trainer; per region with workers, its relay (unless `relay: false`) and its workers.
     A region's link cap applies where its traffic crosses the link: to its relay's upstream, or
     to each worker when it has no relay."""
-    trainer = url("trainer")
     out = [Role("trainer", "trainer")]
-    for region in spec.topology.regions:
+    for region in spec.regions:
         if not region.workers:
             continue
-        relay, rate = None, region.bandwidth_mbit
+        trainer, relay, rate = url("trainer", region.name), None, region.bandwidth_mbit
         if region.relay:
             out.append(Role("relay", f"relay-{region.name}", region.name, trainer, rate_mbit=rate))
-            relay, rate = url(f"relay-{region.name}"), None  # inside a region the network is not capped
+            relay, rate = url(f"relay-{region.name}", region.name), None  # inside a region the network is not capped
         out += [Role("worker", f"worker-{region.name}-{i}", region.name, trainer, relay, rate)
                 for i in range(region.workers)]
     return out

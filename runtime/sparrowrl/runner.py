@@ -32,8 +32,6 @@ OUTPUTS = ("job.yaml", "token", "trainer.ready", "metrics.jsonl", "summary.json"
            "step_time.png", "payload.png", "store", "model", "final", "logs", "relays", "job.json", "trainer",
            "journal.jsonl", "starts", ".trainer.lock", ".processes.json.tmp")
 MARK = ".sparrowrl-run"  # names a folder as a run's: the only kind a run replaces
-TRAINER_RESTARTS = 3  # a trainer that exits with an error is started again (a pod's restartPolicy
-# OnFailure), this many times at most; it resumes from its state dir
 
 
 class RunError(Exception):
@@ -190,7 +188,7 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))
     ports: dict[str, int] = defaultdict(free_port)
 
-    def url(name: str) -> str:
+    def url(name: str, _region: str | None = None) -> str:  # one machine: the same address from everywhere
         return f"http://127.0.0.1:{ports[name]}"
 
     everyone = layout.roles(spec, url)
@@ -208,7 +206,7 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
             else:
                 pids[role.kind + "s"][role.name] = p.pid
         _write_pids(run_dir, pids)
-        _follow(origin, token, spec.steps, procs, run_dir, console, pids)
+        _follow(origin, token, spec, procs, run_dir, console, pids)
         procs.procs["trainer"].wait(timeout=60)
     finally:
         procs.stop()
@@ -224,15 +222,19 @@ def _write_pids(run_dir: Path, pids: dict) -> None:
     os.replace(tmp, run_dir / "processes.json")
 
 
-def _follow(origin: str, token: str, steps: int, procs: Processes, run_dir: Path, console: Console,
+def _follow(origin: str, token: str, spec: JobSpec, procs: Processes, run_dir: Path, console: Console,
             pids: dict) -> None:
+    """Progress until the summary is written. A trainer that exits with an error is started again,
+    `runPolicy.backoffLimit` times at most (as the operator does in a cluster); it resumes from
+    its state dir."""
+    steps, limit = spec.steps, spec.run_policy.backoff_limit
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                   TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console) as progress:
         task = progress.add_task("training", total=steps, info="waiting for workers")
         while not (run_dir / "summary.json").exists():
-            if (code := procs.restart("trainer", TRAINER_RESTARTS)) is not None:
+            if (code := procs.restart("trainer", limit)) is not None:
                 n = procs.restarts["trainer"]
-                progress.console.print(f"the trainer exited ({code}); started again ({n}/{TRAINER_RESTARTS}), "
+                progress.console.print(f"the trainer exited ({code}); started again ({n}/{limit}), "
                                        f"it resumes from {run_dir}")
                 pids["trainer"] = procs.procs["trainer"].pid
                 _write_pids(run_dir, pids)

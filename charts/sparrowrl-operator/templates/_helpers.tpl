@@ -1,0 +1,44 @@
+{{/* The chart's name, cut to 63 characters (a label value's limit). */}}
+{{- define "sparrowrl-operator.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name: the release name alone when it already holds the chart's name. */}}
+{{- define "sparrowrl-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "sparrowrl-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sparrowrl-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "sparrowrl-operator.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "sparrowrl-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: sparrowrl
+{{- end }}
+
+{{- define "sparrowrl-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "sparrowrl-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "sparrowrl-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The job pods' default image, in the operator's own release. */}}
+{{- define "sparrowrl-operator.runtimeImage" -}}
+{{- default (printf "ghcr.io/sparrowrl/sparrowrl-runtime:%s" .Chart.AppVersion) .Values.runtimeImage }}
+{{- end }}

@@ -1,0 +1,208 @@
+"""Manifests from the job: pure functions with deterministic names and labels. Pods run the
+roles of `sparrowrl.layout.roles`, the commands the local runner starts, with Kubernetes' own
+ways of handing them the rest: the token from a Secret, the job from a ConfigMap, the trainer's
+state on a PersistentVolumeClaim, the pod's name and IP from the downward API."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from sparrowrl.job import API_VERSION, JobSpec
+from sparrowrl.kubespec import Scheduling
+from sparrowrl.layout import Role
+from sparrowrl_operator.constants import (ATTEMPT_LABEL, JOB_LABEL, MANAGED_BY_LABEL, MANAGER, METRICS_PORT,
+                                          REGION_LABEL, RELAY_PORT, ROLE_LABEL, SLOT_LABEL, TOKEN_KEY, TRAINER_PORT,
+                                          UID_LABEL, WORKDIR, WORKER_PORT)
+
+PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
+USER = 65532  # the runtime image's user
+
+
+@dataclass(frozen=True)
+class JobRef:
+    name: str
+    namespace: str
+    uid: str
+
+
+def labels(job: JobRef, role: str | None = None, region: str | None = None) -> dict[str, str]:
+    out = {MANAGED_BY_LABEL: MANAGER, JOB_LABEL: job.name, UID_LABEL: job.uid}
+    if role:
+        out[ROLE_LABEL] = role
+    if region:
+        out[REGION_LABEL] = region
+    return out
+
+
+def owner(job: JobRef) -> list[dict]:
+    """Home-cluster objects go with the job (garbage collection); member clusters' cannot point
+    across clusters, so the finalizer and the orphan sweep remove those."""
+    return [{"apiVersion": API_VERSION, "kind": "SparrowRLJob", "name": job.name, "uid": job.uid, "controller": True,
+             "blockOwnerDeletion": True}]
+
+
+def _meta(job: JobRef, name: str, namespace: str, home: bool, **label_args) -> dict:
+    meta = {"name": name, "namespace": namespace, "labels": labels(job, **label_args)}
+    return meta | {"ownerReferences": owner(job)} if home else meta
+
+
+def token_name(job: JobRef) -> str:
+    return f"{job.name}-token"
+
+
+def trainer_name(job: JobRef) -> str:
+    return f"{job.name}-trainer"
+
+
+def relay_name(job: JobRef, region: str) -> str:
+    return f"{job.name}-relay-{region}"
+
+
+def pod_name(job: JobRef, role: Role, attempt: int) -> str:
+    """`{job}-trainer-0`, `{job}-relay-eu-0`, `{job}-worker-eu-1-0`: the role's name, then the attempt."""
+    return f"{job.name}-{role.name}-{attempt}"
+
+
+def names_fit(job: JobRef, spec: JobSpec) -> str | None:
+    """Why the job's name is too long for its Services' names (DNS labels), or None."""
+    longest = max([trainer_name(job)] + [relay_name(job, r.name) for r in spec.regions if r.relay], key=len)
+    if len(longest) > 63:
+        return f"metadata.name: {job.name!r} makes the Service name {longest!r}, over 63 characters"
+    return None
+
+
+def token_secret(job: JobRef, token: str, namespace: str, home: bool) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(job, token_name(job), namespace, home), "stringData": {TOKEN_KEY: token}}
+
+
+def job_config(job: JobRef, spec: dict) -> dict:
+    """The job as the trainer reads it: written once, so the trainer's state always belongs to it."""
+    doc = {"apiVersion": API_VERSION, "kind": "SparrowRLJob", "metadata": {"name": job.name}, "spec": spec}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, f"{job.name}-job", job.namespace, True),
+            "data": {"job.yaml": yaml.safe_dump(doc, sort_keys=False)}}
+
+
+def state_claim(job: JobRef, spec: JobSpec) -> dict:
+    s = spec.trainer.state
+    claim = {"accessModes": list(s.access_modes), "resources": {"requests": {"storage": s.size}}}
+    if s.storage_class_name:
+        claim["storageClassName"] = s.storage_class_name
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": _meta(job, f"{job.name}-state", job.namespace, True), "spec": claim}
+
+
+def trainer_service(job: JobRef, spec: JobSpec) -> dict:
+    svc = spec.trainer.service
+    meta = _meta(job, trainer_name(job), job.namespace, True, role="trainer")
+    if svc.annotations:
+        meta["annotations"] = dict(svc.annotations)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {
+        "type": svc.type, "selector": {UID_LABEL: job.uid, ROLE_LABEL: "trainer"},
+        "ports": [{"name": "http", "port": TRAINER_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def relay_service(job: JobRef, region: str, namespace: str, home: bool) -> dict:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(job, relay_name(job, region), namespace, home, role="relay", region=region),
+            "spec": {"type": "ClusterIP", "selector": {UID_LABEL: job.uid, ROLE_LABEL: "relay", REGION_LABEL: region},
+                     "ports": [{"name": "http", "port": RELAY_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def trainer_url(job: JobRef) -> str:
+    """The trainer as pods of its own cluster reach it."""
+    return f"http://{trainer_name(job)}.{job.namespace}.svc:{TRAINER_PORT}"
+
+
+def relay_url(job: JobRef, region: str, namespace: str) -> str:
+    return f"http://{relay_name(job, region)}.{namespace}.svc:{RELAY_PORT}"
+
+
+def _args(role: Role, spec: JobSpec) -> list[str]:
+    """As `sparrowrl run` starts each role (runner.argv), inside a pod: listening on the pod's IP."""
+    serve = ["--host", "$(POD_IP)", "--port", str(PORTS[role.kind]), "--metrics-port", str(METRICS_PORT)]
+    if role.kind == "trainer":
+        return ["trainer", "job/job.yaml", "--state-dir", "state", *serve]
+    if role.kind == "relay":
+        return ["relay", "--upstream", role.trainer, "--cache", "cache", "--streams", str(spec.sync.streams), *serve]
+    return ["worker", "--trainer", role.trainer, *(["--relay", role.relay] if role.relay else []),
+            "--region", role.region, *serve]
+
+
+def _resources(s: Scheduling) -> dict:
+    r = {k: dict(v) for k, v in (("requests", s.resources.requests), ("limits", s.resources.limits)) if v}
+    return r
+
+
+def pod(job: JobRef, role: Role, spec: JobSpec, *, namespace: str, attempt: int, image: str, home: bool,
+        slot: int | None = None, template: dict | None = None) -> dict:
+    sched = spec.trainer if role.kind == "trainer" else spec.rollout
+    mounts, volumes = [], []
+    if role.kind == "trainer":
+        mounts = [{"name": "job", "mountPath": f"{WORKDIR}/job", "readOnly": True},
+                  {"name": "state", "mountPath": f"{WORKDIR}/state"}]
+        volumes = [{"name": "job", "configMap": {"name": f"{job.name}-job"}},
+                   {"name": "state", "persistentVolumeClaim": {"claimName": f"{job.name}-state"}}]
+    elif role.kind == "relay":
+        mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
+        volumes = [{"name": "cache", "emptyDir": {}}]
+    env = [{"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}},
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    container = {
+        "name": role.kind, "image": image, "command": ["sparrowrl"], "args": _args(role, spec), "workingDir": WORKDIR,
+        "env": env, "ports": [{"name": "http", "containerPort": PORTS[role.kind]},
+                              {"name": "metrics", "containerPort": METRICS_PORT}],
+        "readinessProbe": probe,
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": mounts, "resources": _resources(sched),
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+    meta = _meta(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
+    meta["labels"][ATTEMPT_LABEL] = str(attempt)
+    if slot is not None:
+        meta["labels"][SLOT_LABEL] = str(slot)
+    manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {
+        "restartPolicy": "Never",  # the operator replaces a failed pod, and counts it
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "fsGroup": USER,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container], "volumes": volumes}}
+    if sched.node_selector:
+        manifest["spec"]["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
+    return merge(manifest, template) if template else manifest
+
+
+def merge(base: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386), except that lists of named items (containers, env, volumes,
+    ports, volumeMounts) merge by name, so a template can add one variable to a container."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = copy.deepcopy(base)
+        for k, v in patch.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = merge(out.get(k), v)
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and _named(base) and _named(patch):
+        out = [copy.deepcopy(x) for x in base]
+        at = {x["name"]: i for i, x in enumerate(out)}
+        for item in patch:
+            if item["name"] in at:
+                out[at[item["name"]]] = merge(out[at[item["name"]]], item)
+            else:
+                out.append(copy.deepcopy(item))
+        return out
+    return copy.deepcopy(patch)
+
+
+def _named(items: list) -> bool:
+    return all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in items)

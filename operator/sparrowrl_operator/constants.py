@@ -1,0 +1,38 @@
+"""Names the operator and its objects share: the API, labels, ports, Event reasons."""
+
+GROUP = "sparrowrl.dev"
+VERSION = "v1alpha1"
+JOBS = "sparrowrljobs"
+CLUSTERS = "sparrowclusters"
+FINALIZER = f"{GROUP}/cleanup"
+PROGRESS_PREFIX = GROUP  # kopf's annotation progress storage
+
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGER = "sparrowrl-operator"
+JOB_LABEL = f"{GROUP}/job"
+UID_LABEL = f"{GROUP}/job-uid"
+ROLE_LABEL = f"{GROUP}/role"  # trainer, relay, worker
+REGION_LABEL = f"{GROUP}/region"
+SLOT_LABEL = f"{GROUP}/slot"  # a worker's index in its placement
+ATTEMPT_LABEL = f"{GROUP}/attempt"  # 0 for the first pod of a slot, +1 per replacement
+
+TRAINER_PORT = 8470
+RELAY_PORT = 8471
+WORKER_PORT = 8472
+METRICS_PORT = 9090
+WORKDIR = "/var/lib/sparrowrl"  # the pods' working folder: job/, state/ and cache/ are mounted under it
+TOKEN_KEY = "token"
+
+# Event reasons
+CREATED = "Created"
+REPLACED = "Replaced"
+STALE = "StaleWorker"
+UNREACHABLE = "MemberUnreachable"
+RECONNECTED = "MemberReconnected"
+RESTARTED = "TrainerRestarted"
+INVALID = "InvalidSpec"
+SUSPENDED = "Suspended"
+RESUMED = "Resumed"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+CLEANED = "Cleaned"

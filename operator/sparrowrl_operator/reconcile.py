@@ -1,0 +1,528 @@
+"""The operator's decisions, as one pure function: a job, what is observed in each cluster and
+from the trainer, and the time → the objects to create and delete, the status, the Events.
+The kopf handlers only observe, call `reconcile` and carry out its plan; tests call it with
+tables of scenarios. It decides from the current state, never from the event that woke it,
+so running it twice does no harm (watches replay)."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import ValidationError
+
+from sparrowrl import layout
+from sparrowrl.job import JobError, parse
+from sparrowrl.kubespec import MANAGED_BY
+from sparrowrl.layout import Role
+from sparrowrl.status import JobStatus as TrainerStatus
+from sparrowrl_operator import builders
+from sparrowrl_operator.builders import JobRef
+from sparrowrl_operator.conditions import find, is_true, set_condition
+from sparrowrl_operator.constants import (ATTEMPT_LABEL, CREATED, INVALID, REGION_LABEL, REPLACED, RESTARTED,
+                                          RESUMED, ROLE_LABEL, SLOT_LABEL, STALE, SUCCEEDED, SUSPENDED, TRAINER_PORT,
+                                          UNREACHABLE)
+from sparrowrl_operator.model import (MAX_LISTED, Display, JobStatus, LeaseHealth, PlacementStatus, Progress,
+                                      WorkerProgress)
+
+Cluster = str | None  # a SparrowCluster's name; None: the operator's own
+
+
+@dataclass(frozen=True)
+class Member:
+    """What the operator knows of a member cluster that a placement names."""
+    namespace: str
+    reachable: bool
+    reason: str = ""  # why not, when not
+
+
+@dataclass(frozen=True)
+class Backoff:
+    base: float = 10.0
+    cap: float = 300.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.base * 2 ** min(attempt, 30), self.cap)
+
+
+@dataclass(frozen=True)
+class Observed:
+    now: datetime.datetime
+    token: str  # the job's transport token: the Secret's, or a new one
+    pods: dict[Cluster, list[dict]] = field(default_factory=dict)  # this job's pods, per reachable cluster
+    objects: dict[Cluster, set[tuple[str, str]]] = field(default_factory=dict)  # (kind, name) that exist
+    members: dict[str, Member] = field(default_factory=dict)
+    trainer_service: dict | None = None  # for its load balancer's or node port's address
+    node_address: str | None = None  # a node's external address, for a NodePort trainer
+    trainer: TrainerStatus | None = None  # GET /v1/status, when the trainer answered
+
+
+@dataclass
+class Plan:
+    create: list[tuple[Cluster, dict]] = field(default_factory=list)
+    delete: list[tuple[Cluster, str, str, str]] = field(default_factory=list)  # cluster, kind, namespace, name
+    status: JobStatus | None = None  # None: leave the status alone (another controller manages the job)
+    events: list[tuple[Literal["Normal", "Warning"], str, str]] = field(default_factory=list)
+    delete_job: bool = False  # its ttlSecondsAfterFinished ran out
+
+
+def stamp(t: datetime.datetime) -> str:
+    return t.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def since(t: str | None, now: datetime.datetime) -> float:
+    if not t:
+        return 0.0
+    return (now - datetime.datetime.fromisoformat(t.replace("Z", "+00:00"))).total_seconds()
+
+
+def previous(body: dict) -> JobStatus:
+    """The status as last written; one that does not parse (edited by hand) starts afresh."""
+    try:
+        return JobStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        return JobStatus()
+
+
+def phase_of(pod: dict) -> str:
+    return (pod.get("status") or {}).get("phase") or "Pending"
+
+
+def ready(pod: dict) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def finished_at(pod: dict) -> str | None:
+    for s in (pod.get("status") or {}).get("containerStatuses") or []:
+        if t := ((s.get("state") or {}).get("terminated") or {}).get("finishedAt"):
+            return t
+    return None
+
+
+def attempt(pod: dict) -> int:
+    try:
+        return int(pod["metadata"]["labels"][ATTEMPT_LABEL])
+    except (KeyError, ValueError):
+        return 0
+
+
+def terminating(pod: dict) -> bool:
+    return bool(pod["metadata"].get("deletionTimestamp"))
+
+
+def slot_key(pod: dict) -> tuple[str, str | None, str | None]:
+    lb = pod["metadata"].get("labels", {})
+    return lb.get(ROLE_LABEL, ""), lb.get(REGION_LABEL), lb.get(SLOT_LABEL)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+class _Cycle:
+    """One reconcile: the plan and the status grow as each part of the job is looked at."""
+
+    def __init__(self, body: dict, obs: Observed, image: str, backoff: Backoff):
+        meta = body["metadata"]
+        self.body, self.obs, self.image, self.backoff = body, obs, image, backoff
+        self.job = JobRef(meta["name"], meta["namespace"], meta["uid"])
+        self.generation = meta.get("generation")
+        self.now = stamp(obs.now)
+        self.prev = previous(body)
+        self.status = self.prev.model_copy(update={"observed_generation": self.generation})
+        self.plan = Plan()
+        self.clusters = (0, 0)  # reachable, used
+
+    def condition(self, type_: str, status: bool | None, reason: str, message: str = "") -> None:
+        conds = set_condition(list(self.status.conditions), type_, status, reason, message, self.now, self.generation)
+        self.status = self.status.model_copy(update={"conditions": conds})
+
+    def update(self, **fields) -> None:
+        self.status = self.status.model_copy(update=fields)
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.plan.events.append(("Warning" if warning else "Normal", reason, message))
+
+    def transition(self, type_: str, status: bool, reason: str, message: str, warning: bool = False) -> None:
+        """Set a condition, with an Event when it changes."""
+        old = find(self.status.conditions, type_)
+        if old is None or old.status != str(status) or old.reason != reason:
+            self.event(reason, message, warning)
+        self.condition(type_, status, reason, message)
+
+    def fail(self, reason: str, message: str) -> None:
+        self.transition("Failed", True, reason, message, warning=True)
+        self.update(phase="Failed", completion_time=self.status.completion_time or self.now)
+
+    # --- the parts of a cycle ---
+
+    def run(self) -> Plan:
+        try:
+            job = parse({k: self.body[k] for k in ("apiVersion", "kind", "metadata", "spec")},
+                        f"{self.job.namespace}/{self.job.name}")
+        except JobError as e:
+            return self.invalid(str(e))
+        except KeyError as e:
+            return self.invalid(f"{e.args[0]}: missing")
+        spec = job.spec
+        if spec.manager != MANAGED_BY:
+            self.plan.status = None  # e.g. kueue.x-k8s.io/multikueue: another controller runs it
+            return self.plan
+        if why := builders.names_fit(self.job, spec):
+            return self.invalid(why)
+        self.spec = spec
+        if self.terminal():
+            self.finish()
+        elif spec.run_policy.suspend:
+            self.suspend()
+        else:
+            self.active()
+        self.display()
+        self.plan.status = self.status
+        return self.plan
+
+    def invalid(self, message: str) -> Plan:
+        self.fail(INVALID, message)
+        self.cleanup_running()
+        self.plan.status = self.status
+        return self.plan
+
+    def terminal(self) -> bool:
+        return is_true(self.status.conditions, "Succeeded") or is_true(self.status.conditions, "Failed")
+
+    def all_pods(self):
+        for cluster, pods in self.obs.pods.items():
+            for p in pods:
+                yield cluster, p
+
+    def remove(self, cluster: Cluster, p: dict) -> None:
+        if not terminating(p):
+            self.plan.delete.append((cluster, "Pod", p["metadata"]["namespace"], p["metadata"]["name"]))
+
+    def cleanup_running(self) -> None:
+        """A finished job frees its machines; finished pods stay for their logs."""
+        for cluster, p in self.all_pods():
+            if phase_of(p) not in ("Succeeded", "Failed"):
+                self.remove(cluster, p)
+
+    def finish(self) -> None:
+        self.cleanup_running()
+        ttl = self.spec.run_policy.ttl_seconds_after_finished
+        if ttl is not None and since(self.status.completion_time, self.obs.now) >= ttl:
+            self.plan.delete_job = True
+
+    def suspend(self) -> None:
+        for cluster, p in self.all_pods():
+            self.remove(cluster, p)
+        if not is_true(self.status.conditions, "Suspended"):
+            self.event(SUSPENDED, "suspended: pods deleted; the trainer's state is kept")
+        self.condition("Suspended", True, "Suspended", "runPolicy.suspend is set")
+        self.condition("TrainerReady", False, "Suspended")
+        self.condition("RolloutReady", False, "Suspended")
+        self.update(phase="Suspended", active_since=None)
+
+    def active(self) -> None:
+        if is_true(self.status.conditions, "Suspended"):
+            self.event(RESUMED, "resumed: the trainer continues from its state")
+        if find(self.status.conditions, "Suspended") is not None:
+            self.condition("Suspended", False, "Resumed")
+        self.update(start_time=self.status.start_time or self.now, active_since=self.status.active_since or self.now)
+        if self.deadlines():
+            return
+        self.home_objects()
+        trainer_done = self.trainer()
+        if self.terminal():
+            self.finish()
+            return
+        self.placements()
+        self.progress()
+        if not trainer_done:
+            self.health()
+
+    def deadlines(self) -> bool:
+        rp, active = self.spec.run_policy, since(self.status.active_since, self.obs.now)
+        if rp.active_deadline_seconds is not None and active > rp.active_deadline_seconds:
+            self.fail("DeadlineExceeded", f"running for {active:.0f} s, over runPolicy.activeDeadlineSeconds "
+                                          f"({rp.active_deadline_seconds})")
+        elif (rp.startup_deadline_seconds is not None and not self.started() and active > rp.startup_deadline_seconds):
+            self.fail("DeadlineExceeded", f"no rollout after {active:.0f} s, over runPolicy.startupDeadlineSeconds "
+                                          f"({rp.startup_deadline_seconds})")
+        else:
+            return False
+        self.finish()
+        return True
+
+    def started(self) -> bool:
+        t = self.obs.trainer
+        return self.prev.progress.step > 0 or (t is not None and t.phase != "Pending")
+
+    def ensure(self, cluster: Cluster, manifest: dict) -> None:
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        if key not in self.obs.objects.get(cluster, set()):
+            self.plan.create.append((cluster, manifest))
+
+    def home_objects(self) -> None:
+        job, spec = self.job, self.spec
+        self.ensure(None, builders.token_secret(job, self.obs.token, job.namespace, home=True))
+        self.ensure(None, builders.job_config(job, self.body["spec"]))
+        self.ensure(None, builders.state_claim(job, spec))
+        self.ensure(None, builders.trainer_service(job, spec))
+        missing = [m["kind"] for c, m in self.plan.create if c is None]
+        self.condition("Created", not missing, "ObjectsCreated" if not missing else "Creating",
+                       "the trainer's Secret, ConfigMap, volume claim and Service exist" if not missing
+                       else f"creating {', '.join(missing)}")
+
+    def current(self, cluster: Cluster, key: tuple) -> tuple[dict | None, list[dict]]:
+        """The newest attempt's pod of a slot, and the older ones still there."""
+        pods = sorted((p for p in self.obs.pods.get(cluster, []) if slot_key(p) == key), key=attempt)
+        return (pods[-1], pods[:-1]) if pods else (None, [])
+
+    def trainer(self) -> bool:
+        """The trainer pod: created, restarted after a failure up to backoffLimit. True once it has
+        finished the job."""
+        role = Role("trainer", "trainer")
+        pod, older = self.current(None, ("trainer", None, None))
+        for p in older:
+            self.remove(None, p)
+        limit = self.spec.run_policy.backoff_limit
+        if pod is None:
+            self.create_pod(None, role, self.status.restarts, None)
+            self.condition("TrainerReady", False, "Creating", "creating the trainer pod")
+            self.update(phase="Pending")
+            return False
+        n, phase = attempt(pod), phase_of(pod)
+        if terminating(pod):  # its successor is created once it is gone (the same name)
+            self.condition("TrainerReady", False, "Terminating", f"pod {pod['metadata']['name']} is being deleted")
+            self.update(phase="Pending")
+            return False
+        if phase == "Succeeded":
+            self.condition("TrainerReady", False, "Finished", "the trainer finished the job")
+            self.transition("Succeeded", True, SUCCEEDED, f"trained {self.spec.steps} steps")
+            self.update(phase="Succeeded", completion_time=self.status.completion_time or self.now)
+            return True
+        if phase == "Failed":
+            if n >= limit:
+                self.fail("BackoffLimitExceeded", f"the trainer failed {n + 1} times; runPolicy.backoffLimit is {limit}")
+                return False
+            self.update(phase="Restarting")
+            self.condition("TrainerReady", False, "Restarting", f"the trainer failed (pod {pod['metadata']['name']})")
+            if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
+                self.create_pod(None, role, n + 1, None)
+                self.remove(None, pod)
+                self.update(restarts=n + 1)
+                self.event(RESTARTED, f"the trainer failed; restart {n + 1} of {limit}, resuming from its volume",
+                           warning=True)
+            return False
+        self.update(restarts=max(self.status.restarts, n))
+        up = phase == "Running" and ready(pod)
+        self.condition("TrainerReady", up, "Ready" if up else "NotReady",
+                       f"pod {pod['metadata']['name']}" + ("" if up else f" is {phase}"))
+        t = self.obs.trainer
+        self.update(phase="Running" if up and t is not None and t.phase != "Pending" else "Starting" if up else "Pending")
+        return False
+
+    def trainer_address(self) -> str | None:
+        """How workers in member clusters reach the trainer."""
+        s = self.spec.trainer.service
+        if s.url:
+            return s.url.rstrip("/")
+        svc = self.obs.trainer_service or {}
+        if s.type == "LoadBalancer":
+            for ing in ((svc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
+                if host := ing.get("ip") or ing.get("hostname"):
+                    return f"http://{host}:{TRAINER_PORT}"
+        if s.type == "NodePort" and self.obs.node_address:
+            for p in (svc.get("spec") or {}).get("ports") or []:
+                if p.get("nodePort"):
+                    return f"http://{self.obs.node_address}:{p['nodePort']}"
+        return None
+
+    def placements(self) -> None:
+        job, spec = self.job, self.spec
+        address = self.trainer_address()
+        if address and address != self.status.trainer_address:
+            self.update(trainer_address=address)
+        where = {p.region: p for p in spec.placements or []}
+
+        def namespace(region: str) -> str:
+            p = where.get(region)
+            return self.obs.members[p.cluster].namespace if p and p.cluster in self.obs.members else job.namespace
+
+        def url(name: str, region: str) -> str:
+            remote = where.get(region) is not None and where[region].cluster is not None
+            if name == "trainer":
+                return (address or "") if remote else builders.trainer_url(job)
+            return builders.relay_url(job, name.removeprefix("relay-"), namespace(region))
+
+        roles = [r for r in layout.roles(spec, url) if r.kind != "trainer"]
+        statuses, unreachable, total, reachable = [], [], set(), set()
+        for region in spec.regions:
+            p = where.get(region.name)
+            cluster = p.cluster if p else None
+            total.add(cluster)
+            prev = next((s for s in self.prev.placements if s.region == region.name), None)
+            member = self.obs.members.get(cluster) if cluster else None
+            if cluster and (member is None or not member.reachable):
+                why = member.reason if member else "no such SparrowCluster, or not probed yet"
+                unreachable.append(f"{cluster} ({why})")
+                statuses.append(prev or PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
+                continue
+            reachable.add(cluster)
+            mine = [r for r in roles if r.region == region.name]
+            if cluster and not address:
+                statuses.append(PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
+                continue  # its pods need the trainer's outside address first
+            statuses.append(self.placement(cluster, namespace(region.name), region.name, mine, p))
+        if unreachable:
+            self.transition("Degraded", True, UNREACHABLE, "unreachable: " + ", ".join(unreachable) +
+                            "; the other placements go on", warning=True)
+        elif find(self.status.conditions, "Degraded") is not None:
+            self.transition("Degraded", False, "AllReachable", "every member cluster answers")
+        self.update(placements=statuses)
+        self.clusters = (len(reachable), len(total))  # the operator's own counts as one
+        waiting = [s.region for s in statuses if s.ready < (where[s.region].min_replicas if s.region in where
+                                                             else s.desired)]
+        self.condition("RolloutReady", not waiting, "MinReplicasReady" if not waiting else "Waiting",
+                       "every placement has its minimum of ready workers" if not waiting
+                       else f"waiting for workers in {', '.join(waiting)}" +
+                       ("" if address or not any(where[r].cluster for r in waiting if r in where)
+                        else " (the trainer's address from outside is not known yet)"))
+
+    def placement(self, cluster: Cluster, namespace: str, region: str, roles: list[Role], p) -> PlacementStatus:
+        home = cluster is None
+        if not home:
+            self.ensure(cluster, builders.token_secret(self.job, self.obs.token, namespace, home=False))
+        template = p.template if p is not None else None
+        failed = replaced = ready_n = 0
+        workers = [r for r in roles if r.kind == "worker"]
+        for r in roles:
+            if r.kind == "relay":
+                self.ensure(cluster, builders.relay_service(self.job, region, namespace, home))
+            slot = workers.index(r) if r.kind == "worker" else None
+            key = (r.kind, region, None if slot is None else str(slot))
+            pod, older = self.current(cluster, key)
+            for old in older:
+                self.remove(cluster, old)
+            if pod is None:
+                self.create_pod(cluster, r, 0, slot, namespace, template)
+                continue
+            if terminating(pod):
+                continue  # suspended or scaled down a moment ago: its successor waits for the name
+            n = attempt(pod)
+            replaced += n
+            phase = phase_of(pod)
+            if r.kind == "worker" and ready(pod) and phase == "Running":
+                ready_n += 1
+            if phase == "Failed" and not terminating(pod):
+                failed += 1
+                if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
+                    self.replace(cluster, pod, r, n, slot, namespace, template, f"pod {pod['metadata']['name']} failed")
+            elif r.kind == "worker" and self.stale(pod) and self.spec.health.on_stale == "Replace" \
+                    and not terminating(pod):
+                self.replace(cluster, pod, r, n, slot, namespace, template,
+                             f"worker {pod['metadata']['name']} is stale")
+        for stray in self.obs.pods.get(cluster, []):  # scaled down
+            role, reg, slot = slot_key(stray)
+            if role == "worker" and reg == region and slot is not None and int(slot) >= len(workers):
+                self.remove(cluster, stray)
+        return PlacementStatus(region=region, cluster=cluster, desired=len(workers), ready=ready_n, failed=failed,
+                               replaced=replaced)
+
+    def create_pod(self, cluster: Cluster, role: Role, n: int, slot: int | None, namespace: str | None = None,
+                   template: dict | None = None) -> None:
+        manifest = builders.pod(self.job, role, self.spec, namespace=namespace or self.job.namespace, attempt=n,
+                                image=self.spec.image or self.image, home=cluster is None, slot=slot, template=template)
+        self.plan.create.append((cluster, manifest))
+        self.event(CREATED, f"created pod {manifest['metadata']['name']}" + (f" in cluster {cluster}" if cluster else ""))
+
+    def replace(self, cluster: Cluster, pod: dict, role: Role, n: int, slot: int | None, namespace: str,
+                template: dict | None, why: str) -> None:
+        self.create_pod(cluster, role, n + 1, slot, namespace, template)
+        self.remove(cluster, pod)
+        self.event(REPLACED, f"{why}; replaced it (replacement {n + 1})", warning=True)
+
+    def stale_names(self) -> dict[str, float]:
+        """Workers whose pods run, that the trainer has not heard from for staleAfterSeconds."""
+        t = self.obs.trainer
+        if t is None:
+            return {}
+        alive = {p["metadata"]["name"] for _, p in self.all_pods() if phase_of(p) == "Running" and not terminating(p)}
+        limit = self.spec.health.stale_after_seconds
+        return {w.name: w.seconds_since_seen for w in t.workers if w.name in alive and w.seconds_since_seen > limit}
+
+    def stale(self, pod: dict) -> bool:
+        return pod["metadata"]["name"] in self.stale_names()
+
+    def progress(self) -> None:
+        t = self.obs.trainer
+        if t is None:
+            return
+        alive = {p["metadata"]["name"] for _, p in self.all_pods() if not terminating(p)}
+        workers = sorted((w for w in t.workers if w.name in alive), key=lambda w: w.name)
+        stale = self.stale_names()
+        held_by_stale = sum(w.leases_held for w in t.workers if w.name in stale)
+        self.update(progress=Progress(
+            step=t.step, steps=t.steps, policy_version=t.version, reward=t.reward_last, reward_mean10=t.reward_mean_10,
+            tokens_per_second=t.tokens_per_second, payload_bytes=t.last_payload_bytes,
+            changed_fraction=t.last_changed_fraction, commits_verified=t.commits_verified,
+            commits_mismatched=t.commits_mismatched,
+            workers=[WorkerProgress(name=w.name, region=w.region, committed_version=w.committed_version,
+                                    verification=w.last_verification) for w in workers[:MAX_LISTED]]),
+            leases=LeaseHealth(active=t.leases_active, healthy=max(t.leases_active - held_by_stale, 0),
+                               expired=t.leases_expired, requeued=t.prompt_groups_requeued,
+                               stale_workers=sorted(stale)[:MAX_LISTED],
+                               oldest_heartbeat_seconds=max((w.seconds_since_seen for w in workers), default=None)))
+
+    def health(self) -> None:
+        t = self.obs.trainer
+        if t is None:
+            return
+        stale = self.stale_names()
+        if stale:
+            names = ", ".join(f"{n} ({s:.0f} s)" for n, s in sorted(stale.items())[:8])
+            self.transition("LeasesHealthy", False, "StaleWorkers", f"not heard from: {names}", warning=True)
+            for n in sorted(stale):
+                self.event(STALE, f"worker {n} not heard from for {stale[n]:.0f} s; health.onStale is "
+                                  f"{self.spec.health.on_stale}", warning=True)
+            if self.spec.health.on_stale == "FailJob":
+                self.fail("StaleWorkers", f"not heard from: {names}; health.onStale is FailJob")
+                self.finish()
+        else:
+            self.condition("LeasesHealthy", True, "AllWorkersReporting",
+                           f"{t.leases_active} leases active, {t.leases_expired} expired")
+        alive = {w.name for w in self.status.progress.workers}
+        reported = [w for w in t.workers if w.name in alive and w.committed_version is not None]
+        bad = [w.name for w in reported if w.last_verification == "mismatch"]
+        behind = [w.name for w in reported if (w.staleness or 0) > self.spec.sync.staleness]
+        if bad:
+            self.transition("WeightsInSync", False, "HashMismatch", f"committed weights differ from the trainer's: "
+                            f"{', '.join(bad[:8])}", warning=True)
+        elif behind:
+            self.condition("WeightsInSync", False, "Behind", f"beyond sync.staleness ({self.spec.sync.staleness}): "
+                           f"{', '.join(behind[:8])}")
+        elif reported:
+            self.condition("WeightsInSync", True, "Verified", f"{len(reported)} workers within "
+                           f"{self.spec.sync.staleness} version(s) of v{t.version}, each commit hash-verified")
+
+    def display(self) -> None:
+        s, p = self.status, self.status.progress
+        placements = s.placements
+        reachable, used = self.clusters
+        payload = "" if p.payload_bytes is None else human_bytes(p.payload_bytes) + (
+            f" ({p.changed_fraction:.2%})" if p.changed_fraction is not None else "")
+        self.update(display=Display(
+            step=f"{p.step}/{p.steps or self.spec.steps}",
+            rollout=f"{sum(x.ready for x in placements)}/{sum(x.desired for x in placements)}",
+            leases=f"{s.leases.healthy}/{s.leases.active}",
+            clusters=f"{reachable}/{used}" if used else "", payload=payload))
+
+
+def reconcile(body: dict, observed: Observed, image: str, backoff: Backoff = Backoff()) -> Plan:
+    """The plan for one job, from its body (as stored) and what is observed."""
+    return _Cycle(body, observed, image, backoff).run()
