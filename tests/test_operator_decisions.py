@@ -93,9 +93,10 @@ def condition(job: dict, type_: str) -> dict:
 def test_a_new_job_becomes_its_objects_in_each_cluster():
     w, job = World(), body()
     plan = w.step(job, 0)
+    assert {c for c, _ in plan.create} == {None}  # members wait for the token's Secret, which they get a copy of
+    plan = w.step(job, 0)
     kinds = sorted((c or "home", m["kind"], m["metadata"]["name"]) for c, m in plan.create)
-    assert ("home", "PersistentVolumeClaim", "add-grpo-state") in kinds
-    assert ("home", "Pod", "add-grpo-trainer-0") in kinds
+    assert ("home", "PersistentVolumeClaim", "add-grpo-state") not in kinds  # made in the first cycle
     assert ("eu-west", "Pod", "add-grpo-worker-eu-1-0") in kinds
     assert ("ap-south", "Secret", "add-grpo-token") in kinds  # the token, copied into each member's namespace
     assert w.names("eu-west") == ["add-grpo-relay-eu-0", "add-grpo-worker-eu-0-0", "add-grpo-worker-eu-1-0"]
@@ -127,7 +128,8 @@ def test_workers_in_members_wait_for_the_trainers_outside_address():
 def test_an_unreachable_member_degrades_the_job_and_the_others_go_on():
     w, job = World(members={**MEMBERS, "ap-south": Member("sparrowrl", False, "connection refused")}), body()
     plan = w.step(job, 0)
-    assert "ap-south" not in {c for c, _ in plan.create}
+    plan.events += w.step(job, 0).events
+    assert "ap-south" not in w.pods
     assert w.names("eu-west") and w.names(None)
     d = condition(job, "Degraded")
     assert d["status"] == "True" and "ap-south (connection refused)" in d["message"]
@@ -137,8 +139,18 @@ def test_an_unreachable_member_degrades_the_job_and_the_others_go_on():
     assert condition(job, "Degraded")["status"] == "False" and w.names("ap-south")
 
 
+def test_a_member_not_probed_yet_is_waited_for_not_degraded():
+    w, job = World(members={**MEMBERS, "ap-south": Member("", None, "connecting")}), body()
+    w.step(job, 0)
+    w.step(job, 0)
+    assert "ap-south" not in w.pods and w.names("eu-west")
+    assert not any(c["type"] == "Degraded" for c in job["status"]["conditions"])
+    assert "connecting to ap-south" in condition(job, "RolloutReady")["message"]
+
+
 def test_the_trainer_restarts_with_backoff_up_to_the_limit():
     w, job = World(), body(runPolicy={"backoffLimit": 2})
+    w.step(job, 0)
     w.step(job, 0)
     w.run_all()
     w.set_phase("add-grpo-trainer-0", "Failed", finished=100)
@@ -164,6 +176,7 @@ def test_the_trainer_restarts_with_backoff_up_to_the_limit():
 def test_a_failed_worker_is_replaced_after_its_backoff():
     w, job = World(), body()
     w.step(job, 0)
+    w.step(job, 0)
     w.run_all()
     w.set_phase("add-grpo-worker-eu-1-0", "Failed", finished=50)
     assert w.step(job, 52).create == []
@@ -188,6 +201,7 @@ def trainer_status(workers: list[tuple[str, float, str | None]], step: int = 5) 
 def test_a_stale_worker_is_reported_and_replaced():
     w, job = World(), body()
     w.step(job, 0)
+    w.step(job, 0)
     w.run_all()
     w.trainer = trainer_status([("add-grpo-worker-us-0-0", 2.0, "ok"), ("add-grpo-worker-eu-0-0", 400.0, "ok")])
     plan = w.step(job, 10)
@@ -207,6 +221,7 @@ def test_a_stale_worker_is_reported_and_replaced():
 def test_on_stale(on_stale, phase):
     w, job = World(), body(health={"staleAfterSeconds": 60, "onStale": on_stale})
     w.step(job, 0)
+    w.step(job, 0)
     w.run_all()
     w.trainer = trainer_status([("add-grpo-worker-us-0-0", 61.0, "ok")])
     w.step(job, 10)
@@ -218,6 +233,7 @@ def test_on_stale(on_stale, phase):
 
 def test_weights_in_sync_and_a_hash_mismatch():
     w, job = World(), body()
+    w.step(job, 0)
     w.step(job, 0)
     w.run_all()
     w.trainer = trainer_status([("add-grpo-worker-us-0-0", 1.0, "ok"), ("add-grpo-worker-us-1-0", 1.0, "ok")])
@@ -236,6 +252,7 @@ def test_weights_in_sync_and_a_hash_mismatch():
 def test_suspend_deletes_the_pods_and_resume_continues():
     w, job = World(), body()
     w.step(job, 0)
+    w.step(job, 0)
     w.run_all()
     job["spec"]["runPolicy"] = {"suspend": True}
     plan = w.step(job, 10)
@@ -252,6 +269,7 @@ def test_suspend_deletes_the_pods_and_resume_continues():
 
 def test_success_and_ttl():
     w, job = World(), body(runPolicy={"ttlSecondsAfterFinished": 60})
+    w.step(job, 0)
     w.step(job, 0)
     w.run_all()
     w.set_phase("add-grpo-trainer-0", "Succeeded", finished=100, exit_code=0)

@@ -47,3 +47,21 @@ def test_the_base_cli_says_what_a_command_needs(base, tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 1 and "this command needs the runtime" in p.stderr and "sparrowrl[runtime]" in p.stderr, \
         p.stderr
+
+
+@pytest.mark.timeout(900)
+def test_the_operator_install_is_the_operator_without_torch(tmp_path):
+    """What operator/Dockerfile installs (`sparrowrl[operator]`): the operator's modules import,
+    and the CRDs it generates are the ones in crds/."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    p = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", f"{ROOT}[operator]"], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    code = ("import sys; import sparrowrl_operator.handlers, sparrowrl_operator.reconcile; "
+            "print(sorted(m for m in ('torch', 'numpy', 'numba') if m in sys.modules))")
+    p = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
+    p = subprocess.run([str(venv / "bin" / "python"), str(ROOT / "hack" / "gen-crds.py"), "--check"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -33,7 +33,7 @@ Cluster = str | None  # a SparrowCluster's name; None: the operator's own
 class Member:
     """What the operator knows of a member cluster that a placement names."""
     namespace: str
-    reachable: bool
+    reachable: bool | None  # None: its first probe has not answered yet
     reason: str = ""  # why not, when not
 
 
@@ -361,7 +361,7 @@ class _Cycle:
             return builders.relay_url(job, name.removeprefix("relay-"), namespace(region))
 
         roles = [r for r in layout.roles(spec, url) if r.kind != "trainer"]
-        statuses, unreachable, total, reachable = [], [], set(), set()
+        statuses, unreachable, connecting, total, reachable = [], [], [], set(), set()
         for region in spec.regions:
             p = where.get(region.name)
             cluster = p.cluster if p else None
@@ -369,15 +369,17 @@ class _Cycle:
             prev = next((s for s in self.prev.placements if s.region == region.name), None)
             member = self.obs.members.get(cluster) if cluster else None
             if cluster and (member is None or not member.reachable):
-                why = member.reason if member else "no such SparrowCluster, or not probed yet"
-                unreachable.append(f"{cluster} ({why})")
+                if member is not None and member.reachable is None:
+                    connecting.append(cluster)
+                else:
+                    unreachable.append(f"{cluster} ({member.reason if member else 'no such SparrowCluster'})")
                 statuses.append(prev or PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
                 continue
             reachable.add(cluster)
             mine = [r for r in roles if r.region == region.name]
-            if cluster and not address:
+            if cluster and (not address or ("Secret", builders.token_name(job)) not in self.obs.objects.get(None, ())):
                 statuses.append(PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
-                continue  # its pods need the trainer's outside address first
+                continue  # its pods need the trainer's outside address, and the token's Secret (copied) first
             statuses.append(self.placement(cluster, namespace(region.name), region.name, mine, p))
         if unreachable:
             self.transition("Degraded", True, UNREACHABLE, "unreachable: " + ", ".join(unreachable) +
@@ -392,7 +394,8 @@ class _Cycle:
                        "every placement has its minimum of ready workers" if not waiting
                        else f"waiting for workers in {', '.join(waiting)}" +
                        ("" if address or not any(where[r].cluster for r in waiting if r in where)
-                        else " (the trainer's address from outside is not known yet)"))
+                        else " (the trainer's address from outside is not known yet)") +
+                       (f" (connecting to {', '.join(connecting)})" if connecting else ""))
 
     def placement(self, cluster: Cluster, namespace: str, region: str, roles: list[Role], p) -> PlacementStatus:
         home = cluster is None

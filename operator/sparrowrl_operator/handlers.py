@@ -1,0 +1,292 @@
+"""The kopf glue: observe, call the pure decisions, carry out the plan. Registered into a given
+registry, so tests run the operator with their own settings and clusters (main.py registers
+into kopf's default one). Kopf cannot watch member clusters: timers notice what changes there."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import logging
+import os
+import secrets
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import kopf
+from pydantic import ValidationError
+
+from sparrowrl.status import JobStatus as TrainerStatus
+from sparrowrl_operator import builders
+from sparrowrl_operator.builders import JobRef
+from sparrowrl_operator.clusters import (SWEPT, KubeConfigError, Kube, Members, MemberState, Unreachable,
+                                         check_kubeconfig, connect)
+from sparrowrl_operator.conditions import find, set_condition
+from sparrowrl_operator.constants import (CLEANED, CLUSTERS, FINALIZER, GROUP, JOBS, MANAGED_BY_LABEL, MANAGER,
+                                          PROGRESS_PREFIX, RECONNECTED, ROLE_LABEL, TOKEN_KEY, TRAINER_PORT, UID_LABEL,
+                                          UNREACHABLE, VERSION)
+from sparrowrl_operator.model import ClusterSpec, ClusterStatus
+from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile, stamp
+
+MAX_STATUS_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class Config:
+    image: str  # for jobs that name none
+    interval: float = 10.0  # seconds between reconciles of a job: what changes in member clusters is seen by then
+    probe_interval: float = 30.0  # between probes of a member cluster
+    backoff: Backoff = Backoff()
+
+    @classmethod
+    def from_env(cls) -> Config:
+        return cls(image=os.environ.get("SPARROWRL_RUNTIME_IMAGE", "ghcr.io/sparrowrl/sparrowrl-runtime:0.1.0"))
+
+
+def now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def merge_patch(old: dict, new: dict) -> dict:
+    """The JSON merge patch from `old` to `new`: removed keys become None."""
+    out = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict):
+            if sub := merge_patch(old[k], v):
+                out[k] = sub
+        elif old.get(k) != v:
+            out[k] = v
+    return out
+
+
+@dataclass
+class Operator:
+    """What the handlers share: the clusters, and one lock per job, so that a timer and a change
+    handler never reconcile the same job at once."""
+    cfg: Config
+    home: Kube
+    members: Members = field(default_factory=Members)
+    _locks: dict = field(default_factory=dict)
+    _guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def lock(self, uid: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    # --- jobs ---
+
+    def token(self, job: JobRef) -> tuple[str, bool]:
+        s = self.home.get("Secret", job.namespace, builders.token_name(job))
+        if s and (data := (s.get("data") or {}).get(TOKEN_KEY)):
+            return base64.b64decode(data).decode(), True
+        if s and (data := (s.get("stringData") or {}).get(TOKEN_KEY)):  # an API server converts; the emulator keeps it
+            return data, True
+        return secrets.token_urlsafe(32), False
+
+    def trainer_status(self, pods: list[dict], token: str) -> TrainerStatus | None:
+        """GET /v1/status from the running trainer pod, at its IP (the operator may sit outside
+        cluster DNS); None when it does not answer."""
+        for p in pods:
+            st = p.get("status") or {}
+            if p["metadata"]["labels"].get(ROLE_LABEL) == "trainer" and st.get("phase") == "Running" and st.get("podIP"):
+                req = urllib.request.Request(f"http://{st['podIP']}:{TRAINER_PORT}/v1/status",
+                                             headers={"Authorization": f"Bearer {token}"})
+                try:
+                    with urllib.request.urlopen(req, timeout=5) as r:
+                        return TrainerStatus.model_validate_json(r.read(MAX_STATUS_BYTES))
+                except (urllib.error.URLError, OSError, ValidationError):
+                    continue
+        return None
+
+    def observe(self, body: dict, logger: logging.Logger) -> Observed:
+        meta = body["metadata"]
+        job = JobRef(meta["name"], meta["namespace"], meta["uid"])
+        mine = {UID_LABEL: job.uid}
+        token, _ = self.token(job)
+        pods = {None: self.home.list("Pod", job.namespace, mine)}
+        objects = {None: {(k, o["metadata"]["name"]) for k in ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim")
+                          for o in self.home.list(k, job.namespace, mine)}}
+        members = {}
+        for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
+            state = self.members.get(name)
+            if state is None:  # not probed yet, or no such SparrowCluster
+                if self.home.get("SparrowCluster", None, name) is not None:
+                    members[name] = Member("", None, "connecting")
+                continue
+            if state.reachable and state.kube:
+                try:
+                    pods[name] = state.kube.list("Pod", state.namespace, mine)
+                    objects[name] = {(k, o["metadata"]["name"]) for k in ("Service", "Secret")
+                                     for o in state.kube.list(k, state.namespace, mine)}
+                except Unreachable as e:
+                    logger.warning(f"member {name}: {e}")
+                    self.members.mark_unreachable(name, str(e))
+            members[name] = Member(state.namespace, state.reachable, state.reason)
+        service = self.home.get("Service", job.namespace, builders.trainer_name(job))
+        node = None
+        if ((service or {}).get("spec") or {}).get("type") == "NodePort":
+            node = node_address(self.home.list("Node", None))
+        return Observed(now=now(), token=token, pods=pods, objects=objects, members=members, trainer_service=service,
+                        node_address=node, trainer=self.trainer_status(pods[None], token))
+
+    def carry_out(self, plan: Plan, body: dict, logger: logging.Logger) -> None:
+        """Creates in order (the home cluster's first), then deletes. A home failure stops the
+        cycle (kopf retries); a member's marks it unreachable, and the others go on."""
+        for cluster, obj in plan.create + [(c, (k, ns, n)) for c, k, ns, n in plan.delete]:
+            kube = self.home if cluster is None else (self.members.get(cluster) or MemberState("")).kube
+            if kube is None:
+                continue
+            try:
+                kube.create(obj) if isinstance(obj, dict) else kube.delete(*obj)
+            except Unreachable as e:
+                if cluster is None:
+                    raise kopf.TemporaryError(str(e), delay=self.cfg.interval) from None
+                logger.warning(f"member {cluster}: {e}")
+                self.members.mark_unreachable(cluster, str(e))
+        for type_, reason, message in plan.events:
+            kopf.event(body, type=type_, reason=reason, message=message)
+        if plan.delete_job:
+            self.home.delete("SparrowRLJob", body["metadata"]["namespace"], body["metadata"]["name"])
+
+    def reconcile_job(self, body: dict, patch: kopf.Patch, logger: logging.Logger) -> None:
+        with self.lock(body["metadata"]["uid"]):
+            for _ in range(2):  # once more when home objects were just made: members wait for the token Secret
+                plan = reconcile(body, self.observe(body, logger), self.cfg.image, self.cfg.backoff)
+                self.carry_out(plan, body, logger)
+                if plan.status is not None:
+                    new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
+                    if change := merge_patch(dict(body.get("status") or {}), new):
+                        patch.setdefault("status", {}).update(change)
+                    body = {**body, "status": new}
+                if not any(c is None for c, _ in plan.create):
+                    break
+
+    def cleanup_job(self, body: dict, logger: logging.Logger) -> None:
+        """On delete, behind the finalizer: the job's objects in member clusters (the home
+        cluster's go with their owner). A member that does not answer is left to the sweep."""
+        uid = body["metadata"]["uid"]
+        for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
+            state = self.members.get(name)
+            try:
+                if state is None or state.kube is None:
+                    raise Unreachable("not connected")
+                n = sweep(state.kube, state.namespace, keep=lambda u: u != uid)
+                kopf.event(body, type="Normal", reason=CLEANED, message=f"deleted {n} objects in cluster {name}")
+            except Unreachable as e:
+                kopf.event(body, type="Warning", reason=UNREACHABLE,
+                           message=f"cluster {name}: {e}; its objects go when it answers (the orphan sweep)")
+
+    # --- member clusters ---
+
+    def probe_cluster(self, body: dict, patch: kopf.Patch) -> None:
+        """Connect (or reconnect, with exponential backoff) and sweep orphans."""
+        t = now()
+        try:
+            status = ClusterStatus.model_validate(body.get("status") or {})
+        except ValidationError:
+            status = ClusterStatus()
+        last = status.last_probe_time
+        if status.failures and last and (t - datetime.datetime.fromisoformat(last.replace("Z", "+00:00"))
+                                         ).total_seconds() < self.cfg.backoff.delay(status.failures - 1):
+            return
+        try:
+            spec = ClusterSpec.model_validate(body.get("spec") or {})
+        except ValidationError as e:
+            return self._cluster_result(body, patch, status, t, MemberState(""), "BadSpec", str(e))
+        state = MemberState(spec.namespace)
+        try:
+            ref = spec.kubeconfig.secret_ref
+            secret = self.home.get("Secret", ref.namespace, ref.name)
+            data = ((secret or {}).get("data") or {}).get(spec.kubeconfig.key)
+            text = base64.b64decode(data).decode() if data else ((secret or {}).get("stringData") or {}).get(
+                spec.kubeconfig.key)
+            if text is None:
+                raise KubeConfigError("BadKubeConfig", f"Secret {ref.namespace}/{ref.name} has no key "
+                                                       f"{spec.kubeconfig.key!r}")
+            state.kube = connect(check_kubeconfig(text))
+            state.kube.list("Pod", spec.namespace, {MANAGED_BY_LABEL: MANAGER})
+            state.reachable, state.reason = True, ""
+            n = sweep(state.kube, spec.namespace, keep=self.live_uids().__contains__)
+            if n:
+                kopf.event(body, type="Normal", reason=CLEANED, message=f"deleted {n} objects of deleted jobs")
+            reason = "Connected"
+        except KubeConfigError as e:
+            reason, state.reason = e.reason, str(e)
+        except (Unreachable, ValueError) as e:
+            reason, state.reason = "ClientConnectionFailed", str(e)
+        self._cluster_result(body, patch, status, t, state, reason, state.reason)
+
+    def _cluster_result(self, body, patch, status: ClusterStatus, t, state: MemberState, reason: str, message: str):
+        name = body["metadata"]["name"]
+        was = find(status.conditions, "Active")
+        state.failures = 0 if state.reachable else status.failures + 1
+        self.members.put(name, state)
+        if was is None or was.reason != reason:
+            kopf.event(body, type="Normal" if state.reachable else "Warning",
+                       reason=RECONNECTED if state.reachable else UNREACHABLE,
+                       message=f"cluster {name}: {message or 'connected'}")
+        conds = set_condition(list(status.conditions), "Active", state.reachable, reason,
+                              message or "the API server answers", stamp(t))
+        new = ClusterStatus(conditions=conds, last_probe_time=stamp(t), failures=state.failures)
+        patch.setdefault("status", {}).update(new.model_dump(by_alias=True, exclude_none=True, mode="json"))
+
+    def live_uids(self) -> set[str]:
+        return {j["metadata"]["uid"] for j in self.home.list("SparrowRLJob", None)}
+
+
+def sweep(kube: Kube, namespace: str, keep) -> int:
+    """Delete our objects in `namespace` whose job uid `keep` refuses; how many."""
+    n = 0
+    for kind in SWEPT:
+        for obj in kube.list(kind, namespace, {MANAGED_BY_LABEL: MANAGER}):
+            uid = obj["metadata"].get("labels", {}).get(UID_LABEL)
+            if uid and not keep(uid):
+                kube.delete(kind, namespace, obj["metadata"]["name"])
+                n += 1
+    return n
+
+
+def node_address(nodes: list[dict]) -> str | None:
+    """A node's external address (else its internal one), for a NodePort trainer."""
+    for kind in ("ExternalIP", "ExternalDNS", "InternalIP"):
+        for n in nodes:
+            for a in (n.get("status") or {}).get("addresses") or []:
+                if a.get("type") == kind and a.get("address"):
+                    return a["address"]
+    return None
+
+
+def register(registry: kopf.OperatorRegistry, op: Operator) -> None:
+    """The handlers, thin: each calls one method of `op`."""
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PROGRESS_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PROGRESS_PREFIX)
+        settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's logs stay logs
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+
+    @kopf.on.resume(GROUP, VERSION, JOBS, registry=registry)
+    @kopf.on.create(GROUP, VERSION, JOBS, registry=registry)
+    @kopf.on.update(GROUP, VERSION, JOBS, registry=registry)
+    @kopf.timer(GROUP, VERSION, JOBS, interval=op.cfg.interval, registry=registry)
+    def job_changed(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_) -> None:
+        op.reconcile_job(json.loads(json.dumps(dict(body))), patch, logger)
+
+    @kopf.on.delete(GROUP, VERSION, JOBS, registry=registry)
+    def job_deleted(body: kopf.Body, logger: logging.Logger, **_) -> None:
+        op.cleanup_job(dict(body), logger)
+
+    @kopf.timer(GROUP, VERSION, CLUSTERS, interval=op.cfg.probe_interval, registry=registry)
+    @kopf.on.create(GROUP, VERSION, CLUSTERS, registry=registry)
+    @kopf.on.update(GROUP, VERSION, CLUSTERS, registry=registry)
+    def cluster_changed(body: kopf.Body, patch: kopf.Patch, **_) -> None:
+        op.probe_cluster(json.loads(json.dumps(dict(body))), patch)
+
+    @kopf.on.delete(GROUP, VERSION, CLUSTERS, optional=True, registry=registry)
+    def cluster_deleted(name: str, **_) -> None:
+        op.members.forget(name)

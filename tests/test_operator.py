@@ -1,0 +1,102 @@
+"""The operator under kopf, against emulated clusters (tests/kube.py): what it writes into the
+home cluster and the members, its conditions and Events, its finalizer, a member going away."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kube import clusters, until
+from operator_run import add_member, operator
+
+JOBS = "sparrowrl.dev/v1alpha1/sparrowrljobs"
+CLUSTERS = "sparrowrl.dev/v1alpha1/sparrowclusters"
+JOB = {
+    "apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "grpo", "namespace": "default"},
+    "spec": {"steps": 3, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"},
+             "trainer": {"service": {"url": "http://203.0.113.5:8470"}},
+             "placements": [{"region": "us", "replicas": 1}, {"region": "eu", "cluster": "east", "replicas": 2}]},
+}
+
+
+def names(cluster, namespace, resource="v1/pods") -> set[str]:
+    return {o["metadata"]["name"] for o in cluster.list(resource, namespace)}
+
+
+def condition(obj: dict | None, type_: str) -> dict | None:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == type_), None)
+
+
+def connected(home, name: str) -> None:
+    until(lambda: (condition(home.get(CLUSTERS, None, name), "Active") or {}).get("status") == "True", 30,
+          f"member {name} connected")
+
+
+def reasons(cluster) -> set[str]:
+    return {e.get("reason") for e in cluster.list("v1/events", "default")}
+
+
+@pytest.mark.timeout(120)
+def test_a_job_spans_clusters_and_its_delete_cleans_them():
+    with clusters("home", "east") as (home, east), operator(home):
+        add_member(home, east, "east")
+        connected(home, "east")
+        home.create(copy.deepcopy(JOB))
+        until(lambda: names(east, "sparrowrl") == {"grpo-relay-eu-0", "grpo-worker-eu-0-0", "grpo-worker-eu-1-0"}, 30,
+              "the member's relay and workers")
+        assert names(home, "default") == {"grpo-trainer-0", "grpo-relay-us-0", "grpo-worker-us-0-0"}
+        assert "grpo-token" in names(east, "sparrowrl", "v1/secrets")
+        worker = east.get("v1/pods", "sparrowrl", "grpo-worker-eu-0-0")
+        assert worker["spec"]["containers"][0]["args"][:3] == ["worker", "--trainer", "http://203.0.113.5:8470"]
+        job = until(lambda: (j := home.get(JOBS, "default", "grpo")) and condition(j, "Created") and j, 30, "a status")
+        assert condition(job, "Created")["status"] == "True" and job["status"]["phase"] == "Pending"
+        assert job["status"]["display"]["rollout"] == "0/3"
+        assert "sparrowrl.dev/cleanup" in job["metadata"]["finalizers"]
+        assert "Created" in reasons(home)
+        home.delete(JOBS, "default", "grpo")
+        until(lambda: not names(east, "sparrowrl") and not names(east, "sparrowrl", "v1/services"), 30,
+              "the member's objects deleted")
+        until(lambda: home.get(JOBS, "default", "grpo") is None, 30, "the finalizer released")
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_member_degrades_the_job_and_the_others_go_on():
+    with clusters("home", "east") as (home, east), operator(home):
+        add_member(home, east, "east")
+        connected(home, "east")
+        east.unreachable()
+        until(lambda: (condition(home.get(CLUSTERS, None, "east"), "Active") or {}).get("reason") ==
+              "ClientConnectionFailed", 30, "the probe noticed")
+        home.create(copy.deepcopy(JOB))
+        job = until(lambda: (j := home.get(JOBS, "default", "grpo")) and condition(j, "Degraded") and j, 30, "Degraded")
+        assert condition(job, "Degraded")["status"] == "True" and "east" in condition(job, "Degraded")["message"]
+        until(lambda: "grpo-worker-us-0-0" in names(home, "default"), 30, "the home placement goes on")
+        east.reachable()
+        connected(home, "east")  # reconnected, with backoff
+        until(lambda: len(names(east, "sparrowrl")) == 3, 30, "the member's pods once it answers")
+        until(lambda: condition(home.get(JOBS, "default", "grpo"), "Degraded")["status"] == "False", 30, "not Degraded")
+        assert {"MemberUnreachable", "MemberReconnected"} <= reasons(home)
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_spec_is_a_condition_not_a_crash():
+    bad = copy.deepcopy(JOB)
+    bad["spec"]["model"]["tiny"]["hidden"] = 33  # the emulator has no CEL: the operator's parse catches it
+    with clusters("home") as (home,), operator(home):
+        home.create(bad)
+        job = until(lambda: (j := home.get(JOBS, "default", "grpo")) and condition(j, "Failed") and j, 30, "Failed")
+        failed = condition(job, "Failed")
+        assert failed["reason"] == "InvalidSpec" and "hidden (33) must be a multiple of heads (2)" in failed["message"]
+        assert names(home, "default") == set()
+        assert "InvalidSpec" in reasons(home)
+
+
+@pytest.mark.timeout(60)
+def test_an_insecure_kubeconfig_is_refused():
+    with clusters("home", "east") as (home, east), operator(home):
+        config = east.kubeconfig()
+        config["clusters"][0]["cluster"]["insecure-skip-tls-verify"] = True
+        add_member(home, east, "east", kubeconfig=config)
+        active = until(lambda: condition(home.get(CLUSTERS, None, "east"), "Active"), 30, "a probe")
+        assert (active["status"], active["reason"]) == ("False", "InsecureKubeConfig")

@@ -1,0 +1,147 @@
+"""The operator's pods really train: kopf runs the operator against emulated clusters, and
+tests/kubelet.py runs every Pod it creates as a local process. A job spanning the operator's
+cluster and two members trains to completion, through faults, with every commit verified."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kube import clusters, until
+from kubelet import kubelets
+from operator_run import add_member, columns, operator
+
+CRD = yaml.safe_load((Path(__file__).parent.parent / "crds" / "sparrowrl.dev_sparrowrljobs.yaml").read_text())
+
+JOBS = "sparrowrl.dev/v1alpha1/sparrowrljobs"
+NS = "default"
+JOB = {
+    "apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "grpo", "namespace": NS},
+    "spec": {"steps": 30, "seed": 1, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+             "task": {"builtin": "add"},
+             "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3, "learningRate": 1e-3},
+             "rollout": {"groupsPerLease": 1, "leaseSeconds": 10},
+             "trainer": {"service": {"type": "LoadBalancer"}},
+             "placements": [{"region": "us", "replicas": 1}, {"region": "eu", "cluster": "east", "replicas": 1},
+                            {"region": "ap", "cluster": "west", "replicas": 1}],
+             "health": {"staleAfterSeconds": 10}},
+}
+
+
+def job_of(home) -> dict:
+    return home.get(JOBS, NS, "grpo") or {}
+
+
+def condition(job: dict, type_: str) -> dict:
+    return next((c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def reasons(home) -> list[str]:
+    return [e.get("reason") for e in home.list("v1/events", NS)]
+
+
+def pods(cluster, namespace: str) -> set[str]:
+    return {p["metadata"]["name"] for p in cluster.list("v1/pods", namespace)}
+
+
+def kubectl(tools: Path, home, tmp_path: Path, *args: str) -> str:
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump(home.kubeconfig()))
+    p = subprocess.run([str(tools / "kubectl"), "--kubeconfig", str(config), *args], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def settled(home, **want) -> dict | None:
+    """The job once its status has these display columns' values, e.g. rollout="3/3"."""
+    j = job_of(home)
+    return j if all(((j.get("status") or {}).get("display") or {}).get(k) == v for k, v in want.items()) else None
+
+
+@pytest.mark.timeout(600)
+def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_path, kube_tools):
+    with clusters("home", "east", "west") as (home, east, west), \
+            kubelets(home, east, west, root=tmp_path) as (k_home, k_east, k_west), operator(home):
+        add_member(home, east, "east")
+        add_member(home, west, "west")
+        home.create(copy.deepcopy(JOB))
+        until(lambda: (job_of(home).get("status") or {}).get("progress", {}).get("step", 0) >= 2, 240,
+              "training under way")
+        running = until(lambda: settled(home, rollout="3/3", leases="1/1") or settled(home, rollout="3/3"), 60,
+                        "every worker ready")
+        (tmp_path / "running.yaml").write_text(yaml.safe_dump(running))
+        described = kubectl(kube_tools, home, tmp_path, "describe", "srl", "grpo")
+        assert "Phase:" in described and "Type:" in described and "TrainerReady" in described, described
+        (tmp_path / "describe.txt").write_text(described)
+        shown = columns(CRD, running, wide=True)
+        assert shown["Phase"] == "Running" and shown["Rollout"] == "3/3" and shown["Clusters"] == "3/3", shown
+        print(shown, described, sep="\n")
+
+        k_east.kill("sparrowrl", "grpo-worker-eu-0-0")  # a node loses the container
+        k_west.pause("sparrowrl", "grpo-worker-ap-0-0")  # a hung worker: its pod runs, it says nothing
+        until(lambda: "grpo-worker-eu-0-1" in pods(east, "sparrowrl"), 60, "the killed worker replaced")
+        stale = until(lambda: condition(job_of(home), "LeasesHealthy").get("status") == "False" and job_of(home), 60,
+                      "the hung worker reported stale")
+        assert "grpo-worker-ap-0-0" in condition(stale, "LeasesHealthy")["message"]
+        until(lambda: "grpo-worker-ap-0-1" in pods(west, "sparrowrl"), 60, "the hung worker replaced")
+        k_home.kill(NS, "grpo-trainer-0")
+        until(lambda: "grpo-trainer-1" in pods(home, NS), 60, "the trainer restarted")
+        job = until(lambda: (j := job_of(home)).get("status", {}).get("phase") in ("Succeeded", "Failed") and j, 400,
+                    "the job finished")
+        s = job["status"]
+        assert s["phase"] == "Succeeded", condition(job, "Failed")
+        assert s["progress"]["step"] == s["progress"]["steps"] == 30
+        assert s["progress"]["commitsVerified"] > 0 and s["progress"]["commitsMismatched"] == 0
+        assert s["restarts"] == 1
+        replaced = {p["region"]: p["replaced"] for p in s["placements"]}
+        assert replaced == {"us": 0, "eu": 1, "ap": 1}, s["placements"]
+        assert {"Created", "Replaced", "StaleWorker", "TrainerRestarted", "Succeeded"} <= set(reasons(home))
+        assert s["display"]["step"] == "30/30"
+        assert s["trainerAddress"].startswith("http://127.")
+        assert not pods(east, "sparrowrl") - {p for p in pods(east, "sparrowrl") if
+                                               (east.get("v1/pods", "sparrowrl", p) or {}).get("status", {}).get(
+                                                   "phase") in ("Succeeded", "Failed")}  # nothing left running
+
+
+def small(name: str, **spec) -> dict:
+    job = copy.deepcopy(JOB)
+    job["metadata"]["name"] = name
+    job["spec"].update(placements=[{"region": "us", "replicas": 1}], trainer={}, **spec)
+    return job
+
+
+@pytest.mark.timeout(600)
+def test_suspend_and_resume_and_a_trainer_past_its_backoff_limit(tmp_path):
+    """Two jobs in one cluster: one suspended mid-run and resumed, which goes on from its state;
+    one whose trainer dies with backoffLimit 0, which fails and frees its pods."""
+    with clusters("home") as (home,), kubelets(home, root=tmp_path) as (k_home,), operator(home):
+        home.create(small("pause", steps=20))
+        home.create(small("fragile", steps=200, runPolicy={"backoffLimit": 0}))
+        step = lambda name: ((home.get(JOBS, NS, name) or {}).get("status") or {}).get("progress", {}).get("step", 0)  # noqa: E731
+        until(lambda: step("fragile") >= 1, 240, "the second job training")
+        k_home.kill(NS, "fragile-trainer-0")
+        until(lambda: step("pause") >= 3, 240, "the first job training")
+        home.patch(JOBS, NS, "pause", {"spec": {"runPolicy": {"suspend": True}}})
+        suspended = until(lambda: (j := home.get(JOBS, NS, "pause"))["status"]["phase"] == "Suspended" and
+                          not [p for p in pods(home, NS) if p.startswith("pause-")] and j, 60, "suspended, pods gone")
+        at = suspended["status"]["progress"]["step"]
+        fragile = until(lambda: (j := home.get(JOBS, NS, "fragile"))["status"]["phase"] == "Failed" and j, 120,
+                        "the fragile job failed")
+        assert condition(fragile, "Failed")["reason"] == "BackoffLimitExceeded"
+        until(lambda: not [p for p in home.list("v1/pods", NS) if p["metadata"]["name"].startswith("fragile-") and
+                           p["status"].get("phase") not in ("Succeeded", "Failed")], 60, "the failed job's pods freed")
+        home.patch(JOBS, NS, "pause", {"spec": {"runPolicy": {"suspend": False}}})
+        until(lambda: step("pause") > at, 240, "training again after the resume")
+        done = until(lambda: (j := home.get(JOBS, NS, "pause"))["status"]["phase"] in ("Succeeded", "Failed") and j,
+                     400, "the resumed job finished")
+        assert done["status"]["phase"] == "Succeeded", condition(done, "Failed")
+        assert done["status"]["restarts"] == 0  # a resume is not a failure
+        assert condition(done, "Suspended")["status"] == "False"
+        assert {"Suspended", "Resumed"} <= set(reasons(home))
+        log = k_home.log(NS, "pause-trainer-0")
+        assert "resumed at v" in log, log[-2000:]  # from its volume, not from scratch
