@@ -198,7 +198,7 @@ def test_full_status_fits_the_schema():
         "placements": [{"region": "eu", "cluster": "eu-west", "desired": 2, "ready": 1, "failed": 1, "replaced": 1}],
         "leases": {"active": 2, "healthy": 1, "expired": 3, "requeued": 4, "staleWorkers": ["w"],
                    "oldestHeartbeatSeconds": 1.5},
-        "progress": {"step": 3, "steps": 9, "policyVersion": 3, "reward": 0.5, "rewardMean10": 0.4,
+        "progress": {"step": 3, "steps": 9, "policyVersion": 3, "reward": 0.5, "recentReward": 0.4,
                      "tokensPerSecond": 10.0, "payloadBytes": 99, "changedFraction": 0.01, "commitsVerified": 2,
                      "commitsMismatched": 0, "workers": [{"name": "w", "region": "eu", "committedVersion": 3,
                                                           "verification": "ok"}]},

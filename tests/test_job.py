@@ -36,11 +36,27 @@ def test_the_example_parses_with_its_defaults():
     ({"topology": {"regions": [{"name": "a"}, {"name": "a"}]}}, "spec.topology", "unique"),
     ({"topology": {"regions": [{"name": "Bad_Name"}]}}, "spec.topology.regions.0.name", "pattern"),
     ({"topology": {"regions": [{"name": "a", "workers": 0}]}}, "spec.topology", "at least one region needs a worker"),
+    ({"placements": [{"region": "a"}], "topology": {"regions": [{"name": "b"}]}}, "spec", "topology (regions for"),
+    ({"placements": [{"region": "a", "cluster": "east"}]}, "spec", "cannot reach a ClusterIP trainer"),
+    ({"placements": [{"region": "a", "replicas": 1, "minReplicas": 2}]}, "spec.placements.0", "must not exceed"),
+    ({"placements": [{"region": "a", "template": {"status": {}}}]}, "spec.placements.0.template", "metadata and spec"),
+    ({"trainer": {"resources": {"limits": {"cpu": "two"}}}}, "spec.trainer.resources.limits.cpu", "pattern"),
+    ({"runPolicy": {"backoffLimit": 101}}, "spec.runPolicy.backoffLimit", "less than or equal to 100"),
+    ({"health": {"onStale": "Panic"}}, "spec.health.onStale", "'Replace', 'Ignore' or 'FailJob'"),
 ])
 def test_bad_fields_are_named_with_the_reason(spec, field, reason):
     with pytest.raises(JobError) as e:
         parse(job(**spec))
     assert f"{field}: " in str(e.value) and reason in str(e.value)
+
+
+def test_a_job_with_placements_survives_a_round_trip():
+    """`sparrowrl run --steps` dumps the spec and reads it back: every field is then set."""
+    j = load("examples/k8s/job.yaml")
+    again = parse({"apiVersion": j.api_version, "kind": j.kind, "metadata": {"name": "x"},
+                   "spec": j.spec.model_dump(by_alias=True, exclude_none=True)})
+    assert again.spec == j.spec and [r.name for r in again.spec.regions] == ["us", "eu", "ap"]
+    assert again.spec.quorum == 1 + 1 + 1  # each placement's minReplicas
 
 
 def test_wrong_kind_and_missing_metadata():

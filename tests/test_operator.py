@@ -4,9 +4,16 @@ home cluster and the members, its conditions and Events, its finalizer, a member
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
 
 import pytest
+import yaml
 
+from bounded import free_port
 from kube import clusters, until
 from operator_run import add_member, operator
 
@@ -100,3 +107,55 @@ def test_an_insecure_kubeconfig_is_refused():
         add_member(home, east, "east", kubeconfig=config)
         active = until(lambda: condition(home.get(CLUSTERS, None, "east"), "Active"), 30, "a probe")
         assert (active["status"], active["reason"]) == ("False", "InsecureKubeConfig")
+
+
+@pytest.mark.timeout(60)
+def test_the_sweep_removes_orphans_and_nothing_else():
+    """Objects of a job that no longer exists (its delete came while the member was away) go;
+    a live job's, and anything the operator did not write, stay."""
+    def pod(name: str, labels: dict) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "sparrowrl", "labels": labels},
+                "spec": {"containers": [{"name": "c", "image": "x"}]}}
+
+    ours = {"app.kubernetes.io/managed-by": "sparrowrl-operator"}
+    with clusters("home", "east") as (home, east), operator(home):
+        add_member(home, east, "east")
+        connected(home, "east")
+        live = home.create(copy.deepcopy(JOB))
+        east.create(pod("orphan", ours | {"sparrowrl.dev/job-uid": "a-deleted-job"}))
+        east.create(pod("someone-elses", {"sparrowrl.dev/job-uid": "a-deleted-job"}))
+        east.create(pod("live", ours | {"sparrowrl.dev/job-uid": live["metadata"]["uid"]}))
+        until(lambda: "orphan" not in names(east, "sparrowrl"), 30, "the orphan swept")
+        assert {"someone-elses", "live"} <= names(east, "sparrowrl")
+
+
+@pytest.mark.timeout(120)
+def test_the_images_command_runs_the_operator(tmp_path):
+    """`kopf run --standalone -m sparrowrl_operator.main`, as operator/Dockerfile starts it (all
+    namespaces, a liveness endpoint), logged in through a kubeconfig: it serves /healthz and
+    reconciles a job."""
+    with clusters("home") as (home,):
+        config = tmp_path / "kubeconfig"
+        config.write_text(yaml.safe_dump(home.kubeconfig()))
+        port = free_port()
+        p = subprocess.Popen([str(Path(sys.executable).parent / "kopf"), "run", "--standalone", "--all-namespaces",
+                              f"--liveness=http://127.0.0.1:{port}/healthz", "-m", "sparrowrl_operator.main"],
+                             env={**os.environ, "KUBECONFIG": str(config)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        try:
+            def alive() -> bool:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                        return r.status == 200
+                except OSError:
+                    return p.poll() is not None and pytest.fail(p.stdout.read())
+            until(alive, 60, "the liveness endpoint")
+            bad = copy.deepcopy(JOB)
+            del bad["spec"]["task"]
+            home.create(bad)
+            job = until(lambda: condition(home.get(JOBS, "default", "grpo"), "Failed"), 30, "the job reconciled")
+            assert job["reason"] == "InvalidSpec" and "spec.task: Field required" in job["message"]
+        finally:
+            p.terminate()
+            out, _ = p.communicate(timeout=30)
+        assert p.returncode == 0, out[-3000:]

@@ -85,9 +85,10 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
         k_east.kill("sparrowrl", "grpo-worker-eu-0-0")  # a node loses the container
         k_west.pause("sparrowrl", "grpo-worker-ap-0-0")  # a hung worker: its pod runs, it says nothing
         until(lambda: "grpo-worker-eu-0-1" in pods(east, "sparrowrl"), 60, "the killed worker replaced")
-        stale = until(lambda: condition(job_of(home), "LeasesHealthy").get("status") == "False" and job_of(home), 60,
-                      "the hung worker reported stale")
-        assert "grpo-worker-ap-0-0" in condition(stale, "LeasesHealthy")["message"]
+        # LeasesHealthy is False only until the replacement's cycle ends (tests/test_operator_decisions.py
+        # checks the condition); its Events stay
+        until(lambda: [e for e in home.list("v1/events", NS) if e.get("reason") == "StaleWorkers" and
+                       "grpo-worker-ap-0-0" in e.get("message", "")], 60, "LeasesHealthy False for the hung worker")
         until(lambda: "grpo-worker-ap-0-1" in pods(west, "sparrowrl"), 60, "the hung worker replaced")
         k_home.kill(NS, "grpo-trainer-0")
         until(lambda: "grpo-trainer-1" in pods(home, NS), 60, "the trainer restarted")
@@ -98,6 +99,7 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
         assert s["progress"]["step"] == s["progress"]["steps"] == 30
         assert s["progress"]["commitsVerified"] > 0 and s["progress"]["commitsMismatched"] == 0
         assert s["restarts"] == 1
+        assert "resumed at v" in k_home.log(NS, "grpo-trainer-1")  # from its volume, not from scratch
         replaced = {p["region"]: p["replaced"] for p in s["placements"]}
         assert replaced == {"us": 0, "eu": 1, "ap": 1}, s["placements"]
         assert {"Created", "Replaced", "StaleWorker", "TrainerRestarted", "Succeeded"} <= set(reasons(home))

@@ -68,7 +68,7 @@ class Progress(_Model):
     steps: Count = 0
     policy_version: Annotated[int, Field(ge=-1, le=10**8)] = -1
     reward: float | None = None
-    reward_mean10: float | None = None
+    recent_reward: float | None = None  # mean over the last 10 steps
     tokens_per_second: Annotated[float, Field(ge=0)] | None = None
     payload_bytes: Count | None = None
     changed_fraction: Annotated[float, Field(ge=0, le=1)] | None = None

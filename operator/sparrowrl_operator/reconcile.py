@@ -117,6 +117,11 @@ def slot_key(pod: dict) -> tuple[str, str | None, str | None]:
     return lb.get(ROLE_LABEL, ""), lb.get(REGION_LABEL), lb.get(SLOT_LABEL)
 
 
+def rounded(x: float | None, digits: int) -> float | None:
+    """What a person reads in `kubectl describe`; the trainer's /v1/status has every digit."""
+    return None if x is None else round(x, digits)
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -471,16 +476,17 @@ class _Cycle:
         stale = self.stale_names()
         held_by_stale = sum(w.leases_held for w in t.workers if w.name in stale)
         self.update(progress=Progress(
-            step=t.step, steps=t.steps, policy_version=t.version, reward=t.reward_last, reward_mean10=t.reward_mean_10,
-            tokens_per_second=t.tokens_per_second, payload_bytes=t.last_payload_bytes,
-            changed_fraction=t.last_changed_fraction, commits_verified=t.commits_verified,
+            step=t.step, steps=t.steps, policy_version=t.version, reward=t.reward_last, recent_reward=t.reward_mean_10,
+            tokens_per_second=rounded(t.tokens_per_second, 1), payload_bytes=t.last_payload_bytes,
+            changed_fraction=rounded(t.last_changed_fraction, 5), commits_verified=t.commits_verified,
             commits_mismatched=t.commits_mismatched,
             workers=[WorkerProgress(name=w.name, region=w.region, committed_version=w.committed_version,
                                     verification=w.last_verification) for w in workers[:MAX_LISTED]]),
             leases=LeaseHealth(active=t.leases_active, healthy=max(t.leases_active - held_by_stale, 0),
                                expired=t.leases_expired, requeued=t.prompt_groups_requeued,
                                stale_workers=sorted(stale)[:MAX_LISTED],
-                               oldest_heartbeat_seconds=max((w.seconds_since_seen for w in workers), default=None)))
+                               oldest_heartbeat_seconds=rounded(max((w.seconds_since_seen for w in workers),
+                                                                    default=None), 1)))
 
     def health(self) -> None:
         t = self.obs.trainer

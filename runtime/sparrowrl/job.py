@@ -199,7 +199,7 @@ class JobSpec(_Spec):
     def _placements(self) -> JobSpec:
         if self.placements is None:
             return self
-        if "topology" in self.model_fields_set:
+        if self.topology != TopologySpec():  # not by fields_set: a spec dumped and read back sets every field
             raise ValueError("give topology (regions for sparrowrl run) or placements (regions in clusters), not both")
         regions = [p.region for p in self.placements]
         if len(set(regions)) != len(regions):
