@@ -13,7 +13,7 @@ import yaml
 
 from sparrowrl.status import JobStatus as TrainerStatus
 from sparrowrl.status import WorkerStatus
-from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile
+from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile, stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc)
@@ -69,7 +69,8 @@ class World:
     def set_phase(self, name: str, phase: str, ready: bool = True, finished: float | None = None, exit_code: int = 1):
         for pods in self.pods.values():
             if name in pods:
-                st = {"phase": phase, "conditions": [{"type": "Ready", "status": str(ready and phase == "Running")}]}
+                st = {"phase": phase, "startTime": stamp(T0),
+                      "conditions": [{"type": "Ready", "status": str(ready and phase == "Running")}]}
                 if finished is not None:
                     st["containerStatuses"] = [{"name": "x", "state": {"terminated": {
                         "exitCode": exit_code, "finishedAt": at(finished).strftime("%Y-%m-%dT%H:%M:%SZ")}}}]
@@ -204,7 +205,7 @@ def test_a_stale_worker_is_reported_and_replaced():
     w.step(job, 0)
     w.run_all()
     w.trainer = trainer_status([("add-grpo-worker-us-0-0", 2.0, "ok"), ("add-grpo-worker-eu-0-0", 400.0, "ok")])
-    plan = w.step(job, 10)
+    plan = w.step(job, 310)
     lh = condition(job, "LeasesHealthy")
     assert lh["status"] == "False" and lh["reason"] == "StaleWorkers" and "add-grpo-worker-eu-0-0" in lh["message"]
     assert ("Warning", "StaleWorker") in [(t, r) for t, r, _ in plan.events]
@@ -213,8 +214,23 @@ def test_a_stale_worker_is_reported_and_replaced():
         "active": 3, "healthy": 2, "expired": 0, "requeued": 0, "staleWorkers": ["add-grpo-worker-eu-0-0"],
         "oldestHeartbeatSeconds": 0}
     w.run_all()
-    w.step(job, 20)  # the trainer still lists the old name; its pod is gone, so it no longer counts
+    w.step(job, 320)  # the trainer still lists the old name; its pod is gone, so it no longer counts
     assert condition(job, "LeasesHealthy")["status"] == "True"
+
+
+def test_no_worker_is_stale_while_the_trainer_has_just_started():
+    """After a trainer restart every worker looks silent: they were backing off while it was down."""
+    w, job = World(), body()
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    w.set_phase("add-grpo-trainer-0", "Running")
+    w.pods[None]["add-grpo-trainer-0"]["status"]["startTime"] = stamp(at(1000))
+    w.trainer = trainer_status([("add-grpo-worker-us-0-0", 400.0, "ok")])
+    w.step(job, 1200)  # up 200 s, under staleAfterSeconds (300)
+    assert condition(job, "LeasesHealthy")["status"] == "True" and "add-grpo-worker-us-0-0" in w.names()
+    w.step(job, 1301)
+    assert condition(job, "LeasesHealthy")["status"] == "False" and "add-grpo-worker-us-0-1" in w.names()
 
 
 @pytest.mark.parametrize("on_stale, phase", [("Ignore", "Running"), ("FailJob", "Failed")])
@@ -224,7 +240,7 @@ def test_on_stale(on_stale, phase):
     w.step(job, 0)
     w.run_all()
     w.trainer = trainer_status([("add-grpo-worker-us-0-0", 61.0, "ok")])
-    w.step(job, 10)
+    w.step(job, 70)
     assert job["status"]["phase"] == phase
     assert ("add-grpo-worker-us-0-0" in w.names()) == (on_stale == "Ignore")
     if on_stale == "FailJob":
@@ -302,3 +318,41 @@ def test_a_name_too_long_for_its_services():
 def test_another_controller_manages_it():
     plan = reconcile(body(managedBy="kueue.x-k8s.io/multikueue"), World().observe(T0), IMAGE)
     assert plan == Plan()
+
+
+def test_a_startup_deadline_counts_until_the_first_rollout():
+    w, job = World(), body(runPolicy={"startupDeadlineSeconds": 120})
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    w.step(job, 119)
+    assert job["status"]["phase"] == "Starting"  # the trainer runs; no rollout yet
+    w.step(job, 121)
+    failed = condition(job, "Failed")
+    assert failed["reason"] == "DeadlineExceeded" and "startupDeadlineSeconds (120)" in failed["message"]
+    w2, job2 = World(), body(runPolicy={"startupDeadlineSeconds": 120})
+    w2.step(job2, 0)
+    w2.step(job2, 0)
+    w2.run_all()
+    w2.trainer = trainer_status([("add-grpo-worker-us-0-0", 1.0, "ok")], step=1)
+    w2.step(job2, 500)  # rollouts began: the startup deadline no longer applies
+    assert job2["status"]["phase"] == "Running"
+
+
+@pytest.mark.parametrize("service, node, address", [
+    ({"type": "NodePort"}, "198.51.100.9", "http://198.51.100.9:30123"),
+    ({"type": "NodePort"}, None, None),  # no node address yet: members wait
+    ({"url": "https://trainer.example.com:443/"}, None, "https://trainer.example.com:443"),
+])
+def test_how_members_reach_the_trainer(service, node, address):
+    w, job = World(lb=None), body(trainer={"service": service})
+    w.step(job, 0)
+    obs = w.observe(at(1))
+    svc = {"spec": {"type": "NodePort", "ports": [{"port": 8470, "nodePort": 30123}]}}
+    plan = reconcile(job, Observed(**{**obs.__dict__, "trainer_service": svc, "node_address": node}), IMAGE)
+    remote = [m for c, m in plan.create if c == "eu-west" and m["kind"] == "Pod"]
+    if address is None:
+        assert remote == [] and plan.status.trainer_address is None
+    else:
+        assert plan.status.trainer_address == address
+        assert remote[0]["spec"]["containers"][0]["args"][1:3] == ["--upstream", address]  # the relay

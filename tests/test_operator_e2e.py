@@ -21,19 +21,22 @@ JOBS = "sparrowrl.dev/v1alpha1/sparrowrljobs"
 NS = "default"
 JOB = {
     "apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "grpo", "namespace": NS},
-    "spec": {"steps": 30, "seed": 1, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+    # 60 steps: long enough for a hung worker to be found stale (20 s) mid-run
+    "spec": {"steps": 60, "seed": 1, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
              "task": {"builtin": "add"},
              "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3, "learningRate": 1e-3},
              "rollout": {"groupsPerLease": 1, "leaseSeconds": 10},
              "trainer": {"service": {"type": "LoadBalancer"}},
              "placements": [{"region": "us", "replicas": 1}, {"region": "eu", "cluster": "east", "replicas": 1},
                             {"region": "ap", "cluster": "west", "replicas": 1}],
-             "health": {"staleAfterSeconds": 10}},
+             "health": {"staleAfterSeconds": 20}},  # over a worker's longest retry backoff (about 10 s)
 }
 
 
 def job_of(home) -> dict:
-    return home.get(JOBS, NS, "grpo") or {}
+    job = home.get(JOBS, NS, "grpo") or {}
+    assert (job.get("status") or {}).get("phase") != "Failed", job["status"]  # fail now, not at a deadline
+    return job
 
 
 def condition(job: dict, type_: str) -> dict:
@@ -88,22 +91,22 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
         # LeasesHealthy is False only until the replacement's cycle ends (tests/test_operator_decisions.py
         # checks the condition); its Events stay
         until(lambda: [e for e in home.list("v1/events", NS) if e.get("reason") == "StaleWorkers" and
-                       "grpo-worker-ap-0-0" in e.get("message", "")], 60, "LeasesHealthy False for the hung worker")
-        until(lambda: "grpo-worker-ap-0-1" in pods(west, "sparrowrl"), 60, "the hung worker replaced")
+                       "grpo-worker-ap-0-0" in e.get("message", "")], 90, "LeasesHealthy False for the hung worker")
+        until(lambda: "grpo-worker-ap-0-1" in pods(west, "sparrowrl"), 30, "the hung worker replaced")
         k_home.kill(NS, "grpo-trainer-0")
         until(lambda: "grpo-trainer-1" in pods(home, NS), 60, "the trainer restarted")
         job = until(lambda: (j := job_of(home)).get("status", {}).get("phase") in ("Succeeded", "Failed") and j, 400,
                     "the job finished")
         s = job["status"]
         assert s["phase"] == "Succeeded", condition(job, "Failed")
-        assert s["progress"]["step"] == s["progress"]["steps"] == 30
+        assert s["progress"]["step"] == s["progress"]["steps"] == 60
         assert s["progress"]["commitsVerified"] > 0 and s["progress"]["commitsMismatched"] == 0
         assert s["restarts"] == 1
         assert "resumed at v" in k_home.log(NS, "grpo-trainer-1")  # from its volume, not from scratch
         replaced = {p["region"]: p["replaced"] for p in s["placements"]}
         assert replaced == {"us": 0, "eu": 1, "ap": 1}, s["placements"]
         assert {"Created", "Replaced", "StaleWorker", "TrainerRestarted", "Succeeded"} <= set(reasons(home))
-        assert s["display"]["step"] == "30/30"
+        assert s["display"]["step"] == "60/60"
         assert s["trainerAddress"].startswith("http://127.")
         assert not pods(east, "sparrowrl") - {p for p in pods(east, "sparrowrl") if
                                                (east.get("v1/pods", "sparrowrl", p) or {}).get("status", {}).get(

@@ -125,6 +125,7 @@ def relay_url(job: JobRef, region: str, namespace: str) -> str:
 def _args(role: Role, spec: JobSpec) -> list[str]:
     """As `sparrowrl run` starts each role (runner.argv), inside a pod: listening on the pod's IP."""
     serve = ["--host", "$(POD_IP)", "--port", str(PORTS[role.kind]), "--metrics-port", str(METRICS_PORT)]
+    serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
     if role.kind == "trainer":
         return ["trainer", "job/job.yaml", "--state-dir", "state", *serve]
     if role.kind == "relay":

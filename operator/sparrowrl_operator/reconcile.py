@@ -193,7 +193,8 @@ class _Cycle:
         return self.plan
 
     def invalid(self, message: str) -> Plan:
-        self.fail(INVALID, message)
+        if not self.terminal():  # a finished job's spec no longer matters
+            self.fail(INVALID, message)
         self.cleanup_running()
         self.plan.status = self.status
         return self.plan
@@ -241,14 +242,13 @@ class _Cycle:
         if self.deadlines():
             return
         self.home_objects()
-        trainer_done = self.trainer()
+        self.trainer()
         if self.terminal():
             self.finish()
             return
         self.placements()
         self.progress()
-        if not trainer_done:
-            self.health()
+        self.health()
 
     def deadlines(self) -> bool:
         rp, active = self.spec.run_policy, since(self.status.active_since, self.obs.now)
@@ -288,9 +288,9 @@ class _Cycle:
         pods = sorted((p for p in self.obs.pods.get(cluster, []) if slot_key(p) == key), key=attempt)
         return (pods[-1], pods[:-1]) if pods else (None, [])
 
-    def trainer(self) -> bool:
-        """The trainer pod: created, restarted after a failure up to backoffLimit. True once it has
-        finished the job."""
+    def trainer(self) -> None:
+        """The trainer pod: created, and restarted after a failure up to backoffLimit; the job
+        succeeds when it exits 0 (it has trained every step)."""
         role = Role("trainer", "trainer")
         pod, older = self.current(None, ("trainer", None, None))
         for p in older:
@@ -300,21 +300,21 @@ class _Cycle:
             self.create_pod(None, role, self.status.restarts, None)
             self.condition("TrainerReady", False, "Creating", "creating the trainer pod")
             self.update(phase="Pending")
-            return False
+            return
         n, phase = attempt(pod), phase_of(pod)
         if terminating(pod):  # its successor is created once it is gone (the same name)
             self.condition("TrainerReady", False, "Terminating", f"pod {pod['metadata']['name']} is being deleted")
             self.update(phase="Pending")
-            return False
+            return
         if phase == "Succeeded":
             self.condition("TrainerReady", False, "Finished", "the trainer finished the job")
             self.transition("Succeeded", True, SUCCEEDED, f"trained {self.spec.steps} steps")
             self.update(phase="Succeeded", completion_time=self.status.completion_time or self.now)
-            return True
+            return
         if phase == "Failed":
             if n >= limit:
                 self.fail("BackoffLimitExceeded", f"the trainer failed {n + 1} times; runPolicy.backoffLimit is {limit}")
-                return False
+                return
             self.update(phase="Restarting")
             self.condition("TrainerReady", False, "Restarting", f"the trainer failed (pod {pod['metadata']['name']})")
             if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
@@ -323,14 +323,13 @@ class _Cycle:
                 self.update(restarts=n + 1)
                 self.event(RESTARTED, f"the trainer failed; restart {n + 1} of {limit}, resuming from its volume",
                            warning=True)
-            return False
+            return
         self.update(restarts=max(self.status.restarts, n))
         up = phase == "Running" and ready(pod)
         self.condition("TrainerReady", up, "Ready" if up else "NotReady",
                        f"pod {pod['metadata']['name']}" + ("" if up else f" is {phase}"))
         t = self.obs.trainer
         self.update(phase="Running" if up and t is not None and t.phase != "Pending" else "Starting" if up else "Pending")
-        return False
 
     def trainer_address(self) -> str | None:
         """How workers in member clusters reach the trainer."""
@@ -427,12 +426,11 @@ class _Cycle:
             phase = phase_of(pod)
             if r.kind == "worker" and ready(pod) and phase == "Running":
                 ready_n += 1
-            if phase == "Failed" and not terminating(pod):
+            if phase == "Failed":
                 failed += 1
                 if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
                     self.replace(cluster, pod, r, n, slot, namespace, template, f"pod {pod['metadata']['name']} failed")
-            elif r.kind == "worker" and self.stale(pod) and self.spec.health.on_stale == "Replace" \
-                    and not terminating(pod):
+            elif r.kind == "worker" and self.stale(pod) and self.spec.health.on_stale == "Replace":
                 self.replace(cluster, pod, r, n, slot, namespace, template,
                              f"worker {pod['metadata']['name']} is stale")
         for stray in self.obs.pods.get(cluster, []):  # scaled down
@@ -456,12 +454,16 @@ class _Cycle:
         self.event(REPLACED, f"{why}; replaced it (replacement {n + 1})", warning=True)
 
     def stale_names(self) -> dict[str, float]:
-        """Workers whose pods run, that the trainer has not heard from for staleAfterSeconds."""
+        """Workers whose pods run, that the trainer has not heard from for staleAfterSeconds. Not
+        while the trainer itself has been up for less: a trainer that was down was heard by no one,
+        and its workers are still backing off."""
         t = self.obs.trainer
-        if t is None:
+        limit = self.spec.health.stale_after_seconds
+        trainer, _ = self.current(None, ("trainer", None, None))
+        up = since((trainer or {}).get("status", {}).get("startTime"), self.obs.now) if trainer else 0.0
+        if t is None or up <= limit:
             return {}
         alive = {p["metadata"]["name"] for _, p in self.all_pods() if phase_of(p) == "Running" and not terminating(p)}
-        limit = self.spec.health.stale_after_seconds
         return {w.name: w.seconds_since_seen for w in t.workers if w.name in alive and w.seconds_since_seen > limit}
 
     def stale(self, pod: dict) -> bool:
