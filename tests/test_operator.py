@@ -49,12 +49,12 @@ def test_a_job_spans_clusters_and_its_delete_cleans_them():
     with clusters("home", "east") as (home, east), operator(home):
         add_member(home, east, "east")
         connected(home, "east")
-        home.create(copy.deepcopy(JOB))
-        until(lambda: names(east, "sparrowrl") == {"grpo-relay-eu-0", "grpo-worker-eu-0-0", "grpo-worker-eu-1-0"}, 30,
+        m = "grpo-" + home.create(copy.deepcopy(JOB))["metadata"]["uid"][:5]  # names in a member carry the uid's start
+        until(lambda: names(east, "sparrowrl") == {f"{m}-relay-eu-0", f"{m}-worker-eu-0-0", f"{m}-worker-eu-1-0"}, 30,
               "the member's relay and workers")
         assert names(home, "default") == {"grpo-trainer-0", "grpo-relay-us-0", "grpo-worker-us-0-0"}
-        assert "grpo-token" in names(east, "sparrowrl", "v1/secrets")
-        worker = east.get("v1/pods", "sparrowrl", "grpo-worker-eu-0-0")
+        assert f"{m}-token" in names(east, "sparrowrl", "v1/secrets")
+        worker = east.get("v1/pods", "sparrowrl", f"{m}-worker-eu-0-0")
         assert worker["spec"]["containers"][0]["args"][:3] == ["worker", "--trainer", "http://203.0.113.5:8470"]
         job = until(lambda: (j := home.get(JOBS, "default", "grpo")) and condition(j, "Created") and j, 30, "a status")
         assert condition(job, "Created")["status"] == "True" and job["status"]["phase"] == "Pending"

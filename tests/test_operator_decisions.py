@@ -98,17 +98,17 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     plan = w.step(job, 0)
     kinds = sorted((c or "home", m["kind"], m["metadata"]["name"]) for c, m in plan.create)
     assert ("home", "PersistentVolumeClaim", "add-grpo-state") not in kinds  # made in the first cycle
-    assert ("eu-west", "Pod", "add-grpo-worker-eu-1-0") in kinds
-    assert ("ap-south", "Secret", "add-grpo-token") in kinds  # the token, copied into each member's namespace
-    assert w.names("eu-west") == ["add-grpo-relay-eu-0", "add-grpo-worker-eu-0-0", "add-grpo-worker-eu-1-0"]
+    assert ("eu-west", "Pod", "add-grpo-u-1-worker-eu-1-0") in kinds
+    assert ("ap-south", "Secret", "add-grpo-u-1-token") in kinds  # the token, copied into each member's namespace
+    assert w.names("eu-west") == ["add-grpo-u-1-relay-eu-0", "add-grpo-u-1-worker-eu-0-0", "add-grpo-u-1-worker-eu-1-0"]
     assert job["status"]["phase"] == "Pending"
-    worker = w.pods["eu-west"]["add-grpo-worker-eu-0-0"]
+    worker = w.pods["eu-west"]["add-grpo-u-1-worker-eu-0-0"]
     args = worker["spec"]["containers"][0]["args"]
     assert args[:5] == ["worker", "--trainer", "http://203.0.113.7:8470", "--relay",
-                        "http://add-grpo-relay-eu.sparrowrl.svc:8471"]  # the load balancer; the region's relay
+                        "http://add-grpo-u-1-relay-eu.sparrowrl.svc:8471"]  # the load balancer; the region's relay
     home = w.pods[None]["add-grpo-worker-us-0-0"]["spec"]["containers"][0]["args"]
     assert home[2] == "http://add-grpo-trainer.default.svc:8470"
-    assert w.pods["ap-south"]["add-grpo-worker-ap-0-0"]["spec"]["tolerations"] == [
+    assert w.pods["ap-south"]["add-grpo-u-1-worker-ap-0-0"]["spec"]["tolerations"] == [
         {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}]  # the placement's template
     assert "ownerReferences" in w.pods[None]["add-grpo-trainer-0"]["metadata"]
     assert "ownerReferences" not in worker["metadata"]  # no owner across clusters: the finalizer cleans up
@@ -179,13 +179,13 @@ def test_a_failed_worker_is_replaced_after_its_backoff():
     w.step(job, 0)
     w.step(job, 0)
     w.run_all()
-    w.set_phase("add-grpo-worker-eu-1-0", "Failed", finished=50)
+    w.set_phase("add-grpo-u-1-worker-eu-1-0", "Failed", finished=50)
     assert w.step(job, 52).create == []
     assert job["status"]["placements"][1]["failed"] == 1
     plan = w.step(job, 61)
-    assert [m["metadata"]["name"] for _, m in plan.create] == ["add-grpo-worker-eu-1-1"]
+    assert [m["metadata"]["name"] for _, m in plan.create] == ["add-grpo-u-1-worker-eu-1-1"]
     assert any(r == "Replaced" for _, r, _ in plan.events)
-    assert "add-grpo-worker-eu-1-0" not in w.names("eu-west")
+    assert "add-grpo-u-1-worker-eu-1-0" not in w.names("eu-west")
     w.run_all()
     w.step(job, 62)
     eu = job["status"]["placements"][1]
@@ -204,14 +204,14 @@ def test_a_stale_worker_is_reported_and_replaced():
     w.step(job, 0)
     w.step(job, 0)
     w.run_all()
-    w.trainer = trainer_status([("add-grpo-worker-us-0-0", 2.0, "ok"), ("add-grpo-worker-eu-0-0", 400.0, "ok")])
+    w.trainer = trainer_status([("add-grpo-worker-us-0-0", 2.0, "ok"), ("add-grpo-u-1-worker-eu-0-0", 400.0, "ok")])
     plan = w.step(job, 310)
     lh = condition(job, "LeasesHealthy")
-    assert lh["status"] == "False" and lh["reason"] == "StaleWorkers" and "add-grpo-worker-eu-0-0" in lh["message"]
+    assert lh["status"] == "False" and lh["reason"] == "StaleWorkers" and "add-grpo-u-1-worker-eu-0-0" in lh["message"]
     assert ("Warning", "StaleWorker") in [(t, r) for t, r, _ in plan.events]
-    assert "add-grpo-worker-eu-0-1" in w.names("eu-west") and "add-grpo-worker-eu-0-0" not in w.names("eu-west")
+    assert "add-grpo-u-1-worker-eu-0-1" in w.names("eu-west") and "add-grpo-u-1-worker-eu-0-0" not in w.names("eu-west")
     assert job["status"]["leases"] | {"oldestHeartbeatSeconds": 0} == {
-        "active": 3, "healthy": 2, "expired": 0, "requeued": 0, "staleWorkers": ["add-grpo-worker-eu-0-0"],
+        "active": 3, "healthy": 2, "expired": 0, "requeued": 0, "staleWorkers": ["add-grpo-u-1-worker-eu-0-0"],
         "oldestHeartbeatSeconds": 0}
     w.run_all()
     w.step(job, 320)  # the trainer still lists the old name; its pod is gone, so it no longer counts

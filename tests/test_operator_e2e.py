@@ -72,7 +72,7 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
             kubelets(home, east, west, root=tmp_path) as (k_home, k_east, k_west), operator(home):
         add_member(home, east, "east")
         add_member(home, west, "west")
-        home.create(copy.deepcopy(JOB))
+        m = "grpo-" + home.create(copy.deepcopy(JOB))["metadata"]["uid"][:5]  # names in a member carry the uid's start
         until(lambda: (job_of(home).get("status") or {}).get("progress", {}).get("step", 0) >= 2, 240,
               "training under way")
         running = until(lambda: settled(home, rollout="3/3", leases="1/1") or settled(home, rollout="3/3"), 60,
@@ -85,14 +85,14 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
         assert shown["Phase"] == "Running" and shown["Rollout"] == "3/3" and shown["Clusters"] == "3/3", shown
         print(shown, described, sep="\n")
 
-        k_east.kill("sparrowrl", "grpo-worker-eu-0-0")  # a node loses the container
-        k_west.pause("sparrowrl", "grpo-worker-ap-0-0")  # a hung worker: its pod runs, it says nothing
-        until(lambda: "grpo-worker-eu-0-1" in pods(east, "sparrowrl"), 60, "the killed worker replaced")
+        k_east.kill("sparrowrl", f"{m}-worker-eu-0-0")  # a node loses the container
+        k_west.pause("sparrowrl", f"{m}-worker-ap-0-0")  # a hung worker: its pod runs, it says nothing
+        until(lambda: f"{m}-worker-eu-0-1" in pods(east, "sparrowrl"), 60, "the killed worker replaced")
         # LeasesHealthy is False only until the replacement's cycle ends (tests/test_operator_decisions.py
         # checks the condition); its Events stay
         until(lambda: [e for e in home.list("v1/events", NS) if e.get("reason") == "StaleWorkers" and
-                       "grpo-worker-ap-0-0" in e.get("message", "")], 90, "LeasesHealthy False for the hung worker")
-        until(lambda: "grpo-worker-ap-0-1" in pods(west, "sparrowrl"), 30, "the hung worker replaced")
+                       f"{m}-worker-ap-0-0" in e.get("message", "")], 90, "LeasesHealthy False for the hung worker")
+        until(lambda: f"{m}-worker-ap-0-1" in pods(west, "sparrowrl"), 30, "the hung worker replaced")
         k_home.kill(NS, "grpo-trainer-0")
         until(lambda: "grpo-trainer-1" in pods(home, NS), 60, "the trainer restarted")
         job = until(lambda: (j := job_of(home)).get("status", {}).get("phase") in ("Succeeded", "Failed") and j, 400,
@@ -125,7 +125,7 @@ def test_suspend_and_resume_and_a_trainer_past_its_backoff_limit(tmp_path):
     """Two jobs in one cluster: one suspended mid-run and resumed, which goes on from its state;
     one whose trainer dies with backoffLimit 0, which fails and frees its pods."""
     with clusters("home") as (home,), kubelets(home, root=tmp_path) as (k_home,), operator(home):
-        home.create(small("pause", steps=20))
+        home.create(small("pause", steps=80))  # suspended at step 3: far from its end, however fast it runs
         home.create(small("fragile", steps=200, runPolicy={"backoffLimit": 0}))
         step = lambda name: ((home.get(JOBS, NS, name) or {}).get("status") or {}).get("progress", {}).get("step", 0)  # noqa: E731
         until(lambda: step("fragile") >= 1, 240, "the second job training")

@@ -6,7 +6,7 @@ state on a PersistentVolumeClaim, the pod's name and IP from the downward API.""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
@@ -27,6 +27,16 @@ class JobRef:
     name: str
     namespace: str
     uid: str
+    prefix: str = ""  # of its objects' names: the job's name, and in a member also its uid's start
+
+    @property
+    def base(self) -> str:
+        return self.prefix or self.name
+
+    def in_member(self) -> JobRef:
+        """Jobs of one name from two namespaces may share a member's namespace: there the
+        names carry the first characters of the job's uid (`grpo-3f2a1-worker-eu-0-0`)."""
+        return replace(self, prefix=f"{self.name}-{self.uid[:5]}")
 
 
 def labels(job: JobRef, role: str | None = None, region: str | None = None) -> dict[str, str]:
@@ -51,7 +61,7 @@ def _meta(job: JobRef, name: str, namespace: str, home: bool, **label_args) -> d
 
 
 def token_name(job: JobRef) -> str:
-    return f"{job.name}-token"
+    return f"{job.base}-token"
 
 
 def trainer_name(job: JobRef) -> str:
@@ -59,17 +69,18 @@ def trainer_name(job: JobRef) -> str:
 
 
 def relay_name(job: JobRef, region: str) -> str:
-    return f"{job.name}-relay-{region}"
+    return f"{job.base}-relay-{region}"
 
 
 def pod_name(job: JobRef, role: Role, attempt: int) -> str:
-    """`{job}-trainer-0`, `{job}-relay-eu-0`, `{job}-worker-eu-1-0`: the role's name, then the attempt."""
-    return f"{job.name}-{role.name}-{attempt}"
+    """`{job}-trainer-0`, `{job}-relay-eu-0`, `{job}-worker-eu-1-0`: the role's name, then the attempt
+    (in a member, `{job}-{uid[:5]}-…`)."""
+    return f"{job.base}-{role.name}-{attempt}"
 
 
 def names_fit(job: JobRef, spec: JobSpec) -> str | None:
     """Why the job's name is too long for its Services' names (DNS labels), or None."""
-    longest = max([trainer_name(job)] + [relay_name(job, r.name) for r in spec.regions if r.relay], key=len)
+    longest = max([trainer_name(job)] + [relay_name(job.in_member(), r.name) for r in spec.regions if r.relay], key=len)
     if len(longest) > 63:
         return f"metadata.name: {job.name!r} makes the Service name {longest!r}, over 63 characters"
     return None

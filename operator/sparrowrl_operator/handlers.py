@@ -154,12 +154,14 @@ class Operator:
         with self.lock(body["metadata"]["uid"]):
             for _ in range(2):  # once more when home objects were just made: members wait for the token Secret
                 plan = reconcile(body, self.observe(body, logger), self.cfg.image, self.cfg.backoff)
-                self.carry_out(plan, body, logger)
-                if plan.status is not None:
-                    new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
-                    if change := merge_patch(dict(body.get("status") or {}), new):
-                        patch.setdefault("status", {}).update(change)
-                    body = {**body, "status": new}
+                try:
+                    self.carry_out(plan, body, logger)
+                finally:  # the status is written even when the home cluster refused a step (kopf retries)
+                    if plan.status is not None:
+                        new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
+                        if change := merge_patch(dict(body.get("status") or {}), new):
+                            patch.setdefault("status", {}).update(change)
+                        body = {**body, "status": new}
                 if not any(c is None for c, _ in plan.create):
                     break
 

@@ -362,7 +362,7 @@ class _Cycle:
             remote = where.get(region) is not None and where[region].cluster is not None
             if name == "trainer":
                 return (address or "") if remote else builders.trainer_url(job)
-            return builders.relay_url(job, name.removeprefix("relay-"), namespace(region))
+            return builders.relay_url(job.in_member() if remote else job, name.removeprefix("relay-"), namespace(region))
 
         roles = [r for r in layout.roles(spec, url) if r.kind != "trainer"]
         statuses, unreachable, connecting, total, reachable = [], [], [], set(), set()
@@ -403,14 +403,15 @@ class _Cycle:
 
     def placement(self, cluster: Cluster, namespace: str, region: str, roles: list[Role], p) -> PlacementStatus:
         home = cluster is None
+        job = self.job if home else self.job.in_member()
         if not home:
-            self.ensure(cluster, builders.token_secret(self.job, self.obs.token, namespace, home=False))
+            self.ensure(cluster, builders.token_secret(job, self.obs.token, namespace, home=False))
         template = p.template if p is not None else None
         failed = replaced = ready_n = 0
         workers = [r for r in roles if r.kind == "worker"]
         for r in roles:
             if r.kind == "relay":
-                self.ensure(cluster, builders.relay_service(self.job, region, namespace, home))
+                self.ensure(cluster, builders.relay_service(job, region, namespace, home))
             slot = workers.index(r) if r.kind == "worker" else None
             key = (r.kind, region, None if slot is None else str(slot))
             pod, older = self.current(cluster, key)
@@ -442,7 +443,8 @@ class _Cycle:
 
     def create_pod(self, cluster: Cluster, role: Role, n: int, slot: int | None, namespace: str | None = None,
                    template: dict | None = None) -> None:
-        manifest = builders.pod(self.job, role, self.spec, namespace=namespace or self.job.namespace, attempt=n,
+        job = self.job if cluster is None else self.job.in_member()
+        manifest = builders.pod(job, role, self.spec, namespace=namespace or self.job.namespace, attempt=n,
                                 image=self.spec.image or self.image, home=cluster is None, slot=slot, template=template)
         self.plan.create.append((cluster, manifest))
         self.event(CREATED, f"created pod {manifest['metadata']['name']}" + (f" in cluster {cluster}" if cluster else ""))
@@ -478,7 +480,8 @@ class _Cycle:
         stale = self.stale_names()
         held_by_stale = sum(w.leases_held for w in t.workers if w.name in stale)
         self.update(progress=Progress(
-            step=t.step, steps=t.steps, policy_version=t.version, reward=t.reward_last, recent_reward=t.reward_mean_10,
+            step=t.step, steps=t.steps, policy_version=t.version, reward=rounded(t.reward_last, 4),
+            recent_reward=rounded(t.reward_mean_10, 4),
             tokens_per_second=rounded(t.tokens_per_second, 1), payload_bytes=t.last_payload_bytes,
             changed_fraction=rounded(t.last_changed_fraction, 5), commits_verified=t.commits_verified,
             commits_mismatched=t.commits_mismatched,
