@@ -293,6 +293,7 @@ def test_success_and_ttl():
     assert job["status"]["phase"] == "Succeeded" and not plan.delete_job
     assert w.names(None) == ["add-grpo-trainer-0"] and not w.names("eu-west")  # the rollout's machines freed
     assert job["status"]["completionTime"] == "2026-12-01T12:01:40Z"
+    assert job["status"]["display"]["step"] == "300/300"  # exit 0: every step trained, whatever was last polled
     assert w.step(job, 159).delete_job is False
     assert w.step(job, 160).delete_job is True
 

@@ -309,7 +309,10 @@ class _Cycle:
         if phase == "Succeeded":
             self.condition("TrainerReady", False, "Finished", "the trainer finished the job")
             self.transition("Succeeded", True, SUCCEEDED, f"trained {self.spec.steps} steps")
-            self.update(phase="Succeeded", completion_time=self.status.completion_time or self.now)
+            self.update(phase="Succeeded", completion_time=self.status.completion_time or self.now,
+                        # it exits 0 only once every step is trained; its last /v1/status may have been missed
+                        progress=self.status.progress.model_copy(update={
+                            "step": self.spec.steps, "steps": self.spec.steps, "policy_version": self.spec.steps}))
             return
         if phase == "Failed":
             if n >= limit:
