@@ -228,6 +228,15 @@ def test_a_port_out_of_range_is_named(tmp_path, command, port):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag,value,why", [("--pace-tokens-per-s", "nan", "out of range"),
+                                            ("--pace-tokens-per-s", "0", "out of range"),
+                                            ("--local-ports", "1,x", "not comma-separated port numbers"),
+                                            ("--local-ports", "70000", "out of range")])
+def test_a_worker_flag_out_of_range_is_named(tmp_path, flag, value, why):
+    refused(sparrowrl(*role_args(tmp_path, "worker"), f"{flag}={value}", timeout=60), flag, why)
+
+
+@pytest.mark.timeout(120)
 def test_tls_files_that_do_not_work_are_named(tmp_path):
     store = make_store(tmp_path / "s", deltas=0)
     junk, missing = tmp_path / "junk.pem", tmp_path / "missing.pem"

@@ -15,7 +15,7 @@ class Clock:
 
 def coord(staleness=1, steps=3, per_step=4, per_lease=2):
     clock = Clock()
-    c = Coordinator(per_step, per_lease, lease_seconds=10, staleness=staleness, steps=steps, clock=clock)
+    c = Coordinator(per_step, per_lease, lease_seconds=10, staleness=staleness, steps=steps, split="pull", clock=clock)
     c.publish(0, "h0")
     return c, clock
 

@@ -300,6 +300,18 @@ def serve(store: Path, host: Annotated[str, typer.Option(help="Address to listen
             f"/v1/versions" + ("" if token else " (no token: loopback only)"), ctx)
 
 
+def _ports(local_ports: str | None) -> list[int] | None:
+    try:
+        ports = [int(p) for p in local_ports.split(",")] if local_ports else None
+    except ValueError:
+        _fail(ValueError(f"--local-ports {local_ports!r}: not comma-separated port numbers"))
+    if ports is not None and len(ports) > MAX_STREAMS:
+        _fail(ValueError(f"--local-ports: {len(ports)} ports, one per stream (at most {MAX_STREAMS})"))
+    for p in ports or []:
+        _in_range("--local-ports", p, 1, 65535)
+    return ports
+
+
 @app.command("relay")
 def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) URL; several, comma-separated.")],
           host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -325,12 +337,7 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
     _in_range("--metrics-port", metrics_port, 1, 65535)
     _in_range("--streams", streams, 1, MAX_STREAMS)
     _in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
-    try:
-        ports = [int(p) for p in local_ports.split(",")] if local_ports else None
-    except ValueError:
-        _fail(ValueError(f"--local-ports {local_ports!r}: not comma-separated port numbers"))
-    for p in ports or []:
-        _in_range("--local-ports", p, 1, 65535)
+    ports = _ports(local_ports)
     ctx = _trusting(ca_cert)
     with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
         try:
@@ -533,7 +540,12 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
                                                            "status).")] = None,
            metrics_port: Annotated[int | None, typer.Option(
                 help="Also serve /metrics here without the token, for a scraper that has none (this port "
-                     "serves nothing else).")] = None) -> None:
+                     "serves nothing else).")] = None,
+           local_ports: Annotated[str | None, typer.Option(help="Comma-separated local ports for the download "
+                                                               "streams (per-flow shaped links, hack/wan).")] = None,
+           pace_tokens_per_s: Annotated[float | None, typer.Option(
+                help="Hold generation to this rate (benchmarks: the time a dedicated accelerator would take).")]
+           = None) -> None:
     """A rollout worker. It needs only the network: the job, the model's config and tokenizer and
     its weights all come from the trainer (and the relay). The token comes from SPARROWRL_TOKEN."""
     import asyncio
@@ -544,6 +556,8 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
     _in_range("--port", port, 1, 65535)
     _in_range("--metrics-port", metrics_port, 1, 65535)
     _in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
+    _in_range("--pace-tokens-per-s", pace_tokens_per_s, 1e-3, 1e9)
+    ports = _ports(local_ports)
     for flag, value, kind, rule in (("--name", name, Name, "1..253 of [-A-Za-z0-9_.], starting with a letter or digit"),
                                     ("--region", region, Region, "a DNS label (lower-case letters, digits, -)")):
         try:
@@ -554,7 +568,7 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
     from sparrowrl.transport.server import ListenError
 
     try:
-        asyncio.run(main(trainer, relay, name, host, port, rate_mbit, region, metrics_port))
+        asyncio.run(main(trainer, relay, name, host, port, rate_mbit, region, metrics_port, ports, pace_tokens_per_s))
     except (ListenError, FetchError) as e:
         _fail(e)
 

@@ -177,6 +177,7 @@ class Control:
     @once(messages.Work)
     async def h_work(self, body: dict) -> dict:
         self.seen[body["worker"]] = time.monotonic()
+        self.coord.heard(body["worker"])  # counted in the split before rollouts start
         if body["region"] and self.regions.get(body["worker"]) != body["region"]:
             self.regions[body["worker"]] = body["region"]
             self._events.append(["regions", body["worker"], body["region"]])
@@ -201,7 +202,8 @@ class Control:
             self.coord.refuse(body["lease"], body["worker"])
             self.touch()
             return {"admitted": 0, "refused": bad}
-        ans = self.coord.submit(body["lease"], body["worker"], body["version"], body["state_hash"], results)
+        ans = self.coord.submit(body["lease"], body["worker"], body["version"], body["state_hash"], results,
+                                body["generate_s"])
         if ans["admitted"] and ans["groups"]:  # not a repeated delivery
             self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
             self._events.append(["gen", ans["batch"], self.gen[ans["batch"]]])
@@ -233,7 +235,7 @@ class Control:
         if body["worker"] not in self.first:
             self.first[body["worker"]] = body["version"]
             self._events.append(["first", body["worker"], body["version"]])
-        ok = self.coord.commit(body["worker"], body["version"], body["state_hash"])
+        ok = self.coord.commit(body["worker"], body["version"], body["state_hash"], body.get("fetch_s"))
         if body.get("fetch_s") is not None:
             self.fetch.setdefault(body["version"], {})[body["worker"]] = body["fetch_s"]
         self.touch()

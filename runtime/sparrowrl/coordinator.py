@@ -8,6 +8,11 @@ allowed version; a result is admitted only if its lease is still live, and its v
 allowed and hashes to what the trainer published. An expired lease's groups go back to the
 queue; a result for a group already admitted is dropped and counted.
 
+How many groups a lease holds is the `split` policy's: `balanced` (default) sizes each lease
+so that workers of unequal speed and links finish the batch together (schedule.py), `pull`
+gives every ask the same `groups_per_lease`, `even` gives each live worker an equal quota of
+each batch. `groups_per_lease` bounds every lease (a lease's results travel in one request).
+
 Pure bookkeeping, no I/O: the trainer's HTTP routes call it, tests call it directly. `state()`
 and `restore()` carry it across a trainer restart (the trainer journals them, see `journal.py`).
 """
@@ -16,6 +21,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from sparrowrl import schedule
+from sparrowrl.schedule import Seat, Speed
+
+Split = Literal["balanced", "pull", "even"]
 
 
 @dataclass
@@ -25,6 +36,7 @@ class Lease:
     batch: int
     groups: list[int]
     deadline: float
+    start: float
 
 
 @dataclass
@@ -32,7 +44,10 @@ class Batch:
     index: int
     groups: list[int]
     pending: list[int]
+    opened: float | None = None  # when it opened: its oldest allowed version was published
     results: dict[int, dict] = field(default_factory=dict)  # group → admitted result
+    given: dict[str, int] = field(default_factory=dict)  # worker → groups leased to it
+    done: float | None = None  # when its last group was admitted
 
     @property
     def complete(self) -> bool:
@@ -54,10 +69,15 @@ class Counts:
 
 class Coordinator:
     def __init__(self, prompts_per_step: int, groups_per_lease: int, lease_seconds: float, staleness: int,
-                 steps: int, clock=time.monotonic):
+                 steps: int, split: Split, clock=time.monotonic):
         self.per_step, self.per_lease, self.lease_seconds = prompts_per_step, groups_per_lease, lease_seconds
-        self.staleness, self.steps, self.clock = staleness, steps, clock
+        self.staleness, self.steps, self.split, self.clock = staleness, steps, split, clock
         self.hashes: dict[int, str] = {}  # published version → state hash
+        self.published_at: dict[int, float] = {}
+        self.payload: dict[int, int] = {}  # published version → bytes a worker fetches for it
+        self.speeds: dict[str, Speed] = {}  # measured afresh by each trainer process
+        self.seen: dict[str, float] = {}  # worker → when it last called
+        self.tokens_per_group: float | None = None
         self.batches: dict[int, Batch] = {}
         self.leases: dict[int, Lease] = {}
         self.counts = Counts()
@@ -71,8 +91,9 @@ class Coordinator:
     def published(self) -> int:
         return max(self.hashes, default=-1)
 
-    def publish(self, version: int, state_hash: str) -> None:
+    def publish(self, version: int, state_hash: str, payload_bytes: int = 0) -> None:
         self.hashes[version] = state_hash
+        self.published_at[version], self.payload[version] = self.clock(), payload_bytes
 
     def min_version(self, batch: int) -> int:
         return batch - self.staleness
@@ -87,8 +108,12 @@ class Coordinator:
     def _open_batches(self) -> list[int]:
         """Batches whose oldest allowed version is published and that still need groups."""
         first = min((b for b, x in self.batches.items() if not x.complete), default=self.taken)
-        return [b for b in range(first, min(self.steps, self.published + self.staleness + 1))
-                if not self._batch(b).complete]
+        open_ = [b for b in range(first, min(self.steps, self.published + self.staleness + 1))
+                 if not self._batch(b).complete]
+        for b in open_:
+            if self.batches[b].opened is None:
+                self.batches[b].opened = self.published_at.get(self.min_version(b), self.clock())
+        return open_
 
     def expire(self) -> None:
         now = self.clock()
@@ -112,6 +137,7 @@ class Coordinator:
         `wait` (everything is leased; ask again when something changes), or `done` with the
         final version, which the worker should still commit and verify."""
         self.expire()
+        self.heard(worker)
         if all(self._batch(b).complete for b in range(self.taken, self.steps)):
             return {"done": self.steps}
         for b in self._open_batches():
@@ -120,17 +146,78 @@ class Coordinator:
                 continue
             if version < self.min_version(b):
                 return {"update": self.min_version(b)}
-            groups, batch.pending = batch.pending[:self.per_lease], batch.pending[self.per_lease:]
-            lease = Lease(self.next_lease, worker, b, groups, self.clock() + self.lease_seconds)
+            n = self._size(worker, batch)
+            if not n:  # the others finish this batch sooner: perhaps the next one
+                continue
+            groups, batch.pending = batch.pending[:n], batch.pending[n:]
+            now = self.clock()
+            lease = Lease(self.next_lease, worker, b, groups, now + self.lease_seconds, now)
             self.leases[lease.id] = lease
+            batch.given[worker] = batch.given.get(worker, 0) + n
             self.next_lease += 1
             self._events.append(["lease", lease.id, worker, b, groups])
             return {"lease": {"id": lease.id, "batch": b, "groups": groups, "deadline_s": self.lease_seconds}}
         return {"wait": True}
 
-    def submit(self, lease_id: int, worker: str, version: int, state_hash: str, results: dict[int, dict]) -> dict:
-        """Admit a lease's results, or refuse them all with the reason."""
+    # ---- how many groups a lease holds ----
+    def heard(self, worker: str) -> None:
+        """A worker called (for work, with results, with a commit). One silent for a lease period
+        comes back unmeasured: it may be another machine now."""
+        now = self.clock()
+        if now - self.seen.get(worker, -float("inf")) >= self.lease_seconds:
+            self.speeds[worker] = Speed()
+        self.seen[worker] = now
+
+    def _live(self) -> list[str]:
+        now = self.clock()
+        return [w for w, t in self.seen.items() if now - t < self.lease_seconds]
+
+    def _size(self, worker: str, batch: Batch) -> int:
+        pending, live = len(batch.pending), self._live()
+        if self.split == "pull":
+            return min(self.per_lease, pending)
+        if self.split == "even":
+            quota = schedule.even(len(batch.groups), len(live))
+            mine = quota - batch.given.get(worker, 0)
+            if mine <= 0:
+                if any(batch.given.get(w, 0) < quota for w in live if w != worker):
+                    return 0  # the rest is other workers' quota
+                mine = pending  # every quota is out: groups that came back go to whoever asks
+            return min(mine, self.per_lease, pending)
+        speed = self.speeds[worker]
+        if speed.tokens_per_s is None or self.tokens_per_group is None:
+            return min(schedule.PROBE, pending)
+        seats = {w: Seat(self._ready(w, batch.index), self.speeds[w].tokens_per_s) for w in live
+                 if self.speeds[w].tokens_per_s is not None}
+        share = schedule.split(pending, self.tokens_per_group, seats)[worker]
+        return min(share, speed.cap, self.per_lease)
+
+    def _ready(self, worker: str, b: int) -> float:
+        """Seconds until `worker` can start on batch b: its leases done, the batch's version fetched."""
+        now, speed, tpg = self.clock(), self.speeds[worker], self.tokens_per_group
+        busy = max([0.0] + [len(x.groups) * tpg / speed.tokens_per_s - (now - x.start)
+                            for x in self.leases.values() if x.worker == worker])
+        need = self.min_version(b)
+        fetch = 0.0
+        if self.commits.get(worker, (-1,))[0] < need and need in self.published_at:
+            fetch = max(0.0, speed.fetch_s(self.payload[need]) - (now - self.published_at[need]))
+        return max(busy, fetch)
+
+    def _measured(self, worker: str, results: dict[int, dict], generate_s: float | None) -> None:
+        tokens = sum(len(s["tokens"]) for r in results.values() for s in r.get("samples", []))
+        if generate_s is None or not results or not tokens:
+            return
+        per_group = tokens / len(results)
+        self.tokens_per_group = per_group if self.tokens_per_group is None else \
+            (1 - schedule.EMA) * self.tokens_per_group + schedule.EMA * per_group
+        self.speeds[worker].generated(tokens, generate_s, len(results))
+
+    def submit(self, lease_id: int, worker: str, version: int, state_hash: str, results: dict[int, dict],
+               generate_s: float | None = None) -> dict:
+        """Admit a lease's results, or refuse them all with the reason. `generate_s`, the seconds
+        the worker took, measures its speed."""
         self.expire()
+        self.heard(worker)
         lease = self.leases.get(lease_id)
         if lease is None:
             if (d := self.delivered.get(lease_id)) and d[0] == worker:  # delivered again (a retry): the same answer
@@ -149,6 +236,7 @@ class Coordinator:
             return {"admitted": 0, "refused": f"results cover groups {sorted(results)}, the lease has {lease.groups}"}
         del self.leases[lease_id]
         self._events.append(["drop", lease_id])
+        self._measured(worker, results, generate_s)
         return self._admit(lease_id, worker, b, version, results)
 
     def _admit(self, lease_id: int, worker: str, b: int, version: int, results: dict[int, dict]) -> dict:
@@ -161,6 +249,8 @@ class Coordinator:
             batch.results[g] = {**r, "version": version}
         if new:
             batch.pending = [x for x in batch.pending if x not in new]
+            if batch.complete:
+                batch.done = self.clock()
         self.counts.admitted += len(new)
         if new:
             self.delivered[lease_id] = (worker, len(new), b)
@@ -191,9 +281,13 @@ class Coordinator:
         if lease is not None and lease.worker == worker:
             self._drop(lease, refused=True)
 
-    def commit(self, worker: str, version: int, state_hash: str) -> bool:
-        """A worker reports the weights it now holds; True if they are the trainer's, bit for bit."""
+    def commit(self, worker: str, version: int, state_hash: str, fetch_s: float | None = None) -> bool:
+        """A worker reports the weights it now holds, and how long it took to fetch them; True if
+        they are the trainer's, bit for bit."""
         ok = self.hashes.get(version) == state_hash
+        self.heard(worker)
+        if fetch_s is not None:
+            self.speeds[worker].fetched(self.payload.get(version, 0), fetch_s)
         if ok:
             self.counts.verified += 1
         else:
@@ -263,11 +357,13 @@ class Coordinator:
         self.delivered = {int(k): (d[0], d[1], d[2]) for k, d in state["delivered"].items() if d[2] >= taken}
         for b, groups in results.items():
             if b >= taken:
-                self._batch(b).results.update(groups)
-        deadline = self.clock() + self.lease_seconds
+                batch = self._batch(b)
+                batch.results.update(groups)
+                batch.done = self.clock() if batch.complete else None
+        now = self.clock()
         for k, (worker, b, groups) in state["leases"].items():
             if b >= taken:
-                self.leases[int(k)] = Lease(int(k), worker, b, groups, deadline)
+                self.leases[int(k)] = Lease(int(k), worker, b, groups, now + self.lease_seconds, now)
         for b in sorted({x.batch for x in self.leases.values()} | set(self.batches)):
             batch = self._batch(b)
             leased = {g for x in self.leases.values() if x.batch == b for g in x.groups}

@@ -105,7 +105,11 @@ class GrpoSpec(_Spec):
 
 class RolloutSpec(Scheduling):
     engine: Literal["hf", "vllm"] = "hf"
-    groups_per_lease: int = Field(2, ge=1, le=4096, description="Prompt groups a worker takes at once.")
+    groups_per_lease: int = Field(2, ge=1, le=4096, description="The most prompt groups a worker takes at once.")
+    split: Literal["balanced", "pull", "even"] = Field("balanced", description=(
+        "How a batch is shared: balanced sizes each lease by the worker's measured generation rate and link, so "
+        "that all finish together; pull gives groupsPerLease to whoever asks; even gives each worker an equal "
+        "quota."))
     lease_seconds: float = Field(120.0, ge=1, le=86_400,
                                  description="A lease not returned by then is handed to another worker.")
 

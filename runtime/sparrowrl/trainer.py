@@ -31,9 +31,9 @@ class Run:
         self.learner = Learner(spec, state_dir)
         s = spec.rollout
         self.coord = Coordinator(spec.grpo.prompts_per_step, s.groups_per_lease, s.lease_seconds, spec.sync.staleness,
-                                 spec.steps)
+                                 spec.steps, s.split)
         for v, entry in self.learner.store.versions.items():
-            self.coord.publish(v, entry.state_hash)
+            self.coord.publish(v, entry.state_hash, self.learner.published(v)["payload_bytes"])
         self.control = Control(spec, self.learner, self.coord, self._journal)
         self.ledger = Ledger(spec, state_dir, self.learner, self.control)
         self._resume()
@@ -108,11 +108,12 @@ class Run:
             wait = time.perf_counter() - t0
             m = await asyncio.to_thread(learner.train, batch)
             generate_s = control.gen.pop(b, 0.0) / max(1, len(control.workers))
-            partial = {"version": b + 1, "step": b, **m, "generate_s": generate_s, "wait_s": wait}
+            partial = {"version": b + 1, "step": b, **m, "generate_s": generate_s, "wait_s": wait,
+                       "rollout_s": batch.done - (batch.opened or batch.done)}
             await asyncio.to_thread(learner.checkpoint, partial)
             self._compact()  # batch b's results are in the checkpoint now
             extract_s = await asyncio.to_thread(learner.publish)
-            self.coord.publish(b + 1, learner.store.versions[b + 1].state_hash)
+            self.coord.publish(b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"])
             ledger.record(partial, extract_s, time.perf_counter() - t0)
             control.touch()
         # every worker should still commit and verify the final version

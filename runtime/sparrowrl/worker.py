@@ -35,9 +35,10 @@ class Worker:
     """`data` fetches versions (relays first, the origin last); `control` talks to the trainer."""
 
     def __init__(self, name: str, data: Client, control: Client, engine: Engine, mode: str,
-                 on_engine: ThreadPoolExecutor, region: str | None = None):
+                 on_engine: ThreadPoolExecutor, region: str | None = None, pace: float | None = None):
         self.name, self.c, self.control, self.engine, self.mode = name, data, control, engine, mode
         self.region = region
+        self.pace = pace  # tokens/s this worker's generation is held to (benchmarks: a dedicated accelerator)
         self.on_engine = on_engine  # one thread for all engine work: vLLM's CPU kernels check that
         # they run with the OpenMP thread count they were set up with, which is per thread
         self.version, self.hash = -1, ""
@@ -159,6 +160,13 @@ class Worker:
             samples = await self._run(self.engine.generate, p["ids"], job["group_size"], p["seed"],
                                               job["max_new_tokens"], job["temperature"])
             results[p["group"]] = {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs} for s in samples]}
+        if self.pace:
+            tokens = sum(len(s["tokens"]) for r in results.values() for s in r["samples"])
+            left = tokens / self.pace - (time.perf_counter() - t0)
+            if left < 0:
+                print(f"{self.name}: pace missed: {tokens} tokens took {time.perf_counter() - t0:.2f} s, the pace "
+                      f"allows {tokens / self.pace:.2f} s", flush=True)
+            await asyncio.sleep(left)
         await self.control.post_json("/v1/results", {"lease": lease["id"], "worker": self.name, "version": self.version,
                                         "state_hash": self.hash, "results": results,
                                         "generate_s": time.perf_counter() - t0})
@@ -185,10 +193,13 @@ async def fetch_model(control: Client, dest: Path) -> None:
 
 
 async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
-               rate_mbit: float | None = None, region: str | None = None, metrics_port: int | None = None) -> None:
+               rate_mbit: float | None = None, region: str | None = None, metrics_port: int | None = None,
+               local_ports: list[int] | None = None, pace: float | None = None) -> None:
     """A worker needs only the network: the job, the model's config and tokenizer, and the
     weights come from the trainer (versions from its region's relay first). /healthz and
-    /readyz (once a verified version is committed) on host:port, from the start."""
+    /readyz (once a verified version is committed) on host:port, from the start. `local_ports`
+    and `pace` are for benchmarks: fixed source ports for the download streams (per-flow shaped
+    links), and a generation rate to hold to."""
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
     worker: Worker | None = None
     app = web.Application(middlewares=[auth])  # /metrics wants the token; the probes do not
@@ -205,14 +216,14 @@ async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
             with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
                 await fetch_model(control, Path(model_dir))
                 async with Client([u for u in (relay, trainer) if u], streams=job["streams"], attempts=ATTEMPTS,
-                                  rate_mbit=rate_mbit) as data:
+                                  rate_mbit=rate_mbit, local_ports=local_ports) as data:
                     t0 = time.perf_counter()
                     on_engine = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
                                                    initargs=(1,))
                     built = await asyncio.get_running_loop().run_in_executor(on_engine, make_engine, job["engine"],
                                                                              model_dir)
                     print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
-                    worker = Worker(name, data, control, built, job["mode"], on_engine, region)
+                    worker = Worker(name, data, control, built, job["mode"], on_engine, region, pace)
                     await worker.run()
     finally:
         await probes.cleanup()

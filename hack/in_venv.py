@@ -1,0 +1,21 @@
+"""For the benchmarks under hack/: run them with the repo's .venv, made on first use, whatever
+python3 started them (`sudo python3 hack/bench_e2e.py` starts the system's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def enter() -> None:
+    """Re-run this script under ROOT/.venv, after `make` has set it up if needed."""
+    venv = ROOT / ".venv"
+    if Path(sys.prefix).resolve() == venv.resolve():
+        return
+    subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", ".venv/.installed"], check=True)
+    python = venv / "bin" / "python"
+    os.execv(python, [str(python), *sys.argv])

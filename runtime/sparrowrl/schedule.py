@@ -1,0 +1,105 @@
+"""How much of a batch a worker takes, so that workers of unequal speed and unequal links finish
+the batch together.
+
+A worker's expected finish is when it can start (its outstanding leases done, the batch's
+version fetched) plus its share's tokens over its generation rate. `split` equalizes that over
+the live workers (water-filling), and the coordinator hands the asking worker its share, a
+lease at a time. Every ask solves again from what is then known, so a worker that turned out
+slower than estimated is caught at its next ask. Three rules:
+
+- only a worker that holds an eligible version gets work (the coordinator tells the others to
+  update first);
+- a worker never measured (new, or back after a lease period of silence) gets a probe share
+  of one group, and its leases may grow to twice its last one (ramp-up);
+- a worker that took longer than its estimate is taken at its measured rate at once; one that
+  was faster moves there by half (an EMA), so a loss of share is fast and a gain is careful.
+
+Pure functions and plain data: the coordinator calls them, tests call them with a table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PROBE = 1  # groups a worker not yet measured takes
+EMA = 0.5  # weight of a new measurement that is faster than the estimate
+
+
+@dataclass
+class Speed:
+    """What has been measured of one worker."""
+    tokens_per_s: float | None = None  # generation rate; None: not measured (yet, or since it came back)
+    bytes_per_s: float | None = None  # goodput of its version fetches
+    last_lease: int = 0  # groups in its last delivered lease
+
+    def generated(self, tokens: int, seconds: float, groups: int) -> None:
+        if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        rate = tokens / seconds
+        slower = self.tokens_per_s is None or rate < self.tokens_per_s
+        self.tokens_per_s = rate if slower else (1 - EMA) * self.tokens_per_s + EMA * rate
+        self.last_lease = groups
+
+    def fetched(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.bytes_per_s = rate if self.bytes_per_s is None else (1 - EMA) * self.bytes_per_s + EMA * rate
+
+    def fetch_s(self, nbytes: int) -> float:
+        """Seconds to fetch `nbytes`: 0 while the link is not measured (it will be at the first fetch)."""
+        return nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
+
+    @property
+    def cap(self) -> int:
+        """The largest lease it may take now: ramping up from the probe."""
+        return max(PROBE, 2 * self.last_lease)
+
+
+@dataclass(frozen=True)
+class Seat:
+    """One worker as a split sees it: when it can start (seconds from now) and how fast it generates."""
+    ready_s: float
+    tokens_per_s: float
+
+
+def finish_time(groups: int, tokens_per_group: float, seats: dict[str, Seat]) -> float:
+    """The time T (seconds from now) at which the live workers, starting at their `ready_s` and
+    sharing `groups` in proportion to their rates, all finish: sum of rate·(T - ready) over the
+    workers with ready < T covers the batch's tokens."""
+    need = groups * tokens_per_group
+    order = sorted(seats.values(), key=lambda s: s.ready_s)
+    rate = weighted = 0.0
+    for i, s in enumerate(order):
+        rate += s.tokens_per_s
+        weighted += s.tokens_per_s * s.ready_s
+        t = (need + weighted) / rate
+        if i + 1 == len(order) or t <= order[i + 1].ready_s:
+            return t
+    raise ValueError("no workers to split among")
+
+
+def split(groups: int, tokens_per_group: float, seats: dict[str, Seat]) -> dict[str, int]:
+    """Whole groups per worker, summing to `groups`, with the latest finish as early as whole
+    groups allow: each worker's exact share floored, then each group left over to whoever would
+    finish it first (for groups of one size, the optimal makespan; on a tie, whoever can start
+    first)."""
+    if groups <= 0 or not seats:
+        return {w: 0 for w in seats}
+    t = finish_time(groups, tokens_per_group, seats)
+    shares = {w: max(0, math.floor(s.tokens_per_s * (t - s.ready_s) / tokens_per_group + 1e-9))
+              for w, s in seats.items()}
+
+    def finish_with_one_more(w: str) -> tuple[float, float, str]:
+        s = seats[w]
+        return s.ready_s + (shares[w] + 1) * tokens_per_group / s.tokens_per_s, s.ready_s, w
+
+    for _ in range(groups - sum(shares.values())):
+        shares[min(seats, key=finish_with_one_more)] += 1
+    return shares
+
+
+def even(groups: int, workers: int) -> int:
+    """A worker's quota of a batch split evenly, the baseline the benchmark compares against."""
+    return -(-groups // max(1, workers))
