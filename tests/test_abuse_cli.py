@@ -250,6 +250,8 @@ def test_store_add_refuses_another_tensor_table_and_the_store_stays_whole(store,
     (lambda d: d.update(versions=[]), ["no versions"]),
     (lambda d: d["versions"][0].update(version=1.5), ["version 1.5: not a version number"]),
     (lambda d: d["versions"][0].update(base_bytes=-1), ["base_bytes -1 is not a count"]),
+    (lambda d: d["versions"][0].update(base_part_bytes=3 << 16), ["its parts do not fit its size"]),
+    (lambda d: d["versions"][0].update(base_part_bytes=1 << 40), ["its parts do not fit its size"]),
 ])
 def test_an_index_that_names_files_outside_the_store_or_impossible_numbers_is_refused(store, edit, words):
     path, _ = store

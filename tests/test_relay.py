@@ -194,14 +194,14 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
 
 @pytest.fixture(scope="module")
 def big_base(tmp_path_factory):
-    """A store whose base snapshot spans four parts, and one delta after it."""
+    """A store whose base snapshot (12 MB) spans many parts, and one delta after it."""
     rng = np.random.default_rng(5)
     path = tmp_path_factory.mktemp("big") / "s"
     states = [{"w": random_tensor(rng, "BF16", (3 * BASE_PART // 2000 + 7, 1000))}]
     states.append({"w": mutate(rng, states[0]["w"], 0.001)})
     store = Store.init(path, states[0], base_every=4)
     store.add(states[1])
-    assert len(store.versions[0].base_parts) == 4
+    assert len(store.versions[0].base_parts) > 4
     return path, states
 
 
@@ -236,7 +236,7 @@ def test_relay_serves_a_base_cut_through(big_base, tmp_path):
                 assert r.status == 416
             await download
             assert relay_busy[0], "the worker's first part came only after the relay had the whole base"
-            assert len(relay_busy) == 4
+            assert len(relay_busy) == len(entry["base"]["parts"])
             assert same(load_safetensors(bytes(buf)), states[0])
             assert len(whole) <= wan.bytes_down - crossed < len(whole) + 64 * 1024  # once, for everyone
             await until(lambda: 0 not in relay.relay.bases, "the relay stores base v0")

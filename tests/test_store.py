@@ -1,5 +1,6 @@
 """The checkpoint store: bases every K versions, content-hashed deltas, cheapest plans, pruning."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -87,3 +88,40 @@ def test_index_survives_reopen(chain, tmp_path):
     assert data["base_every"] == 5 and len(data["versions"]) == 13
     with pytest.raises(StoreError, match="not a sparrowrl store"):
         Store(tmp_path / "nowhere")
+
+
+def test_a_small_base_is_cut_into_parts_for_every_stream_and_an_older_index_still_opens(rng, tmp_path):
+    from sparrowrl.store import BASE_PART, BASE_PARTS, MIN_BASE_PART, part_bytes
+
+    state = {"w": random_tensor(rng, "BF16", (3000, 1000))}  # 6 MB: one part of BASE_PART would feed one stream
+    store = Store.init(tmp_path / "s", state)
+    v = store.versions[0]
+    assert v.base_part_bytes == 128 << 10 and BASE_PARTS // 2 < len(v.base_parts) <= BASE_PARTS
+    assert part_bytes(1) == MIN_BASE_PART and part_bytes(100 * BASE_PART) == BASE_PART
+    # an index written before parts were sized by the base: its one part of BASE_PART
+    index = json.loads((store.path / "store.json").read_text())
+    entry = index["versions"][0]
+    del entry["base_part_bytes"]
+    with open(store.path / "bases" / entry["base"], "rb") as f:
+        entry["base_parts"] = [hashlib.sha256(f.read()).hexdigest()]
+    assert entry["base_bytes"] < BASE_PART
+    (store.path / "store.json").write_text(json.dumps(index))
+    again = Store(store.path)
+    assert again.versions[0].base_part_bytes == BASE_PART and same(again.materialize(0), state)
+
+
+def test_store_and_forward_publishes_a_delta_no_reader_sees_until_sealed(chain):
+    """`cut_through=False` (what the benchmarks compare against): nothing is listed as being
+    written, and a writer's leftover is removed like a partial delta."""
+    from sparrowrl.delta.frame import TensorSpec
+
+    store, states = chain
+    new = {k: mutate(np.random.default_rng(1), v, 0.01) for k, v in states[-1].items()}
+    old = store.materialize(store.newest)
+    with store.publish([TensorSpec.of(n, t) for n, t in new.items()], cut_through=False) as w:
+        w.add((n, old[n], new[n]) for n in new)
+        assert store.producing() == [] and list((store.path / "deltas").glob(".v*.sealing"))
+    assert same(store.materialize(store.newest), new) and not list((store.path / "deltas").glob(".v*"))
+    (store.path / "deltas" / f".v{store.newest + 1:08d}.sealing").write_bytes(b"half")
+    store.drop_partial()
+    assert not list((store.path / "deltas").glob(".v*"))

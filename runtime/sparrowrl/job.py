@@ -120,6 +120,9 @@ class SyncSpec(_Spec):
     staleness: int = Field(1, ge=0, le=8, description="Versions a rollout's policy may lag the trainer's.")
     base_every: int = Field(10, ge=1, le=1_000_000,
                             description="A full snapshot every this many versions (sparse mode).")
+    cut_through: bool = Field(True, description=(
+        "Serve each delta while it is being written; false: only once it is sealed (store-and-forward, "
+        "for comparison)."))
 
 
 class RegionSpec(_Spec):

@@ -138,7 +138,7 @@ class Learner:
         return time.perf_counter() - t0
 
     def publish_state(self, store: Store, new: dict[str, torch.Tensor]) -> None:
-        with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
+        with store.publish([TensorSpec.of(n, t) for n, t in new.items()], self.spec.sync.cut_through) as w:
             w.add((n, self.policy[n], new[n]) for n in new)
         if store.base_due(store.newest):
             store.snapshot(store.newest, new)

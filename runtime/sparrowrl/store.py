@@ -28,7 +28,9 @@ from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.delta.errors import DeltaError
 
 FORMAT = 1
-BASE_PART = 8 << 20  # bases are verified (and fetched, and resumed) in pieces of this size
+BASE_PART = 8 << 20  # bases are verified (and fetched, and resumed) in parts of this size at most
+MIN_BASE_PART = 64 << 10
+BASE_PARTS = 64  # a base smaller than this many parts of BASE_PART is cut finer: every stream gets work
 MAX_BASE_EVERY = 1_000_000
 _HEX16, _HEX64 = re.compile(r"[0-9a-f]{16}"), re.compile(r"[0-9a-f]{64}")
 
@@ -46,7 +48,8 @@ class Version:
     delta_bytes: int = 0
     base: str | None = None  # file name under bases/
     base_bytes: int = 0
-    base_parts: list[str] = field(default_factory=list)  # sha256 of each BASE_PART-byte piece
+    base_parts: list[str] = field(default_factory=list)  # sha256 of each base_part_bytes piece
+    base_part_bytes: int = BASE_PART  # a power of two, MIN_BASE_PART..BASE_PART (`part_bytes`)
     changed: int = 0
 
 
@@ -99,8 +102,10 @@ class Store:
         f = path / "bases" / v.base
         save_state(state, f)
         v.base_bytes = f.stat().st_size
+        v.base_part_bytes = part_bytes(v.base_bytes)
         with open(f, "rb") as fh:
-            v.base_parts = [hashlib.sha256(block).hexdigest() for block in iter(lambda: fh.read(BASE_PART), b"")]
+            v.base_parts = [hashlib.sha256(block).hexdigest()
+                            for block in iter(lambda: fh.read(v.base_part_bytes), b"")]
 
     @classmethod
     def mirror(cls, path: str | Path, base_every: int, version: int, state_hash: str) -> Store:
@@ -159,6 +164,8 @@ class Store:
         with self._locked():
             for v in self.producing():
                 self.partial_path(v).unlink(missing_ok=True)
+            for p in (self.path / "deltas").glob(".v*.sealing"):
+                p.unlink()
 
     def partial_path(self, version: int) -> Path:
         """Where the delta of `version` grows while it is being written (cut-through source)."""
@@ -194,21 +201,22 @@ class Store:
             return v
 
     @contextmanager
-    def publish(self, tensors: list[TensorSpec]) -> Iterator[DeltaWriter]:
+    def publish(self, tensors: list[TensorSpec], cut_through: bool = True) -> Iterator[DeltaWriter]:
         """Stream the next version's delta into the store while it is being encoded: its chunks
         can be served (cut-through) before the last tensor is diffed. The caller adds every
         tensor as (name, old, new), old being the newest version's state; on leaving the block
         the delta is sealed, content-hashed and indexed. A base snapshot, when one is due, is the
-        caller's to write with `snapshot`."""
-        with self._locked(), self._publish(tensors) as w:
+        caller's to write with `snapshot`. Without `cut_through` the delta is written where no
+        reader looks and appears once sealed (store-and-forward, what the benchmarks compare)."""
+        with self._locked(), self._publish(tensors, cut_through) as w:
             yield w
 
     @contextmanager
-    def _publish(self, tensors: list[TensorSpec]) -> Iterator[DeltaWriter]:
+    def _publish(self, tensors: list[TensorSpec], cut_through: bool = True) -> Iterator[DeltaWriter]:
         prev = self.versions[self.newest]
         version = prev.version + 1
         _same_tensors(self.tensor_table(), {t.name: t for t in tensors}, prev.version)
-        tmp_path = self.partial_path(version)
+        tmp_path = self.partial_path(version) if cut_through else self.path / "deltas" / f".v{version:08d}.sealing"
         try:
             with open(tmp_path, "wb") as f:
                 w = DeltaWriter(f, tensors, base_version=prev.version, base_hash=prev.state_hash,
@@ -356,8 +364,19 @@ def _check_index(base_every: object, versions: dict, listed: int) -> None:
             raise ValueError(f"{where}: delta {v.delta!r} is not the store's name for its content hash")
         if v.base is not None and (v.base != f"v{k:08d}.safetensors" or not isinstance(v.base_parts, list)
                                    or not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in v.base_parts)
-                                   or len(v.base_parts) != -(-v.base_bytes // BASE_PART)):
+                                   or not _part_size(v.base_part_bytes)
+                                   or len(v.base_parts) != -(-v.base_bytes // v.base_part_bytes)):
             raise ValueError(f"{where}: base {v.base!r} is not the store's name, or its parts do not fit its size")
+
+
+def part_bytes(size: int) -> int:
+    """The part size of a base of `size` bytes: BASE_PART, or for a base of fewer than BASE_PARTS
+    such parts, the power of two that cuts it into about BASE_PARTS (MIN_BASE_PART at least)."""
+    return max(MIN_BASE_PART, min(BASE_PART, 1 << max(0, -(-size // BASE_PARTS) - 1).bit_length()))
+
+
+def _part_size(n: object) -> bool:
+    return type(n) is int and MIN_BASE_PART <= n <= BASE_PART and n & (n - 1) == 0
 
 
 def _sha256_file(path: Path) -> str:

@@ -31,7 +31,7 @@ from safetensors.torch import load as load_safetensors
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
 from sparrowrl.limits import first_problem, memory_available
-from sparrowrl.store import BASE_PART, MAX_BASE_EVERY
+from sparrowrl.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
 
 
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
@@ -58,11 +58,13 @@ class _Answer(BaseModel):
 
 class _Base(_Answer):
     bytes: Bytes
-    part_bytes: Literal[BASE_PART]  # the store's: a relay indexes these parts as its own
+    part_bytes: Annotated[int, Field(ge=MIN_BASE_PART, le=BASE_PART)]  # a relay indexes these parts as its own
     parts: Annotated[list[Sha256], Field(max_length=MAX_ITEMS)]
 
     @model_validator(mode="after")
     def _cover(self) -> "_Base":
+        if self.part_bytes & (self.part_bytes - 1):
+            raise ValueError(f"part_bytes {self.part_bytes} is not a power of two")
         if len(self.parts) != -(-self.bytes // self.part_bytes):
             raise ValueError(f"{len(self.parts)} parts of {self.part_bytes} bytes do not make {self.bytes} bytes")
         return self

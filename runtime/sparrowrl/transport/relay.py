@@ -30,7 +30,7 @@ from pathlib import Path
 
 from aiohttp import hdrs, web
 
-from sparrowrl.store import BASE_PART, Store, StoreError, Version
+from sparrowrl.store import Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.metrics import add_metrics, family
 from sparrowrl.transport.server import SERVED, add_health, listing_json, make_app, over
@@ -274,7 +274,8 @@ class Relay:
                and not store.versions[e["version"]].base and e["state_hash"] == store.versions[e["version"]].state_hash]
         if new:
             store.record(*(dataclasses.replace(store.versions[e["version"]], base=f"v{e['version']:08d}.safetensors",
-                                               base_bytes=e["base"]["bytes"], base_parts=list(e["base"]["parts"]))
+                                               base_bytes=e["base"]["bytes"], base_parts=list(e["base"]["parts"]),
+                                               base_part_bytes=e["base"]["part_bytes"])
                            for e in new))
 
     async def _mirror_delta(self, c: Client, v: int) -> tuple[Path, str, int]:
@@ -337,7 +338,7 @@ class Relay:
 
     async def _fetch_base(self, c: Client, info: Version, table: Table) -> None:
         v, t0, error = info.version, time.perf_counter(), None
-        entry = {"base": {"bytes": info.base_bytes, "part_bytes": BASE_PART, "parts": info.base_parts}}
+        entry = {"base": {"bytes": info.base_bytes, "part_bytes": info.base_part_bytes, "parts": info.base_parts}}
         try:
             fd = os.open(table.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:

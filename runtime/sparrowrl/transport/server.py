@@ -39,7 +39,7 @@ from aiohttp import web
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import Pieces
 from sparrowrl.limits import open_regular
-from sparrowrl.store import BASE_PART, Store, StoreError
+from sparrowrl.store import Store, StoreError
 
 MAX_WAIT = 60.0
 OPEN = frozenset({"/healthz", "/readyz"})  # probes (a kubelet's) carry no token, and these say nothing else
@@ -138,7 +138,7 @@ def _listing(store: Store) -> dict:
     return {"newest": store.newest, "base_every": store.base_every, "producing": store.producing(), "versions": [
         {"version": v.version, "state_hash": v.state_hash, "changed": v.changed,
          "delta": {"bytes": v.delta_bytes, "sha256": v.delta_sha256} if v.delta else None,
-         "base": {"bytes": v.base_bytes, "part_bytes": BASE_PART, "parts": v.base_parts} if v.base else None}
+         "base": {"bytes": v.base_bytes, "part_bytes": v.base_part_bytes, "parts": v.base_parts} if v.base else None}
         for v in (store.versions[k] for k in sorted(store.versions))]}
 
 
@@ -299,8 +299,8 @@ class StoredBase:
 
     async def listing(self, request: web.Request, after: int, deadline: float) -> web.Response:
         self._here()
-        size = self.info.base_bytes
-        parts = [[i * BASE_PART, min(BASE_PART, size - i * BASE_PART), h] for i, h in enumerate(self.info.base_parts)]
+        size, step = self.info.base_bytes, self.info.base_part_bytes
+        parts = [[i * step, min(step, size - i * step), h] for i, h in enumerate(self.info.base_parts)]
         return listing_json(parts, after, True, size, "file")
 
     async def send(self, request: web.Request) -> web.StreamResponse:
