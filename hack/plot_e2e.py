@@ -57,7 +57,8 @@ def phases(e2e: dict, out: Path) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(m))], list(m))
     ax.set_ylabel("seconds per step (mean)")
     ax.set_title("trainer: wait for the batch, train, extract; workers: transfer (overlapped)", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylim(top=1.3 * max(x["step_s"] for x in m.values()))
+    ax.legend(fontsize=8, ncol=5, loc="upper center")
     fig.tight_layout()
     fig.savefig(out / "e2e_phases.png", dpi=120)
 
@@ -107,6 +108,8 @@ def projection(proj: dict, out: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("WAN link (Gbit/s)")
     ax.set_ylabel("sparse over full (tokens/s)")
+    ax.set_title("projected (hack/project.py); the models coincide: their times are assumed\n"
+                 "proportional to their size, and their densities are alike", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "projection.png", dpi=120)

@@ -8,10 +8,12 @@ The model (one trainer, workers in regions behind WAN links, a relay per region)
              sync = max(extract, transfer)   cut-through: the wire starts with the first chunk
              sync = extract + transfer       store-and-forward, and full weights (a base is
                                              written, then sent)
-    step   = max(rollout, (rollout + chain) / (staleness + 1))
+    step   = max(rollout, transfer, train + extract, (rollout + chain) / (staleness + 1))
 
-With staleness s, batch b+s+1 needs the version trained from batch b, so s+1 rollouts cover
-one rollout plus the chain; with s = 0 every step pays it whole.
+Each of the workers, the links and the trainer is a pipeline stage that a step passes once, so
+a step takes at least as long as each of them. And with staleness s, batch b+s+1 needs the
+version trained from batch b, so s+1 steps cover one rollout plus the chain; with s = 0 every
+step pays it whole.
 
 Parts and where they come from:
 - rollout: the batch's tokens over the workers' tokens/s (on this machine, the workers' paces);
@@ -54,7 +56,7 @@ def rates(codec: dict, transfer: dict) -> Rates:
 def step_time(rollout: float, train: float, extract: float, transfer: float, apply: float, staleness: int,
               cut_through: bool = True) -> float:
     sync = max(extract, transfer) if cut_through else extract + transfer
-    return max(rollout, (rollout + train + sync + apply) / (staleness + 1))
+    return max(rollout, transfer, train + extract, (rollout + train + sync + apply) / (staleness + 1))
 
 
 def parts(r: Rates, dense: float, payload: float, link_mbit: float | None, full: bool, streams: int = 4,
