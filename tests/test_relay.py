@@ -38,6 +38,36 @@ class RelayServer:
         await self.runner.cleanup()
 
 
+@pytest.mark.timeout(120)
+def test_a_worker_that_starts_before_its_relay_has_synced_waits_for_it(history, tmp_path):
+    """A relay that has not reached its upstream yet asks its workers to come back (503 with
+    Retry-After) instead of sending them to the origin: pods start together, and each worker
+    would otherwise pull a whole base across the WAN."""
+    path, states = history
+
+    async def go():
+        async with Server(path) as origin, FaultyProxy(origin.port, Faults(cut_after=0, cuts=10 ** 6)) as wan:
+            relay = Relay([wan.url], tmp_path / "mirror", token=TOKEN, backoff=0.01)
+            runner = web.AppRunner(make_relay_app(relay, TOKEN))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            try:
+                async with Client([url, origin.url], token=TOKEN, backoff=0.01) as worker:
+                    fetch = asyncio.create_task(worker.advance(6))
+                    await until(lambda: worker.stats.requests >= 5, "the worker's requests to the relay")
+                    assert not relay.synced.is_set() and not fetch.done()
+                    wan.faults.cuts = 0  # the upstream comes up
+                    state, _ = await asyncio.wait_for(fetch, 60)
+                    assert same(state, states[6])
+                    assert {server for _, server, _ in worker.stats.sources} == {url}  # nothing from the origin
+                    assert worker._server == 0
+            finally:
+                await runner.cleanup()
+    asyncio.run(go())
+
+
 def test_relay_fetches_once_and_serves_its_region(history, tmp_path):
     """Deltas cross the WAN as the origin makes them; a base snapshot only when a worker first
     asks for one, and once however many ask."""

@@ -35,6 +35,8 @@ from sparrowrl.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
 
 
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
+BUSY_WAIT_S = 60.0  # how long one request waits on a server that says when to ask again (a relay still
+# syncing: its workers would otherwise pull a whole base each across the WAN from the origin)
 MAX_BYTES = 1 << 40  # the largest file (base snapshot or delta) a server may list
 MAX_ITEMS = 1 << 24  # versions, parts or pieces in one listing
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
@@ -49,6 +51,22 @@ class FetchError(Exception):
 
 class _Transient(Exception):
     """A failed answer worth retrying (5xx, 404 from a lagging relay, an unreadable body)."""
+
+
+class _Busy(Exception):
+    """A 503 with Retry-After: the server is up and says when to ask again; not a failure."""
+
+    def __init__(self, after: float, text: str):
+        super().__init__(text)
+        self.after = after
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the HTTP-date form is not used here), held to 0.1..5 s."""
+    try:
+        return min(5.0, max(0.1, float(value))) if value is not None and value.isdigit() else None
+    except ValueError:
+        return None
 
 
 class _Answer(BaseModel):
@@ -242,15 +260,22 @@ class Client:
     async def _attempts(self, path: str, request):
         """Run `request(url)` until it succeeds: backoff on the current server, every second
         failure the next one; FetchError after `attempts` failures or on a permanent answer."""
-        last = "no attempt"
+        last, busy = "no attempt", 0.0
         if self._server and time.monotonic() - self._fell_back_at > PREFERRED_AGAIN_S:
             self._server = 0  # the preferred server (a region's relay) may be back: try it first again
-        for attempt in range(self.attempts):
+        attempt = 0
+        while attempt < self.attempts:
             server = self._server
             url = self.urls[server] + path
             try:
                 self.stats.requests += 1
                 return await request(url)
+            except _Busy as e:  # asked to come back: waited for, BUSY_WAIT_S at most, then a failure
+                last = f"HTTP 503: {e}"
+                if busy < BUSY_WAIT_S:
+                    busy += e.after
+                    await asyncio.sleep(e.after)
+                    continue
             except aiohttp.ClientConnectorCertificateError as e:
                 raise FetchError(f"{url}: certificate not trusted ({e.certificate_error})") from None
             except (aiohttp.ClientError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
@@ -261,6 +286,7 @@ class Client:
                 self._server = (server + 1) % len(self.urls)
                 self._fell_back_at = time.monotonic()
             await asyncio.sleep(self.backoff * 2 ** min(attempt, 5) * (0.5 + random.random()))
+            attempt += 1
         raise FetchError(f"{path}: gave up after {self.attempts} attempts (last: {last})")
 
     @staticmethod
@@ -270,6 +296,8 @@ class Client:
         if r.status in (200, 206):
             return
         text = (await r.text())[:200]
+        if r.status == 503 and (after := _retry_after(r.headers.get("Retry-After"))) is not None:
+            raise _Busy(after, text)
         if r.status < 500 and r.status != 404:  # 404 is transient: a relay may lag behind
             raise FetchError(f"{url}: HTTP {r.status}: {text}")
         raise _Transient(f"HTTP {r.status}: {text}")

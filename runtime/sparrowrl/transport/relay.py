@@ -391,6 +391,17 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
     app = make_app(relay.mirror, token, arriving=relay.arriving)
     add_health(app, relay.synced.is_set)  # ready once it has listed upstream and mirrors its versions
 
+    @web.middleware
+    async def until_synced(request: web.Request, handler):
+        """Before its first sync a relay asks its workers to come back, rather than sending them to
+        the origin: each would pull a whole base across the WAN."""
+        if not relay.synced.is_set() and request.path.startswith("/v1/"):
+            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"},
+                                             text="relay: not synced with its upstream yet")
+        return await handler(request)
+
+    app.middlewares.append(until_synced)  # after auth: a request without the token is still a 401
+
     def metrics() -> list:
         store = relay._store()
         return [
