@@ -15,7 +15,11 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
+import in_venv  # noqa: E402 (hack/ is this script's folder, first on sys.path)
+
+in_venv.enter()
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
