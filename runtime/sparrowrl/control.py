@@ -83,7 +83,6 @@ class Control:
     def __init__(self, spec: JobSpec, learner: Learner, coord: Coordinator,
                  journal: Callable[[tuple[int, list[int]] | None], None]):
         self.spec, self.learner, self.coord, self.journal = spec, learner, coord, journal
-        self.seen: dict[str, float] = {}  # worker → when it last called
         self.regions: dict[str, str] = {}  # worker → the region it says it is in
         self.first: dict[str, int] = {}  # worker → the first version it committed
         self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
@@ -123,7 +122,8 @@ class Control:
         trainer waits for them too, at every row and at the end."""
         self.begun, self.regions, self.first = state["begun"], state["regions"], state["first"]
         self.gen = {int(b): x for b, x in state["gen"].items() if int(b) >= taken}
-        self.seen = {w: time.monotonic() for w in self.coord.commits}
+        for w in self.coord.commits:
+            self.coord.heard(w)
 
     # ---- one way to wait for a change ----
     def touch(self, admitted: tuple[int, list[int]] | None = None) -> None:
@@ -151,10 +151,14 @@ class Control:
         return self.begun
 
     @property
+    def seen(self) -> dict[str, float]:
+        """Worker → when it last called (the coordinator keeps it: its split counts live workers)."""
+        return self.coord.seen
+
+    @property
     def workers(self) -> list[str]:
         """Workers heard from within a lease period: a lost one stops counting."""
-        now = time.monotonic()
-        return sorted(w for w, t in self.seen.items() if now - t < self.spec.rollout.lease_seconds)
+        return self.coord.live()
 
     # ---- the routes ----
     async def h_job(self, request: web.Request) -> web.Response:
@@ -176,8 +180,7 @@ class Control:
 
     @once(messages.Work)
     async def h_work(self, body: dict) -> dict:
-        self.seen[body["worker"]] = time.monotonic()
-        self.coord.heard(body["worker"])  # counted in the split before rollouts start
+        self.coord.heard(body["worker"])
         if body["region"] and self.regions.get(body["worker"]) != body["region"]:
             self.regions[body["worker"]] = body["region"]
             self._events.append(["regions", body["worker"], body["region"]])
@@ -196,7 +199,7 @@ class Control:
 
     @once(messages.Results)
     async def h_results(self, body: dict) -> dict:
-        self.seen[body["worker"]] = time.monotonic()
+        self.coord.heard(body["worker"])
         results = body["results"]
         if bad := self._malformed(results):
             self.coord.refuse(body["lease"], body["worker"])
@@ -227,7 +230,7 @@ class Control:
 
     @once(messages.Commit)
     async def h_commit(self, body: dict) -> dict:
-        self.seen[body["worker"]] = time.monotonic()
+        self.coord.heard(body["worker"])
         deadline = time.monotonic() + 30
         while body["version"] > self.coord.published and time.monotonic() < deadline:
             # a worker can hold a delta before the trainer has finished storing it

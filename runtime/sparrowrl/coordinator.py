@@ -168,12 +168,13 @@ class Coordinator:
             self.speeds[worker] = Speed()
         self.seen[worker] = now
 
-    def _live(self) -> list[str]:
+    def live(self) -> list[str]:
+        """Workers heard from within a lease period: a lost one stops counting."""
         now = self.clock()
-        return [w for w, t in self.seen.items() if now - t < self.lease_seconds]
+        return sorted(w for w, t in self.seen.items() if now - t < self.lease_seconds)
 
     def _size(self, worker: str, batch: Batch) -> int:
-        pending, live = len(batch.pending), self._live()
+        pending, live = len(batch.pending), self.live()
         if self.split == "pull":
             return min(self.per_lease, pending)
         if self.split == "even":
