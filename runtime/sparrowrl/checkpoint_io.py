@@ -5,18 +5,20 @@ Writes are atomic (a temporary sibling renamed into place), so a failed command 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sparrowrl.delta.bitview import DTYPES, itemsize
+from sparrowrl.delta.bitview import DTYPES, bits, itemsize
 from sparrowrl.limits import memory_available
 from sparrowrl.delta.frame import TensorSpec
 
@@ -159,3 +161,26 @@ def save_like(state: dict[str, torch.Tensor], source: Checkpoint, out: str | Pat
 def save_state(state: dict[str, torch.Tensor], out: str | Path) -> None:
     with atomic_path(out) as tmp:
         save_file({n: t.contiguous() for n, t in state.items()}, str(tmp))
+
+
+def save_stream(specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]], out: str | Path,
+                verify: Callable[[], None] = lambda: None) -> None:
+    """A safetensors file written one tensor at a time, in the order of `specs` (which `tensors`
+    follows): a sharded trainer gathers one full tensor at a time, never the model. The header
+    is the safetensors format's (JSON with each tensor's byte range, padded to 8 bytes); the
+    file appears only once whole (`atomic_path`) and `verify` has not raised, so a failure (a
+    tensor that does not match its spec, a wrong hash) leaves none."""
+    header, at = {}, 0
+    for t in specs:
+        n = t.numel * itemsize(t.dtype)
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with atomic_path(out) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for spec, (name, t) in zip(specs, tensors, strict=True):
+            if name != spec.name or TensorSpec.of(name, t) != spec:
+                raise CheckpointError(f"{out}: got tensor '{name}' {TensorSpec.of(name, t)}, where {spec} goes")
+            f.write(bits(t.cpu()).data)
+        verify()

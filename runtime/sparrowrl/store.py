@@ -18,12 +18,15 @@ import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_state
+from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_stream
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
+from sparrowrl.delta.bitview import bits
+from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
 from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.delta.errors import DeltaError
 
@@ -37,6 +40,18 @@ _HEX16, _HEX64 = re.compile(r"[0-9a-f]{16}"), re.compile(r"[0-9a-f]{64}")
 
 class StoreError(Exception):
     """The store is missing, damaged, or cannot serve the request."""
+
+
+@dataclass
+class Stream:
+    """A state that arrives one tensor at a time, in the order of `specs` (a sharded trainer's
+    gathered tensors): a snapshot of it never holds the whole model."""
+
+    specs: list[TensorSpec]
+    tensors: Iterable[tuple[str, torch.Tensor]]
+
+
+State = Mapping[str, torch.Tensor] | Stream
 
 
 @dataclass
@@ -83,7 +98,7 @@ class Store:
 
     # ---- creation and writing ----
     @classmethod
-    def init(cls, path: str | Path, base: dict[str, torch.Tensor], base_every: int = 10, version: int = 0) -> Store:
+    def init(cls, path: str | Path, base: State, base_every: int = 10, version: int = 0) -> Store:
         path = Path(path)
         if (path / "store.json").exists():
             raise StoreError(f"{path}: a store already exists here")
@@ -91,16 +106,34 @@ class Store:
             raise StoreError(f"base_every must be 1..{MAX_BASE_EVERY:,}, got {base_every}")
         (path / "bases").mkdir(parents=True, exist_ok=True)
         (path / "deltas").mkdir(exist_ok=True)
-        v = Version(version, state_hash(base))
-        cls._write_base(path, version, base, v)
+        v = Version(version, "0" * 16)
+        cls._write_base(path, version, base, v, None)
         cls._write_index(path, base_every, {version: v})
         return cls(path)
 
     @staticmethod
-    def _write_base(path: Path, version: int, state: dict[str, torch.Tensor], v: Version) -> None:
+    def _write_base(path: Path, version: int, state: State, v: Version, expect: str | None) -> None:
+        """Write the snapshot and set `v`'s base fields; its state hash is computed as it is
+        written, and must be `expect` when given (else it becomes `v`'s)."""
         v.base = f"v{version:08d}.safetensors"
         f = path / "bases" / v.base
-        save_state(state, f)
+        specs, tensors = (state.specs, state.tensors) if isinstance(state, Stream) else \
+            ([TensorSpec.of(n, t) for n, t in state.items()], state.items())
+        total = 0
+
+        def hashed():
+            nonlocal total
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                for name, t in tensors:
+                    total += tensor_hash(tensor_key(name, t), bits(t.cpu()), pool)
+                    yield name, t
+
+        def verify() -> None:
+            if expect is not None and format_hash(total) != expect:
+                raise StoreError(f"snapshot of v{version}: state hashes to {format_hash(total)}, not {expect}")
+
+        save_stream(specs, hashed(), f, verify)
+        v.state_hash = format_hash(total) if expect is None else expect
         v.base_bytes = f.stat().st_size
         v.base_part_bytes = part_bytes(v.base_bytes)
         with open(f, "rb") as fh:
@@ -196,7 +229,7 @@ class Store:
                 w.add((n, old[n], new[n]) for n in new)
             v = self.versions[self.newest]
             if self.base_due(v.version):
-                self._write_base(self.path, v.version, new, v)
+                self._write_base(self.path, v.version, new, v, v.state_hash)
                 self._write_index(self.path, self.base_every, self.versions)
             return v
 
@@ -224,7 +257,7 @@ class Store:
                 try:
                     yield w
                 finally:
-                    w.pool.shutdown()
+                    w.encoder.close()
                 m = w.close()
             digest = _sha256_file(tmp_path)
             name = f"v{version:08d}-{digest[:16]}.spd"
@@ -234,13 +267,11 @@ class Store:
         self.versions[version] = Version(version, m["target_hash"], name, digest, m["file_bytes"], changed=m["changed"])
         self._write_index(self.path, self.base_every, self.versions)
 
-    def snapshot(self, version: int, state: dict[str, torch.Tensor]) -> None:
+    def snapshot(self, version: int, state: State) -> None:
         """Write a base snapshot of `version` (whose state is `state`), checked against its hash."""
         with self._locked():
             v = self.versions[version]
-            if state_hash(state) != v.state_hash:
-                raise StoreError(f"snapshot of v{version}: state does not hash to {v.state_hash}")
-            self._write_base(self.path, version, state, v)
+            self._write_base(self.path, version, state, v, v.state_hash)
             self._write_index(self.path, self.base_every, self.versions)
 
     # ---- reading ----

@@ -71,10 +71,69 @@ class TensorSpec:
         return TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """One segment's record as it goes into a delta: its bytes (b"" when nothing changed), its
+    changed count, and what it moves the state hash by. A sharded trainer's ranks make these
+    for their own element ranges and hand them to the one writer."""
+
+    tensor_id: int
+    data: bytes
+    changed: int
+    hash_delta: int
+
+
+class Encoder:
+    """Diff and entropy-code element ranges of tensors on a thread pool (the numba kernels
+    release the GIL), at most 2 segments per core in flight, results in order. Records never
+    cross a range's ends: a range that starts mid-segment is cut on the segment grid from there."""
+
+    def __init__(self, tensors: list[TensorSpec], segment: int = SEGMENT):
+        if not 1 <= segment <= MAX_SEGMENT:
+            raise ValueError(f"segment must be 1..{MAX_SEGMENT} elements, got {segment}")
+        self.tensors, self.segment = tensors, segment
+        self.keys = [t.key() for t in tensors]
+        self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+
+    def encode(self, spans: Iterable[tuple[int, int, torch.Tensor, torch.Tensor]]) -> Iterator[Encoded]:
+        """(tensor id, first element, old, new): `old` and `new` hold that many elements of the
+        tensor's flat form from there. CUDA ranges are diffed on the GPU (the whole range at
+        once), then entropy-coded here; the bytes are the same as from the CPU path."""
+        pending: deque = deque()
+        limit = 2 * (os.cpu_count() or 1)
+        for tid, start, old, new in spans:
+            if new.is_cuda:
+                from sparrowrl.delta import gpu
+
+                jobs = [(self._encode, tid, ch) for ch in gpu.extract_tensor(old, new, self.segment, start)]
+            else:
+                a, b = bits(old), bits(new)
+                jobs = [(self._extract_encode, tid, start + s, a[s:s + self.segment], b[s:s + self.segment])
+                        for s in range(0, a.shape[0], self.segment)]
+            for fn, *args in jobs:
+                pending.append(self.pool.submit(fn, *args))
+                while len(pending) > limit:
+                    yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    def _extract_encode(self, tid: int, start: int, old: np.ndarray, new: np.ndarray) -> Encoded:
+        return self._encode(tid, extract_segment(start, old, new))
+
+    def _encode(self, tid: int, ch: Changes) -> Encoded:
+        data = encode_changes(tid, ch)
+        if not data:
+            return Encoded(tid, data, 0, 0)
+        return Encoded(tid, data, len(ch.positions), self.keys[tid].change(ch.positions + ch.start, ch.old, ch.new))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 class DeltaWriter:
     """Streaming encoder: tensors go in as the trainer has them, chunks go out as soon as full.
 
-    Segments are diffed and encoded on a thread pool (the numba kernels release the GIL), and
+    Segments are diffed and encoded by an `Encoder`, here or on a sharded trainer's ranks, and
     written in order. The target hash is the base hash plus the change of every record, so the
     writer never hashes the whole model.
     """
@@ -84,12 +143,10 @@ class DeltaWriter:
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise MismatchError("tensor table lists a name twice")
-        if not 1 <= segment <= MAX_SEGMENT:
-            raise ValueError(f"segment must be 1..{MAX_SEGMENT} elements, got {segment}")
         base_hash = format_hash(parse_hash(base_hash))
+        self.encoder = Encoder(tensors, segment)
         self.out, self.tensors, self.segment, self.chunk_bytes = out, tensors, segment, chunk_bytes
         self.ids = {t.name: i for i, t in enumerate(tensors)}
-        self.keys = [t.key() for t in tensors]
         self.changed = [0] * len(tensors)
         self.hash_delta = [0] * len(tensors)
         self.span: list[list[int]] = [[] for _ in tensors]
@@ -107,7 +164,6 @@ class DeltaWriter:
         }, separators=(",", ":")).encode()
         self.header_sha = hashlib.sha256(header).digest()
         self._write(HEAD.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.header_sha)
-        self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
 
     def _write(self, data: bytes) -> None:
         self.out.write(data)
@@ -125,54 +181,47 @@ class DeltaWriter:
             raise MismatchError(f"tensor '{name}' added twice")
         if old.device != new.device:
             raise MismatchError(f"tensor '{name}': old is on {old.device}, new on {new.device}")
+        self.done[tid] = True
         return tid
 
     def add(self, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        """Diff and encode (name, old, new) triples; at most 2 segments per core in flight.
+        """Diff and encode whole tensors, (name, old, new)."""
+        for e in self.encoder.encode((self._check_pair(n, old, new), 0, old, new) for n, old, new in pairs):
+            self.put(e)
 
-        CUDA tensors are diffed on the GPU (whole tensor at once), then entropy-coded here; the
-        bytes are the same as from the CPU path.
-        """
-        pending: deque = deque()
-        limit = 2 * (os.cpu_count() or 1)
-        for name, old, new in pairs:
-            tid = self._check_pair(name, old, new)
-            self.done[tid] = True
-            if new.is_cuda:
-                from sparrowrl.delta import gpu
+    def add_encoded(self, name: str, ranges: list[tuple[int, int]], records: Iterable[Encoded]) -> None:
+        """Tensor `name`, encoded elsewhere (by a sharded trainer's ranks) as element ranges
+        (first element, count) that must cover it in order, and their records in that order."""
+        if name not in self.ids:
+            raise MismatchError(f"tensor '{name}' is not in the delta's tensor table")
+        tid, at = self.ids[name], 0
+        spec = self.tensors[tid]
+        if self.done[tid]:
+            raise MismatchError(f"tensor '{name}' added twice")
+        for start, n in ranges:
+            if start != at or n < 0:
+                raise MismatchError(f"tensor '{name}': a range of {n} elements at {start}, where it goes on at {at}")
+            at += n
+        if at != spec.numel:
+            raise MismatchError(f"tensor '{name}': its ranges cover {at} elements, the table's "
+                                f"{spec.dtype}{list(spec.shape)} has {spec.numel}")
+        self.done[tid] = True
+        for e in records:
+            if e.tensor_id != tid:
+                raise MismatchError(f"tensor '{name}': a record of tensor id {e.tensor_id} among its own ({tid})")
+            self.put(e)
 
-                jobs = [(self._encode, tid, ch) for ch in gpu.extract_tensor(old, new, self.segment)]
-            else:
-                a, b = bits(old), bits(new)
-                jobs = [(self._extract_encode, tid, s, a[s:s + self.segment], b[s:s + self.segment])
-                        for s in range(0, a.shape[0], self.segment)]
-            for fn, *args in jobs:
-                pending.append((tid, self.pool.submit(fn, *args)))
-                while len(pending) > limit:
-                    self._take(*pending.popleft())
-        while pending:
-            self._take(*pending.popleft())
-
-    def _extract_encode(self, tid: int, start: int, old: np.ndarray, new: np.ndarray) -> tuple[bytes, int, int]:
-        return self._encode(tid, extract_segment(start, old, new))
-
-    def _encode(self, tid: int, ch: Changes) -> tuple[bytes, int, int]:
-        data = encode_changes(tid, ch)
-        if not data:
-            return data, 0, 0
-        key, pos = self.keys[tid], ch.positions + ch.start
-        return data, len(ch.positions), key.change(pos, ch.old, ch.new)
-
-    def _take(self, tid: int, fut) -> None:
-        data, changed, delta = fut.result()
-        if not data:
+    def put(self, e: Encoded) -> None:
+        """Append one encoded segment (in order: by tensor, then element)."""
+        if not e.data:
             return
-        self.changed[tid] += changed
-        self.hash_delta[tid] = (self.hash_delta[tid] + delta) & _M64
+        tid = e.tensor_id
+        self.changed[tid] += e.changed
+        self.hash_delta[tid] = (self.hash_delta[tid] + e.hash_delta) & _M64
         chunk = len(self.chunks)
         self.span[tid] = [self.span[tid][0] if self.span[tid] else chunk, chunk]
-        self.buf.append(data)
-        self.buf_len += len(data)
+        self.buf.append(e.data)
+        self.buf_len += len(e.data)
         self.buf_records += 1
         if self.buf_len >= self.chunk_bytes:
             self._flush()
@@ -192,7 +241,7 @@ class DeltaWriter:
 
     def close(self) -> dict:
         """Flush, write manifest and trailer; every tensor in the table must have been added."""
-        self.pool.shutdown()
+        self.encoder.close()
         missing = [t.name for t, d in zip(self.tensors, self.done) if not d]
         if missing:
             raise MismatchError(f"{len(missing)} tensors never added, first: '{missing[0]}'")
@@ -228,7 +277,7 @@ def write_delta(out: BinaryIO, old: dict[str, torch.Tensor], new: dict[str, torc
     try:
         w.add((n, old[n], new[n]) for n in new)
     finally:
-        w.pool.shutdown()
+        w.encoder.close()
     return w.close()
 
 

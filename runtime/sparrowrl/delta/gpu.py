@@ -26,7 +26,8 @@ def device_bits(t: torch.Tensor) -> cupy.ndarray:
     return cupy.from_dlpack(flat.view(TORCH_SINT[size])).view(UINT[size])
 
 
-def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int) -> list[Changes]:
+def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int, start: int = 0) -> list[Changes]:
+    """Changes per segment of `old` and `new`, which hold a tensor's flat elements from `start` on."""
     dev = new.device.index
     with cupy.cuda.Device(dev):
         a, b = device_bits(old), device_bits(new)
@@ -45,7 +46,7 @@ def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int) -> list[C
     for j, s in enumerate(starts.tolist()):
         lo, hi = cuts[j], cuts[j + 1]
         e = min(s + segment, n)
-        out.append(Changes(s, e - s, host_idx[lo:hi] - s, host_old[lo:hi], host_new[lo:hi],
+        out.append(Changes(start + s, e - s, host_idx[lo:hi] - s, host_old[lo:hi], host_new[lo:hi],
                            lambda s=s, e=e: dense(s, e)))
     return out
 
@@ -71,13 +72,18 @@ _ELEMENT_HASH = cupy.ElementwiseKernel(
 )
 
 
-def tensor_hash(key: TensorKey, flat: cupy.ndarray, block: int = 1 << 26) -> int:
-    """The same per-tensor contribution as statehash.tensor_hash, computed on the device in
-    blocks (the per-element hashes take 8 bytes each before the sum)."""
-    total = key.term
+def span_hash(key: TensorKey, start: int, flat: cupy.ndarray, block: int = 1 << 26) -> int:
+    """statehash.span_hash on the device, in blocks (the per-element hashes take 8 bytes each
+    before the sum)."""
+    total = 0
     with cupy.cuda.Device(flat.device.id):
         for s in range(0, flat.shape[0], block):
-            h = _ELEMENT_HASH(flat[s:s + block], np.uint64(key.salt), np.uint64(s), np.int32(key.width),
+            h = _ELEMENT_HASH(flat[s:s + block], np.uint64(key.salt), np.uint64(start + s), np.int32(key.width),
                               np.int32(key.compact))
             total += int(h.sum(dtype=cupy.uint64))
     return total % (1 << 64)
+
+
+def tensor_hash(key: TensorKey, flat: cupy.ndarray) -> int:
+    """The same per-tensor contribution as statehash.tensor_hash, computed on the device."""
+    return (key.term + span_hash(key, 0, flat)) % (1 << 64)

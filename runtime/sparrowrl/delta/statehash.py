@@ -60,16 +60,21 @@ def tensor_key(name: str, t: torch.Tensor) -> TensorKey:
     return TensorKey(name, dtype_name(t.dtype), t.shape, t.element_size())
 
 
-def tensor_hash(key: TensorKey, flat_bits: np.ndarray, pool: ThreadPoolExecutor | None = None) -> int:
-    """Full per-tensor contribution (including its term), blocked to stay in cache."""
+def span_hash(key: TensorKey, start: int, flat_bits: np.ndarray, pool: ThreadPoolExecutor | None = None) -> int:
+    """The element terms of elements start.. of a tensor (a sharded trainer's rank holds some),
+    without the tensor's own term: partial sums add up to its contribution. Blocked to stay in cache."""
     n = flat_bits.shape[0]
-    starts = range(0, n, _BLOCK)
 
     def block(s: int) -> int:
-        return key.range_sum(s, flat_bits[s:s + _BLOCK])
+        return key.range_sum(start + s, flat_bits[s:s + _BLOCK])
 
-    parts = pool.map(block, starts) if pool is not None else map(block, starts)
-    return (key.term + sum(parts)) % (1 << 64)
+    parts = pool.map(block, range(0, n, _BLOCK)) if pool is not None else map(block, range(0, n, _BLOCK))
+    return sum(parts) % (1 << 64)
+
+
+def tensor_hash(key: TensorKey, flat_bits: np.ndarray, pool: ThreadPoolExecutor | None = None) -> int:
+    """Full per-tensor contribution (including its term)."""
+    return (key.term + span_hash(key, 0, flat_bits, pool)) % (1 << 64)
 
 
 def state_hash(state: Mapping[str, torch.Tensor]) -> str:
