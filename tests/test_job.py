@@ -41,6 +41,9 @@ def test_the_example_parses_with_its_defaults():
     ({"placements": [{"region": "a", "replicas": 1, "minReplicas": 2}]}, "spec.placements.0", "must not exceed"),
     ({"placements": [{"region": "a", "template": {"status": {}}}]}, "spec.placements.0.template", "metadata and spec"),
     ({"trainer": {"resources": {"limits": {"cpu": "two"}}}}, "spec.trainer.resources.limits.cpu", "pattern"),
+    ({"trainer": {"ranks": 0}}, "spec.trainer.ranks", "greater than or equal to 1"),
+    ({"trainer": {"ranks": 9}, "grpo": {"promptsPerStep": 8}}, "spec", "trainer.ranks (9) must not exceed"),
+    ({"trainer": {"ranks": 4, "resources": {"limits": {"nvidia.com/gpu": "2"}}}}, "spec", "fewer than trainer.ranks"),
     ({"runPolicy": {"backoffLimit": 101}}, "spec.runPolicy.backoffLimit", "less than or equal to 100"),
     ({"health": {"onStale": "Panic"}}, "spec.health.onStale", "'Replace', 'Ignore' or 'FailJob'"),
 ])

@@ -116,6 +116,18 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     assert again.create == [] and again.delete == []  # idempotent: a replayed watch changes nothing
 
 
+def test_a_sharded_trainer_gets_shared_memory_for_its_ranks():
+    w, job = World(), body()
+    job["spec"]["trainer"]["ranks"] = 2
+    w.step(job, 0), w.step(job, 0)
+    trainer = w.pods[None]["add-grpo-trainer-0"]["spec"]
+    assert {"name": "shm", "emptyDir": {"medium": "Memory"}} in trainer["volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in trainer["containers"][0]["volumeMounts"]
+    w, job = World(), body()
+    w.step(job, 0), w.step(job, 0)
+    assert "shm" not in str(w.pods[None]["add-grpo-trainer-0"]["spec"]["volumes"])
+
+
 def test_workers_in_members_wait_for_the_trainers_outside_address():
     w, job = World(lb=None), body()
     w.step(job, 0)

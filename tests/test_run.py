@@ -225,17 +225,28 @@ def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path):
-    """kill -9 of the trainer mid-run: the runner starts it again (restartPolicy OnFailure), it
-    resumes from its state dir, the workers wait and go on without a restart, and the run
-    completes as if nothing happened: versions monotonic and never rewritten, no group lost or
-    trained twice, every commit verified, and reward still rising."""
+def _rank1(trainer: int) -> int:
+    """The pid of a sharded trainer's rank 1: the process its rank 0 started."""
+    kids = [int(c) for c in open(f"/proc/{trainer}/task/{trainer}/children").read().split()]
+    ranks = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+    assert len(ranks) == 1, kids
+    return ranks[0]
+
+
+@pytest.mark.parametrize("ranks,killed", [(1, "trainer"), (2, "rank 1")])
+def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, killed):
+    """kill -9 of the trainer mid-run (or of one rank of a sharded trainer, which ends the others):
+    the runner starts it again (restartPolicy OnFailure), it resumes from its state dir, the
+    workers wait and go on without a restart, and the run completes as if nothing happened:
+    versions monotonic and never rewritten, no group lost or trained twice, every commit
+    verified, and reward still rising, as much with 2 ranks as with one."""
     steps = 40
     spec = job("sparse", steps=steps, seed=0)
     spec["spec"]["model"]["tiny"] = {"hidden": 64, "layers": 1, "heads": 2, "warmupSteps": 100}
     spec["spec"]["grpo"] = {"learningRate": 1e-4, "groupSize": 8, "promptsPerStep": 8, "maxNewTokens": 4}
     spec["spec"]["rollout"] = {"groupsPerLease": 2}
     spec["spec"]["sync"] = {"mode": "sparse", "staleness": 1, "baseEvery": 10}
+    spec["spec"]["trainer"] = {"ranks": ranks}
     p, out = start(tmp_path, spec)
     deadline = time.time() + 400
     while True:
@@ -248,10 +259,11 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path):
         time.sleep(0.2)
     before = json.loads((out / "processes.json").read_text())
     published = {v: (x.state_hash, x.delta_sha256) for v, x in Store(out / "store").versions.items()}
-    os.kill(before["trainer"], signal.SIGKILL)
+    os.kill(before["trainer"] if ranks == 1 else _rank1(before["trainer"]), signal.SIGKILL)
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-3000:]
-    assert "the trainer exited (-9); started again (1/3)" in " ".join(stderr.split()), stderr[-3000:]
+    code = -9 if ranks == 1 else 1  # rank 0 ends itself when another rank dies
+    assert f"the trainer exited ({code}); started again (1/3)" in " ".join(stderr.split()), stderr[-3000:]
     assert "trainer restarts │ 1" in " ".join(stdout.split())
 
     s = json.loads((out / "summary.json").read_text())

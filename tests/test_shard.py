@@ -117,3 +117,28 @@ def test_ranges_that_do_not_cover_a_tensor_are_refused():
     with pytest.raises(MismatchError, match=r"tensor 'w': its ranges cover 36 elements, the table's BF16\[10, 4\] has 40"):
         w.add_encoded("w", [(0, 20), (20, 16)], [])
     w.encoder.close()
+
+
+def _load(rank: int, world: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from transformers import AutoConfig
+        model = shard.build(AutoConfig.from_pretrained(folder), shard.from_files(folder))
+        torch.save(dict(shard.gathered(model, torch.float32)), Path(folder) / f"gathered{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_each_rank_reads_its_rows_of_a_hugging_face_folder(tmp_path):
+    """model.path with 2 ranks: every rank reads only its rows, and together they hold the
+    folder's weights exactly (the rotary tables, buffers, are made, not read)."""
+    m = models.tiny_qwen3(VOCAB, 32, 2, 2, seed=3)
+    m.save_pretrained(tmp_path)
+    mp.spawn(_load, args=(2, _port(), str(tmp_path)), nprocs=2)
+    want = dict(m.named_parameters())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"gathered{rank}.pt")
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[n], want[n].detach()) for n in want)

@@ -159,6 +159,9 @@ def pod(job: JobRef, role: Role, spec: JobSpec, *, namespace: str, attempt: int,
                   {"name": "state", "mountPath": f"{WORKDIR}/state"}]
         volumes = [{"name": "job", "configMap": {"name": f"{job.name}-job"}},
                    {"name": "state", "persistentVolumeClaim": {"claimName": f"{job.name}-state"}}]
+        if spec.trainer.ranks > 1:  # the ranks' shared memory (NCCL); a pod's own /dev/shm is 64 MiB
+            mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+            volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
     elif role.kind == "relay":
         mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
         volumes = [{"name": "cache", "emptyDir": {}}]

@@ -24,10 +24,12 @@ def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, attention: torch.T
 
 
 def loss(logp: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-         clip: float, logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+         clip: float, logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
+         tokens: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped-ratio policy loss per token (against the policy that generated the samples, which
     may be one version stale), plus kl_coef · k3(ref ‖ policy); the mean over all completion
-    tokens of the batch, so long and short completions weigh per token."""
+    tokens of the batch, so long and short completions weigh per token. `tokens`: what to divide
+    the sum by instead of this batch's tokens (a rank's share of a sharded trainer's batch)."""
     ratio = torch.exp(logp - logp_behaviour)
     a = adv[:, None]
     per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
@@ -39,7 +41,7 @@ def loss(logp: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor, ma
         stats["kl"] = float((kl * mask).sum() / mask.sum())
     n = mask.sum().clamp(min=1)
     stats["clipped"] = float((((ratio - 1).abs() > clip).float() * mask).sum() / n)
-    return (per_token * mask).sum() / n, stats
+    return (per_token * mask).sum() / (n if tokens is None else max(tokens, 1.0)), stats
 
 
 def pad(rows: list[tuple[list[int], list[int], list[float]]], pad_id: int):

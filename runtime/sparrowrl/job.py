@@ -221,6 +221,17 @@ class JobSpec(_Spec):
         return self
 
     @model_validator(mode="after")
+    def _ranks_have_work(self) -> JobSpec:
+        if self.trainer.ranks > self.grpo.prompts_per_step:
+            raise ValueError(f"trainer.ranks ({self.trainer.ranks}) must not exceed grpo.promptsPerStep "
+                             f"({self.grpo.prompts_per_step}): each rank trains on its share of a step's groups")
+        gpus = self.trainer.resources.limits.get("nvidia.com/gpu")
+        if gpus is not None and (not gpus.isdigit() or int(gpus) < self.trainer.ranks):
+            raise ValueError(f"trainer.resources.limits: nvidia.com/gpu is {gpus}, fewer than trainer.ranks "
+                             f"({self.trainer.ranks}): each rank takes a GPU of its own")
+        return self
+
+    @model_validator(mode="after")
     def _lease_fits_a_request(self) -> JobSpec:
         if self.lease_tokens > MAX_LEASE_TOKENS:
             raise ValueError(f"grpo.groupSize x rollout.groupsPerLease x grpo.maxNewTokens is {self.lease_tokens:,} "

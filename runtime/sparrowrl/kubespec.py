@@ -72,6 +72,9 @@ class TrainerService(_Spec):
 
 
 class TrainerSpec(Scheduling):
+    ranks: int = Field(1, ge=1, le=64, description=(
+        "Processes the trainer shards its model over (FSDP2), one per GPU where there are GPUs (give the pod "
+        "as many in resources); each diffs and publishes its own shard of every version."))
     state: StateVolume = StateVolume()
     service: TrainerService = TrainerService()
 

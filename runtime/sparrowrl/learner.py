@@ -1,6 +1,12 @@
 """The learner: fp32 master weights and AdamW, a GRPO step on a complete batch, a checkpoint
 after it, and the new bf16 policy's delta streamed into the checkpoint store, where the server
-publishes it as it is written (cut-through)."""
+publishes it as it is written (cut-through).
+
+With `trainer.ranks` N > 1 the model is sharded with FSDP2 over N processes (ranks.py). Rank 0 is
+the trainer's process: it leads, and ranks 1..N-1 run `follow`, which makes the same calls (and
+so the same collectives) as rank 0 makes, in the same order. Each rank trains on its share of a
+batch's groups, checkpoints its shards, and diffs and encodes its own part of the policy
+(shard.py); rank 0 alone holds the store."""
 
 from __future__ import annotations
 
@@ -11,10 +17,12 @@ from pathlib import Path
 
 import torch
 
-from sparrowrl import grpo, models, resume, tasks
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from sparrowrl import grpo, models, ranks, resume, shard, tasks
+from sparrowrl.checkpoint_io import save_stream
 from sparrowrl.coordinator import Batch
-from sparrowrl.delta import state_hash
-from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.job import JobSpec
 from sparrowrl.store import Store
 
@@ -23,135 +31,242 @@ class Learner:
     """The model, its optimizer and the store. Started on a state dir that holds a checkpoint, it
     goes on from there (see resume.py): `version` is the newest version it has trained."""
 
-    def __init__(self, spec: JobSpec, state_dir: Path):
-        self.spec, self.state_dir = spec, state_dir
-        # processes before this one; `held` keeps a second trainer off the state dir while this one lives
-        self.restarts, self.held = resume.claim(state_dir, spec.model_dump(mode="json"))
-        torch.manual_seed(spec.seed)
-        if spec.model.tiny:
-            self.tok = models.char_tokenizer()
-            t = spec.model.tiny
-            self.model = models.tiny_qwen3(len(self.tok), t.hidden, t.layers, t.heads, spec.seed)
+    def __init__(self, spec: JobSpec, state_dir: Path, rank: int = 0, restarts: int | None = None):
+        self.spec, self.state_dir, self.rank, self.world = spec, state_dir, rank, spec.trainer.ranks
+        self.ranks = None
+        if rank == 0:
+            # processes before this one; `held` keeps a second trainer off the state dir while this one lives
+            self.restarts, self.held = resume.claim(state_dir, spec.model_dump(mode="json"))
+            if self.world > 1:
+                resume.ShardedCheckpoints(state_dir / "trainer", 0).clear_partial()  # before any rank writes
+                self.ranks = ranks.start(self.world, follow, spec, state_dir, self.restarts)
         else:
-            self.model, self.tok = models.load(spec.model.path, spec.model.tokenizer)
+            self.restarts = restarts
+        self.device = shard.device() if self.world > 1 else torch.device("cpu")
+        torch.manual_seed(spec.seed)
         self.task, self.reward = tasks.for_job(spec)
+        self.saved = resume.Checkpoints(state_dir / "trainer") if self.world == 1 else \
+            resume.ShardedCheckpoints(state_dir / "trainer", rank)
+        newest = self.saved.newest() if self.restarts else None
+        self.model, self.tok, self.ref = self._models(warm=newest is None)
         g = spec.grpo
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
-        self.saved = resume.Checkpoints(state_dir / "trainer")
-        newest = self.saved.newest() if self.restarts else None
-        if newest is None and spec.model.tiny and spec.model.tiny.warmup_steps:
-            models.warm_up(self.model, self.tok, self.task, spec.model.tiny.warmup_steps)
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.kl_coef > 0 else None  # KL's anchor
+        self.table = shard.specs(self.model)
+        self.policy = shard.policy(self.model)
         if newest is None:
             if self.ref is not None:
                 self.saved.save_ref(self.ref)
             self.version, self.row = 0, None
-            self.saved.save(0, self.model, self.opt, None)
+            self._save(0, None)
         else:
             if self.ref is not None:
                 self.saved.load_ref(self.ref)
             self.version = newest
-            self.row = self.saved.load(newest, self.model, self.opt)  # the step's metrics before it published
+            self.row = self._load(newest)  # the step's metrics before it published (sharded: and the policy before it)
         self.model.train()
-        self.policy = models.policy_state(self.model)
-        self.dense_bytes = sum(t.numel() * t.element_size() for t in self.policy.values())
-        # workers build the architecture from this folder; the weights come from the store
+        self.dense_bytes = sum(t.numel * 2 for t in self.table)
         self.model_dir = state_dir / "model"
-        self.model.config.save_pretrained(self.model_dir)
-        self.tok.save_pretrained(self.model_dir)
-        self.model_files = [{"name": f.name, "bytes": f.stat().st_size,
-                             "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
-                            for f in sorted(self.model_dir.iterdir()) if f.is_file()]
+        if rank == 0:  # workers build the architecture from this folder; the weights come from the store
+            self.model.config.save_pretrained(self.model_dir)
+            self.tok.save_pretrained(self.model_dir)
+            self.model_files = [{"name": f.name, "bytes": f.stat().st_size,
+                                 "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+                                for f in sorted(self.model_dir.iterdir()) if f.is_file()]
         self.store, self.extract_s = self._open_store()
 
-    def _open_store(self) -> tuple[Store, float | None]:
-        """The store, brought to the checkpoint's version: a trainer killed between its checkpoint
-        and its publish publishes now, from the same weights, so the same bytes (the seconds it
-        took are returned). The store is never ahead of the checkpoint."""
+    def _models(self, warm: bool):
+        """(policy model, tokenizer, frozen reference or None). One rank: the model as loaded. N
+        ranks: each rank allocates only its shards (shard.build), filled from rank 0's tiny model
+        or from its rows of the checkpoint's files."""
+        spec = self.spec
+        if spec.model.tiny:
+            tok = models.char_tokenizer()
+            t = spec.model.tiny
+            full = None
+            if self.rank == 0:
+                full = models.tiny_qwen3(len(tok), t.hidden, t.layers, t.heads, spec.seed)
+                if warm and t.warmup_steps:
+                    models.warm_up(full, tok, self.task, t.warmup_steps)
+            model = full if self.world == 1 else \
+                shard.build(models.tiny_config(len(tok), t.hidden, t.layers, t.heads), shard.from_rank0(full))
+        else:
+            tok = models.load_tokenizer(spec.model.tokenizer or spec.model.path)
+            if self.world == 1:
+                model = models.load(spec.model.path, spec.model.tokenizer)[0]
+            else:
+                model = shard.build(AutoConfig.from_pretrained(spec.model.path, local_files_only=True),
+                                    shard.from_files(spec.model.path))
+        ref = None
+        if spec.grpo.kl_coef > 0:  # KL's anchor
+            ref = copy.deepcopy(model) if self.world == 1 else shard.build(model.config, shard.from_model(model))
+            ref.eval().requires_grad_(False)
+        return model, tok, ref
+
+    def _save(self, version: int, row: dict | None) -> None:
+        if self.world == 1:
+            self.saved.save(version, self.model, self.opt, row)
+        else:
+            self.saved.save(version, self.model, self.opt, shard.as_dtensors(self.model, self.policy), row)
+
+    def _load(self, version: int) -> dict | None:
+        if self.world == 1:
+            return self.saved.load(version, self.model, self.opt)
+        return self.saved.load(version, self.model, self.opt, shard.as_dtensors(self.model, self.policy))
+
+    def _open_store(self) -> tuple[Store | None, float | None]:
+        """The store (rank 0's; None on the others), brought to the checkpoint's version: a
+        trainer killed between its checkpoint and its publish publishes now, from the same
+        weights, so the same bytes (the seconds it took are returned). The store is never ahead
+        of the checkpoint."""
         path = self.state_dir / "store"
-        if not (path / "store.json").exists():
+        fresh = self._agree(not (path / "store.json").exists())
+        if fresh:
             if self.version:
                 raise resume.ResumeError(f"{path}: missing, and the checkpoint is at v{self.version}")
             every = 1 if self.spec.sync.mode == "full" else self.spec.sync.base_every
-            return Store.init(path, self.policy, base_every=every), None
-        store = Store(path)
-        store.drop_partial()  # the delta a killed trainer was writing: written again below, or next step
+            return shard.init_store(path, self.model, every), None
+        store = Store(path) if self.rank == 0 else None
+        if store is not None:
+            store.drop_partial()  # the delta a killed trainer was writing: written again below, or next step
         t0, extract_s = time.perf_counter(), None
-        if store.newest == self.version - 1:
-            old = store.materialize(store.newest)
-            self.policy, new = old, self.policy
-            self.publish_state(store, new)
+        if self._agree(store is not None and store.newest == self.version - 1):
+            if self.world == 1:  # the checkpoint holds the new weights; the old are the store's newest
+                self.policy = {n: (0, t.reshape(-1)) for n, t in store.materialize(store.newest).items()}
+            self._publish_into(store)
             extract_s = time.perf_counter() - t0
-        if store.newest != self.version or store.versions[store.newest].state_hash != state_hash(self.policy):
+        else:
+            self.policy = shard.policy(self.model)
+        held = shard.state_hash(self.table, self.policy)
+        if store is not None and (store.newest != self.version or store.versions[store.newest].state_hash != held):
             raise resume.ResumeError(f"{path}: its newest version v{store.newest} is not the checkpoint's "
                                      f"v{self.version}")
-        if store.base_due(self.version) and not store.versions[self.version].base:
-            store.snapshot(self.version, self.policy)  # killed before its snapshot
+        if self._agree(store is not None and store.base_due(self.version) and not store.versions[self.version].base):
+            shard.snapshot(store, self.version, self.model)  # killed before its snapshot
         return store, extract_s
+
+    def _agree(self, decision: bool) -> bool:
+        """Rank 0's decision, on every rank (what only the store's holder can see)."""
+        if self.world == 1:
+            return decision
+        box = [decision]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def prompt(self, group: int) -> tasks.Example:
         return self.task.example(group)
 
+    def _lead(self, method: str, *args) -> None:
+        """On rank 0 of a sharded trainer: have the other ranks make the same call."""
+        if self.world > 1 and self.rank == 0:
+            dist.broadcast_object_list([(method, args)], src=0)
+
     def train(self, batch: Batch) -> dict:
-        """One optimizer step on a complete batch; returns its metrics."""
+        """One optimizer step on a complete batch; returns its metrics. Each rank takes every
+        N-th group; the loss is normalized by the whole batch's tokens, so the ranks' averaged
+        gradient is the one-rank gradient."""
+        self._lead("train", batch)
         g = self.spec.grpo
         t0 = time.perf_counter()
-        rows, rewards, tokens = [], [], 0
-        for group in batch.groups:
+        rows, rewards, tokens, mine = [], [], 0, []  # mine: (group, sample) of this rank's rows
+        for i, group in enumerate(batch.groups):
             ex, res = self.prompt(group), batch.results[group]
             p = models.prompt_ids(self.tok, ex.prompt)
             rs = [self.reward(ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer)
                   for s in res["samples"]]
             rewards.append(rs)
-            for s in res["samples"]:
-                rows.append((p, s["tokens"], s["logprobs"]))
+            for j, s in enumerate(res["samples"]):
+                if i % self.world == self.rank:
+                    rows.append((p, s["tokens"], s["logprobs"]))
+                    mine.append((i, j))
                 tokens += len(s["tokens"])
         r = torch.tensor(rewards, dtype=torch.float32)
-        adv = grpo.advantages(r).flatten()
-        ids, attention, positions, mask, behaviour = grpo.pad(rows, self.tok.pad_token_id)
+        adv = grpo.advantages(r)[[i for i, _ in mine], [j for _, j in mine]].to(self.device)
+        ids, attention, positions, mask, behaviour = (t.to(self.device) for t in grpo.pad(rows, self.tok.pad_token_id))
         n_prompt = max(len(p) for p, _, _ in rows)
         logp = grpo.token_logprobs(self.model, ids, attention, n_prompt, g.temperature, positions)
         ref = None
         if self.ref is not None:
             with torch.no_grad():
                 ref = grpo.token_logprobs(self.ref, ids, attention, n_prompt, g.temperature, positions)
-        loss, stats = grpo.loss(logp, behaviour, adv, mask, g.clip, ref, g.kl_coef)
+        n = float(self._sum(mask.sum()))  # the batch's completion tokens, over every rank
+        loss, stats = grpo.loss(logp, behaviour, adv, mask, g.clip, ref, g.kl_coef, n / self.world)
+        if self.world > 1:  # each rank's stats are means over its own tokens
+            stats = {k: float(self._sum(torch.tensor(v * float(mask.sum())))) / max(n, 1.0) for k, v in stats.items()}
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm)
         self.opt.step()
         return {"reward_mean": float(r.mean()), "reward_exact": float((r == 1).float().mean()),
-                "loss": float(loss.detach()),
-                "grad_norm": grad_norm, "tokens": tokens, "train_s": time.perf_counter() - t0, **stats,
+                "loss": float(self._sum(loss.detach())) / self.world,
+                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                "tokens": tokens, "train_s": time.perf_counter() - t0, **stats,
                 "behaviour_versions": sorted({res["version"] for res in batch.results.values()})}
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks."""
+        if self.world == 1:
+            return x
+        x = x.detach().clone().float()
+        dist.all_reduce(x)
+        return x
 
     def checkpoint(self, row: dict) -> None:
         """After a step, before its publish: the store is never ahead of the checkpoint."""
+        self._lead("checkpoint", row)
         self.version += 1
-        self.saved.save(self.version, self.model, self.opt, row)
+        self._save(self.version, row)
 
     def publish(self) -> float:
         """Stream the new bf16 policy's delta into the store (served as it is written); returns
         the seconds it took."""
+        self._lead("publish")
         t0 = time.perf_counter()
-        self.publish_state(self.store, models.policy_state(self.model))
+        self._publish_into(self.store)
         return time.perf_counter() - t0
 
-    def publish_state(self, store: Store, new: dict[str, torch.Tensor]) -> None:
-        with store.publish([TensorSpec.of(n, t) for n, t in new.items()], self.spec.sync.cut_through) as w:
-            w.add((n, self.policy[n], new[n]) for n in new)
-        if store.base_due(store.newest):
-            store.snapshot(store.newest, new)
+    def _publish_into(self, store: Store | None) -> None:
+        new = shard.policy(self.model)
+        shard.publish(store, self.table, self.policy, new, self.spec.sync.cut_through)
+        if self._agree(store is not None and store.base_due(store.newest)):
+            shard.snapshot(store, store.newest if store is not None else 0, self.model)
         self.policy = new
 
     def published(self, version: int) -> dict:
         """What version `version` shipped, from the store's index."""
         v = self.store.versions[version]
         return {"version": version, "state_hash": v.state_hash,
-                "changed_fraction": v.changed / sum(t.numel() for t in self.policy.values()),
+                "changed_fraction": v.changed / sum(t.numel for t in self.table),
                 "payload_bytes": v.base_bytes if self.spec.sync.mode == "full" else v.delta_bytes,
                 "dense_bytes": self.dense_bytes}
 
     def save(self, out: Path) -> None:
-        self.model.save_pretrained(out)
+        """The trained model (fp32, as trained) and its tokenizer: a Hugging Face folder. A
+        sharded trainer writes it one gathered tensor at a time."""
+        self._lead("save", out)
+        if self.world == 1:
+            self.model.save_pretrained(out)
+        else:
+            shard.stream(self.model, None if self.rank else
+                         lambda s: save_stream(s.specs, s.tensors, out / "model.safetensors"), torch.float32)
+            if self.rank:
+                return
+            self.model.config.save_pretrained(out)
         self.tok.save_pretrained(out)
+
+    def stop(self) -> None:
+        """The last call: the other ranks leave `follow` and exit."""
+        self._lead("stop")
+        if self.ranks is not None:
+            self.ranks.stop()
+
+
+def follow(spec: JobSpec, state_dir: Path, restarts: int) -> None:
+    """Ranks 1..N-1 of a sharded trainer: the same learner, making each call rank 0 makes."""
+    learner = Learner(spec, state_dir, dist.get_rank(), restarts)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        method, args = box[0]
+        if method == "stop":
+            return
+        getattr(learner, method)(*args)

@@ -26,13 +26,16 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
 
 
+def tiny_config(vocab_size: int, hidden: int, layers: int, heads: int) -> Qwen3Config:
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
+                       max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)
+
+
 def tiny_qwen3(vocab_size: int, hidden: int, layers: int, heads: int, seed: int) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
-                      max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
-                      eos_token_id=2)
-    return Qwen3ForCausalLM(cfg)
+    return Qwen3ForCausalLM(tiny_config(vocab_size, hidden, layers, heads))
 
 
 def load(path: str | Path, tokenizer: str | Path | None = None, dtype: torch.dtype = torch.float32):

@@ -3,6 +3,8 @@
     STATE/job.json                    the job this state belongs to: another job is refused
     STATE/trainer/v00000007.safetensors   fp32 weights and optimizer state after step 7 (the newest only)
     STATE/trainer/ref.safetensors     the frozen reference policy, when the job has a KL term
+    STATE/trainer/v00000007/          the same, sharded: one folder that every rank of a sharded
+                                      trainer writes its own files into (ShardedCheckpoints)
     STATE/journal.jsonl               a snapshot of the coordinator's state after the newest
                                       checkpoint, then each request's changes and admitted results
     STATE/starts                      how many trainer processes have started on it
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -170,6 +173,96 @@ class Checkpoints:
                     p.copy_(f.get_tensor(n))
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ResumeError(f"{path}: the reference policy cannot be read ({e})") from None
+
+
+class ShardedCheckpoints:
+    """A sharded trainer's checkpoints (torch.distributed.checkpoint): STATE/trainer/v00000007/
+    is one folder, into which every rank writes its shards of the fp32 weights, of the optimizer
+    state, and of the bf16 policy the store held when it was taken (the version before: a restart
+    between checkpoint and publish diffs against it, as the ranks hold no full model to rebuild
+    it from). Rank 0 writes row.json, then renames the folder into place: a folder with row.json
+    is whole. STATE/trainer/ref/ holds the frozen reference policy, when the job has a KL term.
+    Every method is collective."""
+
+    def __init__(self, folder: Path, rank: int):
+        self.folder, self.rank = folder, rank
+
+    def _path(self, version: int) -> Path:
+        return self.folder / f"v{version:08d}"
+
+    def newest(self) -> int | None:
+        found = [int(p.name[1:]) for p in self.folder.glob("v*") if re.fullmatch(r"v\d{8}", p.name)
+                 and (p / "row.json").is_file()] if self.folder.is_dir() else []
+        return max(found, default=None)
+
+    def clear_partial(self) -> None:
+        """What a killed trainer was writing (rank 0, before any rank writes again)."""
+        for p in self.folder.glob(".*.partial") if self.folder.is_dir() else []:
+            shutil.rmtree(p)
+
+    @staticmethod
+    def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        return {"model": msd, "optim": osd, "policy": policy}
+
+    def save(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict,
+             row: dict | None) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        tmp = self.folder / f".v{version:08d}.partial"
+        dcp.save(self._state(model, opt, policy), checkpoint_id=tmp)
+        dist.barrier()
+        if self.rank == 0:
+            (tmp / "row.json").write_text(json.dumps({"version": version, "row": row}))
+            os.replace(tmp, self._path(version))
+            for p in self.folder.glob("v*"):
+                if p.name != self._path(version).name and re.fullmatch(r"v\d{8}", p.name):
+                    shutil.rmtree(p)
+        dist.barrier()
+
+    def load(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict) -> dict | None:
+        """Checkpoint `version` into `model`, `opt` and `policy` (its tensors filled in place);
+        returns its metrics row."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path = self._path(version)
+        try:
+            state = self._state(model, opt, policy)
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            saved = json.loads((path / "row.json").read_text())
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ResumeError(f"{path}: cannot be resumed from ({e})") from None
+        if saved.get("version") != version:
+            raise ResumeError(f"{path}: not this model's checkpoint v{version}")
+        return saved["row"]
+
+    def save_ref(self, model: torch.nn.Module) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        tmp = self.folder / ".ref.partial"
+        dcp.save(get_model_state_dict(model), checkpoint_id=tmp)
+        dist.barrier()
+        if self.rank == 0:
+            os.replace(tmp, self.folder / "ref")
+        dist.barrier()
+
+    def load_ref(self, model: torch.nn.Module) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        try:
+            state = get_model_state_dict(model)
+            dcp.load(state, checkpoint_id=self.folder / "ref")
+            set_model_state_dict(model, state)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ResumeError(f"{self.folder / 'ref'}: the reference policy cannot be read ({e})") from None
 
 
 Results = dict[int, dict[int, dict]]  # batch → prompt group → admitted result

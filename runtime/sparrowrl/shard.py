@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -51,9 +53,10 @@ def span(name: str, p: torch.Tensor) -> tuple[int, torch.Tensor]:
     return first * math.prod(p.shape[1:]), local.detach().reshape(-1)
 
 
-def specs(model: torch.nn.Module) -> list[TensorSpec]:
-    """The bf16 policy's tensor table: full shapes, one entry per parameter (tied ones once)."""
-    return [TensorSpec(n, "BF16", tuple(p.shape)) for n, p in model.named_parameters()]
+def specs(model: torch.nn.Module, dtype: str = "BF16") -> list[TensorSpec]:
+    """The bf16 policy's tensor table (or in `dtype`): full shapes, one entry per parameter (tied
+    ones once)."""
+    return [TensorSpec(n, dtype, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
 def policy(model: torch.nn.Module) -> Shards:
@@ -93,58 +96,113 @@ def state_hash(table: list[TensorSpec], shards: Shards) -> str:
     return format_hash(sum(parts) + sum(t.key().term for t in table)) if parts is not None else None
 
 
-def publish(store: Store | None, table: list[TensorSpec], old: Shards, new: Shards, cut_through: bool = True) -> None:
+GATHER_ELEMENTS = 1 << 27  # tensors are gathered to rank 0 in groups of about this many elements: fewer calls
+
+
+def publish(store: Store | None, table: list[TensorSpec], old: Shards, new: Shards, cut_through: bool = True) -> dict:
     """The next version's delta from every rank's shards, into `store` (rank 0's; None on the
-    others). Each rank encodes its range of a tensor; rank 0 gathers the records of that tensor
-    and writes them, in rank order, which is element order."""
+    others). Each rank encodes its ranges of every tensor, ahead on its thread pool; rank 0
+    gathers a group of tensors' records from all ranks at a time (one collective per group) and
+    writes them, tensor by tensor in rank order, which is element order. Returns where this
+    rank's time went (waiting on its own encoding, in gathers, writing) and the bytes it sent."""
     enc = Encoder(table)
+    took = {"encode_s": 0.0, "gather_s": 0.0, "write_s": 0.0, "sent_bytes": 0}
+    w = None
     try:
-        if store is None:
-            for tid, t in enumerate(table):
-                _gather(_encode(enc, tid, t.name, old, new))
-            return
-        with store.publish(table, cut_through) as w:
-            for tid, t in enumerate(table):
-                parts = _gather(_encode(enc, tid, t.name, old, new))
-                w.add_encoded(t.name, [(first, n) for first, n, _ in parts], (e for *_, es in parts for e in es))
+        with store.publish(table, cut_through) if store is not None else _nothing() as w:
+            records = _records(enc, table, old, new)
+            for group in _groups(table):
+                t0 = time.perf_counter()
+                mine = [next(records) for _ in group]
+                t1 = time.perf_counter()
+                parts = _gather(mine)
+                t2 = time.perf_counter()
+                took["encode_s"] += t1 - t0
+                took["gather_s"] += t2 - t1
+                took["sent_bytes"] += sum(len(e.data) for _, _, es in mine for e in es)
+                if w is not None:
+                    for k, tid in enumerate(group):
+                        ranks = [p[k] for p in parts]
+                        w.add_encoded(table[tid].name, [(first, n) for first, n, _ in ranks],
+                                      (e for *_, es in ranks for e in es))
+                    took["write_s"] += time.perf_counter() - t2
+        return took
     finally:
         enc.close()
 
 
-def _encode(enc: Encoder, tid: int, name: str, old: Shards, new: Shards) -> tuple[int, int, list]:
-    (first, a), (_, b) = old[name], new[name]
-    if dtype_name(a.dtype) != "BF16" or a.shape != b.shape:
-        raise RuntimeError(f"tensor '{name}': the shards to diff are {a.dtype}{list(a.shape)} and {b.dtype}"
-                           f"{list(b.shape)}")
-    return first, a.numel(), [e for e in enc.encode([(tid, first, a, b)]) if e.data]
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
 
 
-def gathered(model: torch.nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+def _groups(table: list[TensorSpec]) -> Iterator[list[int]]:
+    """Tensor ids in consecutive groups of about GATHER_ELEMENTS elements (at least one tensor)."""
+    group, size = [], 0
+    for tid, t in enumerate(table):
+        group.append(tid)
+        size += t.numel
+        if size >= GATHER_ELEMENTS:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _records(enc: Encoder, table: list[TensorSpec], old: Shards, new: Shards) -> Iterator[tuple[int, int, list]]:
+    """For each tensor in order: (its first element here, the count, this rank's non-empty
+    records), encoded on the pool as far ahead as it allows."""
+    spans = []
+    for tid, t in enumerate(table):
+        (first, a), (_, b) = old[t.name], new[t.name]
+        if dtype_name(a.dtype) != "BF16" or a.shape != b.shape:
+            raise RuntimeError(f"tensor '{t.name}': the shards to diff are {a.dtype}{list(a.shape)} and "
+                               f"{b.dtype}{list(b.shape)}")
+        spans.append((tid, first, a, b))
+    encoded = enc.encode(s for s in spans if s[2].numel())
+    pending = None
+    for tid, first, a, _ in spans:
+        mine = []
+        while a.numel():
+            e = pending if pending is not None else next(encoded, None)
+            pending = None
+            if e is None or e.tensor_id != tid:
+                pending = e
+                break
+            if e.data:
+                mine.append(e)
+        yield first, a.numel(), mine
+
+
+def gathered(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter in full, one at a time (all ranks get each; only rank 0 needs them), in
-    the order of `specs`; cast to `dtype` (None: as trained)."""
+    the order of `specs`, cast to `dtype`, on the host."""
     for n, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        yield n, (full.detach() if dtype is None else full.detach().to(dtype)).cpu()
+        yield n, full.detach().to(dtype).cpu()
 
 
-def snapshot(store: Store | None, version: int, model: torch.nn.Module) -> None:
-    """A base snapshot of `version`, gathered one tensor at a time; written by rank 0."""
-    tensors = gathered(model)
-    if store is None:
+def stream(model: torch.nn.Module, write: Callable[[Stream], None] | None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The whole model, one gathered tensor at a time, into `write` on rank 0; the other ranks
+    (`write` None) only take part in the gathers."""
+    tensors = gathered(model, dtype)
+    if write is None:
         for _ in tensors:
             pass
     else:
-        store.snapshot(version, Stream(specs(model), tensors))
+        write(Stream(specs(model, dtype_name(dtype)), tensors))
+
+
+def snapshot(store: Store | None, version: int, model: torch.nn.Module) -> None:
+    """A base snapshot of `version`, checked against its hash; written by rank 0."""
+    stream(model, None if store is None else lambda s: store.snapshot(version, s))
 
 
 def init_store(path, model: torch.nn.Module, base_every: int) -> Store | None:
     """A new store whose version 0 is the model's bf16 policy (rank 0's; None elsewhere)."""
-    tensors = gathered(model)
-    if not _rank0():
-        for _ in tensors:
-            pass
-        return None
-    return Store.init(path, Stream(specs(model), tensors), base_every=base_every)
+    made = []
+    stream(model, (lambda s: made.append(Store.init(path, s, base_every=base_every))) if _rank0() else None)
+    return made[0] if made else None
 
 
 def device() -> torch.device:
@@ -152,3 +210,95 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0)))
     return torch.device("cpu")
+
+
+def build(config, fill) -> torch.nn.Module:
+    """A causal LM from `config`, sharded with FSDP2 (each decoder layer, then the root; bf16
+    compute, fp32 master weights and gradient reduction), whose parameters exist only as this
+    rank's shards: made on the meta device, then allocated and filled by `fill(model)`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    with _params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no model.layers to shard (a decoder-only LM is expected)")
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # rotary tables: real, not meta
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.to_empty(device=device())
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+        fill(model)
+    return model
+
+
+@contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Parameters made inside go to the meta device as they are registered (each allocated only
+    for that moment, never initialized); buffers stay real."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:  # one already made here is registered again when tied
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def from_rank0(full: torch.nn.Module | None):
+    """Fill from a whole model that rank 0 holds (a tiny model made from config): each tensor is
+    broadcast, and each rank keeps its rows."""
+    def fill(model: torch.nn.Module) -> None:
+        for n, p in model.named_parameters():
+            first, flat = span(n, p)
+            buf = full.get_parameter(n).detach().to(flat.device) if full is not None else \
+                torch.empty(p.shape, dtype=flat.dtype, device=flat.device)
+            dist.broadcast(buf, src=0)
+            flat.copy_(buf.reshape(-1)[first:first + flat.numel()])
+    return fill
+
+
+def from_files(path) -> Callable[[torch.nn.Module], None]:
+    """Fill from a Hugging Face folder's safetensors: each rank reads only its rows."""
+    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError
+
+    def fill(model: torch.nn.Module) -> None:
+        with Checkpoint(path) as ck:
+            for n, p in model.named_parameters():
+                if n not in ck.where:
+                    raise CheckpointError(f"{path}: no tensor '{n}', which the model's config has")
+                first, flat = span(n, p)
+                row = math.prod(p.shape[1:])
+                part = ck.where[n].get_slice(n)[first // row:(first + flat.numel()) // row]
+                flat.copy_(part.reshape(-1))
+    return fill
+
+
+def from_model(other: torch.nn.Module) -> Callable[[torch.nn.Module], None]:
+    """Fill from another model sharded the same way (the frozen reference, a copy of the policy)."""
+    def fill(model: torch.nn.Module) -> None:
+        for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters(), strict=True):
+            span(n, p)[1].copy_(span(n, q)[1])
+    return fill
+
+
+def as_dtensors(model: torch.nn.Module, shards: Shards) -> dict[str, torch.Tensor]:
+    """`shards` (a policy) as DTensors laid out as the model's parameters, sharing their memory:
+    what torch.distributed.checkpoint saves, or loads into in place."""
+    out = {}
+    for n, p in model.named_parameters():
+        _, flat = shards[n]
+        local = flat.view(-1, *p.shape[1:]) if p.dim() > 1 else flat
+        out[n] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                    stride=p.stride())
+    return out

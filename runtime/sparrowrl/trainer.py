@@ -123,6 +123,7 @@ class Run:
             await control.until_changed(deadline - time.monotonic())
         ledger.flush(final=True)
         learner.save(self.state_dir / "final")
+        learner.stop()
         ledger.summary()
         ledger.finished = True
         control.touch()

@@ -1,0 +1,93 @@
+"""The ranks of a sharded trainer on one machine (one pod). The trainer's process is rank 0: it
+serves, coordinates and writes the store; it starts ranks 1..N-1 itself (no torchrun needed),
+and they live and die together. A rank that exits ends rank 0 at once, and rank 0's end (even by
+SIGKILL) ends the others, so the trainer restarts as a whole and resumes from its checkpoint.
+
+Multi-node trainers (several pods) would set MASTER_ADDR to rank 0's pod and start their ranks
+with `follow`; the state layout (resume.ShardedCheckpoints) is already one folder per version
+that every rank writes its own files into.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails (a step can be long)
+
+
+class Ranks:
+    """Rank 0's handle on the others: `stop` before a clean exit, or their exits end this process."""
+
+    def __init__(self, procs: list[multiprocessing.Process]):
+        self.procs, self.stopping = procs, False
+        threading.Thread(target=self._watch, daemon=True, name="ranks").start()
+
+    def _watch(self) -> None:
+        ready = multiprocessing.connection.wait([p.sentinel for p in self.procs])
+        if self.stopping:
+            return
+        p = next(p for p in self.procs if p.sentinel in ready)
+        p.join()
+        print(f"trainer: rank {self.procs.index(p) + 1} exited (code {p.exitcode}); the trainer stops as a whole "
+              f"and resumes from its checkpoint when started again", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """After the last collective: the others exit by themselves."""
+        self.stopping = True
+        for p in self.procs:
+            p.join(timeout)
+            if p.exitcode is None:
+                p.kill()
+        dist.destroy_process_group()
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def start(world: int, follower: Callable[..., None], *args) -> Ranks:
+    """Become rank 0 of `world` and start the others, each running `follower(*args)` inside the
+    process group (they must make the same collective calls as rank 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, world, port, os.getpid(), follower, args), name=f"rank{r}")
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    ranks = Ranks(procs)
+    _join(0, world, port)
+    print(f"trainer: {world} ranks ({backend()}), rank 0 serving", flush=True)
+    return ranks
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend(), rank=rank, world_size=world, timeout=TIMEOUT)
+
+
+def _rank(rank: int, world: int, port: int, parent: int, follower: Callable[..., None], args: tuple) -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # 1: PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # rank 0 died before the line above
+        os._exit(1)
+    _join(rank, world, port)
+    follower(*args)
+    dist.destroy_process_group()
