@@ -33,6 +33,7 @@ import socket
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from sparrowrl import models, shard  # noqa: E402
+from sparrowrl import models, ranks, shard  # noqa: E402
 
 VOCAB = 4096
 
@@ -56,12 +57,15 @@ def _fill(model: torch.nn.Module) -> None:
         if "norm" in n:
             flat.fill_(1.0)
         else:
-            flat.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(hash(n) % (1 << 31) + first))
+            g = torch.Generator().manual_seed(zlib.crc32(n.encode()) + first)
+            flat.copy_(torch.empty(flat.shape).normal_(0.0, 0.02, generator=g))
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    dist.init_process_group(ranks.backend(), rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         cfg = models.tiny_config(VOCAB, args.hidden, args.layers, args.hidden // 64)
@@ -103,13 +107,15 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         changed = None
         if store is not None:
             changed = [store.versions[v].changed / sum(t.numel for t in table) for v in range(2, args.steps + 2)]
-        result = {"rank": rank, "world": world, "held_elements": held, "baseline_rss_bytes": baseline, "state_bytes": state, "peak_rss_bytes":
+        gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        result = {"rank": rank, "world": world, "held_elements": held, "gpu_peak_bytes": gpu, "baseline_rss_bytes": baseline, "state_bytes": state, "peak_rss_bytes":
                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "steps": rows, "changed_fraction": changed,
                   "delta_bytes": [store.versions[v].delta_bytes for v in range(2, args.steps + 2)] if store else None,
                   "elements": sum(t.numel for t in table), "gather": gather}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    ranks.leave()
 
 
 def _gather_rates() -> dict:
@@ -151,24 +157,30 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=5e-7)
+    ap.add_argument("--ranks", default="1,2", help="the trainer sizes to run, one GPU per rank where there are GPUs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    where = f"{torch.cuda.device_count()} GPUs ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else \
+        f"{os.cpu_count()} CPU cores"
     print(f"model: Qwen3, hidden {args.hidden}, {args.layers} layers, vocab {VOCAB}; {args.steps} steps of "
-          f"{args.batch}x{args.seq} tokens; {os.cpu_count()} CPU cores, gloo", flush=True)
+          f"{args.batch}x{args.seq} tokens; {where}, {ranks.backend()}", flush=True)
     report = {"config": vars(args) | {"json": None, "cpus": os.cpu_count()}, "runs": {}}
-    for world in (1, 2):
-        ranks = run(world, args)
-        elements = ranks[0]["elements"]
-        full_state = elements * 16  # fp32 weights, gradients' reduction target, AdamW's two moments: 16 B/param
+    for world in [int(x) for x in args.ranks.split(",")]:
+        got = run(world, args)
+        elements = got[0]["elements"]
+        full_state = elements * 16  # fp32 weights 4, AdamW's two moments 8, two bf16 policies 4: bytes per parameter
         if world > 1:
-            g = ranks[0]["gather"]
+            g = got[0]["gather"]
             print(f"\ngather to rank 0 alone: {g['bytes_per_s'] / 1e9:.2f} GB/s, {1e3 * g['call_s']:.2f} ms per call",
                   flush=True)
-        print(f"\n{world} rank(s): {elements / 1e6:.1f}M parameters; whole-model fp32 weights + AdamW state "
-              f"{full_state / 2**30:.2f} GiB; changed per step {100 * mean([{'x': c} for c in ranks[0]['changed_fraction']], 'x'):.2f}%, "
-              f"delta {ranks[0]['delta_bytes'][-1] / 1e6:.2f} MB", flush=True)
-        for r in ranks:
+        changed = got[0]["changed_fraction"]
+        print(f"\n{world} rank(s): {elements / 1e6:.1f}M parameters; the whole model's fp32 weights, AdamW state and bf16 "
+              f"policies {full_state / 2**30:.2f} GiB; changed per step {100 * sum(changed) / len(changed):.2f}%, "
+              f"delta {got[0]['delta_bytes'][-1] / 1e6:.2f} MB", flush=True)
+        for r in got:
             s = r["steps"]
+            if r["gpu_peak_bytes"] is not None:
+                print(f"  rank {r['rank']}: GPU memory peak {r['gpu_peak_bytes'] / 2**30:.2f} GiB", flush=True)
             print(f"  rank {r['rank']}: holds {r['held_elements'] / 1e6:.1f}M elements, "
                   f"{r['state_bytes'] / 2**30:.2f} GiB of weights, AdamW state and bf16 policy; peak RSS "
                   f"{r['peak_rss_bytes'] / 2**30:.2f} GiB, {(r['peak_rss_bytes'] - r['baseline_rss_bytes']) / 2**30:.2f} "
@@ -177,15 +189,15 @@ def main() -> None:
                   f"{mean(s, 'encode_s'):.3f}, gather {mean(s, 'gather_s'):.3f}, write {mean(s, 'write_s'):.3f}); "
                   f"extraction {mean(s, 'encode_gbs'):.2f} GB/s beside memcpy {mean(s, 'memcpy_gbs'):.2f} GB/s "
                   f"({100 * mean(s, 'encode_gbs') / mean(s, 'memcpy_gbs'):.0f}%)", flush=True)
-        report["runs"][str(world)] = ranks
-    two = report["runs"]["2"]
-    report["projection"] = project(two, args)
+        report["runs"][str(world)] = got
+    if "2" in report["runs"]:
+        report["projection"] = project(report["runs"]["2"], args)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"\nwrote {args.json}")
 
 
-def project(ranks: list[dict], args: argparse.Namespace) -> dict:
+def project(got: list[dict], args: argparse.Namespace) -> dict:
     """Qwen3-8B on 8 GPUs, per step, from this run's 2-rank rates. Assumptions, stated: training
     takes 15 s per step (hack/project.py's 8B assumption: a third of a 45 s rollout); 1.4% of
     elements change (the e2e run's measured density); each rank extracts at the measured
@@ -193,14 +205,14 @@ def project(ranks: list[dict], args: argparse.Namespace) -> dict:
     (CuPy, never yet measured on a GPU: an assumption); records reach rank 0 at the gather's
     measured goodput, and it writes them at the measured write rate."""
     n, world, density, train_s, cores = 8.03e9, 8, 0.014, 15.0, 16
-    sent = sum(mean(r["steps"], "sent_bytes") for r in ranks)
-    changed = ranks[0]["changed_fraction"][-1] * ranks[0]["elements"]
+    sent = sum(mean(r["steps"], "sent_bytes") for r in got)
+    changed = got[0]["changed_fraction"][-1] * got[0]["elements"]
     bytes_per_changed = sent / changed
-    rank0 = ranks[0]["steps"]
-    gather_rate, call_s = ranks[0]["gather"]["bytes_per_s"], ranks[0]["gather"]["call_s"]
+    rank0 = got[0]["steps"]
+    gather_rate, call_s = got[0]["gather"]["bytes_per_s"], got[0]["gather"]["call_s"]
     write_rate = sent / max(mean(rank0, "write_s"), 1e-9)
     calls = -(-n // shard.GATHER_ELEMENTS)  # one gather per group of tensors
-    per_core = min(mean(r["steps"], "encode_gbs") for r in ranks) / max(1, (os.cpu_count() or 1) // len(ranks))
+    per_core = min(mean(r["steps"], "encode_gbs") for r in got) / max(1, (os.cpu_count() or 1) // len(got))
     delta = n * density * bytes_per_changed
     out = {}
     for name, rate in (("cpu", per_core * cores), ("gpu", 200.0)):

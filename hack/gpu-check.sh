@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds, tests and benchmarks every GPU path in one short run (< 5 minutes) on a CUDA machine.
+# Builds, tests and benchmarks every GPU path in one short run (< 6 minutes) on a CUDA machine.
 #
 # It needs torch, cupy-cuda13x, numba, safetensors, rich, typer, pytest and hypothesis there (the
 # [gpu] and [test] extras). On a machine without a package index, bring the two small wheels
@@ -33,3 +33,7 @@ else
 fi
 # benchmark: 2^30 bf16 elements (2 GiB per state)
 python3 hack/bench_gpu.py --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
+# the sharded trainer's GPU route: FSDP2 over NCCL, CUDA shards diffed by CuPy, one rank per GPU
+# (this device may have one), against the same run's memcpy
+python3 hack/bench_shard.py --ranks "$(python3 -c 'import torch; print(",".join(str(n) for n in (1, 2) if n <= torch.cuda.device_count()))')" \
+  --json "$OUT/bench_shard_gpu.json" 2>&1 | tee "$OUT/bench_shard_gpu.log"

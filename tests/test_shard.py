@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sparrowrl import models, shard
+from sparrowrl import models, ranks, shard
 from sparrowrl.delta import state_hash
 from sparrowrl.delta.errors import MismatchError
 from sparrowrl.delta.frame import DeltaWriter, Encoder, TensorSpec
@@ -64,6 +64,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             old = new
     finally:
         dist.destroy_process_group()
+    ranks.leave()
 
 
 def _range(t, r: int, world: int) -> tuple[int, int]:
@@ -128,6 +129,7 @@ def _load(rank: int, world: int, port: int, folder: str) -> None:
         torch.save(dict(shard.gathered(model, torch.float32)), Path(folder) / f"gathered{rank}.pt")
     finally:
         dist.destroy_process_group()
+    ranks.leave()
 
 
 @pytest.mark.timeout(300)

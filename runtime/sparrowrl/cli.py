@@ -524,6 +524,10 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
         asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port))
     except (ListenError, ResumeError, StoreError) as e:  # the port taken meanwhile; a state dir not to resume
         _fail(e)
+    if j.spec.trainer.ranks > 1:
+        from sparrowrl import ranks
+
+        ranks.leave()
 
 
 @app.command("worker")

@@ -38,7 +38,7 @@ def loss(logp: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor, ma
         d = logp_ref - logp
         kl = torch.exp(d) - d - 1
         per_token = per_token + kl_coef * kl
-        stats["kl"] = float((kl * mask).sum() / mask.sum())
+        stats["kl"] = float((kl.detach() * mask).sum() / mask.sum())
     n = mask.sum().clamp(min=1)
     stats["clipped"] = float((((ratio - 1).abs() > clip).float() * mask).sum() / n)
     return (per_token * mask).sum() / (n if tokens is None else max(tokens, 1.0)), stats

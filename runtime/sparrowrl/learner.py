@@ -255,9 +255,8 @@ class Learner:
 
     def stop(self) -> None:
         """The last call: the other ranks leave `follow` and exit."""
-        self._lead("stop")
         if self.ranks is not None:
-            self.ranks.stop()
+            self.ranks.stop(lambda: self._lead("stop"))
 
 
 def follow(spec: JobSpec, state_dir: Path, restarts: int) -> None:

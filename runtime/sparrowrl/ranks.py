@@ -28,7 +28,8 @@ TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fail
 
 
 class Ranks:
-    """Rank 0's handle on the others: `stop` before a clean exit, or their exits end this process."""
+    """Rank 0's handle on the others: `stop` them before a clean exit; any other exit of theirs
+    ends this process."""
 
     def __init__(self, procs: list[multiprocessing.Process]):
         self.procs, self.stopping = procs, False
@@ -44,9 +45,10 @@ class Ranks:
               f"and resumes from its checkpoint when started again", file=sys.stderr, flush=True)
         os._exit(1)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """After the last collective: the others exit by themselves."""
+    def stop(self, tell: Callable[[], None], timeout: float = 60.0) -> None:
+        """`tell` the others to exit (the last collective), and wait for them."""
         self.stopping = True
+        tell()
         for p in self.procs:
             p.join(timeout)
             if p.exitcode is None:
@@ -80,7 +82,17 @@ def _join(rank: int, world: int, port: int) -> None:
                       LOCAL_RANK=str(rank))
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share this machine's cores
     dist.init_process_group(backend(), rank=rank, world_size=world, timeout=TIMEOUT)
+
+
+def leave() -> None:
+    """End a rank's process that has finished, without the interpreter's teardown: there, gloo's
+    threads may still hold work whose release aborts the process (SIGABRT; pytorch/pytorch#179291),
+    and a rank that finished must not look like one that failed. Call after destroy_process_group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _rank(rank: int, world: int, port: int, parent: int, follower: Callable[..., None], args: tuple) -> None:
@@ -91,3 +103,4 @@ def _rank(rank: int, world: int, port: int, parent: int, follower: Callable[...,
     _join(rank, world, port)
     follower(*args)
     dist.destroy_process_group()
+    leave()
