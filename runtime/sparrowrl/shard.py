@@ -1,14 +1,14 @@
 """A sharded trainer's ranks: FSDP2's dim-0 shards as element ranges of the full tensors, and
 the collective parts of a version. Each rank diffs and encodes its own shards, in parallel with
-the others; rank 0, the store's one writer, puts their records into the version's one delta,
-tensor by tensor, as they arrive (cut-through). A base snapshot gathers one full tensor at a
-time. No rank ever holds the whole model.
+the others; rank 0, the store's one writer, gathers their records a group of tensors at a time
+and writes them into the version's one delta, which is served as it grows (cut-through). A base
+snapshot gathers one full tensor at a time. No rank ever holds the whole model.
 
 Rank r of N holds rows [r·c, min((r+1)·c, D)) of a tensor of D rows, c = ceil(D/N) (torch.chunk,
 FSDP2's layout, whose padding stays inside FSDP; late ranks may hold none). That is the element
 range [row0·L, row1·L) of the flat tensor, L the elements of a row, so records address it, and a
-worker applies them as any delta. Every function here is collective: all ranks call it, in the
-same order.
+worker applies them as any delta. `state_hash`, `publish`, `stream` and what calls it, and
+`build` with `from_rank0` are collective: every rank calls them, in the same order.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -80,10 +80,9 @@ def _gather(obj: object) -> list | None:
     return out
 
 
-def state_hash(table: list[TensorSpec], shards: Shards) -> str:
+def state_hash(table: list[TensorSpec], shards: Shards) -> str | None:
     """The additive state hash of the policy the ranks hold: each rank's partial sum, added on
     rank 0 (None elsewhere)."""
-    pool = None
     part = 0
     for t in table:
         first, flat = shards[t.name]
@@ -91,7 +90,7 @@ def state_hash(table: list[TensorSpec], shards: Shards) -> str:
             from sparrowrl.delta import gpu
             part += gpu.span_hash(t.key(), first, gpu.device_bits(flat))
         else:
-            part += span_hash(t.key(), first, bits(flat), pool)
+            part += span_hash(t.key(), first, bits(flat))
     parts = _gather(part)
     return format_hash(sum(parts) + sum(t.key().term for t in table)) if parts is not None else None
 
@@ -107,9 +106,8 @@ def publish(store: Store | None, table: list[TensorSpec], old: Shards, new: Shar
     rank's time went (waiting on its own encoding, in gathers, writing) and the bytes it sent."""
     enc = Encoder(table)
     took = {"encode_s": 0.0, "gather_s": 0.0, "write_s": 0.0, "sent_bytes": 0}
-    w = None
     try:
-        with store.publish(table, cut_through) if store is not None else _nothing() as w:
+        with store.publish(table, cut_through) if store is not None else nullcontext() as w:
             records = _records(enc, table, old, new)
             for group in _groups(table):
                 t0 = time.perf_counter()
@@ -129,11 +127,6 @@ def publish(store: Store | None, table: list[TensorSpec], old: Shards, new: Shar
         return took
     finally:
         enc.close()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
 
 
 def _groups(table: list[TensorSpec]) -> Iterator[list[int]]:
