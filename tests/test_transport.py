@@ -370,6 +370,49 @@ def test_a_local_port_in_time_wait_is_bound_again(history):
     run(go())
 
 
+def _hold(port: int) -> socket.socket:
+    """The port taken as another process takes it: bound without SO_REUSEADDR, and listening."""
+    sock = socket.socket()
+    sock.bind(("0.0.0.0", port))
+    sock.listen()
+    return sock
+
+
+def test_a_stream_whose_local_port_is_taken_waits_for_it(history):
+    """Another process holds a stream's fixed port (an ephemeral connection of its own that the
+    kernel happened to give that port): the stream waits for it, without using up its attempts
+    (2 here; the WAN benchmark once failed after 40), and goes on once the port is free."""
+    path, states = history
+    port = free_port()
+
+    async def go():
+        held = _hold(port)
+        asyncio.get_running_loop().call_later(1.0, held.close)
+        async with Server(path) as s, \
+                Client(s.url, token=TOKEN, streams=1, local_ports=[port], attempts=2, backoff=0.01) as c:
+            state, _ = await c.advance(6)
+        assert same(state, states[6]) and c.stats.port_waits >= 1 and c.stats.retries == 0
+    run(go())
+
+
+@pytest.mark.timeout(60)  # the wait is bounded: an unbounded one fails here
+def test_a_local_port_that_stays_taken_is_named_after_a_bounded_wait(history):
+    path, _ = history
+    port = free_port()
+
+    async def go():
+        held = _hold(port)
+        try:
+            async with Server(path) as s, Client(s.url, token=TOKEN, streams=1, local_ports=[port], attempts=2,
+                                                 port_wait=1.0) as c:
+                with pytest.raises(FetchError, match=rf"local port {port} stayed taken for 1 s .*--local-ports"):
+                    await c.advance(6)
+                assert c.stats.retries == 0  # waiting, not failing: the attempts were not spent
+        finally:
+            held.close()
+    run(go())
+
+
 def test_a_rate_cap_paces_the_download(history):
     """`rate_mbit` (a region's bandwidthMbit in a job) holds all streams together to the cap: a
     lower bound on the time taken, which a loaded machine can only lengthen."""

@@ -320,7 +320,11 @@ class Wan:
         self._created.append(full)  # before creation: a half-made one is removed too
         _sh(["ip", "netns", "add", full])
         _sh(["ip", "-n", full, "link", "set", "lo", "up"])
-        for key, val in (("net.ipv4.tcp_tw_reuse", "1"), ("net.ipv6.conf.all.disable_ipv6", "1")):
+        # the flow ports lie inside the ephemeral range: reserved, the kernel never hands one out to
+        # another connection, which would hold a stream's port (EADDRINUSE) for as long as it lives
+        reserved = f"{FLOW_PORT_BASE}-{FLOW_PORT_BASE + FLOW_PORT_SPAN - 1}"
+        for key, val in (("net.ipv4.tcp_tw_reuse", "1"), ("net.ipv6.conf.all.disable_ipv6", "1"),
+                         ("net.ipv4.ip_local_reserved_ports", reserved)):
             _sh(["ip", "netns", "exec", full, "sysctl", "-qw", f"{key}={val}"], check=False)
         return full
 

@@ -13,6 +13,7 @@ holds has been touched.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ from sparrowrl.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
 BUSY_WAIT_S = 60.0  # how long one request waits on a server that says when to ask again (a relay still
 # syncing: its workers would otherwise pull a whole base each across the WAN from the origin)
+PORT_WAIT_S = 60.0  # how long one request waits for its stream's fixed local port to be free (TIME_WAIT's length)
 MAX_BYTES = 1 << 40  # the largest file (base snapshot or delta) a server may list
 MAX_ITEMS = 1 << 24  # versions, parts or pieces in one listing
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
@@ -149,6 +151,7 @@ class Stats:
     requests: int = 0
     retries: int = 0
     refetched: int = 0  # pieces that failed their checksum
+    port_waits: int = 0  # times a stream found its fixed local port taken, and waited
     seconds: float = 0.0
 
     def count(self, kind: str, server: str, stream: int, n: int) -> None:
@@ -213,10 +216,13 @@ class Client:
 
     def __init__(self, urls: list[str] | str, token: str | None = None, streams: int = 4, attempts: int = 8,
                  backoff: float = 0.2, group_bytes: int = 64 << 20, ssl_context: ssl.SSLContext | None = None,
-                 read_timeout: float = 30.0, local_ports: list[int] | None = None, rate_mbit: float | None = None):
+                 read_timeout: float = 30.0, local_ports: list[int] | None = None, rate_mbit: float | None = None,
+                 port_wait: float = PORT_WAIT_S):
         """`local_ports`: bind download stream i to local port local_ports[i] (one connection each),
-        for networks that shape per flow (hack/wan classifies flows by port). `rate_mbit`: cap
-        the download rate of all streams together (a token bucket), to emulate a slow link."""
+        for networks that shape per flow (hack/wan classifies flows by port). A stream whose port
+        is taken (another process's connection, or its own not yet closed) waits for it, up to
+        `port_wait` seconds per request, without counting that as failed attempts. `rate_mbit`:
+        cap the download rate of all streams together (a token bucket), to emulate a slow link."""
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -224,7 +230,7 @@ class Client:
         self.ssl = ssl_context
         self.timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout)
         self.stats = Stats()
-        self.local_ports = local_ports
+        self.local_ports, self.port_wait = local_ports, port_wait
         self.rate = rate_mbit * 1e6 / 8 if rate_mbit else None  # bytes per second
         self._bucket, self._filled = 0.0, time.perf_counter()
         self._session: aiohttp.ClientSession | None = None
@@ -257,10 +263,12 @@ class Client:
         if self._bucket < 0:
             await asyncio.sleep(-self._bucket / self.rate)
 
-    async def _attempts(self, path: str, request):
+    async def _attempts(self, path: str, request, port: int | None = None):
         """Run `request(url)` until it succeeds: backoff on the current server, every second
-        failure the next one; FetchError after `attempts` failures or on a permanent answer."""
-        last, busy = "no attempt", 0.0
+        failure the next one; FetchError after `attempts` failures or on a permanent answer. A
+        request from fixed local `port` that finds it taken waits for it (`port_wait`), on the
+        same server: the port is what failed, not the server."""
+        last, busy, taken = "no attempt", 0.0, 0.0
         if self._server and time.monotonic() - self._fell_back_at > PREFERRED_AGAIN_S:
             self._server = 0  # the preferred server (a region's relay) may be back: try it first again
         attempt = 0
@@ -278,6 +286,19 @@ class Client:
                     continue
             except aiohttp.ClientConnectorCertificateError as e:
                 raise FetchError(f"{url}: certificate not trusted ({e.certificate_error})") from None
+            except aiohttp.ClientConnectorError as e:
+                if port is None or e.os_error.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                    last = f"{type(e).__name__}: {e}"
+                elif taken < self.port_wait:
+                    self.stats.port_waits += 1
+                    pause = min(1.0, max(0.05, taken), self.port_wait - taken)  # doubling, 1 s at most
+                    taken += pause
+                    await asyncio.sleep(pause)
+                    continue
+                else:
+                    raise FetchError(f"{path}: local port {port} stayed taken for {self.port_wait:.0f} s "
+                                     f"({e.os_error.strerror}): another process holds it; give the streams "
+                                     f"other --local-ports") from None
             except (aiohttp.ClientError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
                     _Transient) as e:
                 last = f"{type(e).__name__}: {e}"
@@ -406,6 +427,7 @@ class Client:
         connection costs only the piece in flight; the rest go back to the queue. A piece that
         fails its checksum goes back too, `attempts` times at most."""
         session = self._stream_sessions[i % len(self._stream_sessions)] if self._stream_sessions else self._session
+        port = self.local_ports[i % len(self.local_ports)] if self.local_ports else None
         while (run := await queue.take()) is not None:
             async def request(url: str) -> None:
                 start, end = run[0].offset, run[-1].offset + run[-1].length
@@ -429,7 +451,7 @@ class Client:
                         await queue.add([p])  # asked for again later, maybe from another server
 
             try:
-                await self._attempts(path, request)
+                await self._attempts(path, request, port)
             except FetchError:
                 await queue.add(run)
                 raise
