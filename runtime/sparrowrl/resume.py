@@ -207,21 +207,28 @@ class ShardedCheckpoints:
         msd, osd = get_state_dict(model, opt)
         return {"model": msd, "optim": osd, "policy": policy}
 
-    def save(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict,
-             row: dict | None) -> None:
+    def _write(self, state: dict, out: Path, seal: Callable[[Path], None] = lambda tmp: None) -> None:
+        """Every rank writes its part of `state` into a partial folder; then rank 0 seals it
+        (`seal`, with the folder still partial) and renames it to `out`, for all to see."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        tmp = self.folder / f".v{version:08d}.partial"
-        dcp.save(self._state(model, opt, policy), checkpoint_id=tmp)
+        tmp = self.folder / f".{out.name}.partial"
+        dcp.save(state, checkpoint_id=tmp)
         dist.barrier()
         if self.rank == 0:
-            (tmp / "row.json").write_text(json.dumps({"version": version, "row": row}))
-            os.replace(tmp, self._path(version))
+            seal(tmp)
+            os.replace(tmp, out)
+        dist.barrier()
+
+    def save(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict,
+             row: dict | None) -> None:
+        self._write(self._state(model, opt, policy), self._path(version),
+                    lambda tmp: (tmp / "row.json").write_text(json.dumps({"version": version, "row": row})))
+        if self.rank == 0:
             for p in self.folder.glob("v*"):
                 if p.name != self._path(version).name and re.fullmatch(r"v\d{8}", p.name):
                     shutil.rmtree(p)
-        dist.barrier()
 
     def load(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict) -> dict | None:
         """Checkpoint `version` into `model`, `opt` and `policy` (its tensors filled in place);
@@ -242,16 +249,9 @@ class ShardedCheckpoints:
         return saved["row"]
 
     def save_ref(self, model: torch.nn.Module) -> None:
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        tmp = self.folder / ".ref.partial"
-        dcp.save(get_model_state_dict(model), checkpoint_id=tmp)
-        dist.barrier()
-        if self.rank == 0:
-            os.replace(tmp, self.folder / "ref")
-        dist.barrier()
+        self._write(get_model_state_dict(model), self.folder / "ref")
 
     def load_ref(self, model: torch.nn.Module) -> None:
         import torch.distributed.checkpoint as dcp

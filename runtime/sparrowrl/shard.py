@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from itertools import islice
 
 import torch
 import torch.distributed as dist
@@ -144,7 +145,8 @@ def _groups(table: list[TensorSpec]) -> Iterator[list[int]]:
 
 def _records(enc: Encoder, table: list[TensorSpec], old: Shards, new: Shards) -> Iterator[tuple[int, int, list]]:
     """For each tensor in order: (its first element here, the count, this rank's non-empty
-    records), encoded on the pool as far ahead as it allows."""
+    records), encoded on the pool as far ahead as it allows. A range of n elements makes
+    ceil(n / segment) records, empty ones included, on the CPU and the GPU alike."""
     spans = []
     for tid, t in enumerate(table):
         (first, a), (_, b) = old[t.name], new[t.name]
@@ -152,19 +154,9 @@ def _records(enc: Encoder, table: list[TensorSpec], old: Shards, new: Shards) ->
             raise RuntimeError(f"tensor '{t.name}': the shards to diff are {a.dtype}{list(a.shape)} and "
                                f"{b.dtype}{list(b.shape)}")
         spans.append((tid, first, a, b))
-    encoded = enc.encode(s for s in spans if s[2].numel())
-    pending = None
-    for tid, first, a, _ in spans:
-        mine = []
-        while a.numel():
-            e = pending if pending is not None else next(encoded, None)
-            pending = None
-            if e is None or e.tensor_id != tid:
-                pending = e
-                break
-            if e.data:
-                mine.append(e)
-        yield first, a.numel(), mine
+    encoded = enc.encode(spans)
+    for _, first, a, _ in spans:
+        yield first, a.numel(), [e for e in islice(encoded, -(-a.numel() // enc.segment)) if e.data]
 
 
 def gathered(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
@@ -193,9 +185,8 @@ def snapshot(store: Store | None, version: int, model: torch.nn.Module) -> None:
 
 def init_store(path, model: torch.nn.Module, base_every: int) -> Store | None:
     """A new store whose version 0 is the model's bf16 policy (rank 0's; None elsewhere)."""
-    made = []
-    stream(model, (lambda s: made.append(Store.init(path, s, base_every=base_every))) if _rank0() else None)
-    return made[0] if made else None
+    stream(model, (lambda s: Store.init(path, s, base_every=base_every)) if _rank0() else None)
+    return Store(path) if _rank0() else None
 
 
 def device() -> torch.device:

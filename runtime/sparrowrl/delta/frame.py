@@ -169,10 +169,13 @@ class DeltaWriter:
         self.out.write(data)
         self.offset += len(data)
 
-    def _check_pair(self, name: str, old: torch.Tensor, new: torch.Tensor) -> int:
+    def _id(self, name: str) -> int:
         if name not in self.ids:
             raise MismatchError(f"tensor '{name}' is not in the delta's tensor table")
-        tid = self.ids[name]
+        return self.ids[name]
+
+    def _check_pair(self, name: str, old: torch.Tensor, new: torch.Tensor) -> int:
+        tid = self._id(name)
         spec = self.tensors[tid]
         for label, t in (("old", old), ("new", new)):
             if tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype:
@@ -192,9 +195,7 @@ class DeltaWriter:
     def add_encoded(self, name: str, ranges: list[tuple[int, int]], records: Iterable[Encoded]) -> None:
         """Tensor `name`, encoded elsewhere (by a sharded trainer's ranks) as element ranges
         (first element, count) that must cover it in order, and their records in that order."""
-        if name not in self.ids:
-            raise MismatchError(f"tensor '{name}' is not in the delta's tensor table")
-        tid, at = self.ids[name], 0
+        tid, at = self._id(name), 0
         spec = self.tensors[tid]
         if self.done[tid]:
             raise MismatchError(f"tensor '{name}' added twice")
