@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """Transfer benchmark: each figure beside its reference, measured in the same run.
 
-  loopback   8 concurrent clients pulling a base from one server   vs  8 concurrent curl
+  loopback   a 1 GiB base pulled from one server by one client process (4 streams), then by 8
+             at once, every part verified                          vs  1 and 8 curl processes,
+                                                                       into /dev/null and into memory
+  decode     a chain of deltas and a base pulled by one process     vs  decode + verified apply of
+                                                                       the same bytes
+  checksums  sha256 and BLAKE3 on one core                          vs  memcpy
   streams    goodput of 1/2/4/8 streams over an emulated WAN link whose per-flow cap is a
              quarter of the link (hack/wan; needs root)              vs  raw TCP, 4 streams
   fan-out    one delta to 3 workers in each of 2 regions, direct from the origin vs through one
@@ -64,6 +69,9 @@ async def _fetch(url: str, what: str, version: int, streams: int, ports: list[in
         if what == "base":
             listing = await c.versions()
             await c.base(version, listing)
+        elif what == "parts":  # verified pieces into one buffer: the pull alone
+            listing = await c.versions()
+            await c.download(f"/v1/versions/{version}/base", listing["versions"][0]["base"]["bytes"], _pieces(listing))
         else:
             await c.delta(version)
         return {"t0": t0, "t1": time.time(), "bytes": c.stats.bytes, "retries": c.stats.retries,
@@ -73,13 +81,15 @@ async def _fetch(url: str, what: str, version: int, streams: int, ports: list[in
 def fetch_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
-    ap.add_argument("what", choices=["base", "delta", "cut"])
+    ap.add_argument("what", choices=["base", "parts", "delta", "cut"])
     ap.add_argument("version", type=int)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--ports", type=int, nargs="*", default=[])
     ap.add_argument("--wait-for", type=int)
     a = ap.parse_args(argv)
     print("ready", flush=True)
+    if a.wait_for is None:  # started with others (loopback): all begin together
+        sys.stdin.readline()
     print(json.dumps(asyncio.run(_fetch(a.url, a.what, a.version, a.streams, a.ports, a.wait_for))), flush=True)
 
 
@@ -97,37 +107,152 @@ def wait_port(host: str, port: int, run=None, timeout: float = 60) -> None:
     raise RuntimeError(f"nothing listens on {host}:{port}")
 
 
-def loopback(store: Path, base_bytes: int) -> dict:
-    from sparrowrl.transport.client import Client
+def _processes(cmds: list[list[str]], env: dict) -> list[dict]:
+    """Run fetch processes that start together: each imports, says ready, and waits for go."""
+    ps = [subprocess.Popen(c, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True) for c in cmds]
+    for p in ps:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    for p in ps:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    out = []
+    for p in ps:
+        line = p.stdout.readline()
+        if p.wait() != 0 or not line:
+            raise RuntimeError(p.stderr.read())
+        out.append(json.loads(line))
+    return out
 
+
+def _curls(url: str, n: int, keep: bool = False) -> float:
+    """Seconds for n curl processes to fetch `url` together, into /dev/null, or with `keep` into
+    memory (files in /dev/shm), as a client holding what it pulled must."""
+    with tempfile.TemporaryDirectory(prefix="sprl-curl-", dir="/dev/shm" if keep else None) as d:
+        outs = [f"{d}/{i}" if keep else "/dev/null" for i in range(n)]
+        t0 = time.perf_counter()
+        curls = [start(["curl", "-sf", "-o", o, "-H", f"Authorization: Bearer {TOKEN}", url]) for o in outs]
+        assert all(c.wait() == 0 for c in curls)
+        return time.perf_counter() - t0
+
+
+def loopback(store: Path, base_bytes: int, rounds: int) -> dict:
+    """A base pulled from one server over loopback, beside curl in the same rounds: one process
+    with 4 streams, then 8 processes at once. Medians of `rounds` interleaved rounds."""
     env = dict(os.environ, SPARROWRL_TOKEN=TOKEN)
+    url = "http://127.0.0.1:8470"
     server = start([EXE, "serve", str(store), "--port", "8470"], env)
+    fetch = [sys.executable, str(Path(__file__).resolve()), "_fetch", url]
+    runs: dict[str, list[float]] = {k: [] for k in ("one_pull", "one_base", "one_curl", "one_curl_memory",
+                                                    "eight_pull", "eight_curl", "eight_curl_memory")}
     try:
         wait_port("127.0.0.1", 8470)
-
-        async def clients() -> float:
-            cs = [Client("http://127.0.0.1:8470", token=TOKEN, streams=2) for _ in range(8)]
-            for c in cs:
-                await c.__aenter__()
-            listing = await cs[0].versions()
-            t0 = time.perf_counter()
-            await asyncio.gather(*(c.download("/v1/versions/0/base", base_bytes, _pieces(listing)) for c in cs))
-            dt = time.perf_counter() - t0
-            for c in cs:
-                await c.__aexit__(None, None, None)
-            return dt
-
-        dt = asyncio.run(clients())
-        t0 = time.perf_counter()
-        curls = [start(["curl", "-sf", "-o", "/dev/null", "-H", f"Authorization: Bearer {TOKEN}",
-                        "http://127.0.0.1:8470/v1/versions/0/base"]) for _ in range(8)]
-        assert all(c.wait() == 0 for c in curls)
-        dt_curl = time.perf_counter() - t0
+        for i in range(rounds):
+            print(f"  loopback round {i + 1}/{rounds}", file=sys.stderr)
+            r = _processes([fetch + ["base", "0", "--streams", "4"]], env)[0]
+            runs["one_pull"].append(r["bytes"] / r["download_s"] / 1e6)  # verified parts in place
+            runs["one_base"].append(r["bytes"] / (r["t1"] - r["t0"]) / 1e6)  # and the tensors, hashed
+            runs["one_curl"].append(base_bytes / _curls(f"{url}/v1/versions/0/base", 1) / 1e6)
+            runs["one_curl_memory"].append(base_bytes / _curls(f"{url}/v1/versions/0/base", 1, keep=True) / 1e6)
+            rs = _processes([fetch + ["parts", "0", "--streams", "4"]] * 8, env)
+            runs["eight_pull"].append(sum(r["bytes"] for r in rs) / (max(r["t1"] for r in rs) -
+                                                                      min(r["t0"] for r in rs)) / 1e6)
+            runs["eight_curl"].append(8 * base_bytes / _curls(f"{url}/v1/versions/0/base", 8) / 1e6)
+            runs["eight_curl_memory"].append(8 * base_bytes / _curls(f"{url}/v1/versions/0/base", 8, keep=True) / 1e6)
     finally:
         server.kill()
-    total = 8 * base_bytes
-    return {"clients": 8, "bytes_each": base_bytes, "sparrowrl_MBps": total / dt / 1e6,
-            "curl_MBps": total / dt_curl / 1e6, "ratio": dt_curl / dt}
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"base_bytes": base_bytes, "rounds": runs,
+            "one_process": {"streams": 4, "pull_MBps": med["one_pull"], "base_MBps": med["one_base"],
+                            "curl_MBps": med["one_curl"], "pull_of_curl": med["one_pull"] / med["one_curl"],
+                            "curl_into_memory_MBps": med["one_curl_memory"],
+                            "pull_of_curl_into_memory": med["one_pull"] / med["one_curl_memory"]},
+            "eight_processes": {"streams": 4, "pull_MBps": med["eight_pull"], "curl_MBps": med["eight_curl"],
+                                "pull_of_curl": med["eight_pull"] / med["eight_curl"],
+                                "curl_into_memory_MBps": med["eight_curl_memory"],
+                                "pull_of_curl_into_memory": med["eight_pull"] / med["eight_curl_memory"]}}
+
+
+def hashes(size: int = 256 << 20, rounds: int = 3) -> dict:
+    """A piece checksum's cost on one core, beside memcpy: sha256 (what pieces carry) and BLAKE3
+    (shardcast's; `pip install -e '.[bench]'`), best of `rounds`."""
+    import hashlib
+
+    data, out = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes(), bytearray(size)
+    ways = {"memcpy": lambda: out.__setitem__(slice(None), data), "sha256": lambda: hashlib.sha256(data).digest()}
+    try:
+        import blake3
+
+        ways["blake3"] = lambda: blake3.blake3(data).digest()
+        ways["blake3_all_cores"] = lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
+    except ImportError:
+        print("  (blake3 not installed: pip install -e '.[bench]')", file=sys.stderr)
+    best = {}
+    for _ in range(rounds):
+        for name, f in ways.items():
+            t0 = time.perf_counter()
+            f()
+            best[name] = min(best.get(name, 1e9), time.perf_counter() - t0)
+    return {f"{name}_GBps": size / s / 1e9 for name, s in best.items()}
+
+
+def decode_vs_pull(elements: int, rounds: int) -> dict:
+    """Whether the CPU keeps up with the pull: a chain of deltas (1% of elements changed by one
+    ULP each) pulled over loopback by one process with 4 streams, beside
+    decode + verified apply of the same deltas into the state; a base's pull beside its load +
+    full state hash."""
+    from sparrowrl.checkpoint_io import tensors_in
+    from sparrowrl.delta import apply_delta, state_hash
+    from sparrowrl.delta.frame import TensorSpec
+    from sparrowrl.store import Store
+    from sparrowrl.transport.client import Client
+
+    gen = torch.Generator().manual_seed(1)
+    states = [{"w": (torch.randn(elements, generator=gen) * 0.02).bfloat16()}]
+    for _ in range(rounds):  # 1% of elements move by one ULP, as small RL updates do
+        w = states[-1]["w"].clone()
+        moved = torch.rand(elements, generator=gen) < 0.01
+        w.view(torch.int16)[moved] += torch.randint(0, 2, (int(moved.sum()),), generator=gen, dtype=torch.int16) * 2 - 1
+        states.append({"w": w})
+    env = dict(os.environ, SPARROWRL_TOKEN=TOKEN)
+    with tempfile.TemporaryDirectory(prefix="sprl-decode-") as tmp:
+        store = Store.init(Path(tmp) / "store", states[0], base_every=1000)
+        for v in range(1, rounds + 1):
+            with store.publish([TensorSpec.of("w", states[v]["w"])]) as writer:
+                writer.add([("w", states[v - 1]["w"], states[v]["w"])])
+        server = start([EXE, "serve", str(store.path), "--port", "8472"], env)
+        try:
+            wait_port("127.0.0.1", 8472)
+
+            async def run() -> dict:
+                async with Client("http://127.0.0.1:8472", token=TOKEN, streams=4) as c:
+                    listing = await c.versions()
+                    await c.base(0, listing)
+                    base_pull_s = c.stats.seconds
+                    raw = bytearray((store.path / "bases" / store.versions[0].base).read_bytes())
+                    t0 = time.perf_counter()
+                    state_hash(tensors_in(raw))
+                    load_s = time.perf_counter() - t0
+                    state = {"w": states[0]["w"].clone()}
+                    h, pull_s, apply_s, nbytes, changed = store.versions[0].state_hash, 0.0, 0.0, 0, 0
+                    for v in range(1, rounds + 1):
+                        before = c.stats.seconds
+                        d = await c.delta(v)
+                        pull_s += c.stats.seconds - before
+                        t0 = time.perf_counter()
+                        h = apply_delta(d, state, base_hash=h)
+                        apply_s += time.perf_counter() - t0
+                        nbytes, changed = nbytes + len(d.data), changed + store.versions[v].changed
+                    assert h == store.versions[rounds].state_hash
+                    return {"base_bytes": len(raw), "base_pull_MBps": len(raw) / base_pull_s / 1e6,
+                            "base_load_hash_MBps": len(raw) / load_s / 1e6,
+                            "deltas": rounds, "delta_bytes": nbytes, "changed": changed,
+                            "density": changed / (rounds * elements),
+                            "delta_pull_MBps": nbytes / pull_s / 1e6, "delta_apply_MBps": nbytes / apply_s / 1e6,
+                            "apply_of_pull": pull_s / apply_s}
+            return asyncio.run(run())
+        finally:
+            server.kill()
 
 
 def _pieces(listing: dict):
@@ -271,6 +396,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE.parent / "docs" / "bench_transfer.json")
     ap.add_argument("--link-mbit", type=float, default=200.0)
     ap.add_argument("--elements", type=int, default=64 << 20, help="bf16 elements in the model")
+    ap.add_argument("--loopback-elements", type=int, default=512 << 20,
+                    help="bf16 elements of the base pulled over loopback (default: 1 GiB)")
+    ap.add_argument("--decode-elements", type=int, default=256 << 20,
+                    help="bf16 elements of the model whose deltas are pulled and applied")
+    ap.add_argument("--skip-wan", action="store_true", help="loopback figures only")
     ap.add_argument("--workers", type=int, default=3, help="workers per region")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of the fan-out figures (medians reported)")
     a = ap.parse_args()
@@ -283,9 +413,14 @@ def main() -> None:
         store = Store.init(Path(tmp) / "store", states[0], base_every=1000)
         os.chmod(tmp, 0o755)
         result = {"elements": a.elements, "base_bytes": store.versions[0].base_bytes}
-        print("loopback: 8 clients ...", file=sys.stderr)
-        result["loopback"] = loopback(store.path, store.versions[0].base_bytes)
-        if os.geteuid() == 0:
+        big = Store.init(Path(tmp) / "loopback", {"w": torch.randn(a.loopback_elements).bfloat16()}, base_every=1000)
+        print("loopback: one process, then 8, beside curl ...", file=sys.stderr)
+        result["loopback"] = loopback(big.path, big.versions[0].base_bytes, a.repeat)
+        print("checksums beside memcpy ...", file=sys.stderr)
+        result["hashes"] = hashes()
+        print("decode + apply beside the pull ...", file=sys.stderr)
+        result["decode"] = decode_vs_pull(a.decode_elements, 3)
+        if os.geteuid() == 0 and not a.skip_wan:
             print("emulated WAN ...", file=sys.stderr)
             result["wan"] = wan_benchmarks(store.path, states, a.link_mbit, a.workers, a.repeat)
     print(json.dumps(result, indent=1))

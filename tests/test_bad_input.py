@@ -160,3 +160,42 @@ def test_forged_header_with_absurd_shape(pair):
     forged = HEAD.pack(b"SPRWDLTA", 1, len(raw)) + raw + hashlib.sha256(raw).digest() + data[HEAD.size + n + 32:]
     with pytest.raises(CorruptError, match="header: .*elements \\(limit"):
         DeltaFile(forged)
+
+
+def test_base_tensors_are_views_of_the_pulled_bytes(rng):
+    """A pulled base becomes tensors without a copy; a tensor whose bytes are not aligned to its
+    item size (possible in a hand-written file) is copied out, and every value survives."""
+    from safetensors.torch import save
+
+    from sparrowrl.checkpoint_io import tensors_in
+
+    state = {"a": random_tensor(rng, "BF16", (3, 5)), "b": torch.arange(7, dtype=torch.int64),
+             "c": torch.zeros(0), "d": torch.tensor(3.0)}
+    buf = bytearray(save(state))
+    got = tensors_in(buf)
+    assert state_hash(got) == state_hash(state)
+    assert all(got[k].dtype == state[k].dtype and got[k].shape == state[k].shape for k in state)
+    got["b"][0] = 42  # a view: the buffer changes with it
+    assert tensors_in(buf)["b"][0] == 42
+    header = b'{"x":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}}'
+    odd = bytearray(struct.pack("<Q", len(header)) + header + bytes(range(10)))
+    assert tensors_in(odd)["x"].view(torch.uint8).tolist() == list(range(1, 9))
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}, "at bytes 0..8"),  # shape needs 16 bytes
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 64]}, "at bytes 0..64"),  # past the end
+    ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "at bytes 0..8"),
+    ({"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}, "unreadable entry"),
+    ({"shape": [2], "data_offsets": [0, 8]}, "unreadable entry"),
+])
+def test_a_base_with_a_lying_header_is_refused(entry, message):
+    import json
+
+    from sparrowrl.checkpoint_io import CheckpointError, tensors_in
+
+    header = json.dumps({"x": entry}).encode()
+    with pytest.raises(CheckpointError, match=f"tensor 'x'.*{message}"):
+        tensors_in(bytearray(struct.pack("<Q", len(header)) + header + bytes(16)))
+    with pytest.raises(CheckpointError, match="header of"):
+        tensors_in(bytearray(struct.pack("<Q", 1 << 40) + header))

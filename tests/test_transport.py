@@ -88,6 +88,39 @@ def test_fetch_by_chain_and_by_base(history, streams):
     run(go())
 
 
+def test_a_server_that_ignores_range_still_serves_each_piece():
+    """A proxy that drops the Range header answers 200 with the whole file: each stream skips to
+    its piece (in bounded reads) and every piece still verifies in place."""
+    from aiohttp import web
+
+    from sparrowrl.transport.client import Piece
+
+    data = os.urandom(3 << 20)
+    pieces = [Piece(o, 1 << 20, hashlib.sha256(data[o:o + (1 << 20)]).hexdigest()) for o in range(0, len(data), 1 << 20)]
+    asked = []
+
+    async def whole(request):
+        asked.append(request.headers.get("Range"))
+        return web.Response(body=data)
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/file", whole)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with Client(f"http://127.0.0.1:{port}", token=TOKEN, streams=2, group_bytes=1) as c:
+                got = await c.download("/file", len(data), pieces)
+                assert bytes(got) == data and c.stats.refetched == 0
+        finally:
+            await runner.cleanup()
+    run(go())
+    assert sorted(asked) == ["bytes=0-1048575", "bytes=1048576-2097151", "bytes=2097152-3145727"]
+
+
 def test_connection_killed_mid_transfer_resumes(history):
     path, states = history
 

@@ -28,8 +28,8 @@ from typing import Annotated, Literal
 import aiohttp
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
-from safetensors.torch import load as load_safetensors
 
+from sparrowrl.checkpoint_io import CheckpointError, tensors_in
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
 from sparrowrl.limits import first_problem, memory_available
 from sparrowrl.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
@@ -39,6 +39,8 @@ PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server
 BUSY_WAIT_S = 60.0  # how long one request waits on a server that says when to ask again (a relay still
 # syncing: its workers would otherwise pull a whole base each across the WAN from the origin)
 PORT_WAIT_S = 60.0  # how long one request waits for its stream's fixed local port to be free (TIME_WAIT's length)
+READ_BUFFER = 4 << 20  # bytes a response may buffer before its socket is paused (aiohttp's 64 KiB paused it
+# after every read at LAN speed)
 MAX_BYTES = 1 << 40  # the largest file (base snapshot or delta) a server may list
 MAX_ITEMS = 1 << 24  # versions, parts or pieces in one listing
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
@@ -202,10 +204,30 @@ class _Queue:
             return run
 
 
-async def _sha256(data: bytes) -> str:
+async def _sha256(data) -> str:
     """A piece's digest, off the event loop: hashlib releases the GIL, so the streams' reads go
     on while pieces are hashed (on the loop, hashing took 42% of a 4-stream pull)."""
     return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+
+
+async def _read_into(content: aiohttp.StreamReader, view: memoryview) -> None:
+    """Fill `view` from a response body: each chunk as the socket delivered it, copied once into
+    place (readexactly joined the chunks into a new bytes object, which was then copied again)."""
+    got, n = 0, len(view)
+    while got < n:
+        chunk = await content.read(n - got)
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", n)
+        view[got:got + len(chunk)] = chunk
+        got += len(chunk)
+
+
+async def _skip(content: aiohttp.StreamReader, n: int) -> None:
+    while n > 0:
+        chunk = await content.read(min(n, 1 << 20))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", n)
+        n -= len(chunk)
 
 
 def _reusable(addr_info) -> socket.socket:
@@ -245,7 +267,7 @@ class Client:
         self._fell_back_at = 0.0
 
     def _new_session(self, **connector_kw) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(headers=self.headers, timeout=self.timeout,
+        return aiohttp.ClientSession(headers=self.headers, timeout=self.timeout, read_bufsize=READ_BUFFER,
                                      connector=aiohttp.TCPConnector(ssl=self.ssl, **connector_kw))
 
     async def __aenter__(self) -> "Client":
@@ -396,19 +418,19 @@ class Client:
     async def download(self, path: str, size: int, pieces: list[Piece]) -> bytearray:
         """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams."""
         buf = bytearray(size)
+        view = memoryview(buf)
 
         async def source():
             yield pieces
 
-        def keep(p: Piece, data: bytes) -> None:
-            buf[p.offset:p.offset + p.length] = data
-
-        await self._pull(path, source(), keep)
+        await self._pull(path, source(), lambda p: view[p.offset:p.offset + p.length], lambda p, data: None)
         return buf
 
-    async def _pull(self, path: str, source, keep) -> None:
+    async def _pull(self, path: str, source, place, keep) -> None:
         """Fetch the pieces that `source` (an async iterator of lists) names, as they are named,
-        over parallel streams; `keep(piece, bytes)` receives each verified piece (see `_Queue`)."""
+        over parallel streams (see `_Queue`). Each piece is read into `place(piece)`, a writable
+        buffer of its length (its spot in the caller's file, so that it is copied only once), and
+        once it has verified, `keep(piece, that buffer)` receives it."""
         queue, kind, t0 = _Queue(self.streams, self.group_bytes), path.rsplit("/", 1)[-1], time.perf_counter()
 
         async def lister() -> None:
@@ -418,7 +440,7 @@ class Client:
             finally:
                 await queue.listed()
 
-        tasks = [asyncio.create_task(lister())] + [asyncio.create_task(self._stream(i, path, kind, queue, keep))
+        tasks = [asyncio.create_task(lister())] + [asyncio.create_task(self._stream(i, path, kind, queue, place, keep))
                                                    for i in range(max(1, self.streams))]
         try:
             await asyncio.gather(*tasks)
@@ -427,7 +449,7 @@ class Client:
                 t.cancel()
         self.stats.seconds += time.perf_counter() - t0
 
-    async def _stream(self, i: int, path: str, kind: str, queue: _Queue, keep) -> None:
+    async def _stream(self, i: int, path: str, kind: str, queue: _Queue, place, keep) -> None:
         """Download stream i: takes runs of neighbouring pieces from `queue` and asks for each
         run in one Range request, verifying piece by piece as they arrive, so a dropped
         connection costs only the piece in flight; the rest go back to the queue. A piece that
@@ -440,10 +462,11 @@ class Client:
                 async with session.get(url, headers={"Range": f"bytes={start}-{end - 1}"}) as r:
                     await self._check(r, url)
                     if r.status == 200:  # a server that ignores Range sends the whole file
-                        await r.content.readexactly(start)
+                        await _skip(r.content, start)
                     while run:
                         p = run[0]
-                        data = await r.content.readexactly(p.length)
+                        data = place(p)
+                        await _read_into(r.content, data)
                         await self._throttle(p.length)
                         run.pop(0)
                         if await _sha256(data) == p.sha256:
@@ -495,7 +518,7 @@ class Client:
         room = memory_available() // 2  # pieces, then joined: a server that lists pieces without end must not
         # grow us until we are killed
 
-        def keep(p: Piece, data: bytes) -> None:
+        def keep(p: Piece, data: bytearray) -> None:
             nonlocal room
             room -= len(data)
             if room < 0:
@@ -504,18 +527,20 @@ class Client:
             if on_piece is not None:
                 on_piece(p, data)
 
-        await self._pull(f"/v1/versions/{version}/delta", self._listed(f"/v1/versions/{version}/pieces", info), keep)
+        await self._pull(f"/v1/versions/{version}/delta", self._listed(f"/v1/versions/{version}/pieces", info),
+                         lambda p: memoryview(bytearray(p.length)), keep)
         data = b"".join(got[k] for k in sorted(got))
         if len(data) != info.get("bytes"):
             raise FetchError(f"delta v{version}: pieces cover {len(data)} bytes, the server listed {info.get('bytes')}")
         return DeltaFile(data, f"delta v{version}")
 
-    async def base_parts(self, version: int, entry: dict, keep) -> None:
+    async def base_parts(self, version: int, entry: dict, keep, place=None) -> None:
         """A base snapshot's parts, each verified against the version listing `entry`, handed
-        to `keep(piece, bytes)` as they land. Cut-through from a relay that is still fetching
+        to `keep(piece, buffer)` as they land; read into `place(piece)` if given (see `_pull`). Cut-through from a relay that is still fetching
         the base itself: parts are asked for only once the server lists them as ready."""
         size, step = entry["base"]["bytes"], entry["base"]["part_bytes"]
         parts = {i * step: Piece(i * step, min(step, size - i * step), h) for i, h in enumerate(entry["base"]["parts"])}
+        place = place or (lambda p: memoryview(bytearray(p.length)))
 
         async def source():
             async for batch in self._listed(f"/v1/versions/{version}/base/pieces", {}):
@@ -523,7 +548,7 @@ class Client:
                     raise FetchError(f"base v{version}: the server lists parts its version listing does not")
                 yield batch
 
-        await self._pull(f"/v1/versions/{version}/base", source(), keep)
+        await self._pull(f"/v1/versions/{version}/base", source(), place, keep)
 
     async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:
         """A base snapshot, verified part by part and then by its full state hash."""
@@ -534,16 +559,16 @@ class Client:
         if size > free:
             raise FetchError(f"base v{version} is {size:,} bytes, more than the {free:,} bytes of memory free here")
         buf, got = bytearray(size), set()
-
-        def keep(p: Piece, data: bytes) -> None:
-            buf[p.offset:p.offset + p.length] = data
-            got.add(p.offset)
-
-        await self.base_parts(version, entry, keep)
+        view = memoryview(buf)
+        await self.base_parts(version, entry, lambda p, data: got.add(p.offset),
+                              lambda p: view[p.offset:p.offset + p.length])
         if len(got) != len(entry["base"]["parts"]):
             raise FetchError(f"base v{version}: {len(got)} of {len(entry['base']['parts'])} parts arrived")
-        state = load_safetensors(bytes(buf))
-        h = state_hash(state)
+        try:
+            state = tensors_in(buf)
+        except CheckpointError as e:
+            raise FetchError(f"base v{version}: {e}") from None
+        h = await asyncio.to_thread(state_hash, state)
         if h != entry["state_hash"]:
             raise FetchError(f"base v{version} hashes to {h}, the listing says {entry['state_hash']}")
         return state, h
