@@ -6,6 +6,10 @@ Scenarios
   synthetic-lr1e-5  the same at 10x the learning rate (denser; exercises the dense fallback)
   tiny-qwen3        real training steps of a tiny Qwen3 (pretrained briefly, then AdamW at 1e-6)
 
+"entropy B/chg" is the bound of v1's model (each element alike); "context B/chg" that of the best
+model conditioned on what the receiver holds (`context_bounds`: the base element's exponent, its
+tensor, the step before's changes), the question codec v2 answers.
+
 Speeds are bytes of one bf16 model state per second, beside memcpy of the same buffers measured
 in the same rounds (medians; the ratio's range over the rounds is in the JSON). `--quick` is CI-sized (~3e7 elements); the full mode holds >= 1e9 elements.
 """
@@ -118,6 +122,88 @@ def entropy_bound(old: dict, new: dict) -> float:
     return (pos_bits - changed * (q * np.log2(q)).sum()) / 8 / changed
 
 
+def _bits_given(classes: np.ndarray, symbols: np.ndarray) -> float:
+    """Empirical conditional entropy, in bits in all: sum over (class, symbol) of -n log2(n / n_class)."""
+    pairs = classes.astype(np.uint64) << np.uint64(32) | symbols.astype(np.uint64)
+    _, n = np.unique(pairs, return_counts=True)
+    _, ncls = np.unique(classes, return_counts=True)
+    return float((n * np.log2(n)).sum() * -1 + (ncls * np.log2(ncls)).sum())
+
+
+def _bernoulli_bits(n: np.ndarray, k: np.ndarray) -> float:
+    """Bits of ideal coding of k changes among n elements, per class."""
+    n, k = n.astype(np.float64), k.astype(np.float64)
+    ok = (k > 0) & (k < n)
+    p = k[ok] / n[ok]
+    return float((n[ok] * -(p * np.log2(p) + (1 - p) * np.log2(1 - p))).sum())
+
+
+def _class_gap_bits(cls: np.ndarray, changed: np.ndarray) -> float:
+    """Bits of coding, for each class, the gaps between changes within that class's own
+    subsequence of elements (what a decoder can walk once it has classified the base): Rice
+    split as in v1, q at its empirical entropy, r raw; plus each class's count, 32 bits."""
+    from sparrowrl.delta.entropy import rice_k
+
+    order = np.argsort(cls, kind="stable")
+    ranks = np.empty_like(order)
+    sizes = np.bincount(cls)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    ranks[order] = np.arange(len(cls)) - np.repeat(starts, sizes)  # index within its class
+    total = 0.0
+    for c in np.flatnonzero(np.bincount(cls[changed], minlength=len(sizes))):
+        idx = ranks[changed & (cls == c)]
+        gaps = np.diff(np.concatenate([[-1], np.sort(idx)])) - 1
+        k = rice_k(int(idx.max()), len(idx))
+        q = gaps >> k
+        _, n = np.unique(q, return_counts=True)
+        total += float(-(n * np.log2(n / n.sum())).sum()) + k * len(idx) + 32
+    return total
+
+
+def context_bounds(old: dict, new: dict, before: dict | None = None) -> dict:
+    """Bytes per changed element of ideal coders that condition on what the receiver holds
+    (codec v2's design question): positions as Bernoulli per context class, values as the
+    empirical distribution of wrap-around differences per class. Classes: the base element's
+    exponent (bf16 bits 7..14), that with its tensor, and that with whether the element changed
+    in the step before (`before`: the state one step earlier, which a worker that applied it
+    holds). Model parameters are not counted, except in `gaps_tensor_exp`: what coding each
+    class's gaps (v2's candidate) costs, with its counts."""
+    total = 0
+    n_exp, k_exp = np.zeros(256, np.int64), np.zeros(256, np.int64)
+    pos_tensor_exp = pos_prev = pos_iid = gaps_tensor_exp = 0.0
+    cls_all, diff_all = [], []
+    for name in new:
+        a, b = bits(old[name]).astype(np.int64), bits(new[name]).astype(np.int64)
+        if old[name].dtype != torch.bfloat16:
+            continue
+        exp = (a >> 7) & 0xFF
+        changed = a != b
+        total += int(changed.sum())
+        n, k = np.bincount(exp, minlength=256), np.bincount(exp[changed], minlength=256)
+        n_exp, k_exp = n_exp + n, k_exp + k
+        pos_tensor_exp += _bernoulli_bits(n, k)
+        gaps_tensor_exp += _class_gap_bits(exp, changed)
+        pos_iid += _bernoulli_bits(np.array([len(a)]), np.array([int(changed.sum())]))
+        if before is not None:
+            prev = bits(before[name]).astype(np.int64) != a
+            cls = exp * 2 + prev
+            pos_prev += _bernoulli_bits(np.bincount(cls, minlength=512), np.bincount(cls[changed], minlength=512))
+        cls_all.append(exp[changed])
+        diff_all.append((b[changed] - a[changed]) & 0xFFFF)
+    if not total:
+        return {}
+    cls, diff = np.concatenate(cls_all), np.concatenate(diff_all)
+    per = lambda x: x / 8 / total
+    out = {"positions_iid": per(pos_iid), "positions_exp": per(_bernoulli_bits(n_exp, k_exp)),
+           "positions_tensor_exp": per(pos_tensor_exp),
+           "values_iid": per(_bits_given(np.zeros_like(diff), diff)), "values_exp": per(_bits_given(cls, diff))}
+    if before is not None:
+        out["positions_tensor_exp_prev"] = per(pos_prev)
+    out["best"] = min(out[k] for k in out if k.startswith("positions")) + out["values_exp"]
+    out["gaps_tensor_exp"] = per(gaps_tensor_exp)  # achievable by per-class gap coding, not a bound
+    return out
+
+
 def encode(old: dict, new: dict, base_hash: str) -> bytes:
     buf = io.BytesIO()
     w = DeltaWriter(buf, [TensorSpec.of(n, t) for n, t in new.items()], base_version=0, base_hash=base_hash,
@@ -133,7 +219,7 @@ def clock(fn) -> float:
     return time.perf_counter() - t
 
 
-def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True) -> dict:
+def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True, before: dict | None = None) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in new.values())
     base_hash = state_hash(old)
     data = encode(old, new, base_hash)
@@ -145,7 +231,7 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True) -> d
     row = {"scenario": name, "elements": s["elements"], "changed": s["changed"], "density": s["changed_fraction"],
            "payload_bytes": s["payload_bytes"], "dense_bytes": s["dense_bytes"], "ratio_vs_dense": s["ratio_vs_dense"],
            "bytes_per_changed": s["bytes_per_changed"], "entropy_bound_bytes_per_changed": entropy_bound(old, new),
-           "bit_exact": True}
+           "context_bounds": context_bounds(old, new, before), "bit_exact": True}
     if timed:
         # memcpy, encode and decode back to back in each round, so that drifts in the machine's
         # speed (it is shared) hit reference and subject alike; medians over the rounds
@@ -189,24 +275,29 @@ def main() -> None:
         rows.append(measure(f"synthetic-lr{lr:g}", old, new, reps))
         del old, new
     console.print("training tiny Qwen3 ...")
-    tiny = [measure(f"tiny-qwen3 step {i + 1}", a, b, reps, timed=False) for i, (a, b) in enumerate(tiny_qwen3_steps(5))]
+    steps = tiny_qwen3_steps(5)
+    tiny = [measure(f"tiny-qwen3 step {i + 1}", a, b, reps, timed=False, before=steps[i - 1][0] if i else None)
+            for i, (a, b) in enumerate(steps)]
     agg = {"scenario": "tiny-qwen3 (5 steps)", "elements": tiny[0]["elements"],
            "changed": sum(r["changed"] for r in tiny), "payload_bytes": sum(r["payload_bytes"] for r in tiny),
            "dense_bytes": sum(r["dense_bytes"] for r in tiny), "bit_exact": all(r["bit_exact"] for r in tiny)}
     agg.update(density=agg["changed"] / (agg["elements"] * len(tiny)), ratio_vs_dense=agg["payload_bytes"] / agg["dense_bytes"],
                bytes_per_changed=agg["payload_bytes"] / agg["changed"],
                entropy_bound_bytes_per_changed=float(np.mean([r["entropy_bound_bytes_per_changed"] for r in tiny])),
+               context_bounds={k: float(np.mean([r["context_bounds"][k] for r in tiny if k in r["context_bounds"]]))
+                               for k in tiny[-1]["context_bounds"]},
                steps=tiny)
     rows.append(agg)
 
     table = Table(title="sparse delta codec (speeds: GB of bf16 state per second)")
-    for col in ("scenario", "elements", "density", "B/changed", "entropy B/chg", "vs dense", "diff+enc", "dec+apply",
-                "memcpy", "enc/memcpy"):
+    for col in ("scenario", "elements", "density", "B/changed", "entropy B/chg", "context B/chg", "vs dense", "diff+enc",
+                "dec+apply", "memcpy", "enc/memcpy"):
         table.add_column(col, justify="right")
     for r in rows:
         sp = lambda k: f"{r[k]:.2f}" if k in r else "-"
         table.add_row(r["scenario"], f"{r['elements']:,}", f"{r['density']:.3%}", f"{r['bytes_per_changed']:.3f}",
-                      f"{r['entropy_bound_bytes_per_changed']:.3f}", f"{r['ratio_vs_dense']:.3%}", sp("diff_encode_GBps"),
+                      f"{r['entropy_bound_bytes_per_changed']:.3f}", f"{r['context_bounds']['best']:.3f}",
+                      f"{r['ratio_vs_dense']:.3%}", sp("diff_encode_GBps"),
                       sp("decode_apply_GBps"), sp("memcpy_GBps"),
                       f"{r['diff_encode_vs_memcpy']:.0%}" if "diff_encode_vs_memcpy" in r else "-")
     Console(width=150).print(table)
