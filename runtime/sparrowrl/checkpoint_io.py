@@ -192,8 +192,11 @@ def tensors_in(buf) -> dict[str, torch.Tensor]:
             numel *= x
         if min(shape, default=0) < 0 or not 0 <= b <= e <= len(buf) - start or e - b != numel * size:
             raise CheckpointError(f"tensor '{name}': {t['dtype']} {shape} at bytes {b}..{e} of {len(buf) - start}")
-        view = torch.frombuffer(buf, dtype=dtype, count=numel, offset=start + b) if numel else torch.empty(0, dtype=dtype)
-        state[name] = view.reshape(shape) if (start + b) % size == 0 else view.reshape(shape).clone()
+        if not numel:
+            state[name] = torch.empty(shape, dtype=dtype)
+        else:
+            view = torch.frombuffer(buf, dtype=dtype, count=numel, offset=start + b).reshape(shape)
+            state[name] = view if (start + b) % size == 0 else view.clone()
         ends.append((b, e))
     ends.sort()
     if any(e0 > b1 for (_, e0), (b1, _) in zip(ends, ends[1:])):

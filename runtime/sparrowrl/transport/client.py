@@ -518,7 +518,7 @@ class Client:
         room = memory_available() // 2  # pieces, then joined: a server that lists pieces without end must not
         # grow us until we are killed
 
-        def keep(p: Piece, data: bytearray) -> None:
+        def keep(p: Piece, data: memoryview) -> None:
             nonlocal room
             room -= len(data)
             if room < 0:
@@ -536,8 +536,9 @@ class Client:
 
     async def base_parts(self, version: int, entry: dict, keep, place=None) -> None:
         """A base snapshot's parts, each verified against the version listing `entry`, handed
-        to `keep(piece, buffer)` as they land; read into `place(piece)` if given (see `_pull`). Cut-through from a relay that is still fetching
-        the base itself: parts are asked for only once the server lists them as ready."""
+        to `keep(piece, buffer)` as they land, each read into `place(piece)` (see `_pull`; by
+        default a buffer of its own). Cut-through from a relay that is still fetching the base
+        itself: parts are asked for only once the server lists them as ready."""
         size, step = entry["base"]["bytes"], entry["base"]["part_bytes"]
         parts = {i * step: Piece(i * step, min(step, size - i * step), h) for i, h in enumerate(entry["base"]["parts"])}
         place = place or (lambda p: memoryview(bytearray(p.length)))
