@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from sparrowrl.delta import kernels
 from sparrowrl.delta.bitview import SINT, TORCH_SINT, UINT, bits, dtype_name, itemsize
 from sparrowrl.delta.errors import MismatchError, VerifyError
 from sparrowrl.delta.extract import unzigzag
@@ -38,10 +39,14 @@ class Slot:
         return self.flat[self.offset:self.offset + numel]
 
     def gather(self, positions: np.ndarray) -> np.ndarray:
-        return self.flat[self.offset + positions]
+        out = kernels.gather(self.flat, self.offset, positions)
+        if out is None:
+            raise IndexError(f"positions beyond a slot of {self.flat.shape[0]} elements")
+        return out
 
     def scatter(self, positions: np.ndarray, values: np.ndarray) -> None:
-        self.flat[self.offset + positions] = values
+        if not kernels.scatter(self.flat, self.offset, positions, values):
+            raise IndexError(f"positions beyond a slot of {self.flat.shape[0]} elements")
 
 
 @dataclass
@@ -137,22 +142,23 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
     changed, ends = [0] * n, [-1] * n
     positions: list[list[np.ndarray]] = [[] for _ in range(n)]
     diffs: list[list[np.ndarray]] = [[] for _ in range(n)]
-    for rec in delta.records():
-        tid = rec.tensor_id
-        if rec.start < ends[tid]:
-            raise VerifyError(f"tensor '{delta.tensors[tid].name}': records overlap at element {rec.start}")
-        ends[tid] = rec.start + rec.length
-        if rec.positions is None:  # dense: a difference for every element, zero where unchanged
-            pos = np.flatnonzero(rec.diffs)
-            d = rec.diffs[pos]
-        else:
-            pos, d = rec.positions, rec.diffs
-        positions[tid].append(pos + rec.start)
-        diffs[tid].append(d)
-        changed[tid] += rec.count
-        if changed[tid] > m["tensors"][tid]["changed"]:
-            raise VerifyError(f"tensor '{delta.tensors[tid].name}': records hold more changes than the manifest's "
-                              f"{m['tensors'][tid]['changed']}")
+    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(m["chunks"])))) as pool:
+        for rec in delta.records(pool):  # chunks decode in parallel
+            tid = rec.tensor_id
+            if rec.start < ends[tid]:
+                raise VerifyError(f"tensor '{delta.tensors[tid].name}': records overlap at element {rec.start}")
+            ends[tid] = rec.start + rec.length
+            if rec.positions is None:  # dense: a difference for every element, zero where unchanged
+                pos = np.flatnonzero(rec.diffs)
+                d = rec.diffs[pos]
+            else:
+                pos, d = rec.positions, rec.diffs
+            positions[tid].append(pos + rec.start)
+            diffs[tid].append(d)
+            changed[tid] += rec.count
+            if changed[tid] > m["tensors"][tid]["changed"]:
+                raise VerifyError(f"tensor '{delta.tensors[tid].name}': records hold more changes than the manifest's "
+                                  f"{m['tensors'][tid]['changed']}")
 
     staged: list[_Staged] = []
     hash_delta = [0] * n

@@ -86,17 +86,14 @@ def _model(counts: np.ndarray):
     return _Categorical(counts.astype(np.float64), perfect=False)
 
 
-def _ans_decode(words: np.ndarray, model, count: int, what: str) -> np.ndarray:
-    """Decode `count` symbols from one ANS stack, which must then be exactly empty."""
-    try:
-        coder = _AnsCoder(words)
-        out = coder.decode(model, count)
-        empty = coder.is_empty()
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # constriction's Rust panics surface as a BaseException subclass
-        raise CorruptError(f"{what}: ANS stream does not decode ({e})") from None
-    if not empty:
+def _ans_decode(words: np.ndarray, counts: np.ndarray, count: int, what: str) -> np.ndarray:
+    """Decode `count` symbols from one ANS stack, which must then be exactly empty. A numba port
+    of constriction's decoder (`kernels.ans_decode`, bit-exact with it: tests/test_fuzz.py), which
+    releases the GIL, so that a delta's chunks decode in parallel."""
+    out, status = kernels.ans_decode(words, kernels.ans_cdf(counts), count)
+    if status == 2:
+        raise CorruptError(f"{what}: ANS stream does not decode (its last word is zero)")
+    if status:
         raise CorruptError(f"{what}: ANS stream has undecoded bits left")
     return out
 
@@ -168,7 +165,7 @@ def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int, out_dtype:
     rest = cur.take(len(cur.buf) - cur.pos)
     if len(rest) % 4:
         raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
-    sym = _ans_decode(np.frombuffer(rest, "<u4").astype(np.uint32), _model(counts), count, what)
+    sym = _ans_decode(np.frombuffer(rest, "<u4").astype(np.uint32), counts, count, what)
     is_esc = sym == _ALPHABET - 1
     if int(is_esc.sum()) != n_esc:
         raise CorruptError(f"{what}: {int(is_esc.sum())} escape symbols but {n_esc} escaped values")

@@ -379,13 +379,21 @@ class DeltaFile:
             self._fail(CorruptError, f"chunk {i}: body does not match the chunk's own digest")
         return body
 
-    def records(self) -> Iterator[Record]:
+    def records(self, pool: ThreadPoolExecutor | None = None) -> Iterator[Record]:
+        """Every record, in file order; with `pool`, chunks are checked and decoded in parallel
+        (the entropy decoder releases the GIL), and the first failing chunk's error is raised."""
         sizes = [itemsize(t.dtype) for t in self.tensors]
         numels = [t.numel for t in self.tensors]
-        for i in range(len(self.manifest["chunks"])):
-            cur = Cursor(self.chunk_body(i), f"{self.source}: chunk {i}")
+
+        def chunk(i: int) -> list[Record]:
+            cur, out = Cursor(self.chunk_body(i), f"{self.source}: chunk {i}"), []
             while cur.pos < len(cur.buf):
-                yield decode_record(cur, sizes, numels)
+                out.append(decode_record(cur, sizes, numels))
+            return out
+
+        chunks = range(len(self.manifest["chunks"]))
+        for records in (pool.map(chunk, chunks) if pool is not None else map(chunk, chunks)):
+            yield from records
 
     # ---- summary for `delta inspect` ----
     def summary(self) -> dict:

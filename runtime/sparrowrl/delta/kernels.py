@@ -190,3 +190,87 @@ def unpack_bits(buf, k, n):
         acc >>= np.uint64(k)
         nbits -= k
     return out
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def ans_cdf(counts):
+    """The fixed-point CDF (24-bit) that constriction's `Categorical(counts, perfect=False)`
+    quantizes `counts` to: cdf[i] = trunc(sum(counts[:i]) * (2**24 - n) / sum(counts)) + i, so
+    that every symbol gets at least 1. Counts are integers, so every float sum here is exact."""
+    n = counts.shape[0]
+    total = 0.0
+    for i in range(n):
+        total += np.float64(counts[i])
+    scale = np.float64((1 << 24) - n) / total
+    cdf = np.empty(n + 1, np.uint32)
+    cum = 0.0
+    for i in range(n):
+        cdf[i] = np.uint32(np.uint64(cum * scale) + np.uint64(i))
+        cum += np.float64(counts[i])
+    cdf[n] = np.uint32(1 << 24)
+    return cdf
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def ans_decode(words, cdf, count):
+    """`count` symbols popped from constriction's AnsCoder (u32 words, u64 state, 24-bit
+    precision) over `cdf`, bit for bit as constriction decodes them, without the GIL. Returns
+    (symbols, status): 0 when the stack ends exactly empty, 1 when it does not, 2 when its top
+    word is zero (constriction refuses those)."""
+    out = np.empty(count, np.int64)
+    top = words.shape[0]
+    state = np.uint64(0)
+    if top:
+        top -= 1
+        if words[top] == 0:
+            return out, 2
+        state = np.uint64(words[top])
+        while top and state < (np.uint64(1) << np.uint64(32)):
+            top -= 1
+            state = (state << np.uint64(32)) | np.uint64(words[top])
+    n = cdf.shape[0] - 1
+    lut = np.empty(1 << 12, np.int64)  # the last symbol whose cdf is <= t << 12: a start near the answer
+    s = 0
+    for t in range(1 << 12):
+        while s + 1 < n and cdf[s + 1] <= np.uint32(t << 12):
+            s += 1
+        lut[t] = s
+    mask = np.uint64((1 << 24) - 1)
+    for j in range(count):
+        q = np.uint32(state & mask)
+        lo = lut[q >> np.uint32(12)]
+        while cdf[lo + 1] <= q:  # cdf[n] == 2**24 > q ends it
+            lo += 1
+        out[j] = lo
+        state = (state >> np.uint64(24)) * np.uint64(cdf[lo + 1] - cdf[lo]) + np.uint64(q - cdf[lo])
+        if state < (np.uint64(1) << np.uint64(32)) and top:
+            top -= 1
+            state = (state << np.uint64(32)) | np.uint64(words[top])
+    return out, 0 if state == 0 else 1
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def gather(flat, offset, positions):
+    """flat[offset + positions] in one pass, without a temporary index array; None if any index
+    falls outside `flat` (the caller's checks make that a bug, never a write out of bounds)."""
+    out = np.empty(positions.shape[0], flat.dtype)
+    n = flat.shape[0]
+    for j in range(positions.shape[0]):
+        i = offset + positions[j]
+        if i < 0 or i >= n:
+            return None
+        out[j] = flat[i]
+    return out
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def scatter(flat, offset, positions, values):
+    """flat[offset + positions] = values; False, with nothing written, if any index falls outside."""
+    n = flat.shape[0]
+    for j in range(positions.shape[0]):
+        i = offset + positions[j]
+        if i < 0 or i >= n:
+            return False
+    for j in range(positions.shape[0]):
+        flat[offset + positions[j]] = values[j]
+    return True
