@@ -21,6 +21,7 @@ from sparrowrl.delta.bitview import SINT, TORCH_SINT, UINT, bits, dtype_name, it
 from sparrowrl.delta.errors import MismatchError, VerifyError
 from sparrowrl.delta.extract import unzigzag
 from sparrowrl.delta.frame import DeltaFile, TensorSpec
+from sparrowrl.delta.records import Record
 from sparrowrl.delta.statehash import format_hash, parse_hash, tensor_hash
 
 _M64 = (1 << 64) - 1
@@ -139,37 +140,50 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
                             f"base has {have}")
 
     n = len(delta.tensors)
-    changed, ends = [0] * n, [-1] * n
-    positions: list[list[np.ndarray]] = [[] for _ in range(n)]
-    diffs: list[list[np.ndarray]] = [[] for _ in range(n)]
+    keys = [spec.key() for spec in delta.tensors]
+
+    def stage(rec: Record) -> tuple[Record, np.ndarray, np.ndarray, _Staged | None, int]:
+        """A record's changes, in a pool thread: positions in the tensor and differences, and in
+        host memory also the old and new bit patterns and the hash change. A device's are read
+        per tensor below, in one transfer."""
+        if rec.positions is None:  # dense: a difference for every element, zero where unchanged
+            pos = np.flatnonzero(rec.diffs)
+            d = rec.diffs[pos]
+        else:
+            pos, d = rec.positions, rec.diffs
+        pos = pos + rec.start
+        slot = slots[rec.tensor_id]
+        if isinstance(slot, DeviceSlot):
+            return rec, pos, d, None, 0
+        old = slot.gather(pos)
+        new = old + unzigzag(d)
+        return rec, pos, d, _Staged(slot, pos, old, new), keys[rec.tensor_id].change(pos, old, new)
+
+    changed, ends, hash_delta = [0] * n, [-1] * n, [0] * n
+    staged: list[_Staged] = []
+    on_device: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
     with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(m["chunks"])))) as pool:
-        for rec in delta.records(pool):  # chunks decode in parallel
+        for rec, pos, d, host, h in delta.records(pool, stage):  # chunks decode and stage in parallel
             tid = rec.tensor_id
             if rec.start < ends[tid]:
                 raise VerifyError(f"tensor '{delta.tensors[tid].name}': records overlap at element {rec.start}")
             ends[tid] = rec.start + rec.length
-            if rec.positions is None:  # dense: a difference for every element, zero where unchanged
-                pos = np.flatnonzero(rec.diffs)
-                d = rec.diffs[pos]
-            else:
-                pos, d = rec.positions, rec.diffs
-            positions[tid].append(pos + rec.start)
-            diffs[tid].append(d)
             changed[tid] += rec.count
             if changed[tid] > m["tensors"][tid]["changed"]:
                 raise VerifyError(f"tensor '{delta.tensors[tid].name}': records hold more changes than the manifest's "
                                   f"{m['tensors'][tid]['changed']}")
-
-    staged: list[_Staged] = []
-    hash_delta = [0] * n
-    for tid, spec in enumerate(delta.tensors):  # one read of the changed elements per tensor
-        if not positions[tid]:
-            continue
-        pos, d = np.concatenate(positions[tid]), np.concatenate(diffs[tid])
-        old = slots[tid].gather(pos)
-        new = old + unzigzag(d)
-        hash_delta[tid] = spec.key().change(pos, old, new)
-        staged.append(_Staged(slots[tid], pos, old, new))
+            if host is None:
+                on_device[tid].append((pos, d))
+            else:
+                staged.append(host)
+                hash_delta[tid] += h
+    for tid, parts in enumerate(on_device):  # one read of a device tensor's changed elements
+        if parts:
+            pos, d = np.concatenate([p for p, _ in parts]), np.concatenate([x for _, x in parts])
+            old = slots[tid].gather(pos)
+            new = old + unzigzag(d)
+            hash_delta[tid] = keys[tid].change(pos, old, new)
+            staged.append(_Staged(slots[tid], pos, old, new))
 
     for spec, t, c, h in zip(delta.tensors, m["tensors"], changed, hash_delta):
         if c != t["changed"] or format_hash(h) != t["hash_delta"]:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -379,16 +379,17 @@ class DeltaFile:
             self._fail(CorruptError, f"chunk {i}: body does not match the chunk's own digest")
         return body
 
-    def records(self, pool: ThreadPoolExecutor | None = None) -> Iterator[Record]:
-        """Every record, in file order; with `pool`, chunks are checked and decoded in parallel
-        (the entropy decoder releases the GIL), and the first failing chunk's error is raised."""
+    def records(self, pool: ThreadPoolExecutor | None = None, then: Callable = lambda record: record) -> Iterator:
+        """Every record, in file order, or `then(record)` of each; with `pool`, chunks are checked,
+        decoded and passed to `then` in parallel (the entropy decoder releases the GIL), and the
+        first failing chunk's error is raised."""
         sizes = [itemsize(t.dtype) for t in self.tensors]
         numels = [t.numel for t in self.tensors]
 
         def chunk(i: int) -> list[Record]:
             cur, out = Cursor(self.chunk_body(i), f"{self.source}: chunk {i}"), []
             while cur.pos < len(cur.buf):
-                out.append(decode_record(cur, sizes, numels))
+                out.append(then(decode_record(cur, sizes, numels)))
             return out
 
         chunks = range(len(self.manifest["chunks"]))
