@@ -71,7 +71,7 @@ async def _fetch(url: str, what: str, version: int, streams: int, ports: list[in
             await c.base(version, listing)
         elif what == "parts":  # verified pieces into one buffer: the pull alone
             listing = await c.versions()
-            await c.download(f"/v1/versions/{version}/base", listing["versions"][0]["base"]["bytes"], _pieces(listing))
+            await c.download(f"/v1/versions/{version}/base", *_base_pieces(listing, version))
         else:
             await c.delta(version)
         return {"t0": t0, "t1": time.time(), "bytes": c.stats.bytes, "retries": c.stats.retries,
@@ -141,6 +141,7 @@ def loopback(store: Path, base_bytes: int, rounds: int) -> dict:
     with 4 streams, then 8 processes at once. Medians of `rounds` interleaved rounds."""
     env = dict(os.environ, SPARROWRL_TOKEN=TOKEN)
     url = "http://127.0.0.1:8470"
+    base = f"{url}/v1/versions/0/base"
     server = start([EXE, "serve", str(store), "--port", "8470"], env)
     fetch = [sys.executable, str(Path(__file__).resolve()), "_fetch", url]
     runs: dict[str, list[float]] = {k: [] for k in ("one_pull", "one_base", "one_curl", "one_curl_memory",
@@ -152,13 +153,13 @@ def loopback(store: Path, base_bytes: int, rounds: int) -> dict:
             r = _processes([fetch + ["base", "0", "--streams", "4"]], env)[0]
             runs["one_pull"].append(r["bytes"] / r["download_s"] / 1e6)  # verified parts in place
             runs["one_base"].append(r["bytes"] / (r["t1"] - r["t0"]) / 1e6)  # and the tensors, hashed
-            runs["one_curl"].append(base_bytes / _curls(f"{url}/v1/versions/0/base", 1) / 1e6)
-            runs["one_curl_memory"].append(base_bytes / _curls(f"{url}/v1/versions/0/base", 1, keep=True) / 1e6)
+            runs["one_curl"].append(base_bytes / _curls(base, 1) / 1e6)
+            runs["one_curl_memory"].append(base_bytes / _curls(base, 1, keep=True) / 1e6)
             rs = _processes([fetch + ["parts", "0", "--streams", "4"]] * 8, env)
             runs["eight_pull"].append(sum(r["bytes"] for r in rs) / (max(r["t1"] for r in rs) -
                                                                       min(r["t0"] for r in rs)) / 1e6)
-            runs["eight_curl"].append(8 * base_bytes / _curls(f"{url}/v1/versions/0/base", 8) / 1e6)
-            runs["eight_curl_memory"].append(8 * base_bytes / _curls(f"{url}/v1/versions/0/base", 8, keep=True) / 1e6)
+            runs["eight_curl"].append(8 * base_bytes / _curls(base, 8) / 1e6)
+            runs["eight_curl_memory"].append(8 * base_bytes / _curls(base, 8, keep=True) / 1e6)
     finally:
         server.kill()
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -270,12 +271,13 @@ def decode_vs_pull(elements: int, rounds: int) -> dict:
             server.kill()
 
 
-def _pieces(listing: dict):
+def _base_pieces(listing: dict, version: int) -> tuple[int, list]:
+    """The size and the parts of `version`'s base, as the version listing gives them."""
     from sparrowrl.transport.client import Piece
 
-    b = next(v for v in listing["versions"] if v["version"] == 0)["base"]
-    return [Piece(i * b["part_bytes"], min(b["part_bytes"], b["bytes"] - i * b["part_bytes"]), h)
-            for i, h in enumerate(b["parts"])]
+    b = next(v for v in listing["versions"] if v["version"] == version)["base"]
+    return b["bytes"], [Piece(i * b["part_bytes"], min(b["part_bytes"], b["bytes"] - i * b["part_bytes"]), h)
+                        for i, h in enumerate(b["parts"])]
 
 
 def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, repeat: int) -> dict:
