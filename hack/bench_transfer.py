@@ -260,15 +260,38 @@ def decode_vs_pull(elements: int, rounds: int) -> dict:
                         apply_s += time.perf_counter() - t0
                         nbytes, changed = nbytes + len(d.data), changed + store.versions[v].changed
                     assert h == store.versions[rounds].state_hash
+                    touch_s = _touch_floor(states)
                     return {"base_bytes": len(raw), "base_pull_MBps": len(raw) / base_pull_s / 1e6,
                             "base_load_hash_MBps": len(raw) / load_s / 1e6,
                             "deltas": rounds, "delta_bytes": nbytes, "changed": changed,
                             "density": changed / (rounds * elements),
                             "delta_pull_MBps": nbytes / pull_s / 1e6, "delta_apply_MBps": nbytes / apply_s / 1e6,
-                            "apply_of_pull": pull_s / apply_s}
+                            "apply_of_pull": pull_s / apply_s,
+                            "touch_only_MBps": nbytes / touch_s / 1e6, "apply_of_touch": touch_s / apply_s}
             return asyncio.run(run())
         finally:
             server.kill()
+
+
+def _touch_floor(states: list[dict[str, torch.Tensor]]) -> float:
+    """Seconds to read and assign, in place, the elements that the chain changes, with their
+    positions and new patterns already known (nothing decoded, checked or hashed), with the
+    same gather and scatter passes as apply: the floor that memory sets for any in-place apply
+    on this machine."""
+    from sparrowrl.delta import kernels
+
+    flat = states[0]["w"].clone().view(torch.int16).numpy().view(np.uint16)  # as apply sees it
+    kernels.scatter(flat, 0, np.zeros(1, np.int64), kernels.gather(flat, 0, np.zeros(1, np.int64)))  # load
+    seconds = 0.0
+    for old, new in zip(states, states[1:]):
+        o, n = (s["w"].view(torch.int16).numpy().view(np.uint16) for s in (old, new))
+        positions = np.flatnonzero(o != n).astype(np.int64)
+        values = n[positions]
+        t0 = time.perf_counter()
+        kernels.gather(flat, 0, positions)
+        kernels.scatter(flat, 0, positions, values)
+        seconds += time.perf_counter() - t0
+    return seconds
 
 
 def _base_pieces(listing: dict, version: int) -> tuple[int, list]:
