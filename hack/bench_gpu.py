@@ -50,7 +50,7 @@ def main() -> None:
     from sparrowrl.delta.extract import changed_positions
 
     t_kernel = timed(lambda: changed_positions(cupy, a, b))
-    t_diff = timed(lambda: gpu.extract_tensor(old, new, 1 << 22), reps=3)
+    t_diff = timed(lambda: gpu.extract_tensor(old, new, 1 << 22, (7, 0xFF)), reps=3)  # with classes and ranks
     changed = int(changed_positions(cupy, a, b).shape[0])
 
     def encode() -> int:

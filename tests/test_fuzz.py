@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import mutate, random_tensor
-from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
+from sparrowrl.delta import DeltaFile, apply_delta, kernels, state_hash, write_delta
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.records import decode_record, encode_changes, extract_segment
@@ -17,17 +17,26 @@ from sparrowrl.delta.bitview import bits
 _rng = np.random.default_rng(7)
 OLD = {"a": random_tensor(_rng, "BF16", (64, 64)), "b": random_tensor(_rng, "F32", (300,))}
 NEW = {"a": mutate(_rng, OLD["a"], 0.03), "b": mutate(_rng, OLD["b"], 0.9)}
-_buf = io.BytesIO()
-write_delta(_buf, OLD, NEW, base_version=0, base_hash=state_hash(OLD), target_version=1, segment=512, chunk_bytes=300)
-VALID = _buf.getvalue()
+VALID = {}  # per format version
+for _v in (1, 2):
+    _buf = io.BytesIO()
+    write_delta(_buf, OLD, NEW, base_version=0, base_hash=state_hash(OLD), target_version=1, segment=512,
+                chunk_bytes=300, version=_v)
+    VALID[_v] = _buf.getvalue()
 
-# record bodies of every kind and codec, to mutate beneath the chunk checksums
-SIZES, NUMELS = [2, 4], [4096, 300]
+# record bodies of every kind and codec, to mutate beneath the chunk checksums; each context
+# record decodes against the base it was made from (tensor 0), or a base of another tensor's
+SIZES, NUMELS, FIELDS = [2, 4], [4096, 300], [(7, 0xFF), (23, 0xFF)]
+BASES = [bits(random_tensor(_rng, "BF16", (4096,))), bits(random_tensor(_rng, "F32", (300,)))]
 BODIES = []
 for density in (0.002, 0.02, 0.3, 1.0):
-    a = random_tensor(_rng, "BF16", (4096,))
-    ch = extract_segment(0, bits(a), bits(mutate(_rng, a, density)))
-    BODIES.append(encode_changes(0, ch))
+    ch = extract_segment(0, BASES[0], bits(mutate(_rng, torch.from_numpy(BASES[0].view(np.int16)).view(torch.bfloat16),
+                                                  density)), FIELDS[0])
+    BODIES += [encode_changes(0, ch, 1), encode_changes(0, ch, 2)]
+
+
+def locate(tid, start, length, *found):
+    return kernels.class_locate(BASES[tid][start:start + length], *FIELDS[tid], *found)
 settings_ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -49,13 +58,14 @@ def bits_t(t):
 
 
 @settings_
-@given(edits=st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8),
-       cut=st.one_of(st.none(), st.integers(0, len(VALID))))
-def test_mutated_files(edits, cut):
-    data = bytearray(VALID)
+@given(version=st.sampled_from([1, 2]),
+       edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
+       cut=st.one_of(st.none(), st.integers(0, 10**6)))
+def test_mutated_files(version, edits, cut):
+    data = bytearray(VALID[version])
     for at, val in edits:
-        data[at] = val
-    attempt(bytes(data[:cut] if cut is not None else data))
+        data[at % len(data)] = val
+    attempt(bytes(data[:cut % (len(data) + 1)] if cut is not None else data))
 
 
 @settings_
@@ -68,7 +78,7 @@ def decode_all(body: bytes) -> None:
     cur = Cursor(body, "fuzz")
     try:
         while cur.pos < len(cur.buf):
-            decode_record(cur, SIZES, NUMELS)
+            decode_record(cur, SIZES, NUMELS, 2, locate)
     except DeltaError:
         pass
 
@@ -124,7 +134,7 @@ def test_the_ans_decoder_is_constrictions_bit_for_bit(counts, seed, damage, wher
             words[where % len(words)] ^= np.uint32(1 << (where % 32))
         else:
             words = words[where % len(words):]
-    got, status = kernels.ans_decode(words, kernels.ans_cdf(counts), len(sym))
+    got, status = kernels.ans_decode(words, kernels.ans_cdf(counts)[None, :], np.array([len(sym)], np.int64))
     try:
         ref = constriction.stream.stack.AnsCoder(words)
         want, verdict = ref.decode(model, len(sym)), 0

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from sparrowrl.delta import kernels
+from sparrowrl.delta import context, kernels
 from sparrowrl.delta.bitview import SINT, TORCH_SINT, UINT, bits, dtype_name, itemsize
 from sparrowrl.delta.errors import MismatchError, VerifyError
 from sparrowrl.delta.extract import unzigzag
@@ -49,6 +49,12 @@ class Slot:
         if not kernels.scatter(self.flat, self.offset, positions, values):
             raise IndexError(f"positions beyond a slot of {self.flat.shape[0]} elements")
 
+    def locate(self, start: int, length: int, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray,
+               gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """A context record's positions, found in this slot's base (kernels.class_locate)."""
+        at = self.offset + start
+        return kernels.class_locate(self.flat[at:at + length], fld[0], fld[1], classes, counts, gaps)
+
 
 @dataclass
 class DeviceSlot(Slot):
@@ -74,6 +80,11 @@ class DeviceSlot(Slot):
     def scatter(self, positions: np.ndarray, values: np.ndarray) -> None:
         at = torch.from_numpy(self.offset + positions).to(self.flat.device)
         self.flat[at] = torch.from_numpy(values.view(SINT[values.itemsize])).to(self.flat.device)
+
+    def locate(self, start: int, length: int, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray,
+               gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        at = self.offset + start
+        return context.locate_on_device(self.flat[at:at + length], fld, classes, counts, gaps)
 
 
 SlotMap = Callable[[TensorSpec], Slot]
@@ -159,11 +170,16 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
         new = old + unzigzag(d)
         return rec, pos, d, _Staged(slot, pos, old, new), keys[rec.tensor_id].change(pos, old, new)
 
+    fields = [context.field(spec.dtype) for spec in delta.tensors]
+
+    def locate(tid: int, start: int, length: int, *found: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        return slots[tid].locate(start, length, fields[tid], *found)
+
     changed, ends, hash_delta = [0] * n, [-1] * n, [0] * n
     staged: list[_Staged] = []
     on_device: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
     with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(m["chunks"])))) as pool:
-        for rec, pos, d, host, h in delta.records(pool, stage):  # chunks decode and stage in parallel
+        for rec, pos, d, host, h in delta.records(pool, stage, locate):  # chunks decode and stage in parallel
             tid = rec.tensor_id
             if rec.start < ends[tid]:
                 raise VerifyError(f"tensor '{delta.tensors[tid].name}': records overlap at element {rec.start}")

@@ -1,13 +1,17 @@
 """Entropy coding of a sparse record's two integer streams, and zstd for dense records.
 
-Both sparse streams use ANS (constriction's stack coder) with a categorical model whose symbol
-counts travel with the stream; symbols at 255 escape to a raw side array. This gets within ~1%
-of the empirical entropy of i.i.d. symbols, which zstd's Huffman stage cannot (measured: zstd of
-byte-shuffled gaps and differences costs ~12% more per changed element, and never won a stream
-on realistic or real-training steps).
-Positions use a Rice split: gap = q * 2**k + r, q categorical, r as k raw bits (packed by a
-GIL-free kernel; ANS would spend the same bits, slower). For geometric gaps q and r are
-independent, so the split loses nothing.
+Both sparse streams use ANS (constriction's stack coder to encode, `kernels.ans_decode` to
+decode); symbols at 255 escape to a raw side array. ANS gets within ~1% of the empirical entropy
+of its model, which zstd's Huffman stage cannot (measured: zstd of byte-shuffled gaps and
+differences costs ~12% more per changed element, and never won a stream on realistic or
+real-training steps).
+Positions use a Rice split: gap = q * 2**k + r, q by ANS, r as k raw bits (packed by a GIL-free
+kernel; ANS would spend the same bits, slower). For geometric gaps q and r are independent, so
+the split loses nothing.
+
+Format 2's context records code each class of elements with its own parametric models
+(`context_streams`); format 1's sparse records, still read, code all elements alike with one
+categorical model per stream whose symbol counts travel with it.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ def _ans_decode(words: np.ndarray, counts: np.ndarray, count: int, what: str) ->
     """Decode `count` symbols from one ANS stack, which must then be exactly empty. A numba port
     of constriction's decoder (`kernels.ans_decode`, bit-exact with it: tests/test_fuzz.py), which
     releases the GIL, so that a delta's chunks decode in parallel."""
-    out, status = kernels.ans_decode(words, kernels.ans_cdf(counts), count)
+    out, status = kernels.ans_decode(words, kernels.ans_cdf(counts)[None, :], np.array([count], np.int64))
     if status == 2:
         raise CorruptError(f"{what}: ANS stream does not decode (its last word is zero)")
     if status:
@@ -111,10 +115,7 @@ def _write_counts(counts: np.ndarray) -> bytes:
     out = bytearray(struct.pack("<H", len(sym)))
     out += sym.astype(np.uint8).tobytes()
     for c in counts[sym].tolist():
-        while c >= 0x80:
-            out.append((c & 0x7F) | 0x80)
-            c >>= 7
-        out.append(c)
+        _write_count(out, c)
     return bytes(out)
 
 
@@ -127,19 +128,31 @@ def _read_counts(cur: Cursor) -> np.ndarray:
         raise CorruptError(f"{cur.what}: symbol table not strictly increasing")
     counts = np.zeros(max(int(sym[-1]) + 1, 2), dtype=np.int64)
     for s in sym.tolist():
-        c, shift = 0, 0
-        while True:
-            (byte,) = cur.take(1)
-            c |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                break
-            if shift > 35:
-                raise CorruptError(f"{cur.what}: symbol count too long")
-        if c == 0:
-            raise CorruptError(f"{cur.what}: zero count in symbol table")
-        counts[s] = c
+        counts[s] = _read_count(cur)
     return counts
+
+
+def _write_count(out: bytearray, c: int) -> None:
+    while c >= 0x80:
+        out.append((c & 0x7F) | 0x80)
+        c >>= 7
+    out.append(c)
+
+
+def _read_count(cur: Cursor) -> int:
+    """One LEB128 count, at least 1 and below 2**35."""
+    c, shift = 0, 0
+    while True:
+        (byte,) = cur.take(1)
+        c |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            break
+        if shift > 35:
+            raise CorruptError(f"{cur.what}: count too long")
+    if c == 0:
+        raise CorruptError(f"{cur.what}: zero count")
+    return c
 
 
 def _pack(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray, esc_dtype: str, middle: bytes = b"") -> bytes:
@@ -166,14 +179,7 @@ def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int, out_dtype:
     if len(rest) % 4:
         raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
     sym = _ans_decode(np.frombuffer(rest, "<u4").astype(np.uint32), counts, count, what)
-    is_esc = sym == _ALPHABET - 1
-    if int(is_esc.sum()) != n_esc:
-        raise CorruptError(f"{what}: {int(is_esc.sum())} escape symbols but {n_esc} escaped values")
-    if n_esc and (esc < _ALPHABET - 1).any():
-        raise CorruptError(f"{what}: escaped value below the escape threshold")
-    out = sym.astype(out_dtype)
-    out[is_esc] = esc
-    return out, middle
+    return _substitute(sym, esc, what).astype(out_dtype), middle
 
 
 def ans_values(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray) -> bytes:
@@ -195,7 +201,8 @@ def rice_k(last: int, count: int) -> int:
 
 def ans_gaps(k: int, q: np.ndarray, r: np.ndarray, counts: np.ndarray, esc: np.ndarray) -> bytes:
     """Position stream: u8 k | table(q) | n_esc | escapes (u32) | r (k bits each) | ANS words (q)."""
-    return struct.pack("<B", k) + _pack(q, counts, esc, "<u4", kernels.pack_bits(r, k).tobytes())
+    low = kernels.pack_bits(r, np.full(len(r), k, np.int64))
+    return struct.pack("<B", k) + _pack(q, counts, esc, "<u4", low.tobytes())
 
 
 def ans_gaps_decode(buf: memoryview, count: int, what: str) -> np.ndarray:
@@ -206,5 +213,165 @@ def ans_gaps_decode(buf: memoryview, count: int, what: str) -> np.ndarray:
     q, low = _unpack(cur, count, "<u4", (count * k + 7) // 8, "<i8")
     g = q << k
     if k:
-        g |= kernels.unpack_bits(np.frombuffer(low, np.uint8), k, count)
+        g |= kernels.unpack_bits(np.frombuffer(low, np.uint8), np.full(count, k, np.int64))
     return g
+
+
+# ---- context streams (format 2) -------------------------------------------------------------
+#
+# Each class has its own models, given by parameters instead of symbol tables: a record of a
+# small tensor holds a few thousand changes over ~20 classes, and tables would cost more than
+# the context saves. Within a class, changes are close to independent with one probability, so
+# gaps are geometric: q (the gap's quotient by 2**k) is coded with a geometric model of ratio
+# t_q / 256, r as k raw bits. Values are the magnitude of the step in ULPs (geometric, ratio
+# t_v / 256) with either sign alike, and an escape for the rest, as often as e / 256 says.
+
+_GEOMETRIC = np.zeros((256, _ALPHABET), np.int64)  # [t, i]: weight of i under ratio t / 256
+_GEOMETRIC[:, 0] = 1 << 24
+for _i in range(1, _ALPHABET):
+    _GEOMETRIC[:, _i] = _GEOMETRIC[:, _i - 1] * np.arange(256) >> 8
+_STEP = (np.arange(1, _ALPHABET - 1) + 1) // 2 - 1  # value symbol z (1..254) -> ULPs - 1 of its step
+
+
+def _gap_weights(t: int) -> np.ndarray:
+    return _GEOMETRIC[t]
+
+
+def _value_weights(t: int, e: int) -> np.ndarray:
+    w = np.zeros(_ALPHABET, np.int64)
+    w[1:_ALPHABET - 1] = _GEOMETRIC[t, _STEP]
+    w[_ALPHABET - 1] = int(w.sum()) * e >> 8
+    return w
+
+
+def _ratio(mean: np.ndarray) -> np.ndarray:
+    """The u8 parameter t of a geometric model with this mean: t / 256 = mean / (1 + mean)."""
+    return np.clip(np.rint(256 * mean / (1 + mean)), 0, 255).astype(np.uint8)
+
+
+def _rice_ks(last: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """rice_k for many classes at once: their largest rank and their count of changes."""
+    mean = (last + 1 - counts) / counts
+    return np.clip(np.floor(np.log2(mean + 1.0)) - 2, 0, _MAX_K).astype(np.uint8)
+
+
+def _encode_runs(sym: np.ndarray, ends: np.ndarray, weights: list[np.ndarray]) -> bytes:
+    """ANS words of `sym`, run j (ending at ends[j]) coded with weights[j]; decoded run 0 first."""
+    coder = _AnsCoder()
+    for j in range(len(weights) - 1, -1, -1):
+        coder.encode_reverse(sym[ends[j - 1] if j else 0:ends[j]], _model(weights[j]))
+    return coder.get_compressed().astype("<u4").tobytes()
+
+
+def _decode_runs(words: memoryview, counts: np.ndarray, weights: list[np.ndarray], what: str) -> np.ndarray:
+    if len(words) % 4:
+        raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
+    cdfs = np.stack([kernels.ans_cdf(w) for w in weights])
+    out, status = kernels.ans_decode(np.frombuffer(words, "<u4").astype(np.uint32), cdfs, counts)
+    if status == 2:
+        raise CorruptError(f"{what}: ANS stream does not decode (its last word is zero)")
+    if status:
+        raise CorruptError(f"{what}: ANS stream has undecoded bits left")
+    return out
+
+
+def context_streams(classes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> tuple[bytes, bytes]:
+    """The position and value streams of a context record, from each change's class, its rank
+    in its class, and its zigzagged difference (all in position order).
+
+    positions: u8 first class | u8 span - 1 | bitmap of the classes present (span bits)
+               | n × u8 k | n × u8 t_q | n × u8 t_v | n × u8 e | n × LEB128 count
+               | u32 n_esc | u32 × n_esc (q >= 255) | r bits | ANS(q, class by class)
+    values:    u32 n_esc | item × n_esc (z >= 255) | ANS(z, class by class)
+    """
+    order = np.argsort(classes, kind="stable")
+    sizes = np.bincount(classes, minlength=_ALPHABET)
+    cls = np.flatnonzero(sizes)
+    counts = sizes[cls]
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    r_sorted = ranks[order]
+    gaps = np.diff(r_sorted, prepend=-1) - 1
+    gaps[starts] = r_sorted[starts]
+    ks = _rice_ks(r_sorted[ends - 1], counts)
+    k_sym = np.repeat(ks, counts).astype(np.int64)
+    q, r = gaps >> k_sym, gaps & ((1 << k_sym) - 1)
+    z = z[order]
+    esc = z >= _ALPHABET - 1
+    kept = np.add.reduceat(~esc, starts)
+    steps = np.add.reduceat(np.where(esc, 0, (z.astype(np.int64) + 1) // 2 - 1), starts)
+    t_q = _ratio(np.add.reduceat(np.minimum(q, _ALPHABET - 1), starts) / counts)
+    t_v = _ratio(steps / np.maximum(kept, 1))
+    e = np.clip(np.ceil(256 * np.add.reduceat(esc, starts) / counts), 0, 255).astype(np.uint8)
+    first, span = int(cls[0]), int(cls[-1] - cls[0]) + 1
+    present = np.zeros(span, np.uint8)
+    present[cls - first] = 1
+    head = bytearray(struct.pack("<BB", first, span - 1))
+    head += np.packbits(present, bitorder="little").tobytes() + ks.tobytes() + t_q.tobytes() + t_v.tobytes()
+    head += e.tobytes()
+    for c in counts.tolist():
+        _write_count(head, c)
+    qsym, zsym = np.minimum(q, _ALPHABET - 1).astype(np.int32), np.minimum(z, _ALPHABET - 1).astype(np.int32)
+    qesc, zesc = q[q >= _ALPHABET - 1], z[esc]
+    pos = b"".join([bytes(head), struct.pack("<I", len(qesc)), qesc.astype("<u4").tobytes(),
+                    kernels.pack_bits(r, k_sym).tobytes(),
+                    _encode_runs(qsym, ends, [_gap_weights(t) for t in t_q.tolist()])])
+    val = b"".join([struct.pack("<I", len(zesc)), zesc.astype(z.dtype.newbyteorder("<")).tobytes(),
+                    _encode_runs(zsym, ends, [_value_weights(t, x) for t, x in zip(t_v.tolist(), e.tolist())])])
+    return pos, val
+
+
+def context_decode(pos_buf: memoryview, val_buf: memoryview, dtype: np.dtype, count: int, length: int,
+                   what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of context_streams, up to the base: the classes present, their counts, the gaps
+    (in class order: how many of the class's elements to pass before each change) and the
+    differences in class order. Every field is checked; a gap past its class's elements is
+    caught where the base is walked (kernels.class_locate)."""
+    cur = Cursor(pos_buf, what)
+    first, span = cur.unpack("<BB")
+    span += 1
+    if first + span > _ALPHABET:
+        raise CorruptError(f"{what}: classes {first} to {first + span - 1} beyond {_ALPHABET - 1}")
+    present = np.unpackbits(cur.array(np.uint8, (span + 7) // 8), bitorder="little")
+    if present[span:].any() or not present[0] or not present[span - 1]:
+        raise CorruptError(f"{what}: class bitmap does not match its span")
+    cls = (first + np.flatnonzero(present)).astype(np.uint8)
+    n = len(cls)
+    ks, t_q, t_v, e = (cur.array(np.uint8, n) for _ in range(4))
+    if ks.max() > _MAX_K:
+        raise CorruptError(f"{what}: Rice parameter {int(ks.max())} out of range")
+    counts = np.array([_read_count(cur) for _ in range(n)], np.int64)
+    if int(counts.sum()) != count:
+        raise CorruptError(f"{what}: classes hold {int(counts.sum())} changes, the record {count}")
+    k_sym = np.repeat(ks, counts).astype(np.int64)
+    (n_qesc,) = cur.unpack("<I")
+    if n_qesc > count:
+        raise CorruptError(f"{what}: {n_qesc} gap escapes for {count} changes")
+    qesc = cur.array("<u4", n_qesc).astype(np.int64)
+    r = kernels.unpack_bits(np.frombuffer(cur.take((int(k_sym.sum()) + 7) // 8), np.uint8), k_sym)
+    q = _decode_runs(cur.take(len(cur.buf) - cur.pos), counts, [_gap_weights(t) for t in t_q.tolist()], what)
+    q = _substitute(q, qesc, f"{what}: gaps")
+    gaps = (q << k_sym) | r  # q < 2**32 and k <= 20: no overflow
+    if int(gaps.max()) >= length:
+        raise CorruptError(f"{what}: gap {int(gaps.max())} beyond segment length {length}")
+    le = np.dtype(dtype).newbyteorder("<").str
+    vcur = Cursor(val_buf, f"{what}, values")
+    (n_vesc,) = vcur.unpack("<I")
+    if n_vesc > count:
+        raise CorruptError(f"{what}: {n_vesc} value escapes for {count} changes")
+    vesc = vcur.array(le, n_vesc)
+    z = _decode_runs(vcur.take(len(vcur.buf) - vcur.pos),
+                     counts, [_value_weights(t, x) for t, x in zip(t_v.tolist(), e.tolist())], vcur.what)
+    return cls, counts, gaps, _substitute(z, vesc, vcur.what).astype(le)
+
+
+def _substitute(sym: np.ndarray, esc: np.ndarray, what: str) -> np.ndarray:
+    """Escape symbols (255) replaced, in order, by the escaped values, which must all be >= 255."""
+    is_esc = sym == _ALPHABET - 1
+    if int(is_esc.sum()) != len(esc):
+        raise CorruptError(f"{what}: {int(is_esc.sum())} escape symbols but {len(esc)} escaped values")
+    if len(esc) and (esc < _ALPHABET - 1).any():
+        raise CorruptError(f"{what}: escaped value below the escape threshold")
+    out = sym.copy()
+    out[is_esc] = esc
+    return out

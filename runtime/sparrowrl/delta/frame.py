@@ -30,15 +30,16 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from sparrowrl.delta import schema
+from sparrowrl.delta import context, schema
 from sparrowrl.delta.bitview import bits, dtype_name, itemsize
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
-from sparrowrl.delta.records import MAX_SEGMENT, Changes, Record, decode_record, encode_changes, extract_segment
+from sparrowrl.delta.records import MAX_SEGMENT, Changes, Locate, Record, decode_record, encode_changes, extract_segment
 from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
 from sparrowrl.limits import memory_available, read_bounded
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written; 1 (no context records) is still read
+READS = (1, 2)
 MAGIC = b"SPRWDLTA"
 END = b"SPRWEND1"
 CHUNK_MAGIC = b"SPCK"
@@ -88,11 +89,14 @@ class Encoder:
     release the GIL), at most 2 segments per core in flight, results in order. Records never
     cross a range's ends: a range that starts mid-segment is cut on the segment grid from there."""
 
-    def __init__(self, tensors: list[TensorSpec], segment: int = SEGMENT):
+    def __init__(self, tensors: list[TensorSpec], segment: int = SEGMENT, version: int = FORMAT_VERSION):
         if not 1 <= segment <= MAX_SEGMENT:
             raise ValueError(f"segment must be 1..{MAX_SEGMENT} elements, got {segment}")
-        self.tensors, self.segment = tensors, segment
+        if version not in READS:
+            raise ValueError(f"format version must be one of {READS}, got {version}")
+        self.tensors, self.segment, self.version = tensors, segment, version
         self.keys = [t.key() for t in tensors]
+        self.fields = [context.field(t.dtype) for t in tensors]
         self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
 
     def encode(self, spans: Iterable[tuple[int, int, torch.Tensor, torch.Tensor]]) -> Iterator[Encoded]:
@@ -105,7 +109,8 @@ class Encoder:
             if new.is_cuda:
                 from sparrowrl.delta import gpu
 
-                jobs = [(self._encode, tid, ch) for ch in gpu.extract_tensor(old, new, self.segment, start)]
+                jobs = [(self._encode, tid, ch)
+                        for ch in gpu.extract_tensor(old, new, self.segment, self.fields[tid], start)]
             else:
                 a, b = bits(old), bits(new)
                 jobs = [(self._extract_encode, tid, start + s, a[s:s + self.segment], b[s:s + self.segment])
@@ -118,10 +123,10 @@ class Encoder:
             yield pending.popleft().result()
 
     def _extract_encode(self, tid: int, start: int, old: np.ndarray, new: np.ndarray) -> Encoded:
-        return self._encode(tid, extract_segment(start, old, new))
+        return self._encode(tid, extract_segment(start, old, new, self.fields[tid]))
 
     def _encode(self, tid: int, ch: Changes) -> Encoded:
-        data = encode_changes(tid, ch)
+        data = encode_changes(tid, ch, self.version)
         if not data:
             return Encoded(tid, data, 0, 0)
         return Encoded(tid, data, len(ch.positions), self.keys[tid].change(ch.positions + ch.start, ch.old, ch.new))
@@ -139,12 +144,14 @@ class DeltaWriter:
     """
 
     def __init__(self, out: BinaryIO, tensors: list[TensorSpec], *, base_version: int, base_hash: str,
-                 target_version: int, chunk_bytes: int = CHUNK_BYTES, segment: int = SEGMENT):
+                 target_version: int, chunk_bytes: int = CHUNK_BYTES, segment: int = SEGMENT,
+                 version: int = FORMAT_VERSION):
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise MismatchError("tensor table lists a name twice")
         base_hash = format_hash(parse_hash(base_hash))
-        self.encoder = Encoder(tensors, segment)
+        self.encoder = Encoder(tensors, segment, version)
+        self.version = version
         self.out, self.tensors, self.segment, self.chunk_bytes = out, tensors, segment, chunk_bytes
         self.ids = {t.name: i for i, t in enumerate(tensors)}
         self.changed = [0] * len(tensors)
@@ -158,12 +165,12 @@ class DeltaWriter:
         self.base_hash, self.base_version, self.target_version = base_hash, base_version, target_version
         self.offset = 0
         header = json.dumps({
-            "format": FORMAT_VERSION, "base_version": base_version, "base_hash": base_hash,
+            "format": version, "base_version": base_version, "base_hash": base_hash,
             "target_version": target_version, "segment_elements": segment,
             "tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors],
         }, separators=(",", ":")).encode()
         self.header_sha = hashlib.sha256(header).digest()
-        self._write(HEAD.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.header_sha)
+        self._write(HEAD.pack(MAGIC, version, len(header)) + header + self.header_sha)
 
     def _write(self, data: bytes) -> None:
         self.out.write(data)
@@ -249,7 +256,7 @@ class DeltaWriter:
         self._flush()
         target = (parse_hash(self.base_hash) + sum(self.hash_delta)) & _M64
         manifest = {
-            "format": FORMAT_VERSION,
+            "format": self.version,
             "base_version": self.base_version, "base_hash": self.base_hash,
             "target_version": self.target_version, "target_hash": format_hash(target),
             "header_sha256": self.header_sha.hex(),
@@ -310,8 +317,10 @@ class DeltaFile:
         if len(d) < HEAD.size or d[:8] != MAGIC:
             self._fail(FormatError, "not a sparrowrl delta (bad magic)")
         _, version, n = HEAD.unpack_from(d)
-        if version != FORMAT_VERSION:
-            self._fail(FormatError, f"unsupported format version {version} (this sparrowrl reads {FORMAT_VERSION})")
+        if version not in READS:
+            self._fail(FormatError, f"unsupported format version {version} (this sparrowrl reads "
+                                    f"{', '.join(map(str, READS))})")
+        self.version = version
         end = HEAD.size + n
         if len(d) < end + 32 + TRAILER.size:
             self._fail(FormatError, f"truncated: {len(d)} bytes is shorter than header and trailer")
@@ -324,6 +333,8 @@ class DeltaFile:
             header = schema.parse(schema.Header, raw)
         except ValueError as e:
             self._fail(CorruptError, f"header: {e}")
+        if header.format != version:
+            self._fail(CorruptError, f"header says format {header.format}, the file's first bytes {version}")
         return header.model_dump()
 
     def _read_manifest(self) -> dict:
@@ -379,17 +390,19 @@ class DeltaFile:
             self._fail(CorruptError, f"chunk {i}: body does not match the chunk's own digest")
         return body
 
-    def records(self, pool: ThreadPoolExecutor | None = None, then: Callable = lambda record: record) -> Iterator:
+    def records(self, pool: ThreadPoolExecutor | None = None, then: Callable = lambda record: record,
+                locate: Locate | None = None) -> Iterator:
         """Every record, in file order, or `then(record)` of each; with `pool`, chunks are checked,
         decoded and passed to `then` in parallel (the entropy decoder releases the GIL), and the
-        first failing chunk's error is raised."""
+        first failing chunk's error is raised. Context records find their positions in the base
+        through `locate` (records.decode_record)."""
         sizes = [itemsize(t.dtype) for t in self.tensors]
         numels = [t.numel for t in self.tensors]
 
         def chunk(i: int) -> list[Record]:
             cur, out = Cursor(self.chunk_body(i), f"{self.source}: chunk {i}"), []
             while cur.pos < len(cur.buf):
-                out.append(then(decode_record(cur, sizes, numels)))
+                out.append(then(decode_record(cur, sizes, numels, self.version, locate)))
             return out
 
         chunks = range(len(self.manifest["chunks"]))

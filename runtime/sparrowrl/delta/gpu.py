@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from sparrowrl.delta.bitview import TORCH_SINT, UINT
+from sparrowrl.delta.context import ranks_on_device
 from sparrowrl.delta.extract import changed_positions, zigzag
 from sparrowrl.delta.records import Changes
 from sparrowrl.delta.statehash import TensorKey
@@ -26,8 +27,10 @@ def device_bits(t: torch.Tensor) -> cupy.ndarray:
     return cupy.from_dlpack(flat.view(TORCH_SINT[size])).view(UINT[size])
 
 
-def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int, start: int = 0) -> list[Changes]:
-    """Changes per segment of `old` and `new`, which hold a tensor's flat elements from `start` on."""
+def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int, fld: tuple[int, int],
+                   start: int = 0) -> list[Changes]:
+    """Changes per segment of `old` and `new`, which hold a tensor's flat elements from `start` on;
+    each change's class and rank in the base (`context`) are found on the device too."""
     dev = new.device.index
     with cupy.cuda.Device(dev):
         a, b = device_bits(old), device_bits(new)
@@ -42,11 +45,15 @@ def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int, start: in
     n = a.shape[0]
     starts = np.arange(0, n, segment, dtype=np.int64)
     cuts = np.searchsorted(host_idx, np.append(starts, n))
+    flat = old.detach().contiguous().reshape(-1)
+    flat = flat.view(TORCH_SINT[flat.element_size()]) if flat.dtype != torch.bool else flat.view(torch.int8)
     out = []
     for j, s in enumerate(starts.tolist()):
         lo, hi = cuts[j], cuts[j + 1]
         e = min(s + segment, n)
-        out.append(Changes(start + s, e - s, host_idx[lo:hi] - s, host_old[lo:hi], host_new[lo:hi],
+        positions = host_idx[lo:hi] - s
+        cls, rank = ranks_on_device(flat[s:e], fld, positions)
+        out.append(Changes(start + s, e - s, positions, host_old[lo:hi], host_new[lo:hi], cls, rank,
                            lambda s=s, e=e: dense(s, e)))
     return out
 

@@ -154,45 +154,6 @@ def symbols(idx, old, new, k, width):
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def pack_bits(vals, k):
-    """k low bits of each value, concatenated LSB-first into ceil(n * k / 8) bytes."""
-    out = np.zeros((vals.shape[0] * k + 7) // 8, np.uint8)
-    acc = np.uint64(0)
-    nbits = 0
-    pos = 0
-    for j in range(vals.shape[0]):
-        acc |= np.uint64(vals[j]) << np.uint64(nbits)
-        nbits += k
-        while nbits >= 8:
-            out[pos] = np.uint8(acc & np.uint64(0xFF))
-            acc >>= np.uint64(8)
-            nbits -= 8
-            pos += 1
-    if nbits > 0:
-        out[pos] = np.uint8(acc & np.uint64(0xFF))
-    return out
-
-
-@njit(nogil=True, cache=True, boundscheck=False)
-def unpack_bits(buf, k, n):
-    """Inverse of pack_bits; the caller checks len(buf) == ceil(n * k / 8)."""
-    out = np.empty(n, np.int64)
-    acc = np.uint64(0)
-    nbits = 0
-    pos = 0
-    mask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
-    for j in range(n):
-        while nbits < k:
-            acc |= np.uint64(buf[pos]) << np.uint64(nbits)
-            nbits += 8
-            pos += 1
-        out[j] = np.int64(acc & mask)
-        acc >>= np.uint64(k)
-        nbits -= k
-    return out
-
-
-@njit(nogil=True, cache=True, boundscheck=False)
 def ans_cdf(counts):
     """The fixed-point CDF (24-bit) that constriction's `Categorical(counts, perfect=False)`
     quantizes `counts` to: cdf[i] = trunc(sum(counts[:i]) * (2**24 - n) / sum(counts)) + i, so
@@ -212,12 +173,15 @@ def ans_cdf(counts):
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def ans_decode(words, cdf, count):
-    """`count` symbols popped from constriction's AnsCoder (u32 words, u64 state, 24-bit
-    precision) over `cdf`, bit for bit as constriction decodes them, without the GIL. Returns
-    (symbols, status): 0 when the stack ends exactly empty, 1 when it does not, 2 when its top
-    word is zero (constriction refuses those)."""
-    out = np.empty(count, np.int64)
+def ans_decode(words, cdfs, counts):
+    """Symbols popped from constriction's AnsCoder (u32 words, u64 state, 24-bit precision), bit
+    for bit as constriction decodes them, without the GIL: counts[j] symbols over cdfs[j], run
+    after run. Returns (symbols, status): 0 when the stack ends exactly empty, 1 when it does
+    not, 2 when its top word is zero (constriction refuses those)."""
+    total = 0
+    for j in range(counts.shape[0]):
+        total += counts[j]
+    out = np.empty(total, np.int64)
     top = words.shape[0]
     state = np.uint64(0)
     if top:
@@ -228,24 +192,28 @@ def ans_decode(words, cdf, count):
         while top and state < (np.uint64(1) << np.uint64(32)):
             top -= 1
             state = (state << np.uint64(32)) | np.uint64(words[top])
-    n = cdf.shape[0] - 1
+    n = cdfs.shape[1] - 1
     lut = np.empty(1 << 12, np.int64)  # the last symbol whose cdf is <= t << 12: a start near the answer
-    s = 0
-    for t in range(1 << 12):
-        while s + 1 < n and cdf[s + 1] <= np.uint32(t << 12):
-            s += 1
-        lut[t] = s
     mask = np.uint64((1 << 24) - 1)
-    for j in range(count):
-        q = np.uint32(state & mask)
-        lo = lut[q >> np.uint32(12)]
-        while cdf[lo + 1] <= q:  # cdf[n] == 2**24 > q ends it
-            lo += 1
-        out[j] = lo
-        state = (state >> np.uint64(24)) * np.uint64(cdf[lo + 1] - cdf[lo]) + np.uint64(q - cdf[lo])
-        if state < (np.uint64(1) << np.uint64(32)) and top:
-            top -= 1
-            state = (state << np.uint64(32)) | np.uint64(words[top])
+    at = 0
+    for run in range(counts.shape[0]):
+        cdf = cdfs[run]
+        s = 0
+        for t in range(1 << 12):
+            while s + 1 < n and cdf[s + 1] <= np.uint32(t << 12):
+                s += 1
+            lut[t] = s
+        for j in range(at, at + counts[run]):
+            q = np.uint32(state & mask)
+            lo = lut[q >> np.uint32(12)]
+            while cdf[lo + 1] <= q:  # cdf[n] == 2**24 > q ends it
+                lo += 1
+            out[j] = lo
+            state = (state >> np.uint64(24)) * np.uint64(cdf[lo + 1] - cdf[lo]) + np.uint64(q - cdf[lo])
+            if state < (np.uint64(1) << np.uint64(32)) and top:
+                top -= 1
+                state = (state << np.uint64(32)) | np.uint64(words[top])
+        at += counts[run]
     return out, 0 if state == 0 else 1
 
 
@@ -274,3 +242,123 @@ def scatter(flat, offset, positions, values):
     for j in range(positions.shape[0]):
         flat[offset + positions[j]] = values[j]
     return True
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def class_ranks(base, shift, mask, positions):
+    """For each changed position, its class (the base pattern's field `(bits >> shift) & mask`)
+    and its rank among the segment's elements of that class: what the context coder codes in
+    place of the position. One pass over the base, counting in four lanes (elements i % 4), so
+    that neighbours of one class do not wait on each other's count."""
+    m = positions.shape[0]
+    cls = np.empty(m, np.uint8)
+    rank = np.empty(m, np.int64)
+    cnt = np.zeros((4, 256), np.int64)
+    s, mk = np.uint64(shift), np.uint64(mask)
+    n = base.shape[0]
+    j = 0
+    nxt = positions[0] if m else n
+    for i in range(0, n - n % 4, 4):
+        if nxt < i + 4:  # a change among these four: count them one by one
+            for lane in range(4):
+                c = (np.uint64(base[i + lane]) >> s) & mk
+                if i + lane == nxt:
+                    cls[j] = c
+                    rank[j] = cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
+                    j += 1
+                    nxt = positions[j] if j < m else n
+                cnt[lane, c] += 1
+        else:
+            cnt[0, (np.uint64(base[i]) >> s) & mk] += 1
+            cnt[1, (np.uint64(base[i + 1]) >> s) & mk] += 1
+            cnt[2, (np.uint64(base[i + 2]) >> s) & mk] += 1
+            cnt[3, (np.uint64(base[i + 3]) >> s) & mk] += 1
+    for i in range(n - n % 4, n):
+        c = (np.uint64(base[i]) >> s) & mk
+        if i == nxt:
+            cls[j] = c
+            rank[j] = cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
+            j += 1
+            nxt = positions[j] if j < m else n
+        cnt[0, c] += 1
+    return cls, rank
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def class_locate(base, shift, mask, classes, counts, gaps):
+    """Inverse of class_ranks. `gaps` are grouped by class (`classes` strictly increasing,
+    `counts[j]` each): how many of the class's elements to pass before each change. Returns the
+    positions, sorted; for each, the index of its gap in `gaps` (values coded in class order are
+    put in position order with it); and whether every change was found (False: a gap runs past
+    its class's elements in this base)."""
+    skip = np.full(256, np.int64(1) << np.int64(62), np.int64)  # classes without changes never reach 0
+    ptr = np.zeros(256, np.int64)
+    end = np.zeros(256, np.int64)
+    at = 0
+    for j in range(classes.shape[0]):
+        c = classes[j]
+        ptr[c] = at
+        skip[c] = gaps[at]
+        at += counts[j]
+        end[c] = at
+    pos = np.empty(at, np.int64)
+    src = np.empty(at, np.int64)
+    s, mk = np.uint64(shift), np.uint64(mask)
+    k = 0
+    for i in range(base.shape[0]):
+        c = (np.uint64(base[i]) >> s) & mk
+        r = skip[c]
+        if r == 0:
+            pos[k] = i
+            p = ptr[c]
+            src[k] = p
+            k += 1
+            p += 1
+            ptr[c] = p
+            skip[c] = gaps[p] if p < end[c] else np.int64(1) << np.int64(62)
+        else:
+            skip[c] = r - 1
+    return pos[:k], src[:k], k == at
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def pack_bits(vals, ks):
+    """The low ks[j] bits of each vals[j], concatenated LSB-first into ceil(sum(ks) / 8) bytes."""
+    total = 0
+    for j in range(ks.shape[0]):
+        total += ks[j]
+    out = np.zeros((total + 7) // 8, np.uint8)
+    acc = np.uint64(0)
+    nbits = 0
+    pos = 0
+    for j in range(vals.shape[0]):
+        acc |= np.uint64(vals[j]) << np.uint64(nbits)
+        nbits += ks[j]
+        while nbits >= 8:
+            out[pos] = np.uint8(acc & np.uint64(0xFF))
+            acc >>= np.uint64(8)
+            nbits -= 8
+            pos += 1
+    if nbits > 0:
+        out[pos] = np.uint8(acc & np.uint64(0xFF))
+    return out
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def unpack_bits(buf, ks):
+    """Inverse of pack_bits; the caller checks len(buf) == ceil(sum(ks) / 8)."""
+    n = ks.shape[0]
+    out = np.empty(n, np.int64)
+    acc = np.uint64(0)
+    nbits = 0
+    pos = 0
+    for j in range(n):
+        k = ks[j]
+        while nbits < k:
+            acc |= np.uint64(buf[pos]) << np.uint64(nbits)
+            nbits += 8
+            pos += 1
+        out[j] = np.int64(acc & ((np.uint64(1) << np.uint64(k)) - np.uint64(1)))
+        acc >>= np.uint64(k)
+        nbits -= k
+    return out

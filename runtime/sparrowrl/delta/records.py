@@ -4,8 +4,12 @@
                                    start, length, changed count, position bytes, value bytes
     body    position stream, value stream
 
-Sparse records carry gaps between changed positions and the zigzagged wrap-around differences of
-their bit patterns. Dense records (chosen when smaller) carry the difference of every element.
+Context records (format 2) code each change as its class (the base element's exponent,
+`context`) and the gap to the class's previous change, counted in that class's own elements,
+with a model per class; the zigzagged wrap-around differences of the bit patterns are coded in
+class order with the same models' groups. Sparse records (format 1, still read) code gaps between
+positions and the differences with one model each. Dense records (chosen when smaller) carry the
+difference of every element.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from sparrowrl.delta.extract import zigzag
 
 SPARSE = 1  # record kinds
 DENSE = 2
+CONTEXT = 3
 ANS = 1  # stream codecs
 ZSTD = 2
 RAW = 3
@@ -49,24 +54,33 @@ class Changes:
     positions: np.ndarray  # int64, relative to start, sorted
     old: np.ndarray  # bit patterns before, at positions
     new: np.ndarray  # bit patterns after, at positions
+    classes: np.ndarray  # u8, each change's class in the base (`context`)
+    ranks: np.ndarray  # int64, each change's rank among the segment's elements of its class
     dense: Callable[[], np.ndarray]  # zigzagged differences of every element, fetched on demand
 
 
-def extract_segment(start: int, old: np.ndarray, new: np.ndarray) -> Changes:
+def extract_segment(start: int, old: np.ndarray, new: np.ndarray, fld: tuple[int, int]) -> Changes:
     """CPU extraction; `sparrowrl.delta.gpu` produces the same Changes from device arrays."""
     idx, va, vb = kernels.changed(old, new)
-    return Changes(start, old.shape[0], idx, va, vb, lambda: zigzag(np, old, new))
+    cls, rank = kernels.class_ranks(old, fld[0], fld[1], idx)
+    return Changes(start, old.shape[0], idx, va, vb, cls, rank, lambda: zigzag(np, old, new))
 
 
-def encode_changes(tensor_id: int, ch: Changes) -> bytes:
-    """Entropy-code one segment; b"" when nothing changed. Dense when that is smaller."""
+def encode_changes(tensor_id: int, ch: Changes, version: int = 2) -> bytes:
+    """Entropy-code one segment; b"" when nothing changed. Dense when that is smaller. Format 1's
+    sparse records stay writable for the codec benchmark and the tests of their decoder."""
     count = int(ch.positions.shape[0])
     if count == 0:
         return b""
-    k = entropy.rice_k(int(ch.positions[-1]), count)
-    q, r, qc, qesc, v, vc, vesc = kernels.symbols(ch.positions, ch.old, ch.new, k, 8 * ch.old.dtype.itemsize)
-    pos, val = entropy.ans_gaps(k, q, r, qc, qesc), entropy.ans_values(v, vc, vesc)
-    kind, pos_codec, val_codec = SPARSE, ANS, ANS
+    if version >= 2:
+        pos, val = entropy.context_streams(ch.classes, ch.ranks, zigzag(np, ch.old, ch.new))
+        kind = CONTEXT
+    else:
+        k = entropy.rice_k(int(ch.positions[-1]), count)
+        q, r, qc, qesc, v, vc, vesc = kernels.symbols(ch.positions, ch.old, ch.new, k, 8 * ch.old.dtype.itemsize)
+        pos, val = entropy.ans_gaps(k, q, r, qc, qesc), entropy.ans_values(v, vc, vesc)
+        kind = SPARSE
+    pos_codec, val_codec = ANS, ANS
     if len(pos) + len(val) > ch.length * ch.old.dtype.itemsize // 8:
         full = ch.dense()
         packed = entropy.zstd_pack(full)
@@ -77,8 +91,14 @@ def encode_changes(tensor_id: int, ch: Changes) -> bytes:
     return head + pos + val
 
 
-def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int]) -> Record:
-    """Decode the next record; every field is checked against the tensor table it claims."""
+Locate = Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, bool]]
+
+
+def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int], version: int,
+                  locate: Locate | None = None) -> Record:
+    """Decode the next record; every field is checked against the tensor table it claims.
+    A context record's positions are found in the base: `locate(tensor id, start, length,
+    classes, counts, gaps)` is kernels.class_locate over that segment of the receiver's tensor."""
     tid, kind, pos_codec, val_codec, start, length, count, pos_len, val_len = cur.unpack(_HEAD.format)
     where = f"{cur.what}, record at byte {cur.pos - _HEAD.size}"
     if tid >= len(numels):
@@ -98,21 +118,30 @@ def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int]) 
         positions = np.cumsum(g + 1) - 1
         if positions[-1] >= length:
             raise CorruptError(f"{where}: position {int(positions[-1])} beyond segment length {length}")
-        n_vals = count
+        diffs = entropy.ans_values_decode(val_buf, dtype, count, where)
+    elif kind == CONTEXT and version >= 2:
+        if pos_codec != ANS or val_codec != ANS:
+            raise CorruptError(f"{where}: context record with codecs {pos_codec}/{val_codec}")
+        if locate is None:
+            raise ValueError("a context record decodes against its base: pass `locate`")
+        classes, counts, gaps, in_class = entropy.context_decode(pos_buf, val_buf, dtype, count, length, where)
+        positions, src, found = locate(tid, start, length, classes, counts, gaps)
+        if not found:
+            raise CorruptError(f"{where}: a change lies beyond its class's elements in this base (not the base the "
+                               f"delta was made from?)")
+        diffs = in_class[src]
     elif kind == DENSE:
         if pos_len or pos_codec:
             raise CorruptError(f"{where}: dense record with a position stream")
-        positions, n_vals = None, length
+        positions = None
+        if val_codec == ZSTD:
+            diffs = entropy.zstd_unpack(val_buf, dtype, length, where)
+        elif val_codec == RAW and len(val_buf) == length * dtype.itemsize:
+            diffs = np.frombuffer(val_buf, dtype).copy()
+        else:
+            raise CorruptError(f"{where}: unknown value codec {val_codec} or wrong raw length")
     else:
         raise CorruptError(f"{where}: unknown record kind {kind}")
-    if kind == SPARSE:
-        diffs = entropy.ans_values_decode(val_buf, dtype, n_vals, where)
-    elif val_codec == ZSTD:
-        diffs = entropy.zstd_unpack(val_buf, dtype, n_vals, where)
-    elif val_codec == RAW and len(val_buf) == n_vals * dtype.itemsize:
-        diffs = np.frombuffer(val_buf, dtype).copy()
-    else:
-        raise CorruptError(f"{where}: unknown value codec {val_codec} or wrong raw length")
     diffs = diffs.astype(dtype.newbyteorder("="), copy=False)
     if positions is not None and not diffs.all():
         raise CorruptError(f"{where}: a listed change has a zero difference")
