@@ -178,7 +178,7 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
     changed, ends, hash_delta = [0] * n, [-1] * n, [0] * n
     staged: list[_Staged] = []
     on_device: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
-    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(m["chunks"])))) as pool:
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for rec, pos, d, host, h in delta.records(pool, stage, locate):  # chunks decode and stage in parallel
             tid = rec.tensor_id
             if rec.start < ends[tid]:

@@ -34,7 +34,8 @@ from sparrowrl.delta import context, schema
 from sparrowrl.delta.bitview import bits, dtype_name, itemsize
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
-from sparrowrl.delta.records import MAX_SEGMENT, Changes, Locate, Record, decode_record, encode_changes, extract_segment
+from sparrowrl.delta.records import (MAX_SEGMENT, Changes, Locate, decode_record, encode_changes,
+                                     extract_segment, next_record)
 from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
 from sparrowrl.limits import memory_available, read_bounded
 
@@ -392,22 +393,25 @@ class DeltaFile:
 
     def records(self, pool: ThreadPoolExecutor | None = None, then: Callable = lambda record: record,
                 locate: Locate | None = None) -> Iterator:
-        """Every record, in file order, or `then(record)` of each; with `pool`, chunks are checked,
-        decoded and passed to `then` in parallel (the entropy decoder releases the GIL), and the
-        first failing chunk's error is raised. Context records find their positions in the base
-        through `locate` (records.decode_record)."""
+        """Every record, in file order, or `then(record)` of each; with `pool`, chunks are checked
+        and their records decoded and passed to `then` in parallel (the kernels release the GIL),
+        and the first failing one's error is raised. Context records find their positions in the
+        base through `locate` (records.decode_record)."""
         sizes = [itemsize(t.dtype) for t in self.tensors]
         numels = [t.numel for t in self.tensors]
+        run = pool.map if pool is not None else map
 
-        def chunk(i: int) -> list[Record]:
+        def chunk(i: int) -> list[Cursor]:
             cur, out = Cursor(self.chunk_body(i), f"{self.source}: chunk {i}"), []
             while cur.pos < len(cur.buf):
-                out.append(then(decode_record(cur, sizes, numels, self.version, locate)))
+                out.append(next_record(cur))
             return out
 
-        chunks = range(len(self.manifest["chunks"]))
-        for records in (pool.map(chunk, chunks) if pool is not None else map(chunk, chunks)):
-            yield from records
+        def record(cur: Cursor):
+            return then(decode_record(cur, sizes, numels, self.version, locate))
+
+        for records in run(chunk, range(len(self.manifest["chunks"]))):
+            yield from run(record, records)
 
     # ---- summary for `delta inspect` ----
     def summary(self) -> dict:

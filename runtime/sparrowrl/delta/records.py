@@ -91,6 +91,17 @@ def encode_changes(tensor_id: int, ch: Changes, version: int = 2) -> bytes:
     return head + pos + val
 
 
+def next_record(cur: entropy.Cursor) -> entropy.Cursor:
+    """The next record as a cursor of its own, over the same buffer (so that errors name the byte
+    where it starts); `cur` moves past it. Records of one chunk then decode in parallel."""
+    start = cur.pos
+    *_, pos_len, val_len = cur.unpack(_HEAD.format)
+    cur.take(pos_len + val_len)
+    one = entropy.Cursor(cur.buf[:cur.pos], cur.what)
+    one.pos = start
+    return one
+
+
 Locate = Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, bool]]
 
 
