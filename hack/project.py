@@ -47,7 +47,7 @@ class Rates:
 
 
 def rates(codec: dict, transfer: dict) -> Rates:
-    s = codec["scenarios"][0]
+    s = codec["scenarios"][0]["v1"]  # the e2e runs that calibrate the model shipped format 1
     wan = transfer["wan"]
     return Rates(s["diff_encode_GBps"] * 1e9, s["decode_apply_GBps"] * 1e9,
                  {int(k): v["of_link"] for k, v in wan["streams"].items()})
@@ -92,7 +92,7 @@ MODELS = {"Qwen3-4B": (4.02e9, 0.0112), "Qwen3-8B": (8.19e9, 0.0096), "Qwen3-14B
 ROLLOUT_8B_S = 45.0  # the published setup's rollout batch for 8B
 TRAIN_8B_S = 15.0  # assumed: a third of the rollout
 LINKS_GBIT = (0.25, 0.5, 1.0, 10.0)
-BYTES_PER_CHANGED = 1.25  # this codec (docs/codec.md)
+BYTES_PER_CHANGED = 1.25  # codec format 1, as calibrated (format 2 ships ~0.5: docs/codec.md)
 GPU_EXTRACT_BPS = 200e9  # assumed for an H200: diff + encode at a tenth of its memory bandwidth (not measured)
 
 
