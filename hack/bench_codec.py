@@ -34,7 +34,7 @@ from rich.table import Table
 
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta
 from sparrowrl.delta.bitview import bits
-from sparrowrl.delta.frame import TensorSpec
+from sparrowrl.delta.frame import CHUNK, TensorSpec
 from sparrowrl.delta.statehash import state_hash
 
 console = Console(stderr=True)
@@ -238,8 +238,10 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True, befo
         s = d.summary()
         row.update(elements=s["elements"], changed=s["changed"], density=s["changed_fraction"],
                    dense_bytes=s["dense_bytes"])
+        records = sum(c["length"] - CHUNK.size for c in d.manifest["chunks"])  # without the file's framing
         row[f"v{v}"] = {"payload_bytes": s["payload_bytes"], "bytes_per_changed": s["bytes_per_changed"],
-                        "ratio_vs_dense": s["ratio_vs_dense"]}
+                        "ratio_vs_dense": s["ratio_vs_dense"], "record_bytes": records,
+                        "record_bytes_per_changed": records / s["changed"]}
     if timed:
         # memcpy, then each format's encode and decode, back to back in each round, so that drifts
         # in the machine's speed (it is shared) hit reference and subjects alike; medians
@@ -300,9 +302,10 @@ def main() -> None:
                               for k in tiny[-1]["context_bounds"]}, "steps": tiny}
     agg["density"] = agg["changed"] / (agg["elements"] * len(tiny))
     for v in VERSIONS:
-        payload = sum(r[f"v{v}"]["payload_bytes"] for r in tiny)
+        payload, records = (sum(r[f"v{v}"][k] for r in tiny) for k in ("payload_bytes", "record_bytes"))
         agg[f"v{v}"] = {"payload_bytes": payload, "bytes_per_changed": payload / agg["changed"],
-                        "ratio_vs_dense": payload / agg["dense_bytes"]}
+                        "ratio_vs_dense": payload / agg["dense_bytes"], "record_bytes": records,
+                        "record_bytes_per_changed": records / agg["changed"]}
     rows.append(agg)
 
     table = Table(title="sparse delta codec, formats 1 and 2 (speeds: GB of bf16 state per second)")
