@@ -179,7 +179,7 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
     staged: list[_Staged] = []
     on_device: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for rec, pos, d, host, h in delta.records(pool, stage, locate):  # chunks decode and stage in parallel
+        for rec, pos, d, host, h in delta.records(pool, stage, locate):  # records decode and stage in parallel
             tid = rec.tensor_id
             if rec.start < ends[tid]:
                 raise VerifyError(f"tensor '{delta.tensors[tid].name}': records overlap at element {rec.start}")

@@ -5,10 +5,10 @@
     body    position stream, value stream
 
 Context records (format 2) code each change as its class (the base element's exponent,
-`context`) and the gap to the class's previous change, counted in that class's own elements,
-with a model per class; the zigzagged wrap-around differences of the bit patterns are coded in
-class order with the same models' groups. Sparse records (format 1, still read) code gaps between
-positions and the differences with one model each. Dense records (chosen when smaller) carry the
+`context`) and the gap to the class's previous change, counted in that class's own elements;
+the zigzagged wrap-around differences of the bit patterns follow in class order, and each class
+has models of its own for both. Sparse records (format 1, still read) code gaps between positions
+and the differences with one model each. Dense records (chosen when smaller) carry the
 difference of every element.
 """
 
