@@ -16,6 +16,8 @@ give the same arrays (tests run them on CPU tensors).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -29,28 +31,30 @@ def field(dtype: str) -> tuple[int, int]:
     return FIELDS.get(dtype, (0, 0))
 
 
-def _classes(base: torch.Tensor, fld: tuple[int, int]) -> torch.Tensor:
-    shift, mask = fld
-    return ((base.to(torch.int64) >> shift) & mask) if mask else torch.zeros_like(base, dtype=torch.int64)
+_ONE_AT_A_TIME = threading.Lock()  # the pool's threads would each hold a segment's sort in device memory
 
 
 def _sorted_classes(base: torch.Tensor, fld: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each element's class, the elements in class order (stable), and where each class starts."""
-    c = _classes(base, fld)
+    """Each element's class (in the base's own integer dtype: every field sits below the sign
+    bit), the elements in class order (stable), and how many each class holds."""
+    shift, mask = fld
+    c = (base >> shift) & mask if mask else torch.zeros_like(base)
     order = torch.sort(c, stable=True).indices
-    sizes = torch.bincount(c, minlength=256)
-    return c, order, torch.cumsum(sizes, 0) - sizes
+    return c, order, torch.bincount(c.to(torch.int32), minlength=256)
 
 
 def ranks_on_device(base: torch.Tensor, fld: tuple[int, int], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """kernels.class_ranks for a segment of a tensor on an accelerator (`base`: its flat integer
     bit view there): the class and rank of each changed position, as host arrays."""
-    c, order, starts = _sorted_classes(base, fld)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.shape[0], device=order.device)
-    at = torch.from_numpy(positions).to(base.device)
-    cls = c[at]
-    return cls.to(torch.uint8).cpu().numpy(), (inverse[at] - starts[cls]).cpu().numpy()
+    if not len(positions):
+        return np.empty(0, np.uint8), np.empty(0, np.int64)
+    with _ONE_AT_A_TIME:
+        c, order, sizes = _sorted_classes(base, fld)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0], device=order.device)
+        at = torch.from_numpy(positions).to(base.device)
+        cls = c[at].to(torch.int64)
+        return cls.to(torch.uint8).cpu().numpy(), (inverse[at] - (torch.cumsum(sizes, 0) - sizes)[cls]).cpu().numpy()
 
 
 def locate_on_device(base: torch.Tensor, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray,
@@ -59,12 +63,13 @@ def locate_on_device(base: torch.Tensor, fld: tuple[int, int], classes: np.ndarr
     run = np.cumsum(gaps + 1)
     ends = np.cumsum(counts)
     ranks = run - np.repeat(np.concatenate([[0], run[ends - 1][:-1]]), counts) - 1
-    c, order, starts = _sorted_classes(base, fld)
-    sizes = torch.bincount(c, minlength=256).cpu().numpy()
-    last = np.cumsum(counts) - 1  # ranks increase within a class: its last is its largest
-    if (ranks[last] >= sizes[classes]).any():
-        return np.empty(0, np.int64), np.empty(0, np.int64), False
-    cls = torch.from_numpy(np.repeat(classes.astype(np.int64), counts)).to(base.device)
-    pos = order[starts[cls] + torch.from_numpy(ranks).to(base.device)]
-    pos, src = torch.sort(pos)
-    return pos.cpu().numpy(), src.cpu().numpy(), True
+    with _ONE_AT_A_TIME:
+        _, order, sizes = _sorted_classes(base, fld)
+        sizes = sizes.cpu().numpy()
+        last = ends - 1  # ranks increase within a class: its last is its largest
+        if (ranks[last] >= sizes[classes]).any():
+            return np.empty(0, np.int64), np.empty(0, np.int64), False
+        starts = np.cumsum(sizes) - sizes
+        at = np.repeat(starts[classes], counts) + ranks
+        pos, src = torch.sort(order[torch.from_numpy(at).to(base.device)])
+        return pos.cpu().numpy(), src.cpu().numpy(), True

@@ -140,7 +140,7 @@ def _write_count(out: bytearray, c: int) -> None:
 
 
 def _read_count(cur: Cursor) -> int:
-    """One LEB128 count, at least 1 and below 2**35."""
+    """One LEB128 count of at most 6 bytes: at least 1 and below 2**42 (callers bound it further)."""
     c, shift = 0, 0
     while True:
         (byte,) = cur.take(1)

@@ -399,7 +399,6 @@ class DeltaFile:
         base through `locate` (records.decode_record)."""
         sizes = [itemsize(t.dtype) for t in self.tensors]
         numels = [t.numel for t in self.tensors]
-        run = pool.map if pool is not None else map
 
         def chunk(i: int) -> list[Cursor]:
             cur, out = Cursor(self.chunk_body(i), f"{self.source}: chunk {i}"), []
@@ -410,8 +409,21 @@ class DeltaFile:
         def record(cur: Cursor):
             return then(decode_record(cur, sizes, numels, self.version, locate))
 
-        for records in run(chunk, range(len(self.manifest["chunks"]))):
-            yield from run(record, records)
+        if pool is None:
+            for i in range(len(self.manifest["chunks"])):
+                yield from map(record, chunk(i))
+            return
+        pending: deque = deque()  # a verified chunk's records go to the pool at once, not after the last chunk's
+        try:
+            for records in pool.map(chunk, range(len(self.manifest["chunks"]))):
+                pending.extend(pool.submit(record, cur) for cur in records)
+                while pending and pending[0].done():
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
     # ---- summary for `delta inspect` ----
     def summary(self) -> dict:
