@@ -44,7 +44,10 @@ def test_ranks_locate_back_to_the_positions_on_host_and_device_route(dtype, n, d
     flat = bits(base)
     positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
     fld = field(dtype)
-    cls, rank = kernels.class_ranks(flat, *fld, positions)
+    after = flat.copy()
+    after[positions] ^= 1
+    found, _, _, cls, rank = kernels.changed(flat, after, fld)
+    assert np.array_equal(found, positions)
     signed = torch.from_numpy(flat.view({1: np.int8, 2: np.int16, 4: np.int32}[flat.itemsize]))
     dcls, drank = ranks_on_device(signed, fld, positions)
     assert np.array_equal(cls, dcls) and np.array_equal(rank, drank)

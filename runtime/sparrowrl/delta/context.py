@@ -8,7 +8,8 @@ exponent field of its base bit pattern (`FIELDS`; one class for dtypes without o
 coded as its class and its rank among the segment's elements of that class; each class's own
 model codes the gaps between its ranks (`entropy.context_streams`).
 
-On the host, `kernels.class_ranks` and `kernels.class_locate` make one pass over the base. For
+On the host, the extraction kernel (`kernels.changed`) classifies and ranks in the pass that
+finds the changes, and `kernels.class_locate` finds them again in one pass over the base. For
 tensors on an accelerator, `ranks_on_device` and `locate_on_device` do the same with a stable
 sort of the classes where the tensor lives, so only changed elements cross to the host; they
 give the same arrays (tests run them on CPU tensors).
@@ -44,8 +45,8 @@ def _sorted_classes(base: torch.Tensor, fld: tuple[int, int]) -> tuple[torch.Ten
 
 
 def ranks_on_device(base: torch.Tensor, fld: tuple[int, int], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """kernels.class_ranks for a segment of a tensor on an accelerator (`base`: its flat integer
-    bit view there): the class and rank of each changed position, as host arrays."""
+    """The classes and ranks that kernels.changed gives, for a segment of a tensor on an
+    accelerator (`base`: its flat integer bit view there), as host arrays."""
     if not len(positions):
         return np.empty(0, np.uint8), np.empty(0, np.int64)
     with _ONE_AT_A_TIME:

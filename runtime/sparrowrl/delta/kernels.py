@@ -16,37 +16,66 @@ _C2 = np.uint64(0x94D049BB133111EB)
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def _changed(a, b, aw, bw, idx, va, vb):
-    """Fill idx/va/vb with the changes; -1 if they do not fit (the caller retries larger)."""
+def _changed(a, b, aw, bw, shift, mask, idx, va, vb, cls, rank):
+    """Fill idx/va/vb with the changes, cls/rank with each one's class in `a` and its rank
+    among the elements of that class before it; -1 if they do not fit (the caller retries
+    larger). Classes are counted in one lane per element of a 64-bit word, so that neighbours
+    of one class do not wait on each other's count; without a class field (mask 0) the rank is
+    the position."""
     k = 0
     cap = idx.shape[0]
     per = 8 // a.itemsize
+    cnt = np.zeros((per, 256), np.int64)
+    s, mk = np.uint64(shift), np.uint64(mask)
     for w in range(aw.shape[0]):
+        base = w * per
         if aw[w] != bw[w]:
-            base = w * per
             for j in range(per):
                 x = a[base + j]
-                y = b[base + j]
-                if x != y:
+                c = (np.uint64(x) >> s) & mk
+                if x != b[base + j]:
                     if k == cap:
                         return -1
                     idx[k] = base + j
                     va[k] = x
-                    vb[k] = y
+                    vb[k] = b[base + j]
+                    cls[k] = c
+                    t = base + j
+                    if mask:
+                        t = 0
+                        for lane in range(per):
+                            t += cnt[lane, c]
+                    rank[k] = t
                     k += 1
+                if mask:
+                    cnt[j, c] += 1
+        elif mask:
+            for j in range(per):
+                cnt[j, (np.uint64(a[base + j]) >> s) & mk] += 1
     for i in range(aw.shape[0] * per, a.shape[0]):
+        c = (np.uint64(a[i]) >> s) & mk
         if a[i] != b[i]:
             if k == cap:
                 return -1
             idx[k] = i
             va[k] = a[i]
             vb[k] = b[i]
+            cls[k] = c
+            t = i
+            if mask:
+                t = 0
+                for lane in range(per):
+                    t += cnt[lane, c]
+            rank[k] = t
             k += 1
+        cnt[0, c] += 1
     return k
 
 
-def changed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(positions, old patterns, new patterns) where two flat unsigned arrays differ.
+def changed(a: np.ndarray, b: np.ndarray, fld: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """(positions, old patterns, new patterns, classes, ranks) where two flat unsigned arrays
+    differ; a change's class is the field `(old >> shift) & mask` (`context`), its rank its
+    place among the elements of its class, counted in the same pass.
 
     Output buffers are sized for sparse steps (1/16 of the segment) and redone at full size
     only when more changed, to avoid large allocations on the common path."""
@@ -56,11 +85,11 @@ def changed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     aw = np.ascontiguousarray(a[:m]).view(np.uint64)
     bw = np.ascontiguousarray(b[:m]).view(np.uint64)
     for cap in (n // 16 + 64, n):
-        idx = np.empty(cap, np.int64)
-        va, vb = np.empty(cap, a.dtype), np.empty(cap, b.dtype)
-        k = _changed(a, b, aw, bw, idx, va, vb)
+        idx, rank = np.empty(cap, np.int64), np.empty(cap, np.int64)
+        va, vb, cls = np.empty(cap, a.dtype), np.empty(cap, b.dtype), np.empty(cap, np.uint8)
+        k = _changed(a, b, aw, bw, fld[0], fld[1], idx, va, vb, cls, rank)
         if k >= 0:
-            return idx[:k].copy(), va[:k].copy(), vb[:k].copy()
+            return idx[:k].copy(), va[:k].copy(), vb[:k].copy(), cls[:k].copy(), rank[:k].copy()
     raise AssertionError("unreachable: a full-size buffer always fits")
 
 
@@ -245,48 +274,8 @@ def scatter(flat, offset, positions, values):
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def class_ranks(base, shift, mask, positions):
-    """For each changed position, its class (the base pattern's field `(bits >> shift) & mask`)
-    and its rank among the segment's elements of that class: what the context coder codes in
-    place of the position. One pass over the base, counting in four lanes (elements i % 4), so
-    that neighbours of one class do not wait on each other's count."""
-    m = positions.shape[0]
-    cls = np.empty(m, np.uint8)
-    rank = np.empty(m, np.int64)
-    cnt = np.zeros((4, 256), np.int64)
-    s, mk = np.uint64(shift), np.uint64(mask)
-    n = base.shape[0]
-    j = 0
-    nxt = positions[0] if m else n
-    for i in range(0, n - n % 4, 4):
-        if nxt < i + 4:  # a change among these four: count them one by one
-            for lane in range(4):
-                c = (np.uint64(base[i + lane]) >> s) & mk
-                if i + lane == nxt:
-                    cls[j] = c
-                    rank[j] = cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
-                    j += 1
-                    nxt = positions[j] if j < m else n
-                cnt[lane, c] += 1
-        else:
-            cnt[0, (np.uint64(base[i]) >> s) & mk] += 1
-            cnt[1, (np.uint64(base[i + 1]) >> s) & mk] += 1
-            cnt[2, (np.uint64(base[i + 2]) >> s) & mk] += 1
-            cnt[3, (np.uint64(base[i + 3]) >> s) & mk] += 1
-    for i in range(n - n % 4, n):
-        c = (np.uint64(base[i]) >> s) & mk
-        if i == nxt:
-            cls[j] = c
-            rank[j] = cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
-            j += 1
-            nxt = positions[j] if j < m else n
-        cnt[0, c] += 1
-    return cls, rank
-
-
-@njit(nogil=True, cache=True, boundscheck=False)
 def class_locate(base, shift, mask, classes, counts, gaps):
-    """Inverse of class_ranks. `gaps` are grouped by class (`classes` strictly increasing,
+    """Where a context record's changes are, in the base. `gaps` are grouped by class (`classes` strictly increasing,
     `counts[j]` each): how many of the class's elements to pass before each change. Returns the
     positions, sorted; for each, the index of its gap in `gaps` (values coded in class order are
     put in position order with it); and whether every change was found (False: a gap runs past

@@ -61,9 +61,7 @@ class Changes:
 
 def extract_segment(start: int, old: np.ndarray, new: np.ndarray, fld: tuple[int, int]) -> Changes:
     """CPU extraction; `sparrowrl.delta.gpu` produces the same Changes from device arrays."""
-    idx, va, vb = kernels.changed(old, new)
-    cls, rank = kernels.class_ranks(old, fld[0], fld[1], idx)
-    return Changes(start, old.shape[0], idx, va, vb, cls, rank, lambda: zigzag(np, old, new))
+    return Changes(start, old.shape[0], *kernels.changed(old, new, fld), lambda: zigzag(np, old, new))
 
 
 def encode_changes(tensor_id: int, ch: Changes, version: int = 2) -> bytes:
