@@ -25,7 +25,7 @@ out = Console()
 err = Console(stderr=True)
 
 MAX_STREAMS = 64
-RUNTIME = {"torch", "numpy", "safetensors", "zstandard", "constriction", "aiohttp", "numba", "transformers",
+RUNTIME = {"torch", "numpy", "safetensors", "zstandard", "aiohttp", "numba", "transformers",
            "tokenizers", "matplotlib", "prometheus_client"}  # the [runtime] extra
 Out = Annotated[Path, typer.Option("-o", "--output", help="Where to write; written only if everything verifies.")]
 

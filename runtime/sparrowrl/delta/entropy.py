@@ -1,7 +1,8 @@
 """Entropy coding of a sparse record's two integer streams, and zstd for dense records.
 
-Both sparse streams use ANS (constriction's stack coder to encode, `kernels.ans_decode` to
-decode); symbols at 255 escape to a raw side array. ANS gets within ~1% of the empirical entropy
+Both sparse streams use ANS, constriction's stack coder as numba ports that release the GIL
+(`kernels.ans_encode`, `kernels.ans_decode`, bit for bit the library's: tests/test_fuzz.py);
+symbols at 255 escape to a raw side array. ANS gets within ~1% of the empirical entropy
 of its model, which zstd's Huffman stage cannot (measured: zstd of byte-shuffled gaps and
 differences costs ~12% more per changed element, and never won a stream on realistic or
 real-training steps).
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import struct
 
-import constriction
 import numpy as np
 import zstandard
 
@@ -28,8 +28,6 @@ from sparrowrl.delta.errors import CorruptError
 _ALPHABET = 256  # symbols 0..254 literal, 255 = escape
 _MAX_K = 20
 _ZLEVEL = 3
-_Categorical = constriction.stream.model.Categorical
-_AnsCoder = constriction.stream.stack.AnsCoder
 
 
 class Cursor:
@@ -85,10 +83,6 @@ def zstd_unpack(buf: bytes | memoryview, dtype: np.dtype, count: int, what: str)
 
 
 # ---- ANS ---------------------------------------------------------------------------------
-
-def _model(counts: np.ndarray):
-    return _Categorical(counts.astype(np.float64), perfect=False)
-
 
 def _ans_decode(words: np.ndarray, counts: np.ndarray, count: int, what: str) -> np.ndarray:
     """Decode `count` symbols from one ANS stack, which must then be exactly empty. A numba port
@@ -158,10 +152,9 @@ def _read_count(cur: Cursor) -> int:
 def _pack(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray, esc_dtype: str, middle: bytes = b"") -> bytes:
     """table | u32 n_esc | escapes | middle | ANS words of the symbols."""
     counts = _trim(counts)
-    coder = _AnsCoder()
-    coder.encode_reverse(sym, _model(counts))
+    words = kernels.ans_encode(sym, kernels.ans_cdf(counts)[None, :], np.array([len(sym)], np.int64))
     return b"".join([_write_counts(counts), struct.pack("<I", len(esc)), esc.astype(esc_dtype).tobytes(), middle,
-                     coder.get_compressed().astype("<u4").tobytes()])
+                     words.astype("<u4").tobytes()])
 
 
 def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int, out_dtype: str) -> tuple[np.ndarray, memoryview]:
@@ -255,18 +248,19 @@ def _rice_ks(last: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.clip(np.floor(np.log2(mean + 1.0)) - 2, 0, _MAX_K).astype(np.uint8)
 
 
-def _encode_runs(sym: np.ndarray, ends: np.ndarray, weights: list[np.ndarray]) -> bytes:
-    """ANS words of `sym`, run j (ending at ends[j]) coded with weights[j]; decoded run 0 first."""
-    coder = _AnsCoder()
-    for j in range(len(weights) - 1, -1, -1):
-        coder.encode_reverse(sym[ends[j - 1] if j else 0:ends[j]], _model(weights[j]))
-    return coder.get_compressed().astype("<u4").tobytes()
+def _cdfs(weights: list[np.ndarray]) -> np.ndarray:
+    return np.stack([kernels.ans_cdf(w) for w in weights])
+
+
+def _encode_runs(sym: np.ndarray, counts: np.ndarray, weights: list[np.ndarray]) -> bytes:
+    """ANS words of `sym`, a run of counts[j] symbols per model weights[j]; run 0 decodes first."""
+    return kernels.ans_encode(sym, _cdfs(weights), counts).astype("<u4").tobytes()
 
 
 def _decode_runs(words: memoryview, counts: np.ndarray, weights: list[np.ndarray], what: str) -> np.ndarray:
     if len(words) % 4:
         raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
-    cdfs = np.stack([kernels.ans_cdf(w) for w in weights])
+    cdfs = _cdfs(weights)
     out, status = kernels.ans_decode(np.frombuffer(words, "<u4").astype(np.uint32), cdfs, counts)
     if status == 2:
         raise CorruptError(f"{what}: ANS stream does not decode (its last word is zero)")
@@ -315,9 +309,9 @@ def context_streams(classes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> tu
     qesc, zesc = q[q >= _ALPHABET - 1], z[esc]
     pos = b"".join([bytes(head), struct.pack("<I", len(qesc)), qesc.astype("<u4").tobytes(),
                     kernels.pack_bits(r, k_sym).tobytes(),
-                    _encode_runs(qsym, ends, [_gap_weights(t) for t in t_q.tolist()])])
+                    _encode_runs(qsym, counts, [_gap_weights(t) for t in t_q.tolist()])])
     val = b"".join([struct.pack("<I", len(zesc)), zesc.astype(z.dtype.newbyteorder("<")).tobytes(),
-                    _encode_runs(zsym, ends, [_value_weights(t, x) for t, x in zip(t_v.tolist(), e.tolist())])])
+                    _encode_runs(zsym, counts, [_value_weights(t, x) for t, x in zip(t_v.tolist(), e.tolist())])])
     return pos, val
 
 

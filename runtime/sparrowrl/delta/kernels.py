@@ -202,6 +202,36 @@ def ans_cdf(counts):
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
+def ans_encode(sym, cdfs, counts):
+    """The u32 words of constriction's AnsCoder (u64 state, 24-bit precision) after
+    `encode_reverse` of each run of symbols over its cdf, last run first, bit for bit as the
+    library writes them (tests/test_fuzz.py), without the GIL: `ans_decode` pops run 0 first.
+    Every symbol must have a nonzero width in its cdf (`ans_cdf` gives each at least 1)."""
+    out = np.empty(sym.shape[0] + 2, np.uint32)  # a symbol pushes at most one word
+    top = 0
+    state = np.uint64(0)
+    end = sym.shape[0]
+    for run in range(counts.shape[0] - 1, -1, -1):
+        cdf = cdfs[run]
+        for j in range(end - 1, end - counts[run] - 1, -1):
+            lo = np.uint64(cdf[sym[j]])
+            width = np.uint64(cdf[sym[j] + 1]) - lo
+            if (state >> np.uint64(40)) >= width:
+                out[top] = np.uint32(state & np.uint64(0xFFFFFFFF))
+                top += 1
+                state >>= np.uint64(32)
+            state = ((state // width) << np.uint64(24)) | (state % width + lo)
+        end -= counts[run]
+    if state != 0:  # sealed: the state's words, its high word last and never zero
+        out[top] = np.uint32(state & np.uint64(0xFFFFFFFF))
+        top += 1
+        if state >> np.uint64(32):
+            out[top] = np.uint32(state >> np.uint64(32))
+            top += 1
+    return out[:top]
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
 def ans_decode(words, cdfs, counts):
     """Symbols popped from constriction's AnsCoder (u32 words, u64 state, 24-bit precision), bit
     for bit as constriction decodes them, without the GIL: counts[j] symbols over cdfs[j], run
