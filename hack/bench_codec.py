@@ -242,6 +242,7 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True, befo
         row[f"v{v}"] = {"payload_bytes": s["payload_bytes"], "bytes_per_changed": s["bytes_per_changed"],
                         "ratio_vs_dense": s["ratio_vs_dense"], "record_bytes": records,
                         "record_bytes_per_changed": records / s["changed"]}
+    del state  # a 1e9-element run holds several states at once: keep to what the rounds need
     if timed:
         # memcpy, then each format's encode and decode, back to back in each round, so that drifts
         # in the machine's speed (it is shared) hit reference and subjects alike; medians
@@ -252,6 +253,7 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True, befo
         for _ in range(reps):
             one = [clock(copy)]
             for v in VERSIONS:
+                fresh = None
                 fresh = {k: t.clone() for k, t in old.items()}
                 one += [clock(lambda: encode(old, new, base_hash, v)),
                         clock(lambda: apply_delta(DeltaFile(data[v]), fresh, base_hash=base_hash))]

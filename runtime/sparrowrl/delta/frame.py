@@ -21,6 +21,7 @@ import json
 import os
 import struct
 from collections import deque
+from itertools import chain
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -409,15 +410,17 @@ class DeltaFile:
         def record(cur: Cursor):
             return then(decode_record(cur, sizes, numels, self.version, locate))
 
+        chunks = range(len(self.manifest["chunks"]))
         if pool is None:
-            for i in range(len(self.manifest["chunks"])):
-                yield from map(record, chunk(i))
+            yield from map(record, chain.from_iterable(map(chunk, chunks)))
             return
-        pending: deque = deque()  # a verified chunk's records go to the pool at once, not after the last chunk's
+        # records flow on across chunks, at most 2 per core decoded ahead of the caller (each holds
+        # its changes in memory until the caller takes it)
+        pending: deque = deque()
         try:
-            for records in pool.map(chunk, range(len(self.manifest["chunks"]))):
-                pending.extend(pool.submit(record, cur) for cur in records)
-                while pending and pending[0].done():
+            for cur in chain.from_iterable(pool.map(chunk, chunks)):
+                pending.append(pool.submit(record, cur))
+                if len(pending) >= 2 * (os.cpu_count() or 1):
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
