@@ -84,11 +84,22 @@ def zstd_unpack(buf: bytes | memoryview, dtype: np.dtype, count: int, what: str)
 
 # ---- ANS ---------------------------------------------------------------------------------
 
-def _ans_decode(words: np.ndarray, counts: np.ndarray, count: int, what: str) -> np.ndarray:
-    """Decode `count` symbols from one ANS stack, which must then be exactly empty. A numba port
-    of constriction's decoder (`kernels.ans_decode`, bit-exact with it: tests/test_fuzz.py), which
-    releases the GIL, so that a delta's chunks decode in parallel."""
-    out, status = kernels.ans_decode(words, kernels.ans_cdf(counts)[None, :], np.array([count], np.int64))
+def _cdfs(weights: list[np.ndarray]) -> np.ndarray:
+    return np.stack([kernels.ans_cdf(w) for w in weights])
+
+
+def _encode_runs(sym: np.ndarray, counts: np.ndarray, weights: list[np.ndarray]) -> bytes:
+    """ANS words of `sym`, a run of counts[j] symbols per model weights[j]; run 0 decodes first."""
+    return kernels.ans_encode(sym, _cdfs(weights), counts).astype("<u4").tobytes()
+
+
+def _decode_runs(words: memoryview, counts: np.ndarray, weights: list[np.ndarray], what: str) -> np.ndarray:
+    """The symbols of one ANS stack, run by run, which must then be exactly empty
+    (`kernels.ans_decode`, which releases the GIL, so that a delta's records decode in parallel)."""
+    if len(words) % 4:
+        raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
+    cdfs = _cdfs(weights)
+    out, status = kernels.ans_decode(np.frombuffer(words, "<u4").astype(np.uint32), cdfs, counts)
     if status == 2:
         raise CorruptError(f"{what}: ANS stream does not decode (its last word is zero)")
     if status:
@@ -152,9 +163,8 @@ def _read_count(cur: Cursor) -> int:
 def _pack(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray, esc_dtype: str, middle: bytes = b"") -> bytes:
     """table | u32 n_esc | escapes | middle | ANS words of the symbols."""
     counts = _trim(counts)
-    words = kernels.ans_encode(sym, kernels.ans_cdf(counts)[None, :], np.array([len(sym)], np.int64))
     return b"".join([_write_counts(counts), struct.pack("<I", len(esc)), esc.astype(esc_dtype).tobytes(), middle,
-                     words.astype("<u4").tobytes()])
+                     _encode_runs(sym, np.array([len(sym)], np.int64), [counts])])
 
 
 def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int, out_dtype: str) -> tuple[np.ndarray, memoryview]:
@@ -168,10 +178,7 @@ def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int, out_dtype:
         raise CorruptError(f"{what}: {n_esc} escapes for {count} symbols")
     esc = cur.array(esc_dtype, n_esc)
     middle = cur.take(middle_len)
-    rest = cur.take(len(cur.buf) - cur.pos)
-    if len(rest) % 4:
-        raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
-    sym = _ans_decode(np.frombuffer(rest, "<u4").astype(np.uint32), counts, count, what)
+    sym = _decode_runs(cur.take(len(cur.buf) - cur.pos), np.array([count], np.int64), [counts], what)
     return _substitute(sym, esc, what).astype(out_dtype), middle
 
 
@@ -188,8 +195,13 @@ def ans_values_decode(buf: memoryview, dtype: np.dtype, count: int, what: str) -
 def rice_k(last: int, count: int) -> int:
     """Rice parameter from the mean gap: 2**k about a quarter to an eighth of it, so r is near
     uniform (coding it raw loses ~0.01 bit) while q stays small (mean ~4-8, escapes rare)."""
-    mean = (last + 1 - count) / count
-    return int(min(_MAX_K, max(0, np.floor(np.log2(mean + 1.0)) - 2)))
+    return int(_rice_ks(np.array([last]), np.array([count]))[0])
+
+
+def _rice_ks(last: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """rice_k for many classes at once: their largest rank and their count of changes."""
+    mean = (last + 1 - counts) / counts
+    return np.clip(np.floor(np.log2(mean + 1.0)) - 2, 0, _MAX_K).astype(np.uint8)
 
 
 def ans_gaps(k: int, q: np.ndarray, r: np.ndarray, counts: np.ndarray, esc: np.ndarray) -> bytes:
@@ -240,33 +252,6 @@ def _value_weights(t: int, e: int) -> np.ndarray:
 def _ratio(mean: np.ndarray) -> np.ndarray:
     """The u8 parameter t of a geometric model with this mean: t / 256 = mean / (1 + mean)."""
     return np.clip(np.rint(256 * mean / (1 + mean)), 0, 255).astype(np.uint8)
-
-
-def _rice_ks(last: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """rice_k for many classes at once: their largest rank and their count of changes."""
-    mean = (last + 1 - counts) / counts
-    return np.clip(np.floor(np.log2(mean + 1.0)) - 2, 0, _MAX_K).astype(np.uint8)
-
-
-def _cdfs(weights: list[np.ndarray]) -> np.ndarray:
-    return np.stack([kernels.ans_cdf(w) for w in weights])
-
-
-def _encode_runs(sym: np.ndarray, counts: np.ndarray, weights: list[np.ndarray]) -> bytes:
-    """ANS words of `sym`, a run of counts[j] symbols per model weights[j]; run 0 decodes first."""
-    return kernels.ans_encode(sym, _cdfs(weights), counts).astype("<u4").tobytes()
-
-
-def _decode_runs(words: memoryview, counts: np.ndarray, weights: list[np.ndarray], what: str) -> np.ndarray:
-    if len(words) % 4:
-        raise CorruptError(f"{what}: ANS words not a multiple of 4 bytes")
-    cdfs = _cdfs(weights)
-    out, status = kernels.ans_decode(np.frombuffer(words, "<u4").astype(np.uint32), cdfs, counts)
-    if status == 2:
-        raise CorruptError(f"{what}: ANS stream does not decode (its last word is zero)")
-    if status:
-        raise CorruptError(f"{what}: ANS stream has undecoded bits left")
-    return out
 
 
 def context_streams(classes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> tuple[bytes, bytes]:
