@@ -6,6 +6,10 @@
                                                                        into /dev/null and into memory
   decode     a chain of deltas and a base pulled by one process     vs  decode + verified apply of
                                                                        the same bytes
+  signatures the trainer's Ed25519 signing and a worker's check of    vs  the same deltas' pull, with
+             each piece of those deltas                                the check and without
+  commit     the additive state hash's update per changed element    vs  a forgery-resistant LtHash16's
+                                                                       (2 KiB of SHAKE256 per term)
   checksums  sha256 and BLAKE3 on one core                          vs  memcpy
   streams    goodput of 1/2/4/8 streams over an emulated WAN link whose per-flow cap is a
              quarter of the link (hack/wan; needs root)              vs  raw TCP, 4 streams
@@ -261,16 +265,90 @@ def decode_vs_pull(elements: int, rounds: int) -> dict:
                         nbytes, changed = nbytes + len(d.data), changed + store.versions[v].changed
                     assert h == store.versions[rounds].state_hash
                     touch_s = _touch_floor(states)
+                    signed = await _signature_cost(c, rounds)
                     return {"base_bytes": len(raw), "base_pull_MBps": len(raw) / base_pull_s / 1e6,
                             "base_load_hash_MBps": len(raw) / load_s / 1e6,
                             "deltas": rounds, "delta_bytes": nbytes, "changed": changed,
                             "density": changed / (rounds * elements),
                             "delta_pull_MBps": nbytes / pull_s / 1e6, "delta_apply_MBps": nbytes / apply_s / 1e6,
                             "apply_of_pull": pull_s / apply_s,
-                            "touch_only_MBps": nbytes / touch_s / 1e6, "apply_of_touch": touch_s / apply_s}
+                            "touch_only_MBps": nbytes / touch_s / 1e6, "apply_of_touch": touch_s / apply_s,
+                            "signatures": signed, "commit_check": _commit_check_cost()}
             return asyncio.run(run())
         finally:
             server.kill()
+
+
+async def _signature_cost(c, deltas: int, rounds: int = 5) -> dict:
+    """What vouching for versions costs a delta's transfer: each piece signed once by the trainer
+    and checked by each worker (medians of 500 in this run, on a real piece), beside the pull of
+    the same deltas; and the pull itself with the check and without, alternating, best of `rounds`."""
+    pieces = [p for v in range(1, deltas + 1) for p in (await c.json(f"/v1/versions/{v}/pieces"))["pieces"]]
+    sign_s, verify_s = _sign_verify_s(pieces[1][:4])
+    pulls: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    trusted = c.trust
+    try:
+        for _ in range(rounds):
+            for way in pulls:
+                c.trust = trusted if way == "checked" else None
+                before = c.stats.seconds
+                for v in range(1, deltas + 1):
+                    await c.delta(v)
+                pulls[way].append(c.stats.seconds - before)
+    finally:
+        c.trust = trusted
+    cost = len(pieces) * (sign_s + verify_s)
+    pull_s = min(pulls["checked"])
+    return {"pieces": len(pieces), "piece_bytes_mean": sum(p[1] for p in pieces) / len(pieces),
+            "sign_us": sign_s * 1e6, "verify_us": verify_s * 1e6,
+            "pull_checked_s": pull_s, "pull_unchecked_s": min(pulls["unchecked"]),
+            "cost_of_pull": cost / pull_s, "checked_over_unchecked": pull_s / min(pulls["unchecked"]) - 1}
+
+
+def _commit_check_cost(n: int = 1 << 20, lt: int = 20_000) -> dict:
+    """ns per changed element of the commit check: the additive hash's update (what apply does),
+    beside LtHash16's (each term 1024 u16 lanes from SHAKE256 of the element's key and value,
+    the old term subtracted and the new added); LtHash timed on `lt` elements."""
+    import hashlib
+    import struct
+
+    from sparrowrl.delta.statehash import TensorKey
+
+    rng = np.random.default_rng(0)
+    key = TensorKey("w", "BF16", (1 << 26,), 2)
+    pos = np.sort(rng.choice(1 << 26, n, replace=False)).astype(np.int64)
+    old, new = (rng.integers(0, 1 << 16, n, dtype=np.uint16) for _ in range(2))
+    key.change(pos[:10], old[:10], new[:10])  # numba's kernel loaded
+    t0 = time.perf_counter()
+    key.change(pos, old, new)
+    additive = (time.perf_counter() - t0) / n
+    acc = np.zeros(1024, np.uint16)
+    t0 = time.perf_counter()
+    for i, a, b in zip(pos[:lt].tolist(), old[:lt].tolist(), new[:lt].tolist()):
+        acc -= np.frombuffer(hashlib.shake_256(struct.pack("<QQ", i, a)).digest(2048), np.uint16)
+        acc += np.frombuffer(hashlib.shake_256(struct.pack("<QQ", i, b)).digest(2048), np.uint16)
+    lthash = (time.perf_counter() - t0) / lt
+    t0 = time.perf_counter()
+    hashlib.shake_256(b"x").digest(64 << 20)
+    floor = 4096 / (64 << 20) * (time.perf_counter() - t0)  # its 4 KiB of SHAKE output alone, no Python loop
+    return {"additive_ns": additive * 1e9, "lthash16_ns": lthash * 1e9, "lthash16_shake_floor_ns": floor * 1e9,
+            "lthash_over_additive": lthash / additive, "lthash_floor_over_additive": floor / additive}
+
+
+def _sign_verify_s(piece: list) -> tuple[float, float]:
+    """Seconds to sign one piece (the trainer, once) and to check it (each worker): medians of 500."""
+    from sparrowrl.signing import Signer, piece_statement
+
+    signer, statement = Signer(TOKEN), piece_statement(1, *piece)
+    sign, verify = [], []
+    for _ in range(500):
+        t0 = time.perf_counter()
+        sig = signer.sign(statement)
+        t1 = time.perf_counter()
+        assert signer.verifier.ok(statement, sig)
+        sign.append(t1 - t0)
+        verify.append(time.perf_counter() - t1)
+    return statistics.median(sign), statistics.median(verify)
 
 
 def _touch_floor(states: list[dict[str, torch.Tensor]]) -> float:
@@ -418,6 +496,10 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
             out[key] = statistics.median(xs)
             out[key.removesuffix("_s") + "_runs_s"] = xs
         out["delta_bytes"] = store.versions[2].delta_bytes
+        d = store.delta(2)  # its pieces: the header, each chunk, the tail
+        sign_s, verify_s = _sign_verify_s([0, len(d.data), "0" * 64, False])
+        out["signature_of_single_transfer"] = (len(d.manifest["chunks"]) + 2) * (sign_s + verify_s) / \
+            out["single_transfer_s"]
         out["relays_vs_single"] = out["fanout_relays_s"] / out["single_transfer_s"]
         out["direct_vs_single"] = out["fanout_direct_s"] / out["single_transfer_s"]
         out["relays_vs_single_runs"] = [r / s for r, s in zip(runs["fanout_relays_s"], runs["single_transfer_s"])]

@@ -14,6 +14,7 @@ import numpy as np
 from aiohttp import web
 
 from sparrowrl.delta.bitview import bits
+from sparrowrl.signing import Signer
 from sparrowrl.transport.server import make_app
 
 TOKEN = "t0ken-for-tests"
@@ -31,7 +32,7 @@ class Server:
         self.store, self.token, self.port = store, token, port
 
     async def __aenter__(self):
-        self.runner = web.AppRunner(make_app(self.store, self.token))
+        self.runner = web.AppRunner(make_app(self.store, self.token, signer=Signer(self.token) if self.token else None))
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()

@@ -28,6 +28,7 @@ from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError
 from sparrowrl.delta.frame import END, HEAD, MAGIC, TRAILER
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
+from sparrowrl.signing import Signer, base_statement, piece_statement
 from sparrowrl.store import BASE_PART, Store
 
 pytestmark = pytest.mark.usefixtures("address_space_limit")
@@ -329,7 +330,10 @@ def listing(base: dict | None) -> dict:
 
 
 def huge_base(size: int) -> dict:
-    return {"bytes": size, "part_bytes": BASE_PART, "parts": ["a" * 64] * -(-size // BASE_PART)}
+    """Signed with the job's key: a trainer's numbers are bounded too."""
+    parts = ["a" * 64] * -(-size // BASE_PART)
+    sig = Signer(TOKEN).sign(base_statement(0, "0" * 16, size, BASE_PART, parts))
+    return {"bytes": size, "part_bytes": BASE_PART, "parts": parts, "sig": sig}
 
 
 @pytest.mark.timeout(120)
@@ -353,7 +357,7 @@ def test_pieces_at_negative_offsets_are_refused(tmp_path, rng):
     out = tmp_path / "out.safetensors"
     with hostile({"/v1/plan": {"route": "chain", "base": None, "deltas": [1]},
                   "/v1/versions": listing(None),
-                  "/v1/versions/1/pieces": {"pieces": [[-8, 8, "a" * 64]], "complete": True, "bytes": 8,
+                  "/v1/versions/1/pieces": {"pieces": [[-8, 8, "a" * 64, True, ""]], "complete": True, "bytes": 8,
                                             "epoch": "file"}}) as url:
         p = sparrowrl("fetch", url, "--version", 1, "--base", tmp_path / "base.safetensors", "--base-version", 0,
                       "-o", out, env={"SPARROWRL_TOKEN": TOKEN})
@@ -384,10 +388,11 @@ def test_a_delta_whose_pieces_never_end_is_refused_before_memory_runs_out(tmp_pa
     mib = 1 << 20
     zeros = hashlib.sha256(bytes(mib)).hexdigest()
 
-    def pieces(request):
-        after = int(request.query.get("after", 0))
-        return web.json_response({"pieces": [[(after + i) * mib, mib, zeros] for i in range(64)], "complete": False,
-                                  "bytes": None, "epoch": "file"})
+    def pieces(request):  # signed with the job's key: a trainer's delta is bounded too
+        after, sign = int(request.query.get("after", 0)), Signer(TOKEN).sign
+        return web.json_response({"pieces": [[o, mib, zeros, False, sign(piece_statement(1, o, mib, zeros, False))]
+                                             for o in ((after + i) * mib for i in range(64))],
+                                  "complete": False, "bytes": None, "epoch": "file"})
 
     def delta(request):
         r = request.http_range

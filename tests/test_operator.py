@@ -53,7 +53,9 @@ def test_a_job_spans_clusters_and_its_delete_cleans_them():
         until(lambda: names(east, "sparrowrl") == {f"{m}-relay-eu-0", f"{m}-worker-eu-0-0", f"{m}-worker-eu-1-0"}, 30,
               "the member's relay and workers")
         assert names(home, "default") == {"grpo-trainer-0", "grpo-relay-us-0", "grpo-worker-us-0-0"}
-        assert f"{m}-token" in names(east, "sparrowrl", "v1/secrets")
+        until(lambda: names(east, "sparrowrl", "v1/secrets") == {f"{m}-relay-eu-token", f"{m}-worker-eu-0-token",
+                                                                 f"{m}-worker-eu-1-token"}, 30,
+              "each relay's and worker slot's own token, and not the job's secret")
         worker = east.get("v1/pods", "sparrowrl", f"{m}-worker-eu-0-0")
         assert worker["spec"]["containers"][0]["args"][:3] == ["worker", "--trainer", "http://203.0.113.5:8470"]
         job = until(lambda: (j := home.get(JOBS, "default", "grpo")) and condition(j, "Created") and j, 30, "a status")
@@ -62,8 +64,8 @@ def test_a_job_spans_clusters_and_its_delete_cleans_them():
         assert "sparrowrl.dev/cleanup" in job["metadata"]["finalizers"]
         assert "Created" in reasons(home)
         home.delete(JOBS, "default", "grpo")
-        until(lambda: not names(east, "sparrowrl") and not names(east, "sparrowrl", "v1/services"), 30,
-              "the member's objects deleted")
+        until(lambda: not names(east, "sparrowrl") and not names(east, "sparrowrl", "v1/services")
+              and not names(east, "sparrowrl", "v1/secrets"), 30, "the member's objects deleted")
         until(lambda: home.get(JOBS, "default", "grpo") is None, 30, "the finalizer released")
 
 

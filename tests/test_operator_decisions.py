@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sparrowrl.signing import Verifier, parse_public
 from sparrowrl.status import JobStatus as TrainerStatus
 from sparrowrl.status import WorkerStatus
+from sparrowrl.tokens import Gate, Principal
 from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile, stamp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +101,18 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     kinds = sorted((c or "home", m["kind"], m["metadata"]["name"]) for c, m in plan.create)
     assert ("home", "PersistentVolumeClaim", "add-grpo-state") not in kinds  # made in the first cycle
     assert ("eu-west", "Pod", "add-grpo-u-1-worker-eu-1-0") in kinds
-    assert ("ap-south", "Secret", "add-grpo-u-1-token") in kinds  # the token, copied into each member's namespace
+    assert ("ap-south", "Secret", "add-grpo-u-1-token") not in kinds  # the job's secret stays with the trainer
+    secrets = {(c, m["metadata"]["name"]): m["stringData"] for c, m in plan.create if m["kind"] == "Secret"}
+    assert {n for c, n in secrets if c == "ap-south"} == {"add-grpo-u-1-relay-ap-token", "add-grpo-u-1-worker-ap-0-token"}
+    mine = secrets["ap-south", "add-grpo-u-1-worker-ap-0-token"]  # a slot's own token, and the trainer's key
+    gate = Gate(None, Verifier(parse_public(mine["trainer-key"])))  # as the relay checks its workers
+    assert gate.principal(f"Bearer {mine['token']}") == Principal("worker", "add-grpo-u-1-worker-ap-0-*")
+    assert Gate.of("tok", None).principal(f"Bearer {mine['token']}") is not None  # from the secret the trainer holds
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in
+           w.pods["ap-south"]["add-grpo-u-1-worker-ap-0-0"]["spec"]["containers"][0]["env"] if "valueFrom" in e
+           and "secretKeyRef" in e["valueFrom"]}
+    assert env == {"SPARROWRL_TOKEN": {"name": "add-grpo-u-1-worker-ap-0-token", "key": "token"},
+                   "SPARROWRL_TRAINER_KEY": {"name": "add-grpo-u-1-worker-ap-0-token", "key": "trainer-key"}}
     assert w.names("eu-west") == ["add-grpo-u-1-relay-eu-0", "add-grpo-u-1-worker-eu-0-0", "add-grpo-u-1-worker-eu-1-0"]
     assert job["status"]["phase"] == "Pending"
     worker = w.pods["eu-west"]["add-grpo-u-1-worker-eu-0-0"]

@@ -122,7 +122,7 @@ def test_relay_is_cut_through(history, tmp_path, rng):
                         "the relay mirrors two pieces")
             # meanwhile, a client that listed its pieces elsewhere (the origin, before falling back
             # here) gets only bytes that have verified at the relay, at once
-            offset, length, _ = relay.relay.tables[v0 + 1].pieces[1]
+            offset, length, *_ = relay.relay.tables[v0 + 1].pieces[1]
             url = f"{relay.url}/v1/versions/{v0 + 1}/delta"
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as curl:
                 async with curl.get(url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}) as r:
@@ -182,14 +182,15 @@ def test_relay_killed_workers_fall_back(history, tmp_path):
 def test_pieces_in_arrival_order_then_in_file_order(history):
     """A relay lists a delta's pieces as they verify, in any order; once stored it lists them in
     file order. A worker that switches lists midway (or servers) lists anew and loses nothing."""
+    from sparrowrl.signing import Signer
     from sparrowrl.transport.relay import Table
     from sparrowrl.transport.server import make_app
 
     path, states = history
     table = Table("delta", 5, path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
     active = {"on": True}
-    app = make_app(path, TOKEN, arriving=lambda what, v, start: table if (what, v) == ("delta", 5) and active["on"]
-                   else None)
+    app = make_app(path, TOKEN, signer=Signer(TOKEN),
+                   arriving=lambda what, v, start: table if (what, v) == ("delta", 5) and active["on"] else None)
 
     async def go():
         runner = web.AppRunner(app)

@@ -70,7 +70,16 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
     for d in ("trainer", "relay", "w0", "w1"):
         (tmp_path / d).mkdir()
     (tmp_path / "trainer" / "job.yaml").write_text(yaml.safe_dump(job))
-    env = dict(os.environ, SPARROWRL_TOKEN="s3cret")
+    env = dict(os.environ, SPARROWRL_TOKEN="s3cret")  # the job's secret: the trainer's alone
+
+    def given(*what: str) -> str:  # as the README has them made
+        r = subprocess.run([EXE, "credentials", *what], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+    key = given("key")
+    envs = {"trainer": env, **{name: dict(env, SPARROWRL_TOKEN=given(*role), SPARROWRL_TRAINER_KEY=key)
+                               for name, role in (("relay", ("relay", "a")), ("w0", ("worker", "worker-a-0")),
+                                                  ("w1", ("worker", "worker-b-0")))}}
     t, r, w0, w1, tm, rm, wm = (free_port() for _ in range(7))  # tm, rm, wm: open /metrics ports
     trainer, relay = f"http://127.0.0.1:{t}", f"http://127.0.0.1:{r}"
     commands = {  # each in a folder of its own, as on separate machines
@@ -98,7 +107,8 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
                                    capture_output=True, text=True, timeout=60)
                 assert r.returncode == 1 and "401 unauthorized" in r.stderr
                 assert get(f"{trainer}/healthz") == 200 and get(f"{trainer}/v1/status") == 401  # probes need no token
-                m = {url: scrape(url, f"http://127.0.0.1:{o}")
+                admin = given("admin")  # what a scraper of every role's /metrics holds (the trainer takes the secret too)
+                m = {url: scrape(url, f"http://127.0.0.1:{o}", admin)
                      for url, o in ((trainer, tm), (relay, rm), (f"http://127.0.0.1:{w0}", wm))}
                 assert m[trainer]["sparrowrl_versions_published_total"] == 0
                 assert m[trainer]["sparrowrl_prompt_groups_total", "state", "admitted"] == 0
@@ -112,7 +122,7 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
                 assert {k[:2] for k in by_stream} == {("server", relay)}  # its relay, not the origin
                 assert sum(by_stream.values()) == m[f"http://127.0.0.1:{w0}"]["sparrowrl_received_bytes_total",
                                                                                  "kind", "base"]
-            procs[name] = subprocess.Popen([EXE, *map(str, args)], cwd=tmp_path / name, env=env, text=True,
+            procs[name] = subprocess.Popen([EXE, *map(str, args)], cwd=tmp_path / name, env=envs[name], text=True,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             wait_for(probes[name], procs)
         summary = tmp_path / "trainer" / "state" / "summary.json"
@@ -131,16 +141,16 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
             p.wait(30)
 
 
-def scrape(url: str, open_url: str) -> dict:
-    """/metrics (401 without the token), parsed by prometheus-client's own parser: name (and
-    label, value) → sample value. `open_url` (--metrics-port) serves the same without the token,
-    and nothing else."""
+def scrape(url: str, open_url: str, token: str) -> dict:
+    """/metrics (401 without a token), parsed by prometheus-client's own parser: name (and
+    label, value) → sample value. `open_url` (--metrics-port) serves the same
+    without the token, and nothing else."""
     from prometheus_client.parser import text_string_to_metric_families
 
     assert get(f"{url}/metrics") == 401
     assert get(f"{open_url}/v1/versions") == get(f"{open_url}/healthz") == 404
     out = []
-    for req in (urllib.request.Request(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}),
+    for req in (urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}),
                 urllib.request.Request(f"{open_url}/metrics")):
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=")

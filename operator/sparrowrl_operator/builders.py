@@ -1,7 +1,8 @@
 """Manifests from the job: pure functions with deterministic names and labels. Pods run the
 roles of `sparrowrl.layout.roles`, the commands the local runner starts, with Kubernetes' own
-ways of handing them the rest: the token from a Secret, the job from a ConfigMap, the trainer's
-state on a PersistentVolumeClaim, the pod's name and IP from the downward API."""
+ways of handing them the rest: credentials from Secrets (the job's secret to the trainer alone; to
+each relay and worker slot its own token and the trainer's public key), the job from a ConfigMap,
+the trainer's state on a PersistentVolumeClaim, the pod's name and IP from the downward API."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import yaml
 from sparrowrl.job import API_VERSION, JobSpec
 from sparrowrl.kubespec import Scheduling
 from sparrowrl.layout import Role
+from sparrowrl.signing import Signer, public_text
+from sparrowrl.tokens import mint
 from sparrowrl_operator.constants import (ATTEMPT_LABEL, JOB_LABEL, MANAGED_BY_LABEL, MANAGER, METRICS_PORT,
-                                          REGION_LABEL, RELAY_PORT, ROLE_LABEL, SLOT_LABEL, TOKEN_KEY, TRAINER_PORT,
-                                          UID_LABEL, WORKDIR, WORKER_PORT)
+                                          REGION_LABEL, RELAY_PORT, ROLE_LABEL, SLOT_LABEL, TOKEN_KEY,
+                                          TRAINER_KEY_KEY, TRAINER_PORT, UID_LABEL, WORKDIR, WORKER_PORT)
 
 PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
 USER = 65532  # the runtime image's user
@@ -89,6 +92,22 @@ def names_fit(job: JobRef, spec: JobSpec) -> str | None:
 def token_secret(job: JobRef, token: str, namespace: str, home: bool) -> dict:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": _meta(job, token_name(job), namespace, home), "stringData": {TOKEN_KEY: token}}
+
+
+def credentials_name(job: JobRef, role: Role) -> str:
+    """A relay's Secret, or a worker slot's (every attempt of the slot uses it)."""
+    return f"{job.base}-{role.name}-token"
+
+
+def credentials_secret(job: JobRef, role: Role, secret: str, namespace: str, home: bool) -> dict:
+    """What a relay or a worker slot's pods get instead of the job's secret: a token for their role,
+    signed with the job's key (a worker's names its slot's pods, `{job}-worker-R-I-*`), and the
+    trainer's public key, to check what the relay serves and who asks."""
+    signer = Signer(secret)
+    name = role.region if role.kind == "relay" else f"{job.base}-{role.name}-*"
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(job, credentials_name(job, role), namespace, home, role=role.kind, region=role.region),
+            "stringData": {TOKEN_KEY: mint(signer, role.kind, name), TRAINER_KEY_KEY: public_text(signer.key)}}
 
 
 def job_config(job: JobRef, spec: dict) -> dict:
@@ -165,7 +184,10 @@ def pod(job: JobRef, role: Role, spec: JobSpec, *, namespace: str, attempt: int,
     elif role.kind == "relay":
         mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
         volumes = [{"name": "cache", "emptyDir": {}}]
-    env = [{"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}},
+    secret = token_name(job) if role.kind == "trainer" else credentials_name(job, role)
+    env = [{"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}},
+           *([] if role.kind == "trainer" else
+             [{"name": "SPARROWRL_TRAINER_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": TRAINER_KEY_KEY}}}]),
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "PYTHONUNBUFFERED", "value": "1"}]

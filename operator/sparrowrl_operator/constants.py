@@ -22,6 +22,7 @@ WORKER_PORT = 8472
 METRICS_PORT = 9090
 WORKDIR = "/var/lib/sparrowrl"  # the pods' working folder: job/, state/ and cache/ are mounted under it
 TOKEN_KEY = "token"
+TRAINER_KEY_KEY = "trainer-key"  # the trainer's public key, beside a relay's or a worker slot's own token
 
 # Event reasons
 CREATED = "Created"

@@ -386,7 +386,7 @@ class _Cycle:
             mine = [r for r in roles if r.region == region.name]
             if cluster and (not address or ("Secret", builders.token_name(job)) not in self.obs.objects.get(None, ())):
                 statuses.append(PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
-                continue  # its pods need the trainer's outside address, and the token's Secret (copied) first
+                continue  # its pods need the trainer's outside address, and their tokens the job's secret first
             statuses.append(self.placement(cluster, namespace(region.name), region.name, mine, p))
         if unreachable:
             self.transition("Degraded", True, UNREACHABLE, "unreachable: " + ", ".join(unreachable) +
@@ -407,12 +407,13 @@ class _Cycle:
     def placement(self, cluster: Cluster, namespace: str, region: str, roles: list[Role], p) -> PlacementStatus:
         home = cluster is None
         job = self.job if home else self.job.in_member()
-        if not home:
-            self.ensure(cluster, builders.token_secret(job, self.obs.token, namespace, home=False))
+        secret_kept = ("Secret", builders.token_name(self.job)) in self.obs.objects.get(None, ())
         template = p.template if p is not None else None
         failed = replaced = ready_n = 0
         workers = [r for r in roles if r.kind == "worker"]
         for r in roles:
+            if secret_kept:  # tokens from the secret the trainer keeps, not from one about to be made
+                self.ensure(cluster, builders.credentials_secret(job, r, self.obs.token, namespace, home))
             if r.kind == "relay":
                 self.ensure(cluster, builders.relay_service(job, region, namespace, home))
             slot = workers.index(r) if r.kind == "worker" else None

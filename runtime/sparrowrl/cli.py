@@ -26,7 +26,7 @@ err = Console(stderr=True)
 
 MAX_STREAMS = 64
 RUNTIME = {"torch", "numpy", "safetensors", "zstandard", "aiohttp", "numba", "transformers",
-           "tokenizers", "matplotlib", "prometheus_client"}  # the [runtime] extra
+           "tokenizers", "matplotlib", "prometheus_client", "cryptography"}  # the [runtime] extra
 Out = Annotated[Path, typer.Option("-o", "--output", help="Where to write; written only if everything verifies.")]
 
 
@@ -248,12 +248,17 @@ def _server_token(host: str, port: int) -> str:
     """The checks every server command makes before it starts anything; returns the token."""
     import os
 
+    from sparrowrl.signing import trust
     from sparrowrl.transport.server import is_loopback
 
     _in_range("--port", port, 1, 65535)
     token = os.environ.get("SPARROWRL_TOKEN", "")
     if not token and not is_loopback(host):
         _fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
+    try:
+        trust(token)  # a role token comes with the trainer's public key
+    except ValueError as e:
+        _fail(e)
     return token
 
 
@@ -287,16 +292,21 @@ def serve(store: Path, host: Annotated[str, typer.Option(help="Address to listen
           port: Annotated[int, typer.Option(help="TCP port.")] = 8470,
           tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve HTTPS.")] = None,
           tls_key: Annotated[Path | None, typer.Option(help="PEM private key for --tls-cert.")] = None) -> None:
-    """Publish a checkpoint store over HTTP(S); the token comes from SPARROWRL_TOKEN."""
+    """Publish a checkpoint store over HTTP(S). The job's secret comes from SPARROWRL_TOKEN: it
+    admits clients, and signs every version served (clients check with the public key it derives,
+    which `sparrowrl keys` prints)."""
+    from sparrowrl.signing import TOKEN_PREFIX, Signer
     from sparrowrl.transport.server import make_app, tls_context
 
     token = _server_token(host, port)
+    if token.startswith(TOKEN_PREFIX):
+        _fail(ValueError("serve signs what it publishes: SPARROWRL_TOKEN must be the job's secret, not a role token"))
     _open_store(store)
     try:
         ctx = tls_context(tls_cert, tls_key)
     except (ValueError, OSError) as e:
         _fail(e)
-    _listen(make_app(store, token), host, port, f"serving {store} on {'https' if ctx else 'http'}://{host}:{port}"
+    _listen(make_app(store, token, signer=Signer(token) if token else None), host, port, f"serving {store} on {'https' if ctx else 'http'}://{host}:{port}"
             f"/v1/versions" + ("" if token else " (no token: loopback only)"), ctx)
 
 
@@ -387,7 +397,7 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
 
         (state, h), stats = asyncio.run(go())
         save_state(state, output)
-    except (FetchError, DeltaError, CheckpointError, OSError, ssl.SSLError) as e:
+    except (FetchError, DeltaError, CheckpointError, OSError, ssl.SSLError, ValueError) as e:
         _fail(e)
     rate = stats.bytes / stats.seconds / 1e6 if stats.seconds else 0.0
     out.print(f"wrote {output}: version {version}, state hash {h} (verified); fetched {stats.bytes:,} bytes "
@@ -437,6 +447,31 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
     out.print(report.summary_table(s))
     out.print(f"results in {run_dir}/: metrics.jsonl, summary.json, processes.json, reward.png, step_time.png, "
               f"payload.png, final/ (the trained model)", highlight=False)
+
+
+@app.command("credentials")
+def credentials(role: Annotated[str, typer.Argument(help="worker, relay or admin: print a token for NAME; key: "
+                                                        "print the trainer's public key.")],
+                name: Annotated[str, typer.Argument(help="The worker's name, or the relay's region.")] = "") -> None:
+    """What each role of a job started by hand gets, from the job's secret in SPARROWRL_TOKEN: a
+    worker or a relay its own token (their SPARROWRL_TOKEN) and the trainer's public key (their
+    SPARROWRL_TRAINER_KEY). Only the trainer holds the secret."""
+    import os
+
+    from sparrowrl.signing import TOKEN_PREFIX, Signer, public_text
+    from sparrowrl.tokens import ROLES, mint
+
+    secret = os.environ.get("SPARROWRL_TOKEN", "")
+    if not secret or secret.startswith(TOKEN_PREFIX):
+        _fail(ValueError("SPARROWRL_TOKEN must hold the job's secret (the trainer's token)"))
+    if role == "key":
+        out.print(public_text(Signer(secret).key), soft_wrap=True)
+        return
+    if role not in ROLES:
+        _fail(ValueError(f"role {role!r}: one of {', '.join(ROLES)}, or key"))
+    if role != "admin" and not name:
+        _fail(ValueError(f"a {role} token names its {'worker' if role == 'worker' else 'region'}: give NAME"))
+    out.print(mint(Signer(secret), role, name), soft_wrap=True)
 
 
 @app.command("status")
@@ -493,15 +528,18 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
                      "serves nothing else).")] = None
             ) -> None:
     """The trainer of a job: GRPO steps, the checkpoint store and its server, the coordinator.
-    Started again on the same --state-dir, it goes on from its newest checkpoint. The token comes
-    from SPARROWRL_TOKEN."""
+    Started again on the same --state-dir, it goes on from its newest checkpoint. The job's
+    secret comes from SPARROWRL_TOKEN: the trainer signs every version with the key it derives."""
     import asyncio
 
     from sparrowrl.job import JobError, load
     from sparrowrl import tasks
+    from sparrowrl.signing import TOKEN_PREFIX
     from sparrowrl.trainer import serve
 
     token = _server_token(host, port)
+    if token.startswith(TOKEN_PREFIX):
+        _fail(ValueError("the trainer signs versions: SPARROWRL_TOKEN must be the job's secret, not a role token"))
     _in_range("--metrics-port", metrics_port, 1, 65535)
     try:
         j = load(job)
@@ -551,7 +589,8 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
                 help="Hold generation to this rate (benchmarks: the time a dedicated accelerator would take).")]
            = None) -> None:
     """A rollout worker. It needs only the network: the job, the model's config and tokenizer and
-    its weights all come from the trainer (and the relay). The token comes from SPARROWRL_TOKEN."""
+    its weights all come from the trainer (and the relay). Its token comes from SPARROWRL_TOKEN, the
+    trainer's public key from SPARROWRL_TRAINER_KEY: every version is checked against it."""
     import asyncio
 
     from sparrowrl.messages import Name, Region
@@ -568,9 +607,16 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
             TypeAdapter(kind | None).validate_python(value)
         except ValueError:
             _fail(ValueError(f"{flag} {value!r}: {rule}"))
+    import os
+
+    from sparrowrl.signing import trust
     from sparrowrl.transport.client import FetchError
     from sparrowrl.transport.server import ListenError
 
+    try:
+        trust(os.environ.get("SPARROWRL_TOKEN", ""))  # a role token comes with the trainer's public key
+    except ValueError as e:
+        _fail(e)
     try:
         asyncio.run(main(trainer, relay, name, host, port, rate_mbit, region, metrics_port, ports, pace_tokens_per_s))
     except (ListenError, FetchError) as e:

@@ -23,6 +23,8 @@ from sparrowrl import messages, models
 from sparrowrl.coordinator import Coordinator
 from sparrowrl.job import JobSpec
 from sparrowrl.learner import Learner
+from sparrowrl.tokens import acts_as
+from sparrowrl.transport.server import PRINCIPAL
 
 MAX_WORKERS = 1 << 16  # distinct worker names the trainer keeps track of (a job has 4096 at most at once;
 # replaced pods come back under new names)
@@ -38,7 +40,8 @@ def once(model: type[messages.Body]):
     (`Client.post_json` sends the same key on every retry). A retry after a lost answer, or
     while the first is still being answered, gets the first answer: not a second lease, a
     second admission or a second commit. A malformed body is a 400 naming the field; malformed
-    results whose lease can be read refuse that lease, whose groups go back to the queue."""
+    results whose lease can be read refuse that lease, whose groups go back to the queue. A
+    worker's token acts under its own name only (403)."""
 
     def wrap(handler):
         @functools.wraps(handler)
@@ -54,6 +57,10 @@ def once(model: type[messages.Body]):
                     self.touch()
                     return web.json_response({"admitted": 0, "refused": reason})
                 raise web.HTTPBadRequest(text=reason) from None
+            who = request[PRINCIPAL]
+            if not acts_as(who, body["worker"]):
+                raise web.HTTPForbidden(text=f"{request.path}: this token is worker {who.name!r}'s, "
+                                             f"not {body['worker']!r}'s")
             if body["worker"] not in self.seen and len(self.seen) >= MAX_WORKERS:
                 raise web.HTTPServiceUnavailable(text=f"{request.path}: the trainer tracks {MAX_WORKERS} workers "
                                                       f"already; {body['worker']!r} is not one of them")
@@ -87,6 +94,7 @@ class Control:
         self.first: dict[str, int] = {}  # worker → the first version it committed
         self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
         self.fetch: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
+        self.refused: dict[str, int] = {}  # worker → answers from its servers that did not verify (it says)
         self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `once`
         self.begun = False  # rollouts have started (see `started`)
         self.t_start = time.time()
@@ -239,6 +247,10 @@ class Control:
             self.first[body["worker"]] = body["version"]
             self._events.append(["first", body["worker"], body["version"]])
         ok = self.coord.commit(body["worker"], body["version"], body["state_hash"], body.get("fetch_s"))
+        if body["refused"] > self.refused.get(body["worker"], 0):
+            self.refused[body["worker"]] = body["refused"]
+            print(f"trainer: worker {body['worker']} has refused {body['refused']} answers from its servers "
+                  f"(its log names them)", flush=True)
         if body.get("fetch_s") is not None:
             self.fetch.setdefault(body["version"], {})[body["worker"]] = body["fetch_s"]
         self.touch()

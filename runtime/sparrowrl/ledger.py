@@ -100,7 +100,8 @@ class Ledger:
             workers.append(WorkerStatus(
                 name=w, region=control.regions.get(w), committed_version=version,
                 staleness=None if version is None else max(0, newest - version), last_verification=verified,
-                seconds_since_seen=now - control.seen[w], leases_held=held.get(w, 0), stale=w not in live))
+                seconds_since_seen=now - control.seen[w], leases_held=held.get(w, 0), stale=w not in live,
+                refused_answers=control.refused.get(w, 0)))
         running = self.seconds()
         return JobStatus(
             phase="Succeeded" if self.finished else "Running" if control.started() else "Pending",

@@ -50,6 +50,7 @@ class Commit(Body):
     version: Version
     state_hash: Hash
     fetch_s: Seconds | None = None
+    refused: Annotated[int, Field(ge=0, lt=1 << 62)] = 0  # answers its servers sent that did not verify, so far
 
 
 MAX_LEASE_TOKENS = 1 << 22  # a lease's results travel in one request

@@ -23,9 +23,10 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sparrowrl import layout, report
+from sparrowrl import layout, report, tokens
 from sparrowrl.job import JobSpec, SparrowRLJob
 from sparrowrl.layout import Role
+from sparrowrl.signing import KEY_ENV
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
 OUTPUTS = ("job.yaml", "token", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
@@ -60,10 +61,13 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
         self.restarts: dict[str, int] = defaultdict(int)
+        self.own_env: dict[str, dict] = {}
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+        """`env`: what this process gets besides the run's environment (its credentials)."""
         log = open(self.logs / f"{name}.log", "a" if name in self.procs else "w")  # a restart's log follows on
-        p = subprocess.Popen(EXE + args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env = self.own_env[name] = self.own_env.get(name, {}) if env is None else env
+        p = subprocess.Popen(EXE + args, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self.procs[name], self.args[name] = p, args
         return p
@@ -185,7 +189,8 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     fd = os.open(run_dir / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # for `sparrowrl status RUN_DIR`
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
-    procs = Processes(run_dir, dict(os.environ, SPARROWRL_TOKEN=token, PYTHONUNBUFFERED="1"))
+    env = {k: x for k, x in os.environ.items() if k not in ("SPARROWRL_TOKEN", KEY_ENV)}
+    procs = Processes(run_dir, dict(env, PYTHONUNBUFFERED="1"))
     ports: dict[str, int] = defaultdict(free_port)
 
     def url(name: str, _region: str | None = None) -> str:  # one machine: the same address from everywhere
@@ -198,7 +203,8 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     signal.signal(signal.SIGHUP, _exit)
     try:
         for role in everyone:
-            p = procs.start(role.name, argv(role, spec, run_dir, ports[role.name]))
+            p = procs.start(role.name, argv(role, spec, run_dir, ports[role.name]),  # each its own credentials
+                            tokens.environment(token, role.kind, role.region if role.kind == "relay" else role.name))
             if role.kind == "trainer":
                 pids["trainer"] = p.pid
                 with console.status("starting the trainer (model, store, server) ..."):

@@ -26,6 +26,7 @@ class WorkerStatus(_Status):
     seconds_since_seen: Annotated[float, Field(ge=0)]
     leases_held: Count = 0
     stale: bool = False  # not heard from within a lease period
+    refused_answers: Count = 0  # from its relay (or the origin) that did not verify: forged, altered or malformed
 
 
 class JobStatus(_Status):
@@ -72,11 +73,12 @@ def table(s: JobStatus, url: str) -> Table:
     t.add_row("commits verified / mismatched", f"{s.commits_verified} / {s.commits_mismatched}")
     t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")
     t.add_row("trainer restarts", str(s.trainer_restarts))
-    w = Table("worker", "region", "committed", "behind", "verified", "last heard", "leases", title="workers")
+    w = Table("worker", "region", "committed", "behind", "verified", "last heard", "leases", "refused",
+              title="workers")
     for x in s.workers:
         w.add_row(x.name + (" (stale)" if x.stale else ""), x.region or "-", num(x.committed_version, "d"),
                   num(x.staleness, "d"), x.last_verification or "-", f"{x.seconds_since_seen:.1f} s ago",
-                  str(x.leases_held))
+                  str(x.leases_held), str(x.refused_answers))
     grid = Table.grid()
     grid.add_row(t)
     grid.add_row(w)

@@ -36,6 +36,7 @@ MIN_BASE_PART = 64 << 10
 BASE_PARTS = 64  # a base smaller than this many parts of BASE_PART is cut finer: every stream gets work
 MAX_BASE_EVERY = 1_000_000
 _HEX16, _HEX64 = re.compile(r"[0-9a-f]{16}"), re.compile(r"[0-9a-f]{64}")
+_SIG = re.compile(r"([A-Za-z0-9_-]{86})?")
 
 
 class StoreError(Exception):
@@ -66,6 +67,9 @@ class Version:
     base_parts: list[str] = field(default_factory=list)  # sha256 of each base_part_bytes piece
     base_part_bytes: int = BASE_PART  # a power of two, MIN_BASE_PART..BASE_PART (`part_bytes`)
     changed: int = 0
+    # the trainer's signatures, as a relay's mirror got them (the trainer signs as it serves)
+    base_sig: str = ""
+    delta_sigs: list[str] = field(default_factory=list)  # one per piece of the delta file, in file order
 
 
 @dataclass
@@ -398,6 +402,9 @@ def _check_index(base_every: object, versions: dict, listed: int) -> None:
                                    or not _part_size(v.base_part_bytes)
                                    or len(v.base_parts) != -(-v.base_bytes // v.base_part_bytes)):
             raise ValueError(f"{where}: base {v.base!r} is not the store's name, or its parts do not fit its size")
+        if not (isinstance(v.base_sig, str) and _SIG.fullmatch(v.base_sig) and isinstance(v.delta_sigs, list)
+                and all(isinstance(x, str) and _SIG.fullmatch(x) for x in v.delta_sigs)):
+            raise ValueError(f"{where}: a signature is not base64url of 64 bytes")
 
 
 def part_bytes(size: int) -> int:

@@ -20,6 +20,7 @@ from sparrowrl.job import JobSpec
 from sparrowrl.learner import Learner
 from sparrowrl.ledger import Ledger
 from sparrowrl.metrics import add_metrics
+from sparrowrl.signing import Signer
 from sparrowrl.transport.server import SERVED, add_health, listen, make_app
 
 
@@ -86,7 +87,8 @@ class Run:
                              "ledger": self.ledger.state()}, self._results(admitted))
 
     def app(self, metrics_port: int | None = None, host: str = "127.0.0.1") -> web.Application:
-        app = make_app(self.learner.store.path, self.token, max_body=messages.max_body(self.spec.lease_tokens))
+        app = make_app(self.learner.store.path, self.token, max_body=messages.max_body(self.spec.lease_tokens),
+                       signer=Signer(self.token) if self.token else None)  # the trainer vouches for its versions
         app[SERVED].update(self.ledger.sent)  # counted on from a previous process's
         self.ledger.sent = app[SERVED]
         app.add_routes([*self.control.routes(), web.get("/v1/status", self.ledger.h_status)])

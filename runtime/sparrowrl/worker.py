@@ -25,7 +25,9 @@ from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.engines import Engine, make_engine
 from sparrowrl.transport.client import Client, FetchError
 from sparrowrl.metrics import add_metrics, family
-from sparrowrl.transport.server import TOKEN, add_health, auth, listen
+from sparrowrl.signing import trust
+from sparrowrl.tokens import Gate
+from sparrowrl.transport.server import GATE, add_health, auth, listen
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
 ATTEMPTS = 40  # about four minutes of backoff per request: a trainer pod restarting, pulled, rescheduled
@@ -58,6 +60,8 @@ class Worker:
             family("counter", "received_bytes", "Verified bytes fetched, by kind", by=("kind", self.c.stats.kinds)),
             family("counter", "received_stream_bytes", "Verified bytes fetched, by kind, server (relay or origin) "
                    "and download stream", by=(("kind", "server", "stream"), self.c.stats.sources)),
+            family("counter", "refused_answers", "Answers that did not verify (a forged or altered list or piece, "
+                   "a malformed answer), by server", by=("server", self.c.stats.refused)),
         ]
 
     async def start(self) -> None:
@@ -89,7 +93,8 @@ class Worker:
         h = await self._run(lambda: state_hash(self.engine.readback()))
         self.version, self.hash = version, h
         ok = (await self.control.post_json("/v1/commit", {"worker": self.name, "version": version, "state_hash": h,
-                                             "fetch_s": fetch_s}))["verified"]
+                                                          "fetch_s": fetch_s,
+                                                          "refused": sum(self.c.stats.refused.values())}))["verified"]
         self.commits["ok" if ok else "mismatch"] += 1
         if ok:
             self.verified = version
@@ -202,8 +207,9 @@ async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
     links), and a generation rate to hold to."""
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
     worker: Worker | None = None
-    app = web.Application(middlewares=[auth])  # /metrics wants the token; the probes do not
-    app[TOKEN] = os.environ.get("SPARROWRL_TOKEN", "")
+    app = web.Application(middlewares=[auth])  # /metrics wants a token (an admin's); the probes do not
+    token = os.environ.get("SPARROWRL_TOKEN", "")
+    app[GATE] = Gate.of(token, trust(token))
     add_health(app, lambda: worker is not None and worker.verified >= 0)
     add_metrics(app, lambda: [] if worker is None else worker.metrics(),
                 None if metrics_port is None else (host, metrics_port))

@@ -450,7 +450,7 @@ class Pieces:
     has grown by since the last call; what was hashed once is not read again."""
 
     def __init__(self) -> None:
-        self.pieces: list[list] = []  # [offset, length, sha256]
+        self.pieces: list[list] = []  # [offset, length, sha256, whether it ends the file]
         self.next: int | None = None  # where the next chunk starts, once the header is in
         self.complete, self.bytes = False, None
 
@@ -469,13 +469,13 @@ class Pieces:
                     return
                 self._add(fd, pos, end)
             elif _ends(fd, size):
-                self._add(fd, pos, size)
+                self._add(fd, pos, size, final=True)
                 self.complete, self.bytes = True, size
             else:
                 return
 
-    def _add(self, fd: int, start: int, end: int) -> None:
-        self.pieces.append([start, end - start, hashlib.sha256(os.pread(fd, end - start, start)).hexdigest()])
+    def _add(self, fd: int, start: int, end: int, final: bool = False) -> None:
+        self.pieces.append([start, end - start, hashlib.sha256(os.pread(fd, end - start, start)).hexdigest(), final])
         self.next = end
 
 

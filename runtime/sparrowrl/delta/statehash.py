@@ -7,7 +7,9 @@ and `h_t(i, v) = mix(salt_t + (i << w) + v)` with `w` the item size in bits (an 
 or `mix(mix(salt_t + i) ^ v)` where that key would not fit in 64 bits. `mix` is the splitmix64
 finaliser, a bijection. Changing element i from a to b moves H by h_t(i, b) - h_t(i, a), so a
 receiver updates H from the changed elements alone; the full sum is recomputed at base snapshots.
-Integrity against corruption and bugs, not against an adversary: chunks carry sha256 for that.
+Integrity against corruption and bugs, not against an adversary: a sum that a forger chooses the
+terms of can be matched. Authenticity comes from the trainer's signatures (signing.py) over every
+piece of a delta and every base, checked before a byte is staged.
 """
 
 from __future__ import annotations

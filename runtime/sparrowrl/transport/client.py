@@ -8,6 +8,12 @@ connection loses at most the request in flight, a corrupt piece is refetched, a 
 retried with backoff and then the next URL (another relay, or the origin) is tried. After
 `attempts` failures of one request or one piece it gives up with FetchError; nothing the caller
 holds has been touched.
+
+A client that trusts the trainer's key (signing.py) checks every listed delta piece and every
+listed base before it asks for a byte of it. A server whose answer does not verify (a forged
+list, bytes that do not match their signed digest, a malformed answer) is refused: the client
+says so (log, `Stats.refused`), leaves it for REFUSED_S and goes on with the next server, in
+the end the origin.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import secrets
 import socket
 import ssl
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 import aiohttp
@@ -32,10 +38,12 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from sparrowrl.checkpoint_io import CheckpointError, tensors_in
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
 from sparrowrl.limits import first_problem, memory_available
+from sparrowrl.signing import Verifier, base_statement, piece_statement, trust as trust_of
 from sparrowrl.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
 
 
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
+REFUSED_S = 300.0  # how long a server whose answer did not verify is left alone
 BUSY_WAIT_S = 60.0  # how long one request waits on a server that says when to ask again (a relay still
 # syncing: its workers would otherwise pull a whole base each across the WAN from the origin)
 PORT_WAIT_S = 60.0  # how long one request waits for its stream's fixed local port to be free (TIME_WAIT's length)
@@ -47,6 +55,7 @@ Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 Index = Annotated[int, Field(ge=0, le=1 << 62)]
 PieceBytes = Annotated[int, Field(ge=1, le=1 << 30)]  # a piece is held in memory whole
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Sig = Annotated[str, StringConstraints(pattern=r"^([A-Za-z0-9_-]{86})?$")]  # "": unsigned
 
 
 class FetchError(Exception):
@@ -55,6 +64,10 @@ class FetchError(Exception):
 
 class _Transient(Exception):
     """A failed answer worth retrying (5xx, 404 from a lagging relay, an unreadable body)."""
+
+
+class _Refused(Exception):
+    """An answer that does not verify or does not parse: that server is not to be asked again soon."""
 
 
 class _Busy(Exception):
@@ -82,6 +95,7 @@ class _Base(_Answer):
     bytes: Bytes
     part_bytes: Annotated[int, Field(ge=MIN_BASE_PART, le=BASE_PART)]  # a relay indexes these parts as its own
     parts: Annotated[list[Sha256], Field(max_length=MAX_ITEMS)]
+    sig: Sig = ""
 
     @model_validator(mode="after")
     def _cover(self) -> "_Base":
@@ -122,7 +136,7 @@ class _Plan(_Answer):
 
 class _Pieces(_Answer):
     """GET /v1/versions/V/pieces and /v1/versions/V/base/pieces"""
-    pieces: Annotated[list[tuple[Bytes, PieceBytes, Sha256]], Field(max_length=MAX_ITEMS)]
+    pieces: Annotated[list[tuple[Bytes, PieceBytes, Sha256, bool, Sig]], Field(max_length=MAX_ITEMS)]
     complete: bool
     bytes: Bytes | None
     epoch: Annotated[str, StringConstraints(min_length=1, max_length=64)]
@@ -132,7 +146,7 @@ class _Pieces(_Answer):
         if self.complete and self.bytes is None:
             raise ValueError("complete, but without its size")
         size = MAX_BYTES if self.bytes is None else self.bytes
-        for i, (offset, length, _) in enumerate(self.pieces):
+        for i, (offset, length, *_) in enumerate(self.pieces):
             if offset + length > size:
                 raise ValueError(f"pieces.{i}: bytes {offset}+{length} end past the file's {size}")
         return self
@@ -143,6 +157,11 @@ class Piece:
     offset: int
     length: int
     sha256: str
+    final: bool = False  # it ends the file
+    sig: str = ""  # the trainer's signature of all the above, for this version
+
+    def entry(self) -> list:
+        return [self.offset, self.length, self.sha256, self.final, self.sig]
 
 
 @dataclass
@@ -153,6 +172,7 @@ class Stats:
     requests: int = 0
     retries: int = 0
     refetched: int = 0  # pieces that failed their checksum
+    refused: dict[str, int] = field(default_factory=dict)  # server URL → answers that did not verify
     port_waits: int = 0  # times a stream found its fixed local port taken, and waited
     seconds: float = 0.0
 
@@ -245,14 +265,17 @@ class Client:
     def __init__(self, urls: list[str] | str, token: str | None = None, streams: int = 4, attempts: int = 8,
                  backoff: float = 0.2, group_bytes: int = 64 << 20, ssl_context: ssl.SSLContext | None = None,
                  read_timeout: float = 30.0, local_ports: list[int] | None = None, rate_mbit: float | None = None,
-                 port_wait: float = PORT_WAIT_S):
+                 port_wait: float = PORT_WAIT_S, trust: Verifier | None | str = "env"):
         """`local_ports`: bind download stream i to local port local_ports[i] (one connection each),
         for networks that shape per flow (hack/wan classifies flows by port). A stream whose port
         is taken (another process's connection, or its own not yet closed) waits for it, up to
         `port_wait` seconds per request, without counting that as failed attempts. `rate_mbit`:
-        cap the download rate of all streams together (a token bucket), to emulate a slow link."""
+        cap the download rate of all streams together (a token bucket), to emulate a slow link.
+        `trust`: whose signatures versions must carry; by default `signing.trust` of the token
+        (ValueError for a role token without SPARROWRL_TRAINER_KEY)."""
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
+        self.trust = trust_of(token) if trust == "env" else trust
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.streams, self.attempts, self.backoff, self.group_bytes = streams, attempts, backoff, group_bytes
         self.ssl = ssl_context
@@ -265,6 +288,7 @@ class Client:
         self._stream_sessions: list[aiohttp.ClientSession] = []
         self._server = 0  # index into urls of the server in use
         self._fell_back_at = 0.0
+        self._refused: dict[int, float] = {}  # server → until when it is not asked (time.monotonic)
 
     def _new_session(self, **connector_kw) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(headers=self.headers, timeout=self.timeout, read_bufsize=READ_BUFFER,
@@ -298,7 +322,7 @@ class Client:
         same server: the port is what failed, not the server."""
         last, busy, taken = "no attempt", 0.0, 0.0
         if self._server and time.monotonic() - self._fell_back_at > PREFERRED_AGAIN_S:
-            self._server = 0  # the preferred server (a region's relay) may be back: try it first again
+            self._server = self._next(-1)  # the preferred server (a region's relay) may be back: try it first again
         attempt = 0
         while attempt < self.attempts:
             server = self._server
@@ -306,6 +330,9 @@ class Client:
             try:
                 self.stats.requests += 1
                 return await request(url)
+            except _Refused as e:
+                self._refuse(server, f"{url}: {e}")
+                continue
             except _Busy as e:  # asked to come back: waited for, BUSY_WAIT_S at most, then a failure
                 last = f"HTTP 503: {e}"
                 if busy < BUSY_WAIT_S:
@@ -332,11 +359,31 @@ class Client:
                 last = f"{type(e).__name__}: {e}"
             self.stats.retries += 1
             if attempt % 2 == 1 and len(self.urls) > 1 and self._server == server:  # not if another request just did
-                self._server = (server + 1) % len(self.urls)
+                self._server = self._next(server)
                 self._fell_back_at = time.monotonic()
             await asyncio.sleep(self.backoff * 2 ** min(attempt, 5) * (0.5 + random.random()))
             attempt += 1
         raise FetchError(f"{path}: gave up after {self.attempts} attempts (last: {last})")
+
+    def _next(self, server: int) -> int:
+        """The first server after `server` (in turn) that is not refused; `server` if none is."""
+        now = time.monotonic()
+        for i in range(server + 1, server + 1 + len(self.urls)):
+            if self._refused.get(i % len(self.urls), 0.0) <= now:
+                return i % len(self.urls)
+        return server % len(self.urls)
+
+    def _refuse(self, server: int, reason: str) -> None:
+        """A server answered with what does not verify: report it, and go on without it for
+        REFUSED_S; FetchError when no other server is left."""
+        url = self.urls[server]
+        self.stats.refused[url] = self.stats.refused.get(url, 0) + 1
+        self._refused[server] = time.monotonic() + REFUSED_S
+        if (nxt := self._next(server)) == server:
+            raise FetchError(f"{reason}; no other server to try")
+        print(f"sparrowrl: refused {reason}; going on with {self.urls[nxt]}", flush=True)
+        if self._server == server:
+            self._server, self._fell_back_at = nxt, time.monotonic()
 
     @staticmethod
     async def _check(r: aiohttp.ClientResponse, url: str) -> None:
@@ -351,28 +398,27 @@ class Client:
             raise FetchError(f"{url}: HTTP {r.status}: {text}")
         raise _Transient(f"HTTP {r.status}: {text}")
 
-    async def _get(self, path: str, parse=None, **kw) -> tuple[int, bytes]:
-        """GET with retries; `parse` (e.g. json.loads) failing on the body counts as a failure."""
+    async def json(self, path: str, model: type[BaseModel] | None = None, check=None, **kw) -> dict:
+        """The JSON answer at `path` (an unreadable body is retried). With `model`, checked
+        against it first: an answer with a field out of type or bounds refuses its server (see
+        `_refuse`). Then `await check(doc)`, which raises _Refused for what does not verify."""
         async def request(url: str):
             async with self._session.get(url, **kw) as r:
                 await self._check(r, url)
-                body = await r.read()
-                try:
-                    return r.status, (parse(body) if parse else body)
-                except ValueError as e:
-                    raise _Transient(f"unreadable response: {e}") from None
-        return await self._attempts(path, request)
-
-    async def json(self, path: str, model: type[BaseModel] | None = None, **kw) -> dict:
-        """The JSON answer at `path`; with `model`, checked against it first: FetchError naming
-        the first field out of type or bounds (an unreadable body is retried)."""
-        raw, doc = (await self._get(path, parse=lambda body: (body, json.loads(body)), **kw))[1]
-        if model is not None:
+                raw = await r.read()
             try:
-                model.model_validate_json(raw)
-            except ValidationError as e:
-                raise FetchError(f"{path}: {first_problem(e)}") from None
-        return doc
+                doc = json.loads(raw)
+            except ValueError as e:
+                raise _Transient(f"unreadable response: {e}") from None
+            if model is not None:
+                try:
+                    model.model_validate_json(raw)
+                except ValidationError as e:
+                    raise _Refused(first_problem(e)) from None
+            if check is not None:
+                await check(doc)
+            return doc
+        return await self._attempts(path, request)
 
     async def content(self, path: str, limit: int) -> bytes:
         """The body at `path`, at most `limit` bytes (FetchError beyond: the server is not trusted
@@ -410,10 +456,26 @@ class Client:
         is stored (its delta hashed and indexed)."""
         params = {k: x for k, x in (("after", after), ("base", base), ("delta", delta)) if x is not None}
         if not params:
-            return await self.json("/v1/versions", _Listing)
+            return await self.json("/v1/versions", _Listing, check=self._bases_signed)
         # the server may hold the answer for `wait` seconds: that is not a stalled read
         timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.timeout.sock_read + wait)
-        return await self.json("/v1/versions", _Listing, params={**params, "wait": wait}, timeout=timeout)
+        return await self.json("/v1/versions", _Listing, check=self._bases_signed, params={**params, "wait": wait},
+                               timeout=timeout)
+
+    async def _bases_signed(self, listing: dict) -> None:
+        """Every base a listing offers carries the trainer's signature of its parts and state hash."""
+        if self.trust is None:
+            return
+        bases = [(e["version"], e["state_hash"], e["base"]) for e in listing["versions"] if e["base"]]
+
+        def bad() -> str | None:
+            for v, h, b in bases:
+                sig = b.get("sig", "")
+                if not self.trust.ok(base_statement(v, h, b["bytes"], b["part_bytes"], b["parts"]), sig):
+                    return f"base v{v}: " + ("unsigned" if not sig else "its signature is not the trainer's")
+            return None
+        if why := await asyncio.to_thread(bad):
+            raise _Refused(why)
 
     async def download(self, path: str, size: int, pieces: list[Piece]) -> bytearray:
         """The file at `path` (`size` bytes), fetched as verified pieces over parallel streams."""
@@ -458,6 +520,8 @@ class Client:
         port = self.local_ports[i % len(self.local_ports)] if self.local_ports else None
         while (run := await queue.take()) is not None:
             async def request(url: str) -> None:
+                if not run:  # its last piece was refused, and went back to the queue
+                    return
                 start, end = run[0].offset, run[-1].offset + run[-1].length
                 async with session.get(url, headers={"Range": f"bytes={start}-{end - 1}"}) as r:
                     await self._check(r, url)
@@ -478,6 +542,9 @@ class Client:
                             raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
                                              f"{self.attempts} times")
                         await queue.add([p])  # asked for again later, maybe from another server
+                        if p.sig and self._next(self._server) != self._server:  # the digest is the trainer's:
+                            # the bytes were altered (or damaged): another server has them right
+                            raise _Refused(f"bytes {p.offset}+{p.length} do not match the trainer's sha256")
 
             try:
                 await self._attempts(path, request, port)
@@ -485,26 +552,54 @@ class Client:
                 await queue.add(run)
                 raise
 
-    async def _listed(self, path: str, done: dict):
+    async def _listed(self, path: str, done: dict, version: int | None = None):
         """The pieces that `path` (a pieces endpoint) lists as ready, batch by batch, each once,
         until it says the file is complete; `done["bytes"]` is then the file's size. Long-polls
         while the file grows. A list in another order (another server, or a relay's list in
-        arrival order giving way to file order) is read anew from its start."""
+        arrival order giving way to file order) is read anew from its start. With `version`
+        (a delta's) and `trust`, each piece must carry the trainer's signature, and a complete
+        list must cover the file up to its signed end (`_signed`)."""
         after, epoch, listed = 0, None, set()
+        covered: dict[int, tuple[int, bool]] = {}  # offset → (length, final) of the pieces listed so far
+
+        async def check(t: dict) -> None:
+            if version is not None and self.trust is not None:  # a list in another order is read anew below
+                whole = t["epoch"] == epoch or after == 0
+                await asyncio.to_thread(self._signed, version, t, covered, whole)
+
         while True:
-            t = await self.json(path, _Pieces, params={"after": after, "wait": 10})
+            t = await self.json(path, _Pieces, check=check, params={"after": after, "wait": 10})
             if t["epoch"] != epoch:
                 epoch, fresh = t["epoch"], after == 0
                 after = 0
                 if not fresh:
                     continue
             after += len(t["pieces"])
+            covered.update((p[0], (p[1], p[3])) for p in t["pieces"])
             new = [Piece(*p) for p in t["pieces"] if p[0] not in listed]
             listed.update(p.offset for p in new)
             yield new
             if t["complete"]:
                 done["bytes"] = t["bytes"]
                 return
+
+    def _signed(self, version: int, t: dict, covered: dict[int, tuple[int, bool]], whole: bool) -> None:
+        """A delta's piece list verifies: each piece signed for this version, and once complete
+        (`whole`: a list to be read on from `covered`), pieces from 0 to the signed final piece's
+        end, which is the file's size."""
+        for offset, length, sha256, final, sig in t["pieces"]:
+            if not self.trust.ok(piece_statement(version, offset, length, sha256, final), sig):
+                raise _Refused(f"delta v{version}: piece at {offset}: " +
+                               ("unsigned" if not sig else "its signature is not the trainer's for this version"))
+        if t["complete"] and whole:
+            pieces = {**covered, **{p[0]: (p[1], p[3]) for p in t["pieces"]}}
+            ends = [o + n for o, (n, final) in pieces.items() if final]
+            pos = 0
+            while pos in pieces:
+                pos += pieces[pos][0]
+            if ends != [t["bytes"]] or pos != t["bytes"]:
+                raise _Refused(f"delta v{version}: the list says complete at {t['bytes']} bytes, but its pieces "
+                               f"reach {pos} and end {ends or 'nowhere'}")
 
     async def delta(self, version: int, on_piece=None) -> DeltaFile:
         """One delta, staged in memory and fully verified; the caller applies it when it likes.
@@ -527,7 +622,7 @@ class Client:
             if on_piece is not None:
                 on_piece(p, data)
 
-        await self._pull(f"/v1/versions/{version}/delta", self._listed(f"/v1/versions/{version}/pieces", info),
+        await self._pull(f"/v1/versions/{version}/delta", self._listed(f"/v1/versions/{version}/pieces", info, version),
                          lambda p: memoryview(bytearray(p.length)), keep)
         data = b"".join(got[k] for k in sorted(got))
         if len(data) != info.get("bytes"):
@@ -540,12 +635,14 @@ class Client:
         default a buffer of its own). Cut-through from a relay that is still fetching the base
         itself: parts are asked for only once the server lists them as ready."""
         size, step = entry["base"]["bytes"], entry["base"]["part_bytes"]
-        parts = {i * step: Piece(i * step, min(step, size - i * step), h) for i, h in enumerate(entry["base"]["parts"])}
+        n = len(entry["base"]["parts"])
+        parts = {i * step: Piece(i * step, min(step, size - i * step), h, i == n - 1, "")
+                 for i, h in enumerate(entry["base"]["parts"])}
         place = place or (lambda p: memoryview(bytearray(p.length)))
 
         async def source():
             async for batch in self._listed(f"/v1/versions/{version}/base/pieces", {}):
-                if any(parts.get(p.offset) != p for p in batch):
+                if any(parts.get(p.offset) != replace(p, sig="") for p in batch):
                     raise FetchError(f"base v{version}: the server lists parts its version listing does not")
                 yield batch
 

@@ -33,6 +33,7 @@ from aiohttp import hdrs, web
 from sparrowrl.store import Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.metrics import add_metrics, family
+from sparrowrl.signing import trust
 from sparrowrl.transport.server import SERVED, add_health, listing_json, make_app, over
 
 
@@ -83,7 +84,7 @@ class Table:
         `fd` (this table's file), then listed."""
         def keep(p: Piece, data: bytes) -> None:
             os.pwrite(fd, data, p.offset)
-            self.add([p.offset, p.length, p.sha256])
+            self.add(p.entry())  # with the trainer's signature, untouched
         return keep
 
     def close(self, error: str | None = None) -> None:
@@ -157,8 +158,8 @@ class Table:
 
 
 def _covered(pieces: list[list], start: int, stop: int) -> bool:
-    """Whether pieces ([offset, length, sha256], any order) cover bytes start..stop-1."""
-    for offset, length, _ in sorted(pieces):
+    """Whether pieces ([offset, length, …], any order) cover bytes start..stop-1."""
+    for offset, length, *_ in sorted(pieces):
         if offset > start:
             return False
         start = max(start, offset + length)
@@ -248,7 +249,9 @@ class Relay:
             # stored, indexed and unlisted as in flight in one go: its readers never see it missing
             name = f"v{v:08d}-{digest[:16]}.spd"
             os.replace(partial, self.mirror / "deltas" / name)
-            store.record(Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"]))
+            sigs = [p[4] for p in sorted(self.tables[v].pieces)]  # served with the stored file
+            store.record(Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"],
+                                 delta_sigs=sigs if all(sigs) else []))
             self.tables.pop(v).close()
             if store.base_due(v) and not entry["base"]:  # its snapshot is written after its delta
                 entry = await self._listed(c, v, "base")
@@ -275,7 +278,7 @@ class Relay:
         if new:
             store.record(*(dataclasses.replace(store.versions[e["version"]], base=f"v{e['version']:08d}.safetensors",
                                                base_bytes=e["base"]["bytes"], base_parts=list(e["base"]["parts"]),
-                                               base_part_bytes=e["base"]["part_bytes"])
+                                               base_part_bytes=e["base"]["part_bytes"], base_sig=e["base"]["sig"])
                            for e in new))
 
     async def _mirror_delta(self, c: Client, v: int) -> tuple[Path, str, int]:
@@ -388,7 +391,7 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
     """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it."""
-    app = make_app(relay.mirror, token, arriving=relay.arriving)
+    app = make_app(relay.mirror, token, arriving=relay.arriving, trust=trust(token))  # never a signer
     add_health(app, relay.synced.is_set)  # ready once it has listed upstream and mirrors its versions
 
     @web.middleware

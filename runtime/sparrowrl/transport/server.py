@@ -18,14 +18,16 @@
                                         fetching the base, those that have arrived and verified
     GET /v1/versions/V/base             the base snapshot file (Range), verified in parts
 
-Every endpoint wants `Authorization: Bearer $SPARROWRL_TOKEN` when a token is set.
+Every endpoint wants `Authorization: Bearer TOKEN` when the server has a token: the job's
+secret, or a role token that the trainer's key signed (tokens.py says who may do what). A
+server given a `Signer` (the trainer's) signs what it lists: each delta piece and each base
+(signing.py); a relay forwards the signatures it was given.
 Files are immutable and content-hashed, so responses carry strong ETags.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import math
 import os
@@ -39,13 +41,17 @@ from aiohttp import web
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import Pieces
 from sparrowrl.limits import open_regular
-from sparrowrl.store import Store, StoreError
+from sparrowrl.signing import Signer, Verifier, base_statement, piece_statement
+from sparrowrl.store import Store, StoreError, Version
+from sparrowrl.tokens import ADMIN, Gate, Principal, allowed
 
 MAX_WAIT = 60.0
 OPEN = frozenset({"/healthz", "/readyz"})  # probes (a kubelet's) carry no token, and these say nothing else
 MAX_INDEX = 1 << 62  # versions, piece indexes: far beyond any store, small enough to stay exact
 STORE = web.AppKey("store", Path)
-TOKEN = web.AppKey("token", str)
+GATE = web.AppKey("gate", object)  # tokens.Gate, or None: no token, an open (loopback) server
+SIGNER = web.AppKey("signer", object)  # signing.Signer, or None: signatures come from the store
+PRINCIPAL = web.RequestKey("principal", Principal)  # who the request's token names
 MANIFESTS = web.AppKey("manifests", dict)
 CACHE = web.AppKey("cache", dict)
 STOPPING = web.AppKey("stopping", asyncio.Event)
@@ -125,20 +131,34 @@ def _version(request: web.Request, store: Store) -> int:
 
 @web.middleware
 async def auth(request: web.Request, handler):
-    token = request.app[TOKEN]
-    if token and request.path not in OPEN:
-        given = request.headers.get("Authorization", "")  # bytes that are not UTF-8 arrive surrogate-escaped
-        if not hmac.compare_digest(given.encode(errors="surrogateescape"), f"Bearer {token}".encode()):
-            raise web.HTTPUnauthorized(text="missing or wrong bearer token",
-                                       headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'})
+    """Who the bearer token names (`request[PRINCIPAL]`), and whether that role may do this."""
+    gate: Gate | None = request.app[GATE]
+    if gate is None or request.path in OPEN:
+        request[PRINCIPAL] = ADMIN
+        return await handler(request)
+    who = gate.principal(request.headers.get("Authorization", ""))  # non-UTF-8 bytes arrive surrogate-escaped
+    if who is None:
+        raise web.HTTPUnauthorized(text="missing or wrong bearer token",
+                                   headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'})
+    if (why := allowed(who, request.method, request.path)) is not None:
+        raise web.HTTPForbidden(text=why)
+    request[PRINCIPAL] = who
     return await handler(request)
 
 
-def _listing(store: Store) -> dict:
+def base_sig(signer: Signer | None, v: Version) -> str:
+    """The trainer's signature of v's base: made here (the trainer), or as the mirror got it."""
+    if signer is None:
+        return v.base_sig
+    return signer.sign(base_statement(v.version, v.state_hash, v.base_bytes, v.base_part_bytes, v.base_parts))
+
+
+def _listing(store: Store, signer: Signer | None) -> dict:
     return {"newest": store.newest, "base_every": store.base_every, "producing": store.producing(), "versions": [
         {"version": v.version, "state_hash": v.state_hash, "changed": v.changed,
          "delta": {"bytes": v.delta_bytes, "sha256": v.delta_sha256} if v.delta else None,
-         "base": {"bytes": v.base_bytes, "part_bytes": v.base_part_bytes, "parts": v.base_parts} if v.base else None}
+         "base": {"bytes": v.base_bytes, "part_bytes": v.base_part_bytes, "parts": v.base_parts,
+                  "sig": base_sig(signer, v)} if v.base else None}
         for v in (store.versions[k] for k in sorted(store.versions))]}
 
 
@@ -191,7 +211,7 @@ async def versions(request: web.Request) -> web.Response:
     while waiting(store) and loop.time() < deadline and not over(request):
         await request.app[WATCH].changed(min(1.0, deadline - loop.time()))  # 1 s: see over
         store = _store(request)
-    return web.json_response(_listing(store))
+    return web.json_response(_listing(store, request.app[SIGNER]))
 
 
 async def plan(request: web.Request) -> web.Response:
@@ -265,13 +285,24 @@ class StoredDelta:
             raise web.HTTPNotFound(text=f"version {self.v} is neither stored nor being written")
         loop = asyncio.get_running_loop()
         with f:
-            st = request.app[PIECES].setdefault((self.v, os.fstat(f.fileno()).st_ino), Pieces())  # hashed once
+            # hashed (and signed) once
+            st, sigs = request.app[PIECES].setdefault((self.v, os.fstat(f.fileno()).st_ino), (Pieces(), []))
             while True:
                 st.scan(f.fileno(), os.fstat(f.fileno()).st_size)
                 if len(st.pieces) > after or st.complete or loop.time() >= deadline or over(request):
                     break
                 await request.app[WATCH].changed(min(1.0, deadline - loop.time()))  # 1 s: see over
-        return listing_json(st.pieces, after, st.complete, st.bytes, "file")
+        return listing_json(self._signed(st.pieces, sigs, request.app[SIGNER]), after, st.complete, st.bytes, "file")
+
+    def _signed(self, pieces: list[list], sigs: list[str], signer: Signer | None) -> list[list]:
+        """Each piece with the trainer's signature: made here, or as a relay's mirror got them."""
+        if signer is None:
+            info = self.store.versions.get(self.v)
+            got = info.delta_sigs if info is not None and len(info.delta_sigs) == len(pieces) else []
+            sigs[:] = got or [""] * len(pieces)
+        while len(sigs) < len(pieces):
+            sigs.append(signer.sign(piece_statement(self.v, *pieces[len(sigs)])))
+        return [[*p, s] for p, s in zip(pieces, sigs)]
 
     async def send(self, request: web.Request) -> web.StreamResponse:
         store, v = self.store, self.v
@@ -300,7 +331,8 @@ class StoredBase:
     async def listing(self, request: web.Request, after: int, deadline: float) -> web.Response:
         self._here()
         size, step = self.info.base_bytes, self.info.base_part_bytes
-        parts = [[i * step, min(step, size - i * step), h] for i, h in enumerate(self.info.base_parts)]
+        n = len(self.info.base_parts)  # covered by the base's signature in the version listing
+        parts = [[i * step, min(step, size - i * step), h, i == n - 1, ""] for i, h in enumerate(self.info.base_parts)]
         return listing_json(parts, after, True, size, "file")
 
     async def send(self, request: web.Request) -> web.StreamResponse:
@@ -366,14 +398,18 @@ async def base(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(store: str | Path, token: str = "", arriving=lambda kind, v, start: None,
-             max_body: int = 1 << 20) -> web.Application:
-    """`arriving(kind, v, start)`: the `Served` for file `kind` ("delta" or "base") of version v
+             max_body: int = 1 << 20, signer: Signer | None = None, trust: Verifier | None = None
+             ) -> web.Application:
+    """`token`: this server's own (see `tokens.Gate.of`; `trust` checks role tokens where it is
+    not the job's secret). `signer`: the trainer's, which signs what this server lists.
+    `arriving(kind, v, start)`: the `Served` for file `kind` ("delta" or "base") of version v
     while it is still arriving (a relay's mirror in flight; with `start`, a request that may
     start a base's fetch), else None: the store answers. `max_body`: the largest request body
     taken (413 beyond)."""
     app = web.Application(middlewares=[auth], client_max_size=max_body)
     app[ARRIVING] = arriving
-    app[STORE], app[TOKEN], app[MANIFESTS], app[CACHE] = Path(store), token, {}, {}
+    app[STORE], app[MANIFESTS], app[CACHE] = Path(store), {}, {}
+    app[GATE], app[SIGNER] = Gate.of(token, trust), signer
     app[WATCH] = Watch(Path(store))
     app[STOPPING] = asyncio.Event()
     app[PIECES] = {}
