@@ -17,7 +17,8 @@ from conftest import mutate
 from servers import TOKEN, Server, same
 from sparrowrl.delta import state_hash
 from sparrowrl.job import parse
-from sparrowrl.signing import Signer, base_statement, parse_public, piece_statement, public_text, trust
+from sparrowrl.signing import (Signer, base_statement, parse_public, piece_statement, public_text, table_statement,
+                               trust)
 from sparrowrl.store import Store
 from sparrowrl.tokens import Gate, Principal, acts_as, allowed, mint
 from sparrowrl.trainer import Run
@@ -88,11 +89,14 @@ async def altered_bytes(request, get):
     return None
 
 
-async def altered_list(request, get):
-    """Bytes altered, and the list's digest of that piece changed to match them."""
+async def altered_list(request, get, table=True):
+    """Bytes altered, and the list's digest of that piece changed to match them (`table`: the
+    whole table's signature kept, else dropped, so that each piece's is what is checked)."""
     if request.path == "/v1/versions/5/pieces":
         status, headers, body = await get(FORGED["origin"], "/v1/versions/5/pieces?after=0")
         doc = json.loads(body)
+        if not table:
+            del doc["table_sig"]
         o, n = doc["pieces"][1][:2]
         _, _, data = await get(FORGED["origin"], "/v1/versions/5/delta", {"Range": f"bytes={o}-{o + n - 1}"})
         doc["pieces"][1][2] = hashlib.sha256(flip(data, n // 2)).hexdigest()
@@ -151,7 +155,8 @@ def have(states, v):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["altered bytes", "altered list", "replayed version", "another job's version",
+@pytest.mark.parametrize("case", ["altered bytes", "altered list", "altered list, per piece", "replayed version",
+                                  "another job's version",
                                   "recomputed additive hash", "altered base"])
 def test_a_forging_relay_is_caught_before_any_weight_changes(jobs, case):
     path, states, other, forged, forged_state = jobs
@@ -163,7 +168,8 @@ def test_a_forging_relay_is_caught_before_any_weight_changes(jobs, case):
             FORGED["origin"] = origin.url
             async with Client(origin.url, token=WORKER, trust=key) as c:
                 FORGED["piece1"] = tuple((await c.json("/v1/versions/5/pieces"))["pieces"][1][:2])
-            forge = {"altered bytes": altered_bytes, "altered list": altered_list, "replayed version": replayed,
+            forge = {"altered bytes": altered_bytes, "altered list": altered_list,
+                     "altered list, per piece": lambda r, g: altered_list(r, g, table=False), "replayed version": replayed,
                      "another job's version": from_other(other_job.url, OTHER),
                      "recomputed additive hash": from_other(forger_origin.url, ""),
                      "altered base": altered_base}[case]
@@ -205,6 +211,14 @@ def test_signatures_bind_version_key_and_every_field():
     base = base_statement(4, "0" * 16, 10, 1 << 16, [h])
     assert not s.verifier.ok(base, sig) and s.verifier.ok(base, s.sign(base))  # a piece's is not a base's
     assert not s.verifier.ok(piece_statement(5, 0, 100, h, False), "A" * 86)
+    table = [[0, 100, h, False, ""], [100, 50, h, True, ""]]
+    tsig = s.sign(table_statement(5, table))
+    assert s.verifier.ok(table_statement(5, table), tsig) and not s.verifier.ok(table_statement(6, table), tsig)
+    for i, j, x in [(0, 1, 101), (1, 3, False), (1, 2, "cd" * 32)]:
+        changed = [list(p) for p in table]
+        changed[i][j] = x
+        assert not s.verifier.ok(table_statement(5, changed), tsig)
+    assert not s.verifier.ok(table_statement(5, table[:1]), tsig)  # a piece dropped
     assert parse_public(public_text(s.key)).public_bytes_raw() == s.key.public_key().public_bytes_raw()
     with pytest.raises(ValueError, match="SPARROWRL_TRAINER_KEY"):
         trust(WORKER, "")  # a role token alone could check nothing
@@ -298,22 +312,34 @@ def test_per_role_tokens_over_http(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_relay_forwards_signatures_it_cannot_make(history, tmp_path):
-    """A relay mirrors v5 with the trainer's signatures and lists them as its own store's; its
-    workers check them against the trainer's key (the relay holds only its role token)."""
-    from test_relay import RelayServer
+def test_a_relay_forwards_signatures_it_cannot_make(history, tmp_path, monkeypatch):
+    """A relay that holds only its role token and the public key mirrors the versions with the
+    trainer's signatures, and lists them as its own store's; its workers check them."""
+    from sparrowrl.transport.relay import Relay, make_relay_app
 
     path, states = history
     key = Signer(TOKEN).verifier
+    monkeypatch.setenv("SPARROWRL_TRAINER_KEY", public_text(SIGNER.key))
 
     async def go():
-        async with Server(path) as origin, RelayServer(origin.url, tmp_path / "mirror") as relay:
-            async with Client([relay.url], token=WORKER, trust=key) as c:
-                await c.versions(delta=6, wait=30)
-                state, _ = await c.advance(6, have(states, 4))
-                assert same(state, states[6]) and not c.stats.refused
-                listed = (await c.json("/v1/versions/6/pieces"))["pieces"]
-                assert all(p[4] for p in listed) and listed[-1][3]
-            mirror = Store(tmp_path / "mirror")
-            assert len(mirror.versions[6].delta_sigs) == len(listed)
+        async with Server(path) as origin:
+            relay = Relay([origin.url], tmp_path / "mirror", token=RELAY, backoff=0.01)
+            runner = web.AppRunner(make_relay_app(relay, RELAY))  # never a signer: it has no key
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            try:
+                url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+                async with Client([url], token=WORKER, trust=key) as c:
+                    await c.versions(delta=6, wait=30)
+                    state, _ = await c.advance(6, have(states, 4))
+                    assert same(state, states[6]) and not c.stats.refused
+                    listed = (await c.json("/v1/versions/6/pieces"))["pieces"]
+                    assert all(p[4] for p in listed) and listed[-1][3]  # signed, in file order, from its store
+                    assert (await c.json("/v1/versions/6/pieces"))["table_sig"]  # and the table at once
+                    assert (await c.json("/v1/versions"))["versions"][0]["base"]["sig"]  # a base's too
+            finally:
+                await runner.cleanup()
+        kept = Store(tmp_path / "mirror").versions[6]
+        assert len(kept.delta_sigs) == len(listed) and kept.delta_table_sig
     asyncio.run(go())

@@ -7,6 +7,8 @@ What is signed (each statement starts with its own domain, so one kind never pas
   each listed piece alone before it fetches a byte of it. Together they cover the file byte for
   byte, and so its header (the base it applies to) and its manifest (the target state hash).
 - each base snapshot: version, state hash, size, part size and the sha256 of its parts.
+- each finished delta's whole piece table, once: a worker that lists a finished delta from its
+  start checks one signature instead of one per piece.
 
 The key is derived from the job's secret, which only the trainer (and whoever starts it) holds;
 relays and workers get the public key (`SPARROWRL_TRAINER_KEY`). A version of another job, an old
@@ -28,6 +30,7 @@ KEY_ENV = "SPARROWRL_TRAINER_KEY"
 TOKEN_PREFIX = "sprl1."  # a role token (tokens.py); any other token is a job secret
 _PIECE = b"sparrowrl/delta-piece/v1\0"
 _BASE = b"sparrowrl/base/v1\0"
+_TABLE = b"sparrowrl/delta-table/v1\0"
 SIG_CHARS = 86  # an Ed25519 signature, base64url without padding
 
 
@@ -67,6 +70,12 @@ def parse_public(text: str) -> Ed25519PublicKey:
 
 def piece_statement(version: int, offset: int, length: int, sha256: str, final: bool) -> bytes:
     return _PIECE + struct.pack("<QQQ?", version, offset, length, final) + bytes.fromhex(sha256)
+
+
+def table_statement(version: int, pieces: list) -> bytes:
+    """A finished delta's pieces ([offset, length, sha256, final, …] in file order), all at once."""
+    table = hashlib.sha256(b"".join(struct.pack("<QQ?", o, n, f) + bytes.fromhex(h) for o, n, h, f, *_ in pieces))
+    return _TABLE + struct.pack("<Q", version) + table.digest()
 
 
 def base_statement(version: int, state_hash: str, size: int, part_bytes: int, parts: list[str]) -> bytes:

@@ -70,6 +70,7 @@ class Version:
     # the trainer's signatures, as a relay's mirror got them (the trainer signs as it serves)
     base_sig: str = ""
     delta_sigs: list[str] = field(default_factory=list)  # one per piece of the delta file, in file order
+    delta_table_sig: str = ""  # of all its pieces at once
 
 
 @dataclass
@@ -403,6 +404,7 @@ def _check_index(base_every: object, versions: dict, listed: int) -> None:
                                    or len(v.base_parts) != -(-v.base_bytes // v.base_part_bytes)):
             raise ValueError(f"{where}: base {v.base!r} is not the store's name, or its parts do not fit its size")
         if not (isinstance(v.base_sig, str) and _SIG.fullmatch(v.base_sig) and isinstance(v.delta_sigs, list)
+                and isinstance(v.delta_table_sig, str) and _SIG.fullmatch(v.delta_table_sig)
                 and all(isinstance(x, str) and _SIG.fullmatch(x) for x in v.delta_sigs)):
             raise ValueError(f"{where}: a signature is not base64url of 64 bytes")
 

@@ -251,7 +251,7 @@ class Relay:
             os.replace(partial, self.mirror / "deltas" / name)
             sigs = [p[4] for p in sorted(self.tables[v].pieces)]  # served with the stored file
             store.record(Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"],
-                                 delta_sigs=sigs if all(sigs) else []))
+                                 delta_sigs=sigs if all(sigs) else [], delta_table_sig=await c.table_sig(v)))
             self.tables.pop(v).close()
             if store.base_due(v) and not entry["base"]:  # its snapshot is written after its delta
                 entry = await self._listed(c, v, "base")

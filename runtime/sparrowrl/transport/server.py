@@ -41,7 +41,7 @@ from aiohttp import web
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import Pieces
 from sparrowrl.limits import open_regular
-from sparrowrl.signing import Signer, Verifier, base_statement, piece_statement
+from sparrowrl.signing import Signer, Verifier, base_statement, piece_statement, table_statement
 from sparrowrl.store import Store, StoreError, Version
 from sparrowrl.tokens import ADMIN, Gate, Principal, allowed
 
@@ -259,8 +259,11 @@ class Served(Protocol):
     async def send(self, request: web.Request) -> web.StreamResponse | None: ...
 
 
-def listing_json(pieces: list[list], after: int, complete: bool, size: int | None, epoch: str) -> web.Response:
-    return web.json_response({"pieces": pieces[after:], "complete": complete, "bytes": size, "epoch": epoch})
+def listing_json(pieces: list[list], after: int, complete: bool, size: int | None, epoch: str,
+                 table_sig: str = "") -> web.Response:
+    """`table_sig`: the trainer's signature of the whole table, sent with a complete one from its start."""
+    return web.json_response({"pieces": pieces[after:], "complete": complete, "bytes": size, "epoch": epoch,
+                              **({"table_sig": table_sig} if table_sig and complete and after == 0 else {})})
 
 
 class StoredDelta:
@@ -292,7 +295,12 @@ class StoredDelta:
                 if len(st.pieces) > after or st.complete or loop.time() >= deadline or over(request):
                     break
                 await request.app[WATCH].changed(min(1.0, deadline - loop.time()))  # 1 s: see over
-        return listing_json(self._signed(st.pieces, sigs, request.app[SIGNER]), after, st.complete, st.bytes, "file")
+        signer, table = request.app[SIGNER], ""
+        signed = self._signed(st.pieces, sigs, signer)
+        if st.complete and after == 0:
+            info = self.store.versions.get(self.v)
+            table = signer.sign(table_statement(self.v, signed)) if signer else info.delta_table_sig if info else ""
+        return listing_json(signed, after, st.complete, st.bytes, "file", table)
 
     def _signed(self, pieces: list[list], sigs: list[str], signer: Signer | None) -> list[list]:
         """Each piece with the trainer's signature: made here, or as a relay's mirror got them."""
