@@ -367,7 +367,9 @@ def test_pieces_at_negative_offsets_are_refused(tmp_path, rng):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("plan, words", [
-    ({"route": "base", "base": 7, "deltas": []}, ["the plan names base v7, which the version listing does not hold"]),
+    ({"route": "base", "base": 1, "deltas": []}, ["the plan names base v1, which the version listing does not hold"]),
+    ({"route": "base", "base": 7, "deltas": []}, ["route 'base' (base 7, 0 deltas) does not lead from nothing to v1"]),
+    ({"route": "base", "base": 0, "deltas": [2]}, ["route 'base' (base 0, 1 deltas) does not lead from nothing to v1"]),
     ({"route": "chain", "base": None, "deltas": [1]}, ["route 'chain' to v1 for a client that holds nothing"]),
     ({"route": "teleport", "base": None, "deltas": []}, ["/v1/plan: route: Input should be"]),
     ({"route": "chain", "base": None, "deltas": [-1]},

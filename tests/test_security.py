@@ -1,7 +1,7 @@
 """Relays that need no trust, and credentials per role. A relay that forges (altered bytes, an
 altered list, an old version under a new number, another job's version, a delta recomputed to a
-matching additive hash, an altered base) is caught by the worker before any weight changes; it
-falls back to the origin and reports the relay. Each role's token does what that role may, and
+matching additive hash, a plan that stops short, an altered base or its bytes) is caught by the
+worker before any weight changes; it falls back to the origin and reports the relay. Each role's token does what that role may, and
 nothing else. All over real HTTP on loopback."""
 
 import asyncio
@@ -119,6 +119,29 @@ async def replayed(request, get):
     return None
 
 
+async def short_plan(request, get):
+    """A plan that stops at v4 (the base) for a worker that asks for v5, and the listing's v5
+    state hash made v4's: the worker would hold v4 and call it v5."""
+    if request.path == "/v1/plan":
+        return 200, {"Content-Type": "application/json"}, json.dumps(
+            {"route": "base", "base": 4, "deltas": [], "bytes": 0}).encode()
+    if request.path == "/v1/versions":
+        status, headers, body = await get(FORGED["origin"], request.path_qs)
+        doc = json.loads(body)
+        by = {e["version"]: e for e in doc["versions"]}
+        by[5]["state_hash"] = by[4]["state_hash"]
+        return status, headers, json.dumps(doc).encode()
+    return None
+
+
+async def altered_base_bytes(request, get):
+    """The base's listing is the trainer's; its bytes are not."""
+    if request.path == "/v1/versions/4/base":
+        status, headers, body = await get(FORGED["origin"], request.path_qs, {"Range": request.headers["Range"]})
+        return status, headers, flip(body, len(body) // 2)
+    return None
+
+
 async def altered_base(request, get):
     """A listing whose base snapshot of v4 names other parts."""
     if request.path == "/v1/versions":
@@ -157,7 +180,8 @@ def have(states, v):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["altered bytes", "altered list", "altered list, per piece", "replayed version",
                                   "another job's version",
-                                  "recomputed additive hash", "altered base"])
+                                  "recomputed additive hash", "a plan that stops short", "altered base",
+                                  "altered base bytes"])
 def test_a_forging_relay_is_caught_before_any_weight_changes(jobs, case):
     path, states, other, forged, forged_state = jobs
     key = Signer(TOKEN).verifier
@@ -172,10 +196,11 @@ def test_a_forging_relay_is_caught_before_any_weight_changes(jobs, case):
                      "altered list, per piece": lambda r, g: altered_list(r, g, table=False), "replayed version": replayed,
                      "another job's version": from_other(other_job.url, OTHER),
                      "recomputed additive hash": from_other(forger_origin.url, ""),
-                     "altered base": altered_base}[case]
+                     "a plan that stops short": short_plan, "altered base": altered_base,
+                     "altered base bytes": altered_base_bytes}[case]
             async with Forger(origin.url, forge) as relay:
-                target = 4 if case == "altered base" else 5
-                start = None if case == "altered base" else have(states, 4)
+                target = 4 if case.startswith("altered base") else 5
+                start = None if case.startswith("altered base") else have(states, 4)
                 # the relay alone: refused, and the weights held are untouched
                 async with Client([relay.url], token=WORKER, trust=key, attempts=2, backoff=0.01) as c:
                     with pytest.raises(FetchError):
@@ -286,6 +311,9 @@ def test_per_role_tokens_over_http(tmp_path):
                 body = {"lease": lease["id"], "worker": "w1", "version": 0, "state_hash": h0, "results": results,
                         "generate_s": 0.1}
                 assert (await call(w2, "POST", "/v1/results", body))[0] == 403  # w1's lease, w2's token
+                malformed = {**body, "generate_s": -1.0}  # refuses its lease, but only its worker's token may
+                assert (await call(w2, "POST", "/v1/results", malformed))[0] == 403
+                assert lease["id"] in run.coord.leases
                 assert (await call(RELAY, "POST", "/v1/results", body))[0] == 403
                 assert run.coord.counts.admitted == 0
                 status, text = await call(w2, "POST", "/v1/commit", {"worker": "w1", "version": 0, "state_hash": h0})

@@ -46,21 +46,24 @@ def once(model: type[messages.Body]):
     def wrap(handler):
         @functools.wraps(handler)
         async def answer(self: Control, request: web.Request) -> web.Response:
-            raw = None
+            raw, who = None, request[PRINCIPAL]
+
+            def as_who(worker: str) -> None:
+                if not acts_as(who, worker):
+                    raise web.HTTPForbidden(text=f"{request.path}: this token is worker {who.name!r}'s, "
+                                                 f"not {worker!r}'s")
             try:
                 raw = await request.json()
                 body = messages.parse(model, raw).model_dump()
             except (ValueError, RecursionError) as e:  # ValueError: also a body that is not JSON
                 reason = f"{request.path}: {e if isinstance(e, ValueError) else 'JSON nested too deeply'}"
                 if model is messages.Results and (lease := _lease_of(raw)):
+                    as_who(lease.worker)  # another worker's lease is not this token's to refuse
                     self.coord.refuse(lease.lease, lease.worker)
                     self.touch()
                     return web.json_response({"admitted": 0, "refused": reason})
                 raise web.HTTPBadRequest(text=reason) from None
-            who = request[PRINCIPAL]
-            if not acts_as(who, body["worker"]):
-                raise web.HTTPForbidden(text=f"{request.path}: this token is worker {who.name!r}'s, "
-                                             f"not {body['worker']!r}'s")
+            as_who(body["worker"])
             if body["worker"] not in self.seen and len(self.seen) >= MAX_WORKERS:
                 raise web.HTTPServiceUnavailable(text=f"{request.path}: the trainer tracks {MAX_WORKERS} workers "
                                                       f"already; {body['worker']!r} is not one of them")

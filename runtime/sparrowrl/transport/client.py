@@ -28,7 +28,7 @@ import secrets
 import socket
 import ssl
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import aiohttp
@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from sparrowrl.checkpoint_io import CheckpointError, tensors_in
-from sparrowrl.delta import DeltaFile, apply_delta, state_hash
+from sparrowrl.delta import DeltaError, DeltaFile, apply_delta, state_hash
 from sparrowrl.limits import first_problem, memory_available
 from sparrowrl.signing import Verifier, base_statement, piece_statement, table_statement, trust as trust_of
 from sparrowrl.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
@@ -151,6 +151,18 @@ class _Pieces(_Answer):
             if offset + length > size:
                 raise ValueError(f"pieces.{i}: bytes {offset}+{length} end past the file's {size}")
         return self
+
+
+async def _leads(plan: dict, have: tuple | None, target: int) -> None:
+    """A plan leads from what the caller holds to `target`, one delta after another: the signed
+    versions it names then decide the result, and a server cannot pass off another version."""
+    route, base, deltas = plan["route"], plan["base"], plan["deltas"]
+    if route != "base" and have is None:
+        raise _Refused(f"route {route!r} to v{target} for a client that holds nothing")
+    start = {"none": target, "chain": have[0] if have else None, "base": base}[route]
+    if start is None or start > target or len(deltas) != target - start or deltas != list(range(start + 1, target + 1)):
+        raise _Refused(f"route {route!r} (base {base}, {len(deltas)} deltas) does not lead from "
+                       f"{'nothing' if have is None else f'v{have[0]}'} to v{target}")
 
 
 @dataclass(frozen=True)
@@ -543,8 +555,10 @@ class Client:
                             raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
                                              f"{self.attempts} times")
                         await queue.add([p])  # asked for again later, maybe from another server
-                        if p.sig and self._next(self._server) != self._server:  # the digest is the trainer's:
-                            # the bytes were altered (or damaged): another server has them right
+                        at = self.urls.index(url[:len(url) - len(path)])
+                        if self.trust is not None and at < len(self.urls) - 1 and self._next(at) != at:
+                            # a relay's bytes that fail a digest the trainer signed: altered (or damaged),
+                            # and another server has them right. The origin's (last) are fetched again
                             raise _Refused(f"bytes {p.offset}+{p.length} do not match the trainer's sha256")
 
             try:
@@ -553,17 +567,25 @@ class Client:
                 await queue.add(run)
                 raise
 
-    async def _listed(self, path: str, done: dict, version: int | None = None):
+    async def _listed(self, path: str, done: dict, version: int | None = None,
+                      expect: dict[int, Piece] | None = None):
         """The pieces that `path` (a pieces endpoint) lists as ready, batch by batch, each once,
         until it says the file is complete; `done["bytes"]` is then the file's size. Long-polls
         while the file grows. A list in another order (another server, or a relay's list in
         arrival order giving way to file order) is read anew from its start. With `version`
         (a delta's) and `trust`, each piece must carry the trainer's signature, and a complete
-        list must cover the file up to its signed end (`_signed`)."""
+        list must cover the file up to its signed end (`_signed`). With `expect` (a base's parts,
+        as its signed listing gives them), the list may name those only, and all of them once
+        complete."""
         after, epoch, listed = 0, None, set()
         covered: dict[int, tuple[int, bool]] = {}  # offset → (length, final) of the pieces listed so far
 
         async def check(t: dict) -> None:
+            if expect is not None:
+                if any(expect.get(p[0]) != Piece(p[0], p[1], p[2], p[3]) for p in t["pieces"]):
+                    raise _Refused(f"{path}: parts that the version listing does not list")
+                if t["complete"] and len({*listed, *(p[0] for p in t["pieces"])}) != len(expect):
+                    raise _Refused(f"{path}: complete without every part the version listing lists")
             if version is not None and self.trust is not None:  # a list in another order is read anew below
                 whole = t["epoch"] == epoch or after == 0
                 if len(t["pieces"]) > 2 and not t.get("table_sig"):  # a thread's hop costs about one check
@@ -622,11 +644,12 @@ class Client:
         Multi-stream cut-through: its pieces are fetched in parallel as soon as the server lists
         them, also while the delta is still being written; `on_piece(offset, bytes)` receives
         each piece as soon as it has verified, in whatever order they land. The whole file is
-        then verified."""
+        then verified: a file of signed pieces that does not parse (pieces of two attempts at v,
+        by a trainer restarted mid-write) refuses its server, and, without `on_piece`, is fetched
+        again from the next."""
         got: dict[int, bytes] = {}
         info: dict = {}
-        room = memory_available() // 2  # pieces, then joined: a server that lists pieces without end must not
-        # grow us until we are killed
+        room = 0
 
         def keep(p: Piece, data: memoryview) -> None:
             nonlocal room
@@ -637,12 +660,23 @@ class Client:
             if on_piece is not None:
                 on_piece(p, data)
 
-        await self._pull(f"/v1/versions/{version}/delta", self._listed(f"/v1/versions/{version}/pieces", info, version),
-                         lambda p: memoryview(bytearray(p.length)), keep)
-        data = b"".join(got[k] for k in sorted(got))
-        if len(data) != info.get("bytes"):
-            raise FetchError(f"delta v{version}: pieces cover {len(data)} bytes, the server listed {info.get('bytes')}")
-        return DeltaFile(data, f"delta v{version}")
+        while True:
+            got.clear()
+            room = memory_available() // 2  # pieces, then joined: a server that lists pieces without end must
+            # not grow us until we are killed
+            await self._pull(f"/v1/versions/{version}/delta",
+                             self._listed(f"/v1/versions/{version}/pieces", info, version),
+                             lambda p: memoryview(bytearray(p.length)), keep)
+            data = b"".join(got[k] for k in sorted(got))
+            if len(data) != info.get("bytes"):
+                raise FetchError(f"delta v{version}: pieces cover {len(data)} bytes, the server listed "
+                                 f"{info.get('bytes')}")
+            try:
+                return DeltaFile(data, f"delta v{version}")
+            except DeltaError as e:
+                if on_piece is not None:  # its pieces are passed on already
+                    raise FetchError(f"delta v{version}: {e}") from None
+                self._refuse(self._server, f"delta v{version}: {e}")
 
     async def base_parts(self, version: int, entry: dict, keep, place=None) -> None:
         """A base snapshot's parts, each verified against the version listing `entry`, handed
@@ -655,13 +689,8 @@ class Client:
                  for i, h in enumerate(entry["base"]["parts"])}
         place = place or (lambda p: memoryview(bytearray(p.length)))
 
-        async def source():
-            async for batch in self._listed(f"/v1/versions/{version}/base/pieces", {}):
-                if any(parts.get(p.offset) != replace(p, sig="") for p in batch):
-                    raise FetchError(f"base v{version}: the server lists parts its version listing does not")
-                yield batch
-
-        await self._pull(f"/v1/versions/{version}/base", source(), place, keep)
+        await self._pull(f"/v1/versions/{version}/base", self._listed(f"/v1/versions/{version}/base/pieces", {},
+                                                                      expect=parts), place, keep)
 
     async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:
         """A base snapshot, verified part by part and then by its full state hash."""
@@ -693,10 +722,8 @@ class Client:
         `have` is (version, state, state hash) of what the caller holds; on the chain route its
         state is updated in place, and only after each delta has fully verified."""
         params = {"to": target} if have is None else {"to": target, "from": have[0]}
-        plan = await self.json("/v1/plan", _Plan, params=params)
+        plan = await self.json("/v1/plan", _Plan, check=lambda p: _leads(p, have, target), params=params)
         listing = await self.versions()
-        if plan["route"] != "base" and have is None:
-            raise FetchError(f"/v1/plan: route {plan['route']!r} to v{target} for a client that holds nothing")
         if plan["route"] == "none":
             return have[1], have[2]
         if plan["route"] == "base":
@@ -706,7 +733,7 @@ class Client:
         for v in plan["deltas"]:
             h = apply_delta(await self.delta(v), state, base_hash=h)
         want = next((v["state_hash"] for v in listing["versions"] if v["version"] == target), None)
-        if h != want:
+        if h != want and self.trust is None:  # with the key, the signed chain is what decides
             raise FetchError(f"v{target} hashes to {h}, the listing says {want}")
         return state, h
 

@@ -232,6 +232,10 @@ class Relay:
             t0, retries = time.perf_counter(), c.stats.retries
             partial, digest, size = await self._mirror_delta(c, v)
             try:
+                try:
+                    table_sig = await c.table_sig(v)  # before it is stored: its readers never find it missing
+                except FetchError:
+                    table_sig = ""  # its workers check each piece's instead
                 print(f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
                       f" ({c.stats.retries - retries} retries)", flush=True)
                 entry = entries.get(v)
@@ -251,7 +255,7 @@ class Relay:
             os.replace(partial, self.mirror / "deltas" / name)
             sigs = [p[4] for p in sorted(self.tables[v].pieces)]  # served with the stored file
             store.record(Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"],
-                                 delta_sigs=sigs if all(sigs) else [], delta_table_sig=await c.table_sig(v)))
+                                 delta_sigs=sigs if all(sigs) else [], delta_table_sig=table_sig))
             self.tables.pop(v).close()
             if store.base_due(v) and not entry["base"]:  # its snapshot is written after its delta
                 entry = await self._listed(c, v, "base")
