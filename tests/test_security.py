@@ -81,12 +81,22 @@ def from_other(url: str, token: str):
     return forge
 
 
-async def altered_bytes(request, get):
-    """The listing is the trainer's; the bytes are not."""
-    if request.path == "/v1/versions/5/delta":
-        status, headers, body = await get(FORGED["origin"], request.path_qs, {"Range": request.headers["Range"]})
-        return status, headers, flip(body, len(body) // 2)
-    return None
+def flipped(path: str):
+    """The listing is the trainer's; the bytes of `path` are not."""
+    async def forge(request, get):
+        if request.path == path:
+            status, headers, body = await get(FORGED["origin"], request.path_qs, {"Range": request.headers["Range"]})
+            return status, headers, flip(body, len(body) // 2)
+        return None
+    return forge
+
+
+async def edited(request, get, edit) -> tuple:
+    """The origin's JSON answer to this request, as `edit(doc)` changes it."""
+    status, headers, body = await get(FORGED["origin"], request.path_qs)
+    doc = json.loads(body)
+    edit(doc)
+    return status, headers, json.dumps(doc).encode()
 
 
 async def altered_list(request, get, table=True):
@@ -125,33 +135,19 @@ async def short_plan(request, get):
     if request.path == "/v1/plan":
         return 200, {"Content-Type": "application/json"}, json.dumps(
             {"route": "base", "base": 4, "deltas": [], "bytes": 0}).encode()
-    if request.path == "/v1/versions":
-        status, headers, body = await get(FORGED["origin"], request.path_qs)
-        doc = json.loads(body)
+    def as_v4(doc: dict) -> None:
         by = {e["version"]: e for e in doc["versions"]}
         by[5]["state_hash"] = by[4]["state_hash"]
-        return status, headers, json.dumps(doc).encode()
-    return None
-
-
-async def altered_base_bytes(request, get):
-    """The base's listing is the trainer's; its bytes are not."""
-    if request.path == "/v1/versions/4/base":
-        status, headers, body = await get(FORGED["origin"], request.path_qs, {"Range": request.headers["Range"]})
-        return status, headers, flip(body, len(body) // 2)
-    return None
+    return await edited(request, get, as_v4) if request.path == "/v1/versions" else None
 
 
 async def altered_base(request, get):
     """A listing whose base snapshot of v4 names other parts."""
-    if request.path == "/v1/versions":
-        status, headers, body = await get(FORGED["origin"], request.path_qs)
-        doc = json.loads(body)
+    def other_parts(doc: dict) -> None:
         for e in doc["versions"]:
             if e["base"]:
                 e["base"]["parts"][0] = "0" * 64
-        return status, headers, json.dumps(doc).encode()
-    return None
+    return await edited(request, get, other_parts) if request.path == "/v1/versions" else None
 
 
 FORGED: dict = {}  # the honest origin's URL and the second piece of v5, for the forgers above
@@ -192,12 +188,12 @@ def test_a_forging_relay_is_caught_before_any_weight_changes(jobs, case):
             FORGED["origin"] = origin.url
             async with Client(origin.url, token=WORKER, trust=key) as c:
                 FORGED["piece1"] = tuple((await c.json("/v1/versions/5/pieces"))["pieces"][1][:2])
-            forge = {"altered bytes": altered_bytes, "altered list": altered_list,
+            forge = {"altered bytes": flipped("/v1/versions/5/delta"), "altered list": altered_list,
                      "altered list, per piece": lambda r, g: altered_list(r, g, table=False), "replayed version": replayed,
                      "another job's version": from_other(other_job.url, OTHER),
                      "recomputed additive hash": from_other(forger_origin.url, ""),
                      "a plan that stops short": short_plan, "altered base": altered_base,
-                     "altered base bytes": altered_base_bytes}[case]
+                     "altered base bytes": flipped("/v1/versions/4/base")}[case]
             async with Forger(origin.url, forge) as relay:
                 target = 4 if case.startswith("altered base") else 5
                 start = None if case.startswith("altered base") else have(states, 4)
