@@ -119,7 +119,7 @@ class ClusterSpec(_Model):
     kubeconfig: KubeConfigRef
     region: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)] | None = None
     namespace: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)] = Field("default", description=(
-        "Where this cluster's relays, workers and the token Secret go."))
+        "Where this cluster's relays and workers, and their token Secrets, go."))
 
 
 class ClusterStatus(_Model):
