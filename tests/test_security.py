@@ -367,3 +367,46 @@ def test_a_relay_forwards_signatures_it_cannot_make(history, tmp_path, monkeypat
         kept = Store(tmp_path / "mirror").versions[6]
         assert len(kept.delta_sigs) == len(listed) and kept.delta_table_sig
     asyncio.run(go())
+
+
+@pytest.mark.timeout(120)
+def test_a_base_listed_in_arrival_order_then_in_file_order_is_not_refused(history):
+    """A relay lists a base's parts as they arrive, then (stored) in file order from the same
+    index on: the client reads the new order anew, and checks that every part is listed only
+    then, not on the answer it will read again."""
+    from sparrowrl.transport.relay import Table
+    from sparrowrl.transport.server import make_app
+
+    path, states = history
+    info = Store(path).versions[0]
+    table = Table("base", 0, path / "bases" / info.base, info.base_bytes)
+    active = {"on": True}
+    app = make_app(path, TOKEN, signer=SIGNER,
+                   arriving=lambda what, v, start: table if (what, v) == ("base", 0) and active["on"] else None)
+
+    async def go():
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with Client(url, token=WORKER, trust=SIGNER.verifier) as c:
+                listing = await c.versions()
+                entry = next(e for e in listing["versions"] if e["version"] == 0)
+                size, step = info.base_bytes, info.base_part_bytes
+                parts = [[i * step, min(step, size - i * step), h, i == len(info.base_parts) - 1, ""]
+                         for i, h in enumerate(info.base_parts)]
+                assert len(parts) >= 3
+                table.add(parts[-1])  # the last part first: arrival order is not file order
+                got = []
+
+                def keep(p, data):
+                    got.append(p.offset)
+                    if len(got) == 1:  # midway the relay has it all, and lists in file order
+                        active["on"] = False
+                await c.base_parts(0, entry, keep)
+                assert sorted(got) == [p[0] for p in parts] and not c.stats.refused
+        finally:
+            await runner.cleanup()
+    asyncio.run(go())
