@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,19 @@ EXE = Path(sys.executable).parent / "sparrowrl"
 
 def same(a, b):
     return set(a) == set(b) and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
+
+
+@asynccontextmanager
+async def serving(app: web.Application):
+    """`app` on a real loopback socket, in this test's event loop; yields its URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
 
 
 class Server:

@@ -18,7 +18,7 @@ from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store import BASE_PART, Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
-from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server, until
+from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, serving, start_server, until
 
 
 class RelayServer:
@@ -193,33 +193,25 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
                    arriving=lambda what, v, start: table if (what, v) == ("delta", 5) and active["on"] else None)
 
     async def go():
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        try:
-            async with Client(url, token=TOKEN) as c:
-                active["on"] = False
-                in_file_order = (await c.json("/v1/versions/5/pieces"))["pieces"]
-                active["on"] = True
-                assert len(in_file_order) >= 3  # header, chunk(s), tail
-                for p in reversed(in_file_order[1:]):  # the header last: as if it were slow to arrive
-                    table.add(p)
+        async with serving(app) as url, Client(url, token=TOKEN) as c:
+            active["on"] = False
+            in_file_order = (await c.json("/v1/versions/5/pieces"))["pieces"]
+            active["on"] = True
+            assert len(in_file_order) >= 3  # header, chunk(s), tail
+            for p in reversed(in_file_order[1:]):  # the header last: as if it were slow to arrive
+                table.add(p)
 
-                async def switch():  # midway, the list turns to file order (as after a fallback to the origin)
-                    await until(lambda: len(got) >= 2, "two pieces arrive")
-                    active["on"] = False
-                    table.close()
-                got = []
-                task = asyncio.create_task(switch())
-                d = await c.delta(5, lambda p, data: got.append(p.offset))
-                await task
-                assert d.data == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
-                assert len(got) == len(set(got)) == len(in_file_order)  # each piece fetched once
-                assert got[-1] == 0  # the header, first in file order, was listed and fetched last
-        finally:
-            await runner.cleanup()
+            async def switch():  # midway, the list turns to file order (as after a fallback to the origin)
+                await until(lambda: len(got) >= 2, "two pieces arrive")
+                active["on"] = False
+                table.close()
+            got = []
+            task = asyncio.create_task(switch())
+            d = await c.delta(5, lambda p, data: got.append(p.offset))
+            await task
+            assert d.data == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
+            assert len(got) == len(set(got)) == len(in_file_order)  # each piece fetched once
+            assert got[-1] == 0  # the header, first in file order, was listed and fetched last
     asyncio.run(go())
 
 

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from conftest import mutate
-from servers import TOKEN, Server, same
+from servers import TOKEN, Server, same, serving
 from sparrowrl.delta import state_hash
 from sparrowrl.job import parse
 from sparrowrl.signing import (Signer, base_statement, parse_public, piece_statement, public_text, table_statement,
@@ -385,28 +385,20 @@ def test_a_base_listed_in_arrival_order_then_in_file_order_is_not_refused(histor
                    arriving=lambda what, v, start: table if (what, v) == ("base", 0) and active["on"] else None)
 
     async def go():
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        try:
-            async with Client(url, token=WORKER, trust=SIGNER.verifier) as c:
-                listing = await c.versions()
-                entry = next(e for e in listing["versions"] if e["version"] == 0)
-                size, step = info.base_bytes, info.base_part_bytes
-                parts = [[i * step, min(step, size - i * step), h, i == len(info.base_parts) - 1, ""]
-                         for i, h in enumerate(info.base_parts)]
-                assert len(parts) >= 3
-                table.add(parts[-1])  # the last part first: arrival order is not file order
-                got = []
+        async with serving(app) as url, Client(url, token=WORKER, trust=SIGNER.verifier) as c:
+            listing = await c.versions()
+            entry = next(e for e in listing["versions"] if e["version"] == 0)
+            size, step = info.base_bytes, info.base_part_bytes
+            parts = [[i * step, min(step, size - i * step), h, i == len(info.base_parts) - 1, ""]
+                     for i, h in enumerate(info.base_parts)]
+            assert len(parts) >= 3
+            table.add(parts[-1])  # the last part first: arrival order is not file order
+            got = []
 
-                def keep(p, data):
-                    got.append(p.offset)
-                    if len(got) == 1:  # midway the relay has it all, and lists in file order
-                        active["on"] = False
-                await c.base_parts(0, entry, keep)
-                assert sorted(got) == [p[0] for p in parts] and not c.stats.refused
-        finally:
-            await runner.cleanup()
+            def keep(p, data):
+                got.append(p.offset)
+                if len(got) == 1:  # midway the relay has it all, and lists in file order
+                    active["on"] = False
+            await c.base_parts(0, entry, keep)
+            assert sorted(got) == [p[0] for p in parts] and not c.stats.refused
     asyncio.run(go())
