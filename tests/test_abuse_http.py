@@ -26,7 +26,7 @@ from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError
-from sparrowrl.delta.frame import END, HEAD, MAGIC, TRAILER
+from sparrowrl.delta.frame import END, HEAD, MAGIC, TRAILER, pack_json, unpack_json
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
 from sparrowrl.signing import Signer, base_statement, piece_statement
 from sparrowrl.store import BASE_PART, Store
@@ -263,18 +263,18 @@ def forged_duplicate(t: torch.Tensor) -> bytes:
     write_delta(buf, {"a": t, "b": t}, {"a": t, "b": t}, base_version=0, base_hash=state_hash({"a": t, "b": t}),
                 target_version=1)
     data = buf.getvalue()
-    _, _, n = HEAD.unpack_from(data)
-    header = json.loads(data[HEAD.size:HEAD.size + n])
+    _, version, n = HEAD.unpack_from(data)
+    header = json.loads(unpack_json(data[HEAD.size:HEAD.size + n], version))
     offset, length, _, _ = TRAILER.unpack_from(data, len(data) - TRAILER.size)
-    manifest = json.loads(data[offset:offset + length])
+    manifest = json.loads(unpack_json(data[offset:offset + length], version))
     assert not manifest["chunks"]  # nothing changed: no chunk offsets to move
     header["tensors"][1][0] = "a"
     seen = format_hash(2 * tensor_hash(tensor_key("a", t), bits(t)))  # the base as that table sees it
     header["base_hash"] = manifest["base_hash"] = manifest["target_hash"] = seen
-    raw_header = json.dumps(header).encode()
+    raw_header = pack_json(header, version)
     manifest["header_sha256"] = hashlib.sha256(raw_header).hexdigest()
-    raw_manifest = json.dumps(manifest).encode()
-    head = HEAD.pack(MAGIC, 1, len(raw_header)) + raw_header + hashlib.sha256(raw_header).digest()
+    raw_manifest = pack_json(manifest, version)
+    head = HEAD.pack(MAGIC, version, len(raw_header)) + raw_header + hashlib.sha256(raw_header).digest()
     return head + raw_manifest + TRAILER.pack(len(head), len(raw_manifest), hashlib.sha256(raw_manifest).digest(), END)
 
 

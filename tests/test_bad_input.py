@@ -11,7 +11,7 @@ from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError, DeltaError, FormatError, MismatchError, VerifyError
-from sparrowrl.delta.frame import CHUNK, HEAD, TRAILER
+from sparrowrl.delta.frame import CHUNK, HEAD, MAX_JSON, TRAILER, pack_json, unpack_json
 
 
 @pytest.fixture
@@ -114,23 +114,38 @@ def test_lying_manifest_is_caught_before_any_write(pair):
     import hashlib, json
 
     old, _, data, m = pair
-    off, length, _, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
-    manifest = json.loads(data[off:off + length])
-    manifest["target_hash"] = "%016x" % (int(manifest["target_hash"], 16) ^ 1)
-    raw = json.dumps(manifest).encode()
-    forged = data[:off] + raw + TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
+    forged = resign_manifest(data, lambda m: m.update(target_hash="%016x" % (int(m["target_hash"], 16) ^ 1)))
     assert_refused(forged, old, VerifyError, "target hash mismatch")
 
 
-def resign_manifest(data: bytes, edit) -> bytes:
-    """A manifest edited and re-signed: checksums pass, so only validation can catch it."""
+def resign_manifest(data: bytes, edit=None, raw: bytes | None = None) -> bytes:
+    """A manifest edited (or replaced by `raw` as stored) and re-signed: checksums pass, so only
+    validation can catch it."""
     import hashlib, json
 
+    version = HEAD.unpack_from(data)[1]
     off, length, _, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
-    manifest = json.loads(data[off:off + length])
-    edit(manifest)
-    raw = json.dumps(manifest).encode()
+    if raw is None:
+        manifest = json.loads(unpack_json(data[off:off + length], version))
+        edit(manifest)
+        raw = pack_json(manifest, version)
     return data[:off] + raw + TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
+
+
+def test_a_packed_manifest_that_would_unpack_beyond_its_bound_is_refused_unread(pair):
+    """zstd frames declare their size and the library allocates it: a few bytes that declare a
+    terabyte must be refused, not tried."""
+    import zstandard
+
+    _, _, data, _ = pair
+    # magic, a descriptor for an 8-byte content size, a window byte, the size, one raw block of b"{}"
+    raw = b"\x28\xb5\x2f\xfd\xc0\x58" + (1 << 40).to_bytes(8, "little") + b"\x11\x00\x00{}"
+    assert zstandard.get_frame_parameters(raw).content_size == 1 << 40
+    with pytest.raises(CorruptError, match=f"manifest: does not unpack: declares {1 << 40} bytes unpacked "
+                                           f"\\(bound {MAX_JSON}\\)"):
+        DeltaFile(resign_manifest(data, raw=raw))
+    with pytest.raises(CorruptError, match="manifest: does not unpack"):
+        DeltaFile(resign_manifest(data, raw=b"{}"))  # format 3 stores it packed; bare JSON is not
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -153,11 +168,11 @@ def test_forged_header_with_absurd_shape(pair):
     import hashlib, json
 
     _, _, data, _ = pair
-    _, _, n = HEAD.unpack_from(data)
-    header = json.loads(data[HEAD.size:HEAD.size + n])
+    _, version, n = HEAD.unpack_from(data)
+    header = json.loads(unpack_json(data[HEAD.size:HEAD.size + n], version))
     header["tensors"][0][2] = [2**40, 2**40]
-    raw = json.dumps(header).encode()
-    forged = HEAD.pack(b"SPRWDLTA", 1, len(raw)) + raw + hashlib.sha256(raw).digest() + data[HEAD.size + n + 32:]
+    raw = pack_json(header, version)
+    forged = HEAD.pack(b"SPRWDLTA", version, len(raw)) + raw + hashlib.sha256(raw).digest() + data[HEAD.size + n + 32:]
     with pytest.raises(CorruptError, match="header: .*elements \\(limit"):
         DeltaFile(forged)
 

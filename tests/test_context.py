@@ -91,28 +91,51 @@ def test_an_adam_step_costs_less_than_any_context_free_coder_could(lr):
     assert apply_delta(DeltaFile(buf.getvalue()), state, verify_full=True) == state_hash({"w": new})
 
 
-def test_format_1_deltas_stay_readable():
+@pytest.mark.parametrize("version", [1, 2])
+def test_deltas_of_earlier_formats_stay_readable(version):
+    """Each written by the code of its time, over the same states (format 1's folder holds them)."""
     old, new = load_file(FORMAT1 / "old.safetensors"), load_file(FORMAT1 / "new.safetensors")
-    d = DeltaFile((FORMAT1 / "delta.bin").read_bytes())
-    assert d.version == 1 and d.summary()["format"] == 1
+    d = DeltaFile((FORMAT1.parent / f"format{version}" / "delta.bin").read_bytes())
+    assert d.version == version and d.summary()["format"] == version
     state = {k: v.clone() for k, v in old.items()}
     assert apply_delta(d, state, verify_full=True) == state_hash(new)
     for k in new:
         assert np.array_equal(bits(state[k]), bits(new[k])), k
-    buf = io.BytesIO()  # what is written now is format 2
+    buf = io.BytesIO()  # what is written now is format 3, and smaller
     write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1)
-    assert DeltaFile(buf.getvalue()).version == 2
+    assert DeltaFile(buf.getvalue()).version == 3 and len(buf.getvalue()) < len(d.data)
 
 
 def test_a_context_record_in_a_format_1_file_is_refused(rng):
     a = random_tensor(rng, "BF16", (4096,))
     b = a.clone()
     bits(b)[::50] += 1
-    body = encode_changes(0, extract_segment(0, bits(a), bits(b), FIELDS["BF16"]))
+    body = encode_changes(0, extract_segment(0, bits(a), bits(b), FIELDS["BF16"]), 2)
     locate = lambda tid, start, length, *f: kernels.class_locate(bits(a)[start:start + length], 7, 0xFF, *f)
     assert decode_record(Cursor(body, "ok"), [2], [4096], 2, locate).count == 82
     with pytest.raises(CorruptError, match="unknown record kind 3"):
         decode_record(Cursor(body, "old"), [2], [4096], 1, locate)
+
+
+def test_format_3_record_headers_are_bounded_integers(rng):
+    """Its headers are LEB128: one that never ends, or names a segment past its tensor, is refused
+    by name; the same record with format 2's fixed header decodes alike, 29 bytes larger."""
+    a = random_tensor(rng, "BF16", (4096,))
+    b = a.clone()
+    bits(b)[::50] += 1
+    ch = extract_segment(0, bits(a), bits(b), FIELDS["BF16"])
+    body, old_body = encode_changes(0, ch, 3), encode_changes(0, ch, 2)
+    locate = lambda tid, start, length, *f: kernels.class_locate(bits(a)[start:start + length], 7, 0xFF, *f)
+    got = decode_record(Cursor(body, "r"), [2], [4096], 3, locate)
+    old_got = decode_record(Cursor(old_body, "r"), [2], [4096], 2, locate)
+    assert np.array_equal(got.positions, old_got.positions) and np.array_equal(got.diffs, old_got.diffs)
+    assert len(old_body) - len(body) == 29
+    with pytest.raises(CorruptError, match="integer at offset 9 longer than 9 bytes"):
+        decode_record(Cursor(b"\xff" * 12 + body[1:], "r"), [2], [4096], 3, locate)
+    past = bytearray(body)
+    past[4] = 0x7F  # start: 127 of a 4096-element tensor whose segment is 4096 long
+    with pytest.raises(CorruptError, match=r"segment \[127, 4223\) outside tensor 0 of 4096 elements"):
+        decode_record(Cursor(bytes(past), "r"), [2], [4096], 3, locate)
 
 
 def test_a_delta_applied_to_another_base_that_claims_its_hash_changes_nothing(rng):

@@ -18,7 +18,7 @@ _rng = np.random.default_rng(7)
 OLD = {"a": random_tensor(_rng, "BF16", (64, 64)), "b": random_tensor(_rng, "F32", (300,))}
 NEW = {"a": mutate(_rng, OLD["a"], 0.03), "b": mutate(_rng, OLD["b"], 0.9)}
 VALID = {}  # per format version
-for _v in (1, 2):
+for _v in (1, 2, 3):
     _buf = io.BytesIO()
     write_delta(_buf, OLD, NEW, base_version=0, base_hash=state_hash(OLD), target_version=1, segment=512,
                 chunk_bytes=300, version=_v)
@@ -28,11 +28,11 @@ for _v in (1, 2):
 # record decodes against the base it was made from (tensor 0), or a base of another tensor's
 SIZES, NUMELS, FIELDS = [2, 4], [4096, 300], [(7, 0xFF), (23, 0xFF)]
 BASES = [bits(random_tensor(_rng, "BF16", (4096,))), bits(random_tensor(_rng, "F32", (300,)))]
-BODIES = []
+BODIES = []  # (format version, record)
 for density in (0.002, 0.02, 0.3, 1.0):
     ch = extract_segment(0, BASES[0], bits(mutate(_rng, torch.from_numpy(BASES[0].view(np.int16)).view(torch.bfloat16),
                                                   density)), FIELDS[0])
-    BODIES += [encode_changes(0, ch, 1), encode_changes(0, ch, 2)]
+    BODIES += [(v, encode_changes(0, ch, v)) for v in (1, 2, 3)]
 
 
 def locate(tid, start, length, *found):
@@ -58,7 +58,7 @@ def bits_t(t):
 
 
 @settings_
-@given(version=st.sampled_from([1, 2]),
+@given(version=st.sampled_from([1, 2, 3]),
        edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
        cut=st.one_of(st.none(), st.integers(0, 10**6)))
 def test_mutated_files(version, edits, cut):
@@ -74,11 +74,11 @@ def test_arbitrary_files(data):
     attempt(data)
 
 
-def decode_all(body: bytes) -> None:
+def decode_all(body: bytes, version: int) -> None:
     cur = Cursor(body, "fuzz")
     try:
         while cur.pos < len(cur.buf):
-            decode_record(cur, SIZES, NUMELS, 2, locate)
+            decode_record(cur, SIZES, NUMELS, version, locate)
     except DeltaError:
         pass
 
@@ -88,26 +88,26 @@ def decode_all(body: bytes) -> None:
        edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
        cut=st.one_of(st.none(), st.integers(0, 10**6)))
 def test_mutated_records_beneath_checksums(which, edits, cut):
-    body = bytearray(BODIES[which])
+    version, body = BODIES[which][0], bytearray(BODIES[which][1])
     for at, val in edits:
         body[at % len(body)] = val
-    decode_all(bytes(body[:cut] if cut is not None else body))
+    decode_all(bytes(body[:cut] if cut is not None else body), version)
 
 
 @settings_
-@given(data=st.binary(max_size=600))
-def test_arbitrary_records(data):
-    decode_all(data)
+@given(data=st.binary(max_size=600), version=st.sampled_from([2, 3]))
+def test_arbitrary_records(data, version):
+    decode_all(data, version)
 
 
 def test_many_seeded_mutations_beneath_checksums():
     """Hypothesis explores; this sweeps wide: thousands of random 1-3 byte edits per record kind."""
     rng = np.random.default_rng(0)
     for i in range(8000):
-        body = bytearray(BODIES[i % len(BODIES)])
+        version, body = BODIES[i % len(BODIES)][0], bytearray(BODIES[i % len(BODIES)][1])
         for _ in range(rng.integers(1, 4)):
             body[rng.integers(len(body))] = rng.integers(256)
-        decode_all(bytes(body))
+        decode_all(bytes(body), version)
 
 
 @settings_

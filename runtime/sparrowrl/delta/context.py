@@ -1,5 +1,5 @@
-"""What both ends of a delta hold before it travels: the base. Format 2 codes each change in its
-context, the class of the base element it changes.
+"""What both ends of a delta hold before it travels: the base. Since format 2 a delta codes each
+change in its context, the class of the base element it changes.
 
 An update changes a bf16 element when it exceeds half a ULP of the element's value, and Adam's
 updates are about the same size everywhere, so whether an element changes depends mostly on its

@@ -10,7 +10,7 @@ Positions use a Rice split: gap = q * 2**k + r, q by ANS, r as k raw bits (packe
 kernel; ANS would spend the same bits, slower). For geometric gaps q and r are independent, so
 the split loses nothing.
 
-Format 2's context records code each class of elements with its own parametric models
+Context records (formats 2 and 3) code each class of elements with its own parametric models
 (`context_streams`); format 1's sparse records, still read, code all elements alike with one
 categorical model per stream whose symbol counts travel with it.
 """
@@ -51,6 +51,21 @@ class Cursor:
     def array(self, dtype: np.dtype, count: int) -> np.ndarray:
         dt = np.dtype(dtype)
         return np.frombuffer(self.take(dt.itemsize * count), dtype=dt).copy()
+
+    def varint(self, limit: int) -> int:
+        """One LEB128 integer of at most 9 bytes, refused above `limit`."""
+        v, shift = 0, 0
+        while True:
+            (byte,) = self.take(1)
+            v |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                break
+            shift += 7
+            if shift > 56:
+                raise CorruptError(f"{self.what}: integer at offset {self.pos} longer than 9 bytes")
+        if v > limit:
+            raise CorruptError(f"{self.what}: integer {v} at offset {self.pos} above its bound {limit}")
+        return v
 
     def done(self) -> None:
         if self.pos != len(self.buf):
@@ -120,7 +135,7 @@ def _write_counts(counts: np.ndarray) -> bytes:
     out = bytearray(struct.pack("<H", len(sym)))
     out += sym.astype(np.uint8).tobytes()
     for c in counts[sym].tolist():
-        _write_count(out, c)
+        write_varint(out, c)
     return bytes(out)
 
 
@@ -137,7 +152,8 @@ def _read_counts(cur: Cursor) -> np.ndarray:
     return counts
 
 
-def _write_count(out: bytearray, c: int) -> None:
+def write_varint(out: bytearray, c: int) -> None:
+    """LEB128: 7 bits a byte, low first (`Cursor.varint` and `_read_count` read it)."""
     while c >= 0x80:
         out.append((c & 0x7F) | 0x80)
         c >>= 7
@@ -222,7 +238,7 @@ def ans_gaps_decode(buf: memoryview, count: int, what: str) -> np.ndarray:
     return g
 
 
-# ---- context streams (format 2) -------------------------------------------------------------
+# ---- context streams (formats 2 and 3) ------------------------------------------------------
 #
 # Each class has its own models, given by parameters instead of symbol tables: a record of a
 # small tensor holds a few thousand changes over ~20 classes, and tables would cost more than
@@ -289,7 +305,7 @@ def context_streams(classes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> tu
     head += np.packbits(present, bitorder="little").tobytes() + ks.tobytes() + t_q.tobytes() + t_v.tobytes()
     head += e.tobytes()
     for c in counts.tolist():
-        _write_count(head, c)
+        write_varint(head, c)
     qsym, zsym = np.minimum(q, _ALPHABET - 1).astype(np.int32), np.minimum(z, _ALPHABET - 1).astype(np.int32)
     qesc, zesc = q[q >= _ALPHABET - 1], z[esc]
     pos = b"".join([bytes(head), struct.pack("<I", len(qesc)), qesc.astype("<u4").tobytes(),

@@ -1,10 +1,13 @@
 """The delta file: header, chunks, manifest, trailer. Written as a stream, read with every check.
 
-    header   b"SPRWDLTA" | u32 format | u32 json length | json | sha256(json)
+    header   b"SPRWDLTA" | u32 format | u32 length | zstd(json) | sha256(zstd(json))
     chunk*   b"SPCK" | u32 index | u32 body length | sha256(index, length, body) | body (records)
-    manifest json: versions, hashes, tensor table with counts, chunk offsets and digests (sha256
-             of each chunk's bytes as stored, so `curl -r` + `sha256sum` can check one)
-    trailer  u64 manifest offset | u64 manifest length | sha256(manifest) | b"SPRWEND1"
+    manifest zstd(json): versions, hashes, tensor table with counts, chunk offsets and digests
+             (sha256 of each chunk's bytes as stored, so `curl -r` + `sha256sum` can check one)
+    trailer  u64 manifest offset | u64 manifest length | sha256(manifest as stored) | b"SPRWEND1"
+
+Formats 1 and 2 store both JSON documents as they are; on a small model they were a tenth of
+the delta.
 
 Per tensor, the header gives name, dtype and shape; the manifest gives the changed count, the
 hash change, and the span of chunks holding its records (so a receiver can fetch one tensor).
@@ -30,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
+import zstandard
 
 from sparrowrl.delta import context, schema
 from sparrowrl.delta.bitview import bits, dtype_name, itemsize
@@ -40,8 +44,8 @@ from sparrowrl.delta.records import (MAX_SEGMENT, Changes, Locate, decode_record
 from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
 from sparrowrl.limits import memory_available, read_bounded
 
-FORMAT_VERSION = 2  # written; 1 (no context records) is still read
-READS = (1, 2)
+FORMAT_VERSION = 3  # written; 2 (JSON and record headers uncompressed) and 1 (no context records) are still read
+READS = (1, 2, 3)
 MAGIC = b"SPRWDLTA"
 END = b"SPRWEND1"
 CHUNK_MAGIC = b"SPCK"
@@ -51,6 +55,29 @@ TRAILER = struct.Struct("<QQ32s8s")
 SEGMENT = 1 << 22
 CHUNK_BYTES = 1 << 20  # the unit of cut-through and of parallel streams: small enough to pipeline a small delta
 _M64 = (1 << 64) - 1
+MAX_JSON = 1 << 26  # a header or manifest, unpacked: 64 MiB is a table of about a million tensors
+
+
+def pack_json(doc: dict, version: int) -> bytes:
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    return zstandard.ZstdCompressor(level=9).compress(raw) if version >= 3 else raw
+
+
+def unpack_json(stored: bytes | memoryview, version: int) -> bytes:
+    """A header or manifest as stored, unpacked; its declared size is bounded before anything is
+    allocated for it (zstd frames carry it, and the library trusts it)."""
+    if version < 3:
+        return bytes(stored)
+    try:
+        size = zstandard.get_frame_parameters(bytes(stored)).content_size
+        if not 0 < size <= MAX_JSON:  # unknown sizes read as 2**64 - 1
+            raise ValueError(f"declares {size} bytes unpacked (bound {MAX_JSON})")
+        raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=size)
+    except (zstandard.ZstdError, ValueError) as e:
+        raise CorruptError(f"does not unpack: {e}") from None
+    if len(raw) != size:
+        raise CorruptError(f"unpacks to {len(raw)} bytes, its frame declares {size}")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -166,11 +193,11 @@ class DeltaWriter:
         self.buf_records = 0
         self.base_hash, self.base_version, self.target_version = base_hash, base_version, target_version
         self.offset = 0
-        header = json.dumps({
+        header = pack_json({
             "format": version, "base_version": base_version, "base_hash": base_hash,
             "target_version": target_version, "segment_elements": segment,
             "tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors],
-        }, separators=(",", ":")).encode()
+        }, version)
         self.header_sha = hashlib.sha256(header).digest()
         self._write(HEAD.pack(MAGIC, version, len(header)) + header + self.header_sha)
 
@@ -269,7 +296,7 @@ class DeltaWriter:
                         for c, h, span in zip(self.changed, self.hash_delta, self.span)],
             "chunks": self.chunks,
         }
-        data = json.dumps(manifest, separators=(",", ":")).encode()
+        data = pack_json(manifest, self.version)
         offset = self.offset
         self._write(data + TRAILER.pack(offset, len(data), hashlib.sha256(data).digest(), END))
         self.out.flush()
@@ -332,8 +359,8 @@ class DeltaFile:
                                      f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
         self.header_end, self.header_sha = end + 32, digest
         try:
-            header = schema.parse(schema.Header, raw)
-        except ValueError as e:
+            header = schema.parse(schema.Header, unpack_json(raw, version))
+        except (ValueError, CorruptError) as e:
             self._fail(CorruptError, f"header: {e}")
         if header.format != version:
             self._fail(CorruptError, f"header says format {header.format}, the file's first bytes {version}")
@@ -351,8 +378,8 @@ class DeltaFile:
             self._fail(CorruptError, f"manifest checksum mismatch: expected {digest.hex()[:16]}, "
                                      f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
         try:
-            m = schema.parse(schema.Manifest, raw).model_dump()
-        except ValueError as e:
+            m = schema.parse(schema.Manifest, unpack_json(raw, self.version)).model_dump()
+        except (ValueError, CorruptError) as e:
             self._fail(CorruptError, f"manifest: {e}")
         if m["header_sha256"] != self.header_sha.hex():
             self._fail(CorruptError, "manifest belongs to a different header")
@@ -404,7 +431,7 @@ class DeltaFile:
         def chunk(i: int) -> list[Cursor]:
             cur, out = Cursor(self.chunk_body(i), f"{self.source}: chunk {i}"), []
             while cur.pos < len(cur.buf):
-                out.append(next_record(cur))
+                out.append(next_record(cur, self.version))
             return out
 
         def record(cur: Cursor):

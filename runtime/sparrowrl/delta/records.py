@@ -1,10 +1,11 @@
 """One record = the changes of one segment (a bounded run of elements) of one tensor.
 
-    header  <I B B B x Q Q Q I I>  tensor id, kind, position codec, value codec,
-                                   start, length, changed count, position bytes, value bytes
+    header  tensor id, kind, position codec, value codec, start, length, changed count,
+            position bytes, value bytes: LEB128 but for the three u8, ~14 bytes (format 3);
+            <I B B B x Q Q Q I I>, 40 bytes, in formats 1 and 2
     body    position stream, value stream
 
-Context records (format 2) code each change as its class (the base element's exponent,
+Context records (formats 2 and 3) code each change as its class (the base element's exponent,
 `context`) and the gap to the class's previous change, counted in that class's own elements;
 the zigzagged wrap-around differences of the bit patterns follow in class order, and each class
 has models of its own for both. Sparse records (format 1, still read) code gaps between positions
@@ -31,8 +32,29 @@ CONTEXT = 3
 ANS = 1  # stream codecs
 ZSTD = 2
 RAW = 3
-_HEAD = struct.Struct("<IBBBxQQQII")
+_HEAD = struct.Struct("<IBBBxQQQII")  # formats 1 and 2
 MAX_SEGMENT = 1 << 24
+_MAX_FIELD = (1 << 63) - 1  # a format 3 header field; the checks below bound each further
+
+
+def _pack_head(version: int, *fields: int) -> bytes:
+    if version < 3:
+        return _HEAD.pack(*fields)
+    tid, kind, pos_codec, val_codec, *rest = fields
+    out = bytearray()
+    entropy.write_varint(out, tid)
+    out += bytes((kind, pos_codec, val_codec))
+    for f in rest:
+        entropy.write_varint(out, f)
+    return bytes(out)
+
+
+def _read_head(cur: entropy.Cursor, version: int) -> tuple[int, ...]:
+    if version < 3:
+        return cur.unpack(_HEAD.format)
+    tid = cur.varint(_MAX_FIELD)
+    kind, pos_codec, val_codec = cur.take(3)
+    return (tid, kind, pos_codec, val_codec, *(cur.varint(_MAX_FIELD) for _ in range(5)))
 
 
 @dataclass
@@ -64,7 +86,7 @@ def extract_segment(start: int, old: np.ndarray, new: np.ndarray, fld: tuple[int
     return Changes(start, old.shape[0], *kernels.changed(old, new, fld), lambda: zigzag(np, old, new))
 
 
-def encode_changes(tensor_id: int, ch: Changes, version: int = 2) -> bytes:
+def encode_changes(tensor_id: int, ch: Changes, version: int = 3) -> bytes:
     """Entropy-code one segment; b"" when nothing changed. Dense when that is smaller. Format 1's
     sparse records stay writable for the codec benchmark and the tests of their decoder."""
     count = int(ch.positions.shape[0])
@@ -85,15 +107,15 @@ def encode_changes(tensor_id: int, ch: Changes, version: int = 2) -> bytes:
         d_codec, d = (ZSTD, packed) if len(packed) < full.nbytes else (RAW, full.tobytes())
         if len(d) < len(pos) + len(val):
             kind, pos_codec, pos, val_codec, val = DENSE, 0, b"", d_codec, d
-    head = _HEAD.pack(tensor_id, kind, pos_codec, val_codec, ch.start, ch.length, count, len(pos), len(val))
+    head = _pack_head(version, tensor_id, kind, pos_codec, val_codec, ch.start, ch.length, count, len(pos), len(val))
     return head + pos + val
 
 
-def next_record(cur: entropy.Cursor) -> entropy.Cursor:
+def next_record(cur: entropy.Cursor, version: int) -> entropy.Cursor:
     """The next record as a cursor of its own, over the same buffer (so that errors name the byte
     where it starts); `cur` moves past it. Records of one chunk then decode in parallel."""
     start = cur.pos
-    *_, pos_len, val_len = cur.unpack(_HEAD.format)
+    *_, pos_len, val_len = _read_head(cur, version)
     cur.take(pos_len + val_len)
     one = entropy.Cursor(cur.buf[:cur.pos], cur.what)
     one.pos = start
@@ -108,8 +130,8 @@ def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int], 
     """Decode the next record; every field is checked against the tensor table it claims.
     A context record's positions are found in the base: `locate(tensor id, start, length,
     classes, counts, gaps)` is kernels.class_locate over that segment of the receiver's tensor."""
-    tid, kind, pos_codec, val_codec, start, length, count, pos_len, val_len = cur.unpack(_HEAD.format)
-    where = f"{cur.what}, record at byte {cur.pos - _HEAD.size}"
+    where = f"{cur.what}, record at byte {cur.pos}"
+    tid, kind, pos_codec, val_codec, start, length, count, pos_len, val_len = _read_head(cur, version)
     if tid >= len(numels):
         raise CorruptError(f"{where}: tensor id {tid} not in the tensor table ({len(numels)} tensors)")
     if not (0 < length <= MAX_SEGMENT and start + length <= numels[tid]):
