@@ -92,7 +92,7 @@ MODELS = {"Qwen3-4B": (4.02e9, 0.0112), "Qwen3-8B": (8.19e9, 0.0096), "Qwen3-14B
 ROLLOUT_8B_S = 45.0  # the published setup's rollout batch for 8B
 TRAIN_8B_S = 15.0  # assumed: a third of the rollout
 LINKS_GBIT = (0.25, 0.5, 1.0, 10.0)
-BYTES_PER_CHANGED = 1.25  # codec format 1, as calibrated (format 2 ships ~0.5: docs/codec.md)
+BYTES_PER_CHANGED = 1.25  # codec format 1, as calibrated (formats 2 and 3 ship ~0.5: docs/codec.md)
 GPU_EXTRACT_BPS = 200e9  # assumed for an H200: diff + encode at a tenth of its memory bandwidth (not measured)
 
 

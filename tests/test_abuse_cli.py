@@ -355,6 +355,27 @@ def test_a_delta_that_is_endless_or_larger_than_memory_is_refused_before_reading
             "a delta is 1,099,511,627,776 bytes (limit")
 
 
+def test_a_packed_header_too_large_to_parse_in_the_memory_free_is_refused_unread(tmp_path):
+    """A 14-byte zstd frame may declare 60 MiB of header JSON, which takes up to 16x that to
+    validate: with 512 MiB free the delta is refused before anything is unpacked, and says why
+    (with 2 GiB free the same frame gets as far as unpacking, and fails there)."""
+    import hashlib
+    import resource
+
+    from bounded import BASELINE, EXE
+    from sparrowrl.delta.frame import HEAD, MAGIC, TRAILER
+
+    frame = b"\x28\xb5\x2f\xfd\xc0\x58" + (60 << 20).to_bytes(8, "little") + b"\x11\x00\x00{}"
+    path = tmp_path / "d.spd"
+    path.write_bytes(HEAD.pack(MAGIC, 3, len(frame)) + frame + hashlib.sha256(frame).digest() + bytes(TRAILER.size))
+    room = BASELINE + (512 << 20)
+    p = subprocess.run([str(EXE), "delta", "inspect", str(path)], capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (room, room)))
+    refused(p, f"{path}: header: does not unpack: declares {60 << 20} bytes unpacked, more than the memory free "
+               "here can parse")
+    assert "more than the memory" not in refused(sparrowrl("delta", "inspect", path, timeout=60), "header: does not unpack")
+
+
 def test_a_relay_cache_that_holds_other_files_is_refused(tmp_path):
     """A relay deletes old versions in its cache: a folder of the user's is never one; a cache
     made before the mark still is one."""

@@ -146,6 +146,20 @@ def test_a_packed_manifest_that_would_unpack_beyond_its_bound_is_refused_unread(
         DeltaFile(resign_manifest(data, raw=raw))
     with pytest.raises(CorruptError, match="manifest: does not unpack"):
         DeltaFile(resign_manifest(data, raw=b"{}"))  # format 3 stores it packed; bare JSON is not
+    version = HEAD.unpack_from(data)[1]
+    off, length, _, _ = TRAILER.unpack_from(data, len(data) - TRAILER.size)
+    packed = data[off:off + length]
+    with pytest.raises(CorruptError, match="manifest: does not unpack: its zstd frame is followed by 3 bytes"):
+        DeltaFile(resign_manifest(data, raw=packed + b"xyz"))
+    with pytest.raises(CorruptError, match="manifest: does not unpack: its zstd frame is cut short"):
+        DeltaFile(resign_manifest(data, raw=packed[:-4]))
+    # a frame that holds more than it declares: a 10 MB frame whose size field says 200 bytes
+    big = bytearray(zstandard.ZstdCompressor().compress(pack_json({"x": "y" * 10**7}, 1)))
+    assert big[4] >> 6 == 2 and not big[4] & 0x20  # a 4-byte size field after the window byte
+    big[6:10] = (200).to_bytes(4, "little")
+    assert zstandard.get_frame_parameters(bytes(big)).content_size == 200 and version == 3
+    with pytest.raises(CorruptError, match="manifest: does not unpack"):
+        DeltaFile(resign_manifest(data, raw=bytes(big)))
 
 
 @pytest.mark.parametrize("edit, message", [

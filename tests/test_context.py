@@ -16,7 +16,8 @@ from sparrowrl.delta import DeltaFile, apply_delta, kernels, state_hash, write_d
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.context import FIELDS, field, locate_on_device, ranks_on_device
 from sparrowrl.delta.entropy import Cursor
-from sparrowrl.delta.errors import CorruptError, DeltaError
+from sparrowrl.delta.errors import CorruptError, DeltaError, MismatchError
+from sparrowrl.delta.frame import DeltaWriter, Encoder, TensorSpec
 from sparrowrl.delta.records import decode_record, encode_changes, extract_segment
 
 FORMAT1 = Path(__file__).parent / "data" / "format1"
@@ -136,6 +137,28 @@ def test_format_3_record_headers_are_bounded_integers(rng):
     past[4] = 0x7F  # start: 127 of a 4096-element tensor whose segment is 4096 long
     with pytest.raises(CorruptError, match=r"segment \[127, 4223\) outside tensor 0 of 4096 elements"):
         decode_record(Cursor(bytes(past), "r"), [2], [4096], 3, locate)
+    with pytest.raises(CorruptError, match="integer at offset 2 not in its shortest form"):
+        decode_record(Cursor(b"\x80\x00" + body[1:], "r"), [2], [4096], 3, locate)  # tensor id 0 in two bytes
+    sparse = bytearray(body)
+    sparse[1] = 1  # format 1's record kind: formats 2 and 3 never write it
+    with pytest.raises(CorruptError, match="unknown record kind 1"):
+        decode_record(Cursor(bytes(sparse), "r"), [2], [4096], 3, locate)
+
+
+def test_a_writer_takes_records_of_its_own_format_only(rng):
+    """A sharded trainer's ranks encode records for rank 0's writer: an encoder of another format
+    would make a file that no reader decodes, so the writer refuses its records."""
+    a = random_tensor(rng, "BF16", (64, 64))
+    b = a.clone()
+    bits(b)[::7] += 1
+    spec = TensorSpec.of("w", a)
+    old_format = Encoder([spec], version=2)
+    records = [e for e in old_format.encode([(0, 0, a, b)]) if e.data]
+    old_format.close()
+    w = DeltaWriter(io.BytesIO(), [spec], base_version=0, base_hash=state_hash({"w": a}), target_version=1)
+    with pytest.raises(MismatchError, match="a record of format 2 for a format 3 delta"):
+        w.add_encoded("w", [(0, a.numel())], records)
+    w.encoder.close()
 
 
 def test_a_delta_applied_to_another_base_that_claims_its_hash_changes_nothing(rng):

@@ -1,5 +1,6 @@
 """Fuzz the decoder: whatever the bytes, it raises only the codec's own errors (or succeeds)."""
 
+import hashlib
 import io
 
 import numpy as np
@@ -11,6 +12,7 @@ from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, apply_delta, kernels, state_hash, write_delta
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import DeltaError
+from sparrowrl.delta.frame import HEAD, MAGIC, TRAILER
 from sparrowrl.delta.records import decode_record, encode_changes, extract_segment
 from sparrowrl.delta.bitview import bits
 
@@ -72,6 +74,28 @@ def test_mutated_files(version, edits, cut):
 @given(data=st.binary(max_size=2000))
 def test_arbitrary_files(data):
     attempt(data)
+
+
+@settings_
+@given(part=st.sampled_from(["header", "manifest"]),
+       edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
+       cut=st.one_of(st.none(), st.integers(0, 10**6)))
+def test_mutated_packed_json_whose_digests_are_made_to_agree(part, edits, cut):
+    """Format 3 packs its header and manifest: mutated, with their digests recomputed, so that
+    unpacking and validation are what refuse them (or they still read as the same delta)."""
+    data = VALID[3]
+    _, version, n = HEAD.unpack_from(data)
+    off, length, _, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
+    lo, hi = (HEAD.size, HEAD.size + n) if part == "header" else (off, off + length)
+    stored = bytearray(data[lo:hi])
+    for at, val in edits:
+        stored[at % len(stored)] = val
+    stored = bytes(stored[:cut % (len(stored) + 1)] if cut is not None else stored)
+    if part == "header":
+        forged = HEAD.pack(MAGIC, version, len(stored)) + stored + hashlib.sha256(stored).digest() + data[hi + 32:]
+    else:
+        forged = data[:off] + stored + TRAILER.pack(off, len(stored), hashlib.sha256(stored).digest(), end)
+    attempt(forged)
 
 
 def decode_all(body: bytes, version: int) -> None:

@@ -52,8 +52,9 @@ class Cursor:
         dt = np.dtype(dtype)
         return np.frombuffer(self.take(dt.itemsize * count), dtype=dt).copy()
 
-    def varint(self, limit: int) -> int:
-        """One LEB128 integer of at most 9 bytes, refused above `limit`."""
+    def varint(self) -> int:
+        """One LEB128 integer, below 2**63: at most 9 bytes, and in its shortest form (so that one
+        record has one encoding)."""
         v, shift = 0, 0
         while True:
             (byte,) = self.take(1)
@@ -63,8 +64,8 @@ class Cursor:
             shift += 7
             if shift > 56:
                 raise CorruptError(f"{self.what}: integer at offset {self.pos} longer than 9 bytes")
-        if v > limit:
-            raise CorruptError(f"{self.what}: integer {v} at offset {self.pos} above its bound {limit}")
+        if byte == 0 and shift:
+            raise CorruptError(f"{self.what}: integer at offset {self.pos} not in its shortest form")
         return v
 
     def done(self) -> None:

@@ -56,6 +56,7 @@ SEGMENT = 1 << 22
 CHUNK_BYTES = 1 << 20  # the unit of cut-through and of parallel streams: small enough to pipeline a small delta
 _M64 = (1 << 64) - 1
 MAX_JSON = 1 << 26  # a header or manifest, unpacked: 64 MiB is a table of about a million tensors
+PARSE_COST = 16  # bytes of memory that validating a byte of header or manifest JSON may take (measured ~11)
 
 
 def pack_json(doc: dict, version: int) -> bytes:
@@ -64,17 +65,26 @@ def pack_json(doc: dict, version: int) -> bytes:
 
 
 def unpack_json(stored: bytes | memoryview, version: int) -> bytes:
-    """A header or manifest as stored, unpacked; its declared size is bounded before anything is
-    allocated for it (zstd frames carry it, and the library trusts it)."""
+    """A header or manifest as stored, unpacked. Its declared size is bounded before anything is
+    allocated for it (zstd frames carry it, and the library allocates it), also by the memory
+    that parsing it would take, since a few hundred KB can declare 64 MiB; and the frame must
+    be all there is."""
     if version < 3:
         return bytes(stored)
+    stored = bytes(stored)
     try:
-        size = zstandard.get_frame_parameters(bytes(stored)).content_size
+        size = zstandard.get_frame_parameters(stored).content_size
         if not 0 < size <= MAX_JSON:  # unknown sizes read as 2**64 - 1
             raise ValueError(f"declares {size} bytes unpacked (bound {MAX_JSON})")
-        raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=size)
+        if size * PARSE_COST > memory_available():
+            raise ValueError(f"declares {size} bytes unpacked, more than the memory free here can parse")
+        one = zstandard.ZstdDecompressor().decompressobj()  # refuses content beyond the declared size
+        raw = one.decompress(stored)
     except (zstandard.ZstdError, ValueError) as e:
         raise CorruptError(f"does not unpack: {e}") from None
+    if not one.eof or one.unused_data:
+        raise CorruptError("does not unpack: its zstd frame " + ("is cut short" if not one.eof else
+                                                                  f"is followed by {len(one.unused_data)} bytes"))
     if len(raw) != size:
         raise CorruptError(f"unpacks to {len(raw)} bytes, its frame declares {size}")
     return raw
@@ -111,6 +121,7 @@ class Encoded:
     data: bytes
     changed: int
     hash_delta: int
+    version: int  # the format its record is in: a writer takes only its own
 
 
 class Encoder:
@@ -157,8 +168,9 @@ class Encoder:
     def _encode(self, tid: int, ch: Changes) -> Encoded:
         data = encode_changes(tid, ch, self.version)
         if not data:
-            return Encoded(tid, data, 0, 0)
-        return Encoded(tid, data, len(ch.positions), self.keys[tid].change(ch.positions + ch.start, ch.old, ch.new))
+            return Encoded(tid, data, 0, 0, self.version)
+        return Encoded(tid, data, len(ch.positions), self.keys[tid].change(ch.positions + ch.start, ch.old, ch.new),
+                       self.version)
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -252,6 +264,8 @@ class DeltaWriter:
         """Append one encoded segment (in order: by tensor, then element)."""
         if not e.data:
             return
+        if e.version != self.version:
+            raise MismatchError(f"a record of format {e.version} for a format {self.version} delta")
         tid = e.tensor_id
         self.changed[tid] += e.changed
         self.hash_delta[tid] = (self.hash_delta[tid] + e.hash_delta) & _M64

@@ -34,7 +34,6 @@ ZSTD = 2
 RAW = 3
 _HEAD = struct.Struct("<IBBBxQQQII")  # formats 1 and 2
 MAX_SEGMENT = 1 << 24
-_MAX_FIELD = (1 << 63) - 1  # a format 3 header field; the checks below bound each further
 
 
 def _pack_head(version: int, *fields: int) -> bytes:
@@ -52,9 +51,9 @@ def _pack_head(version: int, *fields: int) -> bytes:
 def _read_head(cur: entropy.Cursor, version: int) -> tuple[int, ...]:
     if version < 3:
         return cur.unpack(_HEAD.format)
-    tid = cur.varint(_MAX_FIELD)
+    tid = cur.varint()  # each field is bounded by the checks of decode_record
     kind, pos_codec, val_codec = cur.take(3)
-    return (tid, kind, pos_codec, val_codec, *(cur.varint(_MAX_FIELD) for _ in range(5)))
+    return (tid, kind, pos_codec, val_codec, *(cur.varint() for _ in range(5)))
 
 
 @dataclass
@@ -140,7 +139,7 @@ def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int], 
         raise CorruptError(f"{where}: {count} changes in a segment of {length} elements")
     dtype = np.dtype(UINT[itemsizes[tid]]).newbyteorder("<")
     pos_buf, val_buf = cur.take(pos_len), cur.take(val_len)
-    if kind == SPARSE:
+    if kind == SPARSE and version == 1:  # formats 2 and 3 never write them
         if pos_codec != ANS or val_codec != ANS:
             raise CorruptError(f"{where}: sparse record with codecs {pos_codec}/{val_codec}")
         g = entropy.ans_gaps_decode(pos_buf, count, where)  # each g >= 0 and < 2**52 by construction
