@@ -55,6 +55,13 @@ def adam_step_pair(rng: np.random.Generator, n: int, lr: float = 1e-6, steps: in
     return prev, w.bfloat16()
 
 
+def zstd_frame(declared: int, content: bytes) -> bytes:
+    """A zstd frame that declares `declared` bytes and holds `content` (at most 2**21 bytes) in
+    one raw block: magic, a descriptor for an 8-byte size, a window byte, the size, the block."""
+    return (b"\x28\xb5\x2f\xfd\xc0\x58" + declared.to_bytes(8, "little")
+            + (len(content) << 3 | 1).to_bytes(3, "little") + content)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

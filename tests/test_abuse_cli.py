@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import save_file
 
 from bounded import limit_memory, refused, sparrowrl
+from conftest import zstd_frame
 from sparrowrl import runner
 from sparrowrl.job import JobError, parse
 
@@ -365,7 +366,7 @@ def test_a_packed_header_too_large_to_parse_in_the_memory_free_is_refused_unread
     from bounded import BASELINE, EXE
     from sparrowrl.delta.frame import HEAD, MAGIC, TRAILER
 
-    frame = b"\x28\xb5\x2f\xfd\xc0\x58" + (60 << 20).to_bytes(8, "little") + b"\x11\x00\x00{}"
+    frame = zstd_frame(60 << 20, b"{}")
     path = tmp_path / "d.spd"
     path.write_bytes(HEAD.pack(MAGIC, 3, len(frame)) + frame + hashlib.sha256(frame).digest() + bytes(TRAILER.size))
     room = BASELINE + (512 << 20)

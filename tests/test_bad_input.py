@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import mutate, random_tensor
+from conftest import mutate, random_tensor, zstd_frame
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError, DeltaError, FormatError, MismatchError, VerifyError
@@ -138,8 +138,7 @@ def test_a_packed_manifest_that_would_unpack_beyond_its_bound_is_refused_unread(
     import zstandard
 
     _, _, data, _ = pair
-    # magic, a descriptor for an 8-byte content size, a window byte, the size, one raw block of b"{}"
-    raw = b"\x28\xb5\x2f\xfd\xc0\x58" + (1 << 40).to_bytes(8, "little") + b"\x11\x00\x00{}"
+    raw = zstd_frame(1 << 40, b"{}")
     assert zstandard.get_frame_parameters(raw).content_size == 1 << 40
     with pytest.raises(CorruptError, match=f"manifest: does not unpack: declares {1 << 40} bytes unpacked "
                                            f"\\(bound {MAX_JSON}\\)"):
@@ -160,6 +159,8 @@ def test_a_packed_manifest_that_would_unpack_beyond_its_bound_is_refused_unread(
     assert zstandard.get_frame_parameters(bytes(big)).content_size == 200 and version == 3
     with pytest.raises(CorruptError, match="manifest: does not unpack"):
         DeltaFile(resign_manifest(data, raw=bytes(big)))
+    with pytest.raises(CorruptError, match="manifest: does not unpack"):  # and one that holds less
+        DeltaFile(resign_manifest(data, raw=zstd_frame(100, b"{}")))
 
 
 @pytest.mark.parametrize("edit, message", [
