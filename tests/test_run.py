@@ -211,6 +211,11 @@ def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     spec = job("sparse", steps=2)
     spec["spec"]["model"] = {"path": "pretrained"}
     spec["spec"]["task"] = {"jsonl": "qa.jsonl", "reward": "myreward:starts_right"}
+    # rollouts start once both workers call in, or after one lease period with those that have. In
+    # one CI run on two test processes this run took 140 s and counted one worker's commits only:
+    # the 120 s default most likely ran out first. A longer wait keeps the assertion below free of
+    # that race
+    spec["spec"]["rollout"]["leaseSeconds"] = 500
     _, out = run(tmp_path, "hf", spec)
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 2 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 3
