@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         rows = []
         for step in range(args.steps + 1):  # step 0 warms up and is not reported
             g = torch.Generator().manual_seed(1000 * step + rank)
-            ids = torch.randint(3, VOCAB, (args.batch, args.seq), generator=g)
+            ids = torch.randint(3, VOCAB, (args.batch, args.seq), generator=g).to(shard.device())
             dist.barrier()
             t0 = time.perf_counter()
             model(input_ids=ids, labels=ids).loss.backward()

@@ -1,15 +1,18 @@
-"""GPU path: CUDA tensors give byte-identical deltas and equal hashes. Run by hack/gpu-check.sh."""
+"""GPU path: CUDA tensors give byte-identical deltas and equal hashes, and the sharded trainer
+publishes from CUDA shards over NCCL. Run by hack/gpu-check.sh."""
 
 import io
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from conftest import adam_step_pair, mutate, random_tensor
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.statehash import tensor_hash, tensor_key
 from sparrowrl.delta.bitview import bits
+from test_shard import _port, _rank, check_published
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -65,3 +68,13 @@ def test_gpu_apply_in_place_into_fused_views(rng):
     h = apply_delta(DeltaFile(encode(old, new)), views, base_hash=state_hash(old), verify_full=True)
     assert h == state_hash(new) == state_hash(views)
     assert np.array_equal(bits(qkv.cpu()), bits(torch.cat(list(new.values()))))
+
+
+@pytest.mark.timeout(300)
+def test_sharded_trainer_publishes_from_cuda_shards(tmp_path):
+    """tests/test_shard.py's ranks on GPUs: FSDP2 shards on CUDA, NCCL, the shards diffed by CuPy
+    and hashed on the device. What they publish is what they held, bit for bit, and the bytes one
+    process writes from the same weights on the host (two ranks where there are two GPUs)."""
+    world = min(2, torch.cuda.device_count())
+    mp.spawn(_rank, args=(world, _port(), str(tmp_path), "cuda"), nprocs=world)
+    check_published(tmp_path)

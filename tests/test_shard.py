@@ -29,11 +29,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, device: str = "cpu") -> None:
+    """A rank of the trainer: gloo on the CPU, or NCCL with its shards on GPU `rank` (`device`
+    "cuda": tests/test_gpu.py), where CuPy diffs them."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         model = models.tiny_qwen3(VOCAB, 32, 2, 2, seed=0)
@@ -46,7 +50,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         old = shard.policy(model)
         for step in range(2):  # the second version is also a base snapshot
-            ids = torch.randint(3, VOCAB, (4, 12), generator=torch.Generator().manual_seed(10 * step + rank))
+            ids = torch.randint(3, VOCAB, (4, 12), generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
@@ -78,17 +82,22 @@ def _full(table, shards):
     for t in table:
         first, flat = shards[t.name]
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (first, flat))
+        dist.all_gather_object(parts, (first, flat.cpu()))
         yield t.name, torch.cat([f for _, f in sorted(parts, key=lambda p: p[0])]).view(t.shape)
 
 
 @pytest.mark.timeout(300)
 def test_two_ranks_publish_one_version(tmp_path):
     mp.spawn(_rank, args=(2, _port(), str(tmp_path)), nprocs=2)
-    store = Store(tmp_path / "store")
+    check_published(tmp_path)
+
+
+def check_published(out: Path) -> None:
+    """What `_rank` published is what the ranks held, and what one process would write."""
+    store = Store(out / "store")
     assert store.newest == 2 and store.versions[2].base  # v2: a base snapshot, gathered tensor by tensor
     for step in range(2):
-        got = torch.load(tmp_path / f"step{step}.pt")
+        got = torch.load(out / f"step{step}.pt")
         v = step + 1
         # what the ranks hold hash-equals the published version, and the delta reproduces it
         assert got["held"] == state_hash(got["new"]) == store.versions[v].state_hash
