@@ -106,7 +106,7 @@ def job(cfg: dict, name: str, v: Variant) -> dict:
 
 def dense_bytes(model: dict) -> int:
     """The bf16 policy's size: what a full broadcast ships per step."""
-    from sparrowrl import models
+    from sparrowrl.trainer import models
 
     tok = models.char_tokenizer()
     m = models.tiny_qwen3(len(tok), model["hidden"], model["layers"], model["heads"], seed=0)

@@ -44,9 +44,9 @@ in_venv.enter()
 
 import yaml  # noqa: E402
 
-from sparrowrl import schedule  # noqa: E402
-from sparrowrl.runner import free_port  # noqa: E402
-from sparrowrl.schedule import Seat  # noqa: E402
+from sparrowrl.rollout import schedule  # noqa: E402
+from sparrowrl.cli.runner import free_port  # noqa: E402
+from sparrowrl.rollout.schedule import Seat  # noqa: E402
 
 EXE = str(Path(sys.executable).parent / "sparrowrl")
 TOKEN = "bench-sched"

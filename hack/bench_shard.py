@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from sparrowrl import models, ranks, shard  # noqa: E402
+from sparrowrl.trainer import models, ranks, shard  # noqa: E402
 
 VOCAB = 4096
 

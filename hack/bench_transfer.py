@@ -220,10 +220,10 @@ def decode_vs_pull(elements: int, rounds: int) -> dict:
     ULP each) pulled over loopback by one process with 4 streams, beside
     decode + verified apply of the same deltas into the state; a base's pull beside its load +
     full state hash."""
-    from sparrowrl.checkpoint_io import tensors_in
+    from sparrowrl.store.checkpoint_io import tensors_in
     from sparrowrl.delta import apply_delta, state_hash
     from sparrowrl.delta.frame import TensorSpec
-    from sparrowrl.store import Store
+    from sparrowrl.store.store import Store
     from sparrowrl.transport.client import Client
 
     gen = torch.Generator().manual_seed(1)
@@ -337,7 +337,7 @@ def _commit_check_cost(n: int = 1 << 20, lt: int = 20_000) -> dict:
 
 def _sign_verify_s(piece: list) -> tuple[float, float]:
     """Seconds to sign one piece (the trainer, once) and to check it (each worker): medians of 500."""
-    from sparrowrl.signing import Signer, piece_statement
+    from sparrowrl.auth.signing import Signer, piece_statement
 
     signer, statement = Signer(TOKEN), piece_statement(1, *piece)
     sign, verify = [], []
@@ -385,7 +385,7 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
     from wan import ORIGIN, Wan, flow_port
 
     from sparrowrl.delta.frame import TensorSpec
-    from sparrowrl.store import Store
+    from sparrowrl.store.store import Store
 
     me, wanpy = str(Path(__file__).resolve()), str(HERE / "wan" / "wan.py")
     env = dict(os.environ, SPARROWRL_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
@@ -528,7 +528,7 @@ def main() -> None:
     a = ap.parse_args()
     if not 1 <= a.repeat <= 3:
         ap.error("--repeat: 1 to 3 (the emulated WAN has 15 rounds of fresh flow-classed ports)")
-    from sparrowrl.store import Store
+    from sparrowrl.store.store import Store
 
     with tempfile.TemporaryDirectory(prefix="sprl-bench-") as tmp:
         states = make_states(a.elements, 4 * a.repeat, 0.05)

@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from sparrowrl.job import API_VERSION, JobSpec
+from sparrowrl.spec.job import API_VERSION, JobSpec
 from sparrowrl_operator.model import ClusterSpec, ClusterStatus, JobStatus
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparrowrl.store import Store
+from sparrowrl.store.store import Store
 
 from sparrowrl.delta.bitview import DTYPES, bits
 

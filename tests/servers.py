@@ -15,7 +15,7 @@ import numpy as np
 from aiohttp import web
 
 from sparrowrl.delta.bitview import bits
-from sparrowrl.signing import Signer
+from sparrowrl.auth.signing import Signer
 from sparrowrl.transport.server import make_app
 
 TOKEN = "t0ken-for-tests"
@@ -85,7 +85,7 @@ def start_server(store, port, *extra, token=TOKEN):
 def next_version(history, tmp_path, rng) -> tuple:
     """A private copy of the history store, its newest version and state, and a next state."""
     from conftest import mutate
-    from sparrowrl.store import Store
+    from sparrowrl.store.store import Store
 
     path = tmp_path / "s"
     shutil.copytree(history[0], path)

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 
 from bounded import limit_memory, refused, sparrowrl
 from conftest import zstd_frame
-from sparrowrl import runner
-from sparrowrl.job import JobError, parse
+from sparrowrl.cli import runner
+from sparrowrl.spec.job import JobError, parse
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("address_space_limit")]
 
@@ -201,7 +201,7 @@ def test_a_file_beside_the_job_does_not_shadow_the_standard_library(tmp_path):
                                     "def f(prompt, completion, answer):\n"
                                     "    return float(hasattr(tabnanny, 'check')) * helper.ONE\n")
     (tmp_path / "helper.py").write_text("ONE = 1.0\n")  # the reward's own module, beside it
-    code = ("import sys; from sparrowrl.job import load; from sparrowrl.tasks import for_job; "
+    code = ("import sys; from sparrowrl.spec.job import load; from sparrowrl.trainer.tasks import for_job; "
             "assert 'tabnanny' not in sys.modules; "
             f"_, r = for_job(load({str(tmp_path / 'j.yaml')!r}).spec); "
             "import tabnanny; print(r('', '', ''), tabnanny.__file__)")

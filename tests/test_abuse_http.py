@@ -28,8 +28,8 @@ from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError
 from sparrowrl.delta.frame import END, HEAD, MAGIC, TRAILER, pack_json, unpack_json
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
-from sparrowrl.signing import Signer, base_statement, piece_statement
-from sparrowrl.store import BASE_PART, Store
+from sparrowrl.auth.signing import Signer, base_statement, piece_statement
+from sparrowrl.store.store import BASE_PART, Store
 
 pytestmark = pytest.mark.usefixtures("address_space_limit")
 

@@ -197,7 +197,7 @@ def test_base_tensors_are_views_of_the_pulled_bytes(rng):
     item size (possible in a hand-written file) is copied out, and every value survives."""
     from safetensors.torch import save
 
-    from sparrowrl.checkpoint_io import tensors_in
+    from sparrowrl.store.checkpoint_io import tensors_in
 
     state = {"a": random_tensor(rng, "BF16", (3, 5)), "b": torch.arange(7, dtype=torch.int64),
              "c": torch.zeros(0), "d": torch.tensor(3.0)}
@@ -222,7 +222,7 @@ def test_base_tensors_are_views_of_the_pulled_bytes(rng):
 def test_a_base_with_a_lying_header_is_refused(entry, message):
     import json
 
-    from sparrowrl.checkpoint_io import CheckpointError, tensors_in
+    from sparrowrl.store.checkpoint_io import CheckpointError, tensors_in
 
     header = json.dumps({"x": entry}).encode()
     with pytest.raises(CheckpointError, match=f"tensor 'x'.*{message}"):

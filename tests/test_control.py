@@ -7,8 +7,8 @@ import pytest
 from aiohttp import web
 
 from netfaults import FaultyProxy, Faults
-from sparrowrl.job import parse
-from sparrowrl.trainer import Run
+from sparrowrl.spec.job import parse
+from sparrowrl.trainer.trainer import Run
 from sparrowrl.transport.client import Client
 
 SPEC = {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "control"},
@@ -163,7 +163,7 @@ def test_malformed_results_refuse_their_lease_and_its_groups_go_back(trainer, ed
 
 def test_a_body_past_what_a_lease_can_carry_is_413(trainer):
     """The body limit follows the job: a lease's results with every token fit, more does not."""
-    from sparrowrl import messages
+    from sparrowrl.spec import messages
 
     limit = messages.max_body(trainer.spec.lease_tokens)
 
@@ -182,7 +182,7 @@ def test_worker_names_are_bounded(trainer, monkeypatch):
     """Each name a worker gives is remembered (status, idempotency): a bounded number of them."""
     import json
 
-    from sparrowrl import control
+    from sparrowrl.trainer import control
 
     monkeypatch.setattr(control, "MAX_WORKERS", 2)
 

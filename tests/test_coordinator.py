@@ -2,7 +2,7 @@
 
 import json
 
-from sparrowrl.coordinator import Coordinator
+from sparrowrl.rollout.coordinator import Coordinator
 
 
 class Clock:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from sparrowrl.job import JobError, load, parse
+from sparrowrl.spec.job import JobError, load, parse
 from sparrowrl_operator.model import ClusterSpec, JobStatus
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sparrowrl import grpo, models, tasks
+from sparrowrl.trainer import grpo, models, tasks
 
 
 def test_advantages_are_normalized_per_group():

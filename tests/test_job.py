@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from servers import EXE
-from sparrowrl.job import JobError, load, parse
+from sparrowrl.spec.job import JobError, load, parse
 
 EXAMPLE = "examples/local-job.yaml"
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparrowrl.signing import Verifier, parse_public
-from sparrowrl.status import JobStatus as TrainerStatus
-from sparrowrl.status import WorkerStatus
-from sparrowrl.tokens import Gate, Principal
+from sparrowrl.auth.signing import Verifier, parse_public
+from sparrowrl.spec.status import JobStatus as TrainerStatus
+from sparrowrl.spec.status import WorkerStatus
+from sparrowrl.auth.tokens import Gate, Principal
 from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile, stamp
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,8 +25,8 @@ def base(tmp_path_factory) -> Path:
 def test_the_base_install_has_the_job_spec_and_status_without_torch(base):
     listed = subprocess.run([str(base / "pip"), "list"], capture_output=True, text=True, timeout=120).stdout.lower()
     assert "pydantic" in listed and not any(f"\n{m} " in listed for m in ("torch", "numpy", "aiohttp", "numba"))
-    code = ("import sys; from sparrowrl.job import parse; from sparrowrl.status import JobStatus; import sparrowrl.cli; "
-            "from sparrowrl.layout import roles; "
+    code = ("import sys; from sparrowrl.spec.job import parse; from sparrowrl.spec.status import JobStatus; import sparrowrl.cli.main; "
+            "from sparrowrl.spec.layout import roles; "
             "j = parse({'apiVersion': 'sparrowrl.dev/v1alpha1', 'kind': 'SparrowRLJob', 'metadata': {'name': 'x'}, "
             "'spec': {'model': {'tiny': {}}, 'task': {'builtin': 'add'}}}); "
             "JobStatus(phase='Pending', step=0, steps=j.spec.steps, version=0); "

@@ -15,7 +15,7 @@ from safetensors.torch import load as load_safetensors
 from conftest import mutate, random_tensor
 from netfaults import FaultyProxy, Faults
 from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.store import BASE_PART, Store
+from sparrowrl.store.store import BASE_PART, Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
 from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, serving, start_server, until
@@ -182,7 +182,7 @@ def test_relay_killed_workers_fall_back(history, tmp_path):
 def test_pieces_in_arrival_order_then_in_file_order(history):
     """A relay lists a delta's pieces as they verify, in any order; once stored it lists them in
     file order. A worker that switches lists midway (or servers) lists anew and loses nothing."""
-    from sparrowrl.signing import Signer
+    from sparrowrl.auth.signing import Signer
     from sparrowrl.transport.relay import Table
     from sparrowrl.transport.server import make_app
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from sparrowrl import models
+from sparrowrl.trainer import models
 from sparrowrl.delta import state_hash
-from sparrowrl.job import parse
-from sparrowrl.resume import Journal, ResumeError
-from sparrowrl.store import Store
-from sparrowrl.trainer import Run
+from sparrowrl.spec.job import parse
+from sparrowrl.trainer.resume import Journal, ResumeError
+from sparrowrl.store.store import Store
+from sparrowrl.trainer.trainer import Run
 from sparrowrl.transport.client import Client
 from test_control import SPEC, serve
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from bounded import EXE, free_port
-from sparrowrl.job import parse
-from sparrowrl.layout import Role, roles
+from sparrowrl.spec.job import parse
+from sparrowrl.spec.layout import Role, roles
 
 
 def spec(*regions) -> object:

@@ -14,7 +14,7 @@ import yaml
 from safetensors import safe_open
 
 from servers import EXE
-from sparrowrl.store import Store
+from sparrowrl.store.store import Store
 
 STEPS = 3
 
@@ -197,7 +197,7 @@ def test_children_stop_when_the_runner_is_killed(tmp_path):
 
 def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     """model.path, task.jsonl and reward module:function, found beside the job file."""
-    from sparrowrl import models
+    from sparrowrl.trainer import models
 
     tok = models.char_tokenizer()
     models.tiny_qwen3(len(tok), 32, 1, 2, 0).save_pretrained(tmp_path / "pretrained")

@@ -3,9 +3,9 @@ cases for the pure functions), and the coordinator's leases under each split pol
 
 import pytest
 
-from sparrowrl import schedule
-from sparrowrl.coordinator import Coordinator
-from sparrowrl.schedule import Seat, Speed
+from sparrowrl.rollout import schedule
+from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.rollout.schedule import Seat, Speed
 
 
 def seats(*rows):

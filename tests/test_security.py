@@ -16,12 +16,12 @@ from aiohttp import web
 from conftest import mutate
 from servers import TOKEN, Server, same, serving
 from sparrowrl.delta import state_hash
-from sparrowrl.job import parse
-from sparrowrl.signing import (Signer, base_statement, parse_public, piece_statement, public_text, table_statement,
+from sparrowrl.spec.job import parse
+from sparrowrl.auth.signing import (Signer, base_statement, parse_public, piece_statement, public_text, table_statement,
                                trust)
-from sparrowrl.store import Store
-from sparrowrl.tokens import Gate, Principal, acts_as, allowed, mint
-from sparrowrl.trainer import Run
+from sparrowrl.store.store import Store
+from sparrowrl.auth.tokens import Gate, Principal, acts_as, allowed, mint
+from sparrowrl.trainer.trainer import Run
 from sparrowrl.transport.client import Client, FetchError
 
 OTHER = "another-job's-secret"

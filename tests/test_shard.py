@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sparrowrl import models, ranks, shard
+from sparrowrl.trainer import models, ranks, shard
 from sparrowrl.delta import state_hash
 from sparrowrl.delta.errors import MismatchError
 from sparrowrl.delta.frame import DeltaWriter, Encoder, TensorSpec
-from sparrowrl.store import Store
+from sparrowrl.store.store import Store
 
 VOCAB = 53  # odd: FSDP gives the two ranks 27 and 26 rows of the embedding
 

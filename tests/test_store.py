@@ -9,7 +9,7 @@ import pytest
 from conftest import mutate, random_tensor
 from sparrowrl.delta import state_hash
 from sparrowrl.delta.bitview import bits
-from sparrowrl.store import Store, StoreError
+from sparrowrl.store.store import Store, StoreError
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_index_survives_reopen(chain, tmp_path):
 
 
 def test_a_small_base_is_cut_into_parts_for_every_stream_and_an_older_index_still_opens(rng, tmp_path):
-    from sparrowrl.store import BASE_PART, BASE_PARTS, MIN_BASE_PART, part_bytes
+    from sparrowrl.store.store import BASE_PART, BASE_PARTS, MIN_BASE_PART, part_bytes
 
     state = {"w": random_tensor(rng, "BF16", (3000, 1000))}  # 6 MB: one part of BASE_PART would feed one stream
     store = Store.init(tmp_path / "s", state)

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from conftest import mutate
 from netfaults import FaultyProxy, Faults
 from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.store import Store
+from sparrowrl.store.store import Store
 from sparrowrl.transport.client import Client, FetchError
 
 from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server

@@ -12,11 +12,11 @@ from typing import Any
 
 import yaml
 
-from sparrowrl.job import API_VERSION, JobSpec
-from sparrowrl.kubespec import Scheduling
-from sparrowrl.layout import Role
-from sparrowrl.signing import Signer, public_text
-from sparrowrl.tokens import mint
+from sparrowrl.spec.job import API_VERSION, JobSpec
+from sparrowrl.spec.kubespec import Scheduling
+from sparrowrl.spec.layout import Role
+from sparrowrl.auth.signing import Signer, public_text
+from sparrowrl.auth.tokens import mint
 from sparrowrl_operator.constants import (ATTEMPT_LABEL, JOB_LABEL, MANAGED_BY_LABEL, MANAGER, METRICS_PORT,
                                           REGION_LABEL, RELAY_PORT, ROLE_LABEL, SLOT_LABEL, TOKEN_KEY,
                                           TRAINER_KEY_KEY, TRAINER_PORT, UID_LABEL, WORKDIR, WORKER_PORT)

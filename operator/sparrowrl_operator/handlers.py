@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import kopf
 from pydantic import ValidationError
 
-from sparrowrl.status import JobStatus as TrainerStatus
+from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.clusters import (SWEPT, KubeConfigError, Kube, Members, MemberState, Unreachable,

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from sparrowrl.kubespec import DNS_LABEL
+from sparrowrl.spec.kubespec import DNS_LABEL
 
 Count = Annotated[int, Field(ge=0, le=2**62)]
 Name = Annotated[str, Field(max_length=253)]

@@ -12,11 +12,11 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from sparrowrl import layout
-from sparrowrl.job import JobError, parse
-from sparrowrl.kubespec import MANAGED_BY
-from sparrowrl.layout import Role
-from sparrowrl.status import JobStatus as TrainerStatus
+from sparrowrl.spec import layout
+from sparrowrl.spec.job import JobError, parse
+from sparrowrl.spec.kubespec import MANAGED_BY
+from sparrowrl.spec.layout import Role
+from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.conditions import find, is_true, set_condition

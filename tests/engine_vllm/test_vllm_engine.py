@@ -17,11 +17,11 @@ import yaml
 
 pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
 
-import sparrowrl.engines.vllm as vllm_engine  # noqa: E402
+import sparrowrl.worker.engines.vllm as vllm_engine  # noqa: E402
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta  # noqa: E402
 from sparrowrl.delta.errors import DeltaError  # noqa: E402
-from sparrowrl.engines.hf import HFEngine  # noqa: E402
-from sparrowrl.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
+from sparrowrl.worker.engines.hf import HFEngine  # noqa: E402
+from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21, 22], [1, 3, 3, 3, 3, 3, 3, 3, 3, 40]]
 Q = "model.layers.0.self_attn.q_proj.weight"

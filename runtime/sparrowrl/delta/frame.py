@@ -42,7 +42,7 @@ from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
 from sparrowrl.delta.records import (MAX_SEGMENT, Changes, Locate, decode_record, encode_changes,
                                      extract_segment, next_record)
 from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
-from sparrowrl.limits import memory_available, read_bounded
+from sparrowrl.spec.limits import memory_available, read_bounded
 
 FORMAT_VERSION = 3  # written; 2 (JSON and record headers uncompressed) and 1 (no context records) are still read
 READS = (1, 2, 3)

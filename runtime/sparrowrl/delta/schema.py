@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from sparrowrl.delta.bitview import DTYPES
-from sparrowrl.limits import first_problem
+from sparrowrl.spec.limits import first_problem
 
 MAX_NUMEL = 1 << 48  # per tensor; far beyond any model, small enough that offsets stay exact
 MAX_TENSORS = 1 << 20  # entries a header or manifest may list: far beyond any model, and each is parsed

@@ -35,11 +35,11 @@ import aiohttp
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from sparrowrl.checkpoint_io import CheckpointError, tensors_in
+from sparrowrl.store.checkpoint_io import CheckpointError, tensors_in
 from sparrowrl.delta import DeltaError, DeltaFile, apply_delta, state_hash
-from sparrowrl.limits import first_problem, memory_available
-from sparrowrl.signing import Verifier, base_statement, piece_statement, table_statement, trust as trust_of
-from sparrowrl.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
+from sparrowrl.spec.limits import first_problem, memory_available
+from sparrowrl.auth.signing import Verifier, base_statement, piece_statement, table_statement, trust as trust_of
+from sparrowrl.store.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
 
 
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again

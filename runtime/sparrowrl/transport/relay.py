@@ -30,10 +30,10 @@ from pathlib import Path
 
 from aiohttp import hdrs, web
 
-from sparrowrl.store import Store, StoreError, Version
+from sparrowrl.store.store import Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
-from sparrowrl.metrics import add_metrics, family
-from sparrowrl.signing import trust
+from sparrowrl.transport.metrics import add_metrics, family
+from sparrowrl.auth.signing import trust
 from sparrowrl.transport.server import SERVED, add_health, listing_json, make_app, over
 
 

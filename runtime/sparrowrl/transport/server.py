@@ -40,10 +40,10 @@ from aiohttp import web
 
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import Pieces
-from sparrowrl.limits import open_regular
-from sparrowrl.signing import Signer, Verifier, base_statement, piece_statement, table_statement
-from sparrowrl.store import Store, StoreError, Version
-from sparrowrl.tokens import ADMIN, Gate, Principal, allowed
+from sparrowrl.spec.limits import open_regular
+from sparrowrl.auth.signing import Signer, Verifier, base_statement, piece_statement, table_statement
+from sparrowrl.store.store import Store, StoreError, Version
+from sparrowrl.auth.tokens import ADMIN, Gate, Principal, allowed
 
 MAX_WAIT = 60.0
 OPEN = frozenset({"/healthz", "/readyz"})  # probes (a kubelet's) carry no token, and these say nothing else

@@ -23,8 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from sparrowrl import schedule
-from sparrowrl.schedule import Seat, Speed
+from sparrowrl.rollout import schedule
+from sparrowrl.rollout.schedule import Seat, Speed
 
 Split = Literal["balanced", "pull", "even"]
 

@@ -14,9 +14,9 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from sparrowrl.kubespec import MANAGED_BY, Health, ManagedBy, Placement, RunPolicy, Scheduling, TrainerSpec
-from sparrowrl.limits import MAX_JOB_BYTES, MAX_YAML_NODES, read_bounded
-from sparrowrl.messages import MAX_LEASE_TOKENS
+from sparrowrl.spec.kubespec import MANAGED_BY, Health, ManagedBy, Placement, RunPolicy, Scheduling, TrainerSpec
+from sparrowrl.spec.limits import MAX_JOB_BYTES, MAX_YAML_NODES, read_bounded
+from sparrowrl.spec.messages import MAX_LEASE_TOKENS
 
 API_VERSION = "sparrowrl.dev/v1alpha1"
 Text = Annotated[str, Field(max_length=4096)]

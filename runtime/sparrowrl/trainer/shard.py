@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from sparrowrl.delta.bitview import bits, dtype_name
 from sparrowrl.delta.frame import Encoder, TensorSpec
 from sparrowrl.delta.statehash import format_hash, span_hash
-from sparrowrl.store import Store, Stream
+from sparrowrl.store.store import Store, Stream
 
 Shards = dict[str, tuple[int, torch.Tensor]]  # tensor → (its first element here, this rank's flat elements)
 
@@ -254,7 +254,7 @@ def from_rank0(full: torch.nn.Module | None):
 
 def from_files(path) -> Callable[[torch.nn.Module], None]:
     """Fill from a Hugging Face folder's safetensors: each rank reads only its rows."""
-    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError
 
     def fill(model: torch.nn.Module) -> None:
         with Checkpoint(path) as ck:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from sparrowrl.limits import MAX_TASK_BYTES, read_bounded
+from sparrowrl.spec.limits import MAX_TASK_BYTES, read_bounded
 
 if TYPE_CHECKING:
-    from sparrowrl.job import JobSpec
+    from sparrowrl.spec.job import JobSpec
 
 Reward = Callable[[str, str, str], float]
 

@@ -23,10 +23,12 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sparrowrl import layout, report, tokens
-from sparrowrl.job import JobSpec, SparrowRLJob
-from sparrowrl.layout import Role
-from sparrowrl.signing import KEY_ENV
+from sparrowrl.spec import layout
+from sparrowrl.cli import report
+from sparrowrl.auth import tokens
+from sparrowrl.spec.job import JobSpec, SparrowRLJob
+from sparrowrl.spec.layout import Role
+from sparrowrl.auth.signing import KEY_ENV
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
 OUTPUTS = ("job.yaml", "token", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",

@@ -63,7 +63,7 @@ def delta_diff(old: Path, new: Path, output: Out,
                base_version: Annotated[int, typer.Option(help="Version number of OLD.")] = 0,
                version: Annotated[int, typer.Option(help="Version number of NEW.")] = 1) -> None:
     """Diff two checkpoints (safetensors files or shard folders) into a delta."""
-    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, check_output
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, atomic_path, check_output
     from sparrowrl.delta import DeltaWriter
     from sparrowrl.delta.errors import DeltaError, MismatchError
 
@@ -97,7 +97,7 @@ def _desc(spec) -> str:
 @delta_app.command("apply")
 def delta_apply(base: Path, delta: Path, output: Out) -> None:
     """Apply DELTA to BASE; OUT is written only if every check passes."""
-    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, check_output, save_like, written_names
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, check_output, save_like, written_names
     from sparrowrl.delta import DeltaFile, apply_delta
     from sparrowrl.delta.errors import DeltaError
 
@@ -145,7 +145,7 @@ def delta_inspect(delta: Path, as_json: Annotated[bool, typer.Option("--json", h
 
 
 def _open_store(path: Path) -> Store:
-    from sparrowrl.store import Store, StoreError
+    from sparrowrl.store.store import Store, StoreError
 
     try:
         return Store(path)
@@ -157,8 +157,8 @@ def _open_store(path: Path) -> Store:
 def store_init(store: Path, base: Path,
                base_every: Annotated[int, typer.Option(help="Write a full snapshot every K versions.")] = 10) -> None:
     """Create a store whose version 0 is BASE."""
-    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError
-    from sparrowrl.store import Store, StoreError
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError
+    from sparrowrl.store.store import Store, StoreError
 
     try:
         with Checkpoint(base) as ck:
@@ -171,9 +171,9 @@ def store_init(store: Path, base: Path,
 @store_app.command("add")
 def store_add(store: Path, new: Path) -> None:
     """Diff NEW against the newest version, append it, print the new version number."""
-    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError
     from sparrowrl.delta.errors import DeltaError
-    from sparrowrl.store import StoreError
+    from sparrowrl.store.store import StoreError
 
     s = _open_store(store)
     try:
@@ -188,9 +188,9 @@ def store_add(store: Path, new: Path) -> None:
 @store_app.command("materialize")
 def store_materialize(store: Path, version: int, output: Out) -> None:
     """Write VERSION as a safetensors file (base + delta chain, every step hash-checked)."""
-    from sparrowrl.checkpoint_io import CheckpointError, check_output, save_state
+    from sparrowrl.store.checkpoint_io import CheckpointError, check_output, save_state
     from sparrowrl.delta.errors import DeltaError
-    from sparrowrl.store import StoreError
+    from sparrowrl.store.store import StoreError
 
     s = _open_store(store)
     try:
@@ -221,7 +221,7 @@ def store_ls(store: Path, as_json: Annotated[bool, typer.Option("--json", help="
 def store_plan(store: Path, to: Annotated[int, typer.Option("--to", help="Target version.")],
                have: Annotated[int | None, typer.Option("--from", help="Version the receiver holds.")] = None) -> None:
     """Show the cheapest route (in bytes) from one version to another."""
-    from sparrowrl.store import StoreError
+    from sparrowrl.store.store import StoreError
 
     s = _open_store(store)
     try:
@@ -234,7 +234,7 @@ def store_plan(store: Path, to: Annotated[int, typer.Option("--to", help="Target
 @store_app.command("prune")
 def store_prune(store: Path, keep: Annotated[int, typer.Option(help="Keep the newest N versions reachable.")]) -> None:
     """Remove versions that no longer serve the newest KEEP."""
-    from sparrowrl.store import StoreError
+    from sparrowrl.store.store import StoreError
 
     s = _open_store(store)
     try:
@@ -248,7 +248,7 @@ def _server_token(host: str, port: int) -> str:
     """The checks every server command makes before it starts anything; returns the token."""
     import os
 
-    from sparrowrl.signing import trust
+    from sparrowrl.auth.signing import trust
     from sparrowrl.transport.server import is_loopback
 
     _in_range("--port", port, 1, 65535)
@@ -295,7 +295,7 @@ def serve(store: Path, host: Annotated[str, typer.Option(help="Address to listen
     """Publish a checkpoint store over HTTP(S). The job's secret comes from SPARROWRL_TOKEN: it
     admits clients, and signs every version served (clients check with the public key it derives,
     which `sparrowrl keys` prints)."""
-    from sparrowrl.signing import TOKEN_PREFIX, Signer
+    from sparrowrl.auth.signing import TOKEN_PREFIX, Signer
     from sparrowrl.transport.server import make_app, tls_context
 
     token = _server_token(host, port)
@@ -372,7 +372,7 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
     import asyncio
     import ssl
 
-    from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, check_output, save_state
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, check_output, save_state
     from sparrowrl.delta import state_hash
     from sparrowrl.delta.errors import DeltaError
     from sparrowrl.transport.client import Client, FetchError
@@ -415,8 +415,9 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
         ) -> None:
     """Run a job on this machine: trainer, relays and workers as local processes on loopback.
     Everything that can be checked is checked before anything is written."""
-    from sparrowrl import models, report, runner
-    from sparrowrl.job import JobError, load, parse
+    from sparrowrl.trainer import models
+    from sparrowrl.cli import report, runner
+    from sparrowrl.spec.job import JobError, load, parse
 
     try:
         j = load(job)
@@ -425,7 +426,7 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
                        "spec": {**j.spec.model_dump(by_alias=True, exclude_none=True), "steps": steps}}, "--steps")
     except JobError as e:
         _fail(e)
-    from sparrowrl import tasks
+    from sparrowrl.trainer import tasks
 
     try:
         tasks.for_job(j.spec)  # the task's data and reward load before any process starts
@@ -458,8 +459,8 @@ def credentials(role: Annotated[str, typer.Argument(help="worker, relay or admin
     SPARROWRL_TRAINER_KEY). Only the trainer holds the secret."""
     import os
 
-    from sparrowrl.signing import TOKEN_PREFIX, Signer, public_text
-    from sparrowrl.tokens import ROLES, mint
+    from sparrowrl.auth.signing import TOKEN_PREFIX, Signer, public_text
+    from sparrowrl.auth.tokens import ROLES, mint
 
     secret = os.environ.get("SPARROWRL_TOKEN", "")
     if not secret or secret.startswith(TOKEN_PREFIX):
@@ -487,8 +488,8 @@ def status(url: Annotated[str, typer.Argument(help="The trainer's URL, or the ru
 
     from pydantic import ValidationError
 
-    from sparrowrl.limits import first_problem
-    from sparrowrl.status import JobStatus, table
+    from sparrowrl.spec.limits import first_problem
+    from sparrowrl.spec.status import JobStatus, table
 
     ctx = _trusting(ca_cert)
     token = os.environ.get("SPARROWRL_TOKEN")
@@ -532,10 +533,10 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
     secret comes from SPARROWRL_TOKEN: the trainer signs every version with the key it derives."""
     import asyncio
 
-    from sparrowrl.job import JobError, load
-    from sparrowrl import tasks
-    from sparrowrl.signing import TOKEN_PREFIX
-    from sparrowrl.trainer import serve
+    from sparrowrl.spec.job import JobError, load
+    from sparrowrl.trainer import tasks
+    from sparrowrl.auth.signing import TOKEN_PREFIX
+    from sparrowrl.trainer.trainer import serve
 
     token = _server_token(host, port)
     if token.startswith(TOKEN_PREFIX):
@@ -555,15 +556,15 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
             pass
     except OSError as e:
         _fail(ListenError.of(host, port, e))
-    from sparrowrl.resume import ResumeError
-    from sparrowrl.store import StoreError
+    from sparrowrl.trainer.resume import ResumeError
+    from sparrowrl.store.store import StoreError
 
     try:
         asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port))
     except (ListenError, ResumeError, StoreError) as e:  # the port taken meanwhile; a state dir not to resume
         _fail(e)
     if j.spec.trainer.ranks > 1:
-        from sparrowrl import ranks
+        from sparrowrl.trainer import ranks
 
         ranks.leave()
 
@@ -593,8 +594,8 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
     trainer's public key from SPARROWRL_TRAINER_KEY: every version is checked against it."""
     import asyncio
 
-    from sparrowrl.messages import Name, Region
-    from sparrowrl.worker import main
+    from sparrowrl.spec.messages import Name, Region
+    from sparrowrl.worker.worker import main
 
     _in_range("--port", port, 1, 65535)
     _in_range("--metrics-port", metrics_port, 1, 65535)
@@ -609,7 +610,7 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
             _fail(ValueError(f"{flag} {value!r}: {rule}"))
     import os
 
-    from sparrowrl.signing import trust
+    from sparrowrl.auth.signing import trust
     from sparrowrl.transport.client import FetchError
     from sparrowrl.transport.server import ListenError
 
@@ -632,7 +633,3 @@ def main() -> None:
         err.print(f"error: this command needs the runtime ({e.name} is not installed): pip install "
                   f"'sparrowrl[runtime]'", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,9 +33,9 @@ class Engine(Protocol):
 
 def make_engine(kind: str, model_dir: str) -> Engine:
     if kind == "hf":
-        from sparrowrl.engines.hf import HFEngine
+        from sparrowrl.worker.engines.hf import HFEngine
         return HFEngine(model_dir)
     if kind == "vllm":
-        from sparrowrl.engines.vllm import VLLMEngine
+        from sparrowrl.worker.engines.vllm import VLLMEngine
         return VLLMEngine(model_dir)
     raise ValueError(f"unknown engine {kind!r}")

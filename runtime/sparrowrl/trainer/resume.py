@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sparrowrl.checkpoint_io import atomic_path
+from sparrowrl.store.checkpoint_io import atomic_path
 
 # what a trainer writes in its state dir; a folder holding any of them without job.json is not ours
 OWNED = ("job.json", ".trainer.lock", "starts", "trainer", "journal.jsonl", "store", "model", "metrics.jsonl",

@@ -19,11 +19,12 @@ from typing import Callable
 
 from aiohttp import web
 
-from sparrowrl import messages, models
-from sparrowrl.coordinator import Coordinator
-from sparrowrl.job import JobSpec
-from sparrowrl.learner import Learner
-from sparrowrl.tokens import acts_as
+from sparrowrl.spec import messages
+from sparrowrl.trainer import models
+from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.spec.job import JobSpec
+from sparrowrl.trainer.learner import Learner
+from sparrowrl.auth.tokens import acts_as
 from sparrowrl.transport.server import PRINCIPAL
 
 MAX_WORKERS = 1 << 16  # distinct worker names the trainer keeps track of (a job has 4096 at most at once;

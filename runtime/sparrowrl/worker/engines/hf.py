@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sparrowrl.engines import Sample
+from sparrowrl.worker.engines import Sample
 
 
 class HFEngine:

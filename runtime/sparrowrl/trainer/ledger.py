@@ -10,12 +10,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from sparrowrl import resume
-from sparrowrl.control import Control
-from sparrowrl.job import JobSpec
-from sparrowrl.learner import Learner
-from sparrowrl.metrics import family
-from sparrowrl.status import JobStatus, WorkerStatus
+from sparrowrl.trainer import resume
+from sparrowrl.trainer.control import Control
+from sparrowrl.spec.job import JobSpec
+from sparrowrl.trainer.learner import Learner
+from sparrowrl.transport.metrics import family
+from sparrowrl.spec.status import JobStatus, WorkerStatus
 
 PHASES = ("generate", "train", "extract", "transfer", "wait")
 

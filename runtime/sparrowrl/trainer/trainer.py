@@ -13,14 +13,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from sparrowrl import messages, resume
-from sparrowrl.control import Control
-from sparrowrl.coordinator import Coordinator
-from sparrowrl.job import JobSpec
-from sparrowrl.learner import Learner
-from sparrowrl.ledger import Ledger
-from sparrowrl.metrics import add_metrics
-from sparrowrl.signing import Signer
+from sparrowrl.spec import messages
+from sparrowrl.trainer import resume
+from sparrowrl.trainer.control import Control
+from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.spec.job import JobSpec
+from sparrowrl.trainer.learner import Learner
+from sparrowrl.trainer.ledger import Ledger
+from sparrowrl.transport.metrics import add_metrics
+from sparrowrl.auth.signing import Signer
 from sparrowrl.transport.server import SERVED, add_health, listen, make_app
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from sparrowrl.limits import first_problem
+from sparrowrl.spec.limits import first_problem
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,252}$")]
 Version = Annotated[int, Field(ge=-1, lt=10**8)]  # -1: a worker that holds no version yet

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sparrowrl.delta.bitview import DTYPES, bits, itemsize
-from sparrowrl.limits import memory_available
+from sparrowrl.spec.limits import memory_available
 from sparrowrl.delta.frame import TensorSpec
 
 

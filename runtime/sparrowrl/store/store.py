@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from sparrowrl.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_stream
+from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_stream
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from sparrowrl import grpo, models, ranks, resume, shard, tasks
-from sparrowrl.checkpoint_io import save_stream
-from sparrowrl.coordinator import Batch
-from sparrowrl.job import JobSpec
-from sparrowrl.store import Store
+from sparrowrl.trainer import grpo, models, ranks, resume, shard, tasks
+from sparrowrl.store.checkpoint_io import save_stream
+from sparrowrl.rollout.coordinator import Batch
+from sparrowrl.spec.job import JobSpec
+from sparrowrl.store.store import Store
 
 
 class Learner:

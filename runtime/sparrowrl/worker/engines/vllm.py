@@ -31,7 +31,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
-from sparrowrl.engines import Sample  # noqa: E402
+from sparrowrl.worker.engines import Sample  # noqa: E402
 
 
 def _vec_attention(isa):

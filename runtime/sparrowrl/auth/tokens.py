@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from sparrowrl.signing import KEY_ENV, TOKEN_PREFIX, Signer, Verifier, b64, public_text, unb64
+from sparrowrl.auth.signing import KEY_ENV, TOKEN_PREFIX, Signer, Verifier, b64, public_text, unb64
 
 Role = Literal["admin", "worker", "relay"]
 ROLES: tuple[Role, ...] = ("admin", "worker", "relay")

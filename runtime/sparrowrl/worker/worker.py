@@ -22,11 +22,11 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.engines import Engine, make_engine
+from sparrowrl.worker.engines import Engine, make_engine
 from sparrowrl.transport.client import Client, FetchError
-from sparrowrl.metrics import add_metrics, family
-from sparrowrl.signing import trust
-from sparrowrl.tokens import Gate
+from sparrowrl.transport.metrics import add_metrics, family
+from sparrowrl.auth.signing import trust
+from sparrowrl.auth.tokens import Gate
 from sparrowrl.transport.server import GATE, add_health, auth, listen
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from sparrowrl.job import JobSpec
+from sparrowrl.spec.job import JobSpec
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from sparrowrl.tasks import Task
+from sparrowrl.trainer.tasks import Task
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 CHARS = string.digits + string.ascii_lowercase + " +-*=?:<>,.()"

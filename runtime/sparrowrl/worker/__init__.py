@@ -1,0 +1,1 @@
+"""A rollout worker (`sparrowrl worker`) and its generation engines (Hugging Face, vLLM)."""
