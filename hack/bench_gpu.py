@@ -77,12 +77,21 @@ def main() -> None:
     exact = got == want and bool(torch.equal(target.view(torch.int16), new.view(torch.int16)))
     key = TensorKey("w", "BF16", (n,), 2)
     t_hash = timed(lambda: gpu.tensor_hash(key, a), reps=3)
-    r = {"elements": n, "changed": changed, "density": changed / n, "delta_bytes": size,
-         "bytes_per_changed": size / changed,
-         "device_copy_TBps": nbytes / t_copy / 1e12, "diff_kernel_TBps": nbytes / t_kernel / 1e12,
-         "diff_to_host_TBps": nbytes / t_diff / 1e12, "encode_GBps": nbytes / t_encode / 1e9,
-         "state_hash_TBps": nbytes / t_hash / 1e12, "apply_GBps": nbytes / t_apply / 1e9,
-         "applied_bit_exact": exact, "device": torch.cuda.get_device_name()}
+    r = {
+        "elements": n,
+        "changed": changed,
+        "density": changed / n,
+        "delta_bytes": size,
+        "bytes_per_changed": size / changed,
+        "device_copy_TBps": nbytes / t_copy / 1e12,
+        "diff_kernel_TBps": nbytes / t_kernel / 1e12,
+        "diff_to_host_TBps": nbytes / t_diff / 1e12,
+        "encode_GBps": nbytes / t_encode / 1e9,
+        "state_hash_TBps": nbytes / t_hash / 1e12,
+        "apply_GBps": nbytes / t_apply / 1e9,
+        "applied_bit_exact": exact,
+        "device": torch.cuda.get_device_name(),
+    }
     for k, v in r.items():
         print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
     args.out.write_text(json.dumps(r, indent=1))

@@ -44,8 +44,8 @@ in_venv.enter()
 
 import yaml  # noqa: E402
 
-from sparrowrl.rollout import schedule  # noqa: E402
 from sparrowrl.cli.runner import free_port  # noqa: E402
+from sparrowrl.rollout import schedule  # noqa: E402
 from sparrowrl.rollout.schedule import Seat  # noqa: E402
 
 EXE = str(Path(sys.executable).parent / "sparrowrl")
@@ -54,13 +54,21 @@ SPLITS = ("even", "pull", "balanced")
 
 
 def job(split: str, steps: int, groups: int) -> dict:
-    return {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": f"sched-{split}"},
-            "spec": {"steps": steps, "seed": 0,
-                     "model": {"tiny": {"hidden": 128, "layers": 2, "heads": 4}}, "task": {"builtin": "add"},
-                     "grpo": {"learningRate": 1e-5, "groupSize": 4, "promptsPerStep": groups, "maxNewTokens": 8},
-                     "rollout": {"groupsPerLease": 4, "split": split, "leaseSeconds": 300},
-                     "sync": {"staleness": 0, "streams": 2},
-                     "topology": {"regions": [{"name": "local", "workers": 4, "relay": False}]}}}
+    return {
+        "apiVersion": "sparrowrl.dev/v1alpha1",
+        "kind": "SparrowRLJob",
+        "metadata": {"name": f"sched-{split}"},
+        "spec": {
+            "steps": steps,
+            "seed": 0,
+            "model": {"tiny": {"hidden": 128, "layers": 2, "heads": 4}},
+            "task": {"builtin": "add"},
+            "grpo": {"learningRate": 1e-5, "groupSize": 4, "promptsPerStep": groups, "maxNewTokens": 8},
+            "rollout": {"groupsPerLease": 4, "split": split, "leaseSeconds": 300},
+            "sync": {"staleness": 0, "streams": 2},
+            "topology": {"regions": [{"name": "local", "workers": 4, "relay": False}]},
+        },
+    }
 
 
 def run(split: str, workers: list[dict], steps: int, groups: int, root: Path) -> dict:
@@ -73,23 +81,42 @@ def run(split: str, workers: list[dict], steps: int, groups: int, root: Path) ->
 
     def start(name: str, args: list[str]) -> None:
         log = open(d / f"{name}.log", "w")
-        procs.append(subprocess.Popen([EXE, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen([EXE, *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
 
     t0 = time.perf_counter()
     start("trainer", ["trainer", str(d / "job.yaml"), "--state-dir", str(d / "state"), "--port", str(port)])
     for w in workers:
-        start(w["name"], ["worker", "--trainer", f"http://127.0.0.1:{port}", "--name", w["name"], "--port",
-                          str(free_port()), "--pace-tokens-per-s", str(w["pace"]),
-                          *(["--rate-mbit", str(w["mbit"])] if w["mbit"] else [])])
+        start(
+            w["name"],
+            [
+                "worker",
+                "--trainer",
+                f"http://127.0.0.1:{port}",
+                "--name",
+                w["name"],
+                "--port",
+                str(free_port()),
+                "--pace-tokens-per-s",
+                str(w["pace"]),
+                *(["--rate-mbit", str(w["mbit"])] if w["mbit"] else []),
+            ],
+        )
     try:
         while not (d / "state" / "summary.json").exists():
             if procs[0].poll() is not None:
-                sys.exit(f"{split}: the trainer exited; see {d / 'trainer.log'}:\n"
-                         + (d / "trainer.log").read_text()[-2000:])
+                sys.exit(
+                    f"{split}: the trainer exited; see {d / 'trainer.log'}:\n" + (d / "trainer.log").read_text()[-2000:]
+                )
             time.sleep(0.5)
-            print(f"\r  {split}: {sum(1 for _ in open(d / 'state' / 'metrics.jsonl')) if (d / 'state' / 'metrics.jsonl').exists() else 0}"
-                  f"/{steps} steps, {time.perf_counter() - t0:.0f} s", end="", flush=True)
+            rows = d / "state" / "metrics.jsonl"
+            print(
+                f"\r  {split}: {sum(1 for _ in open(rows)) if rows.exists() else 0}"
+                f"/{steps} steps, {time.perf_counter() - t0:.0f} s",
+                end="",
+                flush=True,
+            )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -110,6 +137,7 @@ def ideal(groups: int, tokens_per_group: float, payload: float, workers: list[di
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -121,8 +149,11 @@ def plot(result: dict, path: Path) -> None:
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom")
     ax.set_ylabel("batch time (s), mean of steady batches")
     c = result["config"]
-    ax.set_title(f"{c['groups']} groups, workers at {c['fast']:g}/{c['fast']:g}/{c['fast'] / 4:g}/{c['fast'] / 4:g} "
-                 f"tokens/s, 2 links at {c['slow_link_mbit']:g} Mbit/s", fontsize=9)
+    ax.set_title(
+        f"{c['groups']} groups, workers at {c['fast']:g}/{c['fast']:g}/{c['fast'] / 4:g}/{c['fast'] / 4:g} "
+        f"tokens/s, 2 links at {c['slow_link_mbit']:g} Mbit/s",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -136,13 +167,25 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("docs/bench_sched.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/bench_sched.png"))
     a = ap.parse_args()
-    workers = [{"name": "fast-near", "pace": a.fast, "mbit": None},
-               {"name": "fast-far", "pace": a.fast, "mbit": a.slow_link_mbit},
-               {"name": "slow-near", "pace": a.fast / 4, "mbit": None},
-               {"name": "slow-far", "pace": a.fast / 4, "mbit": a.slow_link_mbit}]
-    result = {"config": {"steps": a.steps, "groups": a.groups, "fast": a.fast, "slow_link_mbit": a.slow_link_mbit,
-                         "workers": workers, "staleness": 0, "groups_per_lease": 4, "skipped_batches": 2},
-              "modes": {}}
+    workers = [
+        {"name": "fast-near", "pace": a.fast, "mbit": None},
+        {"name": "fast-far", "pace": a.fast, "mbit": a.slow_link_mbit},
+        {"name": "slow-near", "pace": a.fast / 4, "mbit": None},
+        {"name": "slow-far", "pace": a.fast / 4, "mbit": a.slow_link_mbit},
+    ]
+    result = {
+        "config": {
+            "steps": a.steps,
+            "groups": a.groups,
+            "fast": a.fast,
+            "slow_link_mbit": a.slow_link_mbit,
+            "workers": workers,
+            "staleness": 0,
+            "groups_per_lease": 4,
+            "skipped_batches": 2,
+        },
+        "modes": {},
+    }
     ideals = []
     with tempfile.TemporaryDirectory(prefix="bench-sched-") as tmp:
         for split in SPLITS:
@@ -153,17 +196,24 @@ def main() -> None:
             payload = statistics.mean(x["payload_bytes"] for x in rows)
             ideals.append(ideal(a.groups, tpg, payload, workers))
             result["modes"][split] = {
-                "batch_s": statistics.mean(batch), "batch_s_each": batch, "tokens_per_group": tpg,
-                "payload_bytes": payload, "ideal_batch_s": ideals[-1],
+                "batch_s": statistics.mean(batch),
+                "batch_s_each": batch,
+                "tokens_per_group": tpg,
+                "payload_bytes": payload,
+                "ideal_batch_s": ideals[-1],
                 "commits_verified": r["summary"]["weights_verified"],
                 "commits_mismatched": r["summary"]["weights_mismatch"],
-                "prompt_groups_lost": r["summary"]["prompt_groups_lost"], "leases_over_pace": r["pace_missed"]}
+                "prompt_groups_lost": r["summary"]["prompt_groups_lost"],
+                "leases_over_pace": r["pace_missed"],
+            }
     result["ideal_batch_s"] = statistics.mean(ideals)
     print(f"{'split':10} {'batch s':>9} {'vs ideal':>9} {'payload B':>10} {'verified':>9}")
     for split, m in result["modes"].items():
         m["vs_ideal"] = m["batch_s"] / m["ideal_batch_s"]
-        print(f"{split:10} {m['batch_s']:9.2f} {m['vs_ideal']:9.2f}x {m['payload_bytes']:10.0f} "
-              f"{m['commits_verified']:9d}")
+        print(
+            f"{split:10} {m['batch_s']:9.2f} {m['vs_ideal']:9.2f}x {m['payload_bytes']:10.0f} "
+            f"{m['commits_verified']:9d}"
+        )
     print(f"{'ideal':10} {result['ideal_batch_s']:9.2f}")
     a.json.write_text(json.dumps(result, indent=1))
     plot(result, a.plot)

@@ -97,21 +97,43 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             del copies
             old = new
             if step:
-                rows.append({"train_s": t1 - t0, "publish_s": t2 - t1, "step_to_published_s": t2 - t0, **took,
-                             "encode_gbs": 2 * held / took["encode_s"] / 1e9, "memcpy_gbs": 2 * held / memcpy_s / 1e9})
+                rows.append(
+                    {
+                        "train_s": t1 - t0,
+                        "publish_s": t2 - t1,
+                        "step_to_published_s": t2 - t0,
+                        **took,
+                        "encode_gbs": 2 * held / took["encode_s"] / 1e9,
+                        "memcpy_gbs": 2 * held / memcpy_s / 1e9,
+                    }
+                )
         gather = _gather_rates() if world > 1 else None
         state = sum(shard.span(n, p)[1].numel() * 4 for n, p in model.named_parameters())  # fp32 weights
-        state += sum(shard.span("optimizer state", t)[1].numel() * t.element_size()
-                     for st in opt.state.values() for t in st.values() if t.dim())  # AdamW's moments
+        state += sum(
+            shard.span("optimizer state", t)[1].numel() * t.element_size()
+            for st in opt.state.values()
+            for t in st.values()
+            if t.dim()
+        )  # AdamW's moments
         state += 2 * 2 * held  # the bf16 policy, this version's and the one before
         changed = None
         if store is not None:
             changed = [store.versions[v].changed / sum(t.numel for t in table) for v in range(2, args.steps + 2)]
         gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-        result = {"rank": rank, "world": world, "held_elements": held, "gpu_peak_bytes": gpu, "baseline_rss_bytes": baseline, "state_bytes": state, "peak_rss_bytes":
-                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "steps": rows, "changed_fraction": changed,
-                  "delta_bytes": [store.versions[v].delta_bytes for v in range(2, args.steps + 2)] if store else None,
-                  "elements": sum(t.numel for t in table), "gather": gather}
+        result = {
+            "rank": rank,
+            "world": world,
+            "held_elements": held,
+            "gpu_peak_bytes": gpu,
+            "baseline_rss_bytes": baseline,
+            "state_bytes": state,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "steps": rows,
+            "changed_fraction": changed,
+            "delta_bytes": [store.versions[v].delta_bytes for v in range(2, args.steps + 2)] if store else None,
+            "elements": sum(t.numel for t in table),
+            "gather": gather,
+        }
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -160,10 +182,16 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,2", help="the trainer sizes to run, one GPU per rank where there are GPUs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    where = f"{torch.cuda.device_count()} GPUs ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else \
-        f"{os.cpu_count()} CPU cores"
-    print(f"model: Qwen3, hidden {args.hidden}, {args.layers} layers, vocab {VOCAB}; {args.steps} steps of "
-          f"{args.batch}x{args.seq} tokens; {where}, {ranks.backend()}", flush=True)
+    where = (
+        f"{torch.cuda.device_count()} GPUs ({torch.cuda.get_device_name()})"
+        if torch.cuda.is_available()
+        else f"{os.cpu_count()} CPU cores"
+    )
+    print(
+        f"model: Qwen3, hidden {args.hidden}, {args.layers} layers, vocab {VOCAB}; {args.steps} steps of "
+        f"{args.batch}x{args.seq} tokens; {where}, {ranks.backend()}",
+        flush=True,
+    )
     report = {"config": vars(args) | {"json": None, "cpus": os.cpu_count()}, "runs": {}}
     for world in [int(x) for x in args.ranks.split(",")]:
         got = run(world, args)
@@ -171,24 +199,32 @@ def main() -> None:
         full_state = elements * 16  # fp32 weights 4, AdamW's two moments 8, two bf16 policies 4: bytes per parameter
         if world > 1:
             g = got[0]["gather"]
-            print(f"\ngather to rank 0 alone: {g['bytes_per_s'] / 1e9:.2f} GB/s, {1e3 * g['call_s']:.2f} ms per call",
-                  flush=True)
+            print(
+                f"\ngather to rank 0 alone: {g['bytes_per_s'] / 1e9:.2f} GB/s, {1e3 * g['call_s']:.2f} ms per call",
+                flush=True,
+            )
         changed = got[0]["changed_fraction"]
-        print(f"\n{world} rank(s): {elements / 1e6:.1f}M parameters; the whole model's fp32 weights, AdamW state and bf16 "
-              f"policies {full_state / 2**30:.2f} GiB; changed per step {100 * sum(changed) / len(changed):.2f}%, "
-              f"delta {got[0]['delta_bytes'][-1] / 1e6:.2f} MB", flush=True)
+        print(
+            f"\n{world} rank(s): {elements / 1e6:.1f}M parameters; the whole model's fp32 weights, AdamW state and "
+            f"bf16 policies {full_state / 2**30:.2f} GiB; changed per step {100 * sum(changed) / len(changed):.2f}%, "
+            f"delta {got[0]['delta_bytes'][-1] / 1e6:.2f} MB",
+            flush=True,
+        )
         for r in got:
             s = r["steps"]
             if r["gpu_peak_bytes"] is not None:
                 print(f"  rank {r['rank']}: GPU memory peak {r['gpu_peak_bytes'] / 2**30:.2f} GiB", flush=True)
-            print(f"  rank {r['rank']}: holds {r['held_elements'] / 1e6:.1f}M elements, "
-                  f"{r['state_bytes'] / 2**30:.2f} GiB of weights, AdamW state and bf16 policy; peak RSS "
-                  f"{r['peak_rss_bytes'] / 2**30:.2f} GiB, {(r['peak_rss_bytes'] - r['baseline_rss_bytes']) / 2**30:.2f} "
-                  f"above the process before its model; step-to-published {mean(s, 'step_to_published_s'):.2f} s "
-                  f"(train {mean(s, 'train_s'):.2f}, publish {mean(s, 'publish_s'):.3f}: encode "
-                  f"{mean(s, 'encode_s'):.3f}, gather {mean(s, 'gather_s'):.3f}, write {mean(s, 'write_s'):.3f}); "
-                  f"extraction {mean(s, 'encode_gbs'):.2f} GB/s beside memcpy {mean(s, 'memcpy_gbs'):.2f} GB/s "
-                  f"({100 * mean(s, 'encode_gbs') / mean(s, 'memcpy_gbs'):.0f}%)", flush=True)
+            print(
+                f"  rank {r['rank']}: holds {r['held_elements'] / 1e6:.1f}M elements, "
+                f"{r['state_bytes'] / 2**30:.2f} GiB of weights, AdamW state and bf16 policy; peak RSS "
+                f"{r['peak_rss_bytes'] / 2**30:.2f} GiB, {(r['peak_rss_bytes'] - r['baseline_rss_bytes']) / 2**30:.2f} "
+                f"above the process before its model; step-to-published {mean(s, 'step_to_published_s'):.2f} s "
+                f"(train {mean(s, 'train_s'):.2f}, publish {mean(s, 'publish_s'):.3f}: encode "
+                f"{mean(s, 'encode_s'):.3f}, gather {mean(s, 'gather_s'):.3f}, write {mean(s, 'write_s'):.3f}); "
+                f"extraction {mean(s, 'encode_gbs'):.2f} GB/s beside memcpy {mean(s, 'memcpy_gbs'):.2f} GB/s "
+                f"({100 * mean(s, 'encode_gbs') / mean(s, 'memcpy_gbs'):.0f}%)",
+                flush=True,
+            )
         report["runs"][str(world)] = got
     if "2" in report["runs"]:
         report["projection"] = project(report["runs"]["2"], args)
@@ -219,20 +255,39 @@ def project(got: list[dict], args: argparse.Namespace) -> dict:
         extract_s = 2 * n / world / (rate * 1e9)
         gather_s = delta * (world - 1) / world / gather_rate + calls * call_s
         write_s = delta / write_rate
-        out[name] = {"extract_s": extract_s, "gather_s": gather_s, "write_s": write_s,
-                     "publish_s": extract_s + gather_s + write_s, "step_s": train_s + extract_s + gather_s + write_s}
-    out["assumptions"] = {"params": n, "ranks": world, "density": density, "train_s": train_s,
-                          "cores_per_rank": cores, "gpu_extract_gbs": 200.0,
-                          "measured": {"bytes_per_changed": bytes_per_changed, "gather_bytes_per_s": gather_rate,
-                                    "gather_call_s": call_s,
-                                       "write_bytes_per_s": write_rate, "extract_gbs_per_core": per_core},
-                          "delta_bytes": delta}
-    print(f"\nprojection, Qwen3-8B on 8 GPUs ({density:.1%} changed, {delta / 1e6:.0f} MB delta, training "
-          f"assumed {train_s:.0f} s):")
+        out[name] = {
+            "extract_s": extract_s,
+            "gather_s": gather_s,
+            "write_s": write_s,
+            "publish_s": extract_s + gather_s + write_s,
+            "step_s": train_s + extract_s + gather_s + write_s,
+        }
+    out["assumptions"] = {
+        "params": n,
+        "ranks": world,
+        "density": density,
+        "train_s": train_s,
+        "cores_per_rank": cores,
+        "gpu_extract_gbs": 200.0,
+        "measured": {
+            "bytes_per_changed": bytes_per_changed,
+            "gather_bytes_per_s": gather_rate,
+            "gather_call_s": call_s,
+            "write_bytes_per_s": write_rate,
+            "extract_gbs_per_core": per_core,
+        },
+        "delta_bytes": delta,
+    }
+    print(
+        f"\nprojection, Qwen3-8B on 8 GPUs ({density:.1%} changed, {delta / 1e6:.0f} MB delta, training "
+        f"assumed {train_s:.0f} s):"
+    )
     for name in ("cpu", "gpu"):
         p = out[name]
-        print(f"  extraction on {name}: extract {p['extract_s']:.2f} s + gather {p['gather_s']:.2f} s + write "
-              f"{p['write_s']:.2f} s = publish {p['publish_s']:.2f} s; step {p['step_s']:.1f} s")
+        print(
+            f"  extraction on {name}: extract {p['extract_s']:.2f} s + gather {p['gather_s']:.2f} s + write "
+            f"{p['write_s']:.2f} s = publish {p['publish_s']:.2f} s; step {p['step_s']:.1f} s"
+        )
     return out
 
 

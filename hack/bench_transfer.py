@@ -54,7 +54,7 @@ def make_states(n: int, versions: int, density: float) -> list[dict[str, torch.T
         nxt = states[-1]["w"].clone()
         b = nxt.view(torch.int16)
         idx = torch.from_numpy(rng.choice(n, int(n * density), replace=False))
-        b[idx] = torch.from_numpy(rng.integers(-2**15, 2**15, len(idx), dtype=np.int16))  # transfer-sized
+        b[idx] = torch.from_numpy(rng.integers(-(2**15), 2**15, len(idx), dtype=np.int16))  # transfer-sized
         states.append({"w": nxt})
     return states
 
@@ -62,8 +62,7 @@ def make_states(n: int, versions: int, density: float) -> list[dict[str, torch.T
 async def _fetch(url: str, what: str, version: int, streams: int, ports: list[int], wait_for: int | None) -> dict:
     from sparrowrl.transport.client import Client
 
-    async with Client(url, token=TOKEN, streams=streams, local_ports=ports or None, backoff=0.05,
-                      attempts=40) as c:
+    async with Client(url, token=TOKEN, streams=streams, local_ports=ports or None, backoff=0.05, attempts=40) as c:
         if wait_for is not None:  # long-poll until the version is being published here, then fetch
             while True:
                 listing = await c.versions(after=wait_for - 1, wait=30)
@@ -78,8 +77,14 @@ async def _fetch(url: str, what: str, version: int, streams: int, ports: list[in
             await c.download(f"/v1/versions/{version}/base", *_base_pieces(listing, version))
         else:
             await c.delta(version)
-        return {"t0": t0, "t1": time.time(), "bytes": c.stats.bytes, "retries": c.stats.retries,
-                "requests": c.stats.requests, "download_s": c.stats.seconds}
+        return {
+            "t0": t0,
+            "t1": time.time(),
+            "bytes": c.stats.bytes,
+            "retries": c.stats.retries,
+            "requests": c.stats.requests,
+            "download_s": c.stats.seconds,
+        }
 
 
 def fetch_main(argv: list[str]) -> None:
@@ -113,8 +118,10 @@ def wait_port(host: str, port: int, run=None, timeout: float = 60) -> None:
 
 def _processes(cmds: list[list[str]], env: dict) -> list[dict]:
     """Run fetch processes that start together: each imports, says ready, and waits for go."""
-    ps = [subprocess.Popen(c, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True) for c in cmds]
+    ps = [
+        subprocess.Popen(c, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in cmds
+    ]
     for p in ps:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
     for p in ps:
@@ -148,8 +155,18 @@ def loopback(store: Path, base_bytes: int, rounds: int) -> dict:
     base = f"{url}/v1/versions/0/base"
     server = start([EXE, "serve", str(store), "--port", "8470"], env)
     fetch = [sys.executable, str(Path(__file__).resolve()), "_fetch", url]
-    runs: dict[str, list[float]] = {k: [] for k in ("one_pull", "one_base", "one_curl", "one_curl_memory",
-                                                    "eight_pull", "eight_curl", "eight_curl_memory")}
+    runs: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "one_pull",
+            "one_base",
+            "one_curl",
+            "one_curl_memory",
+            "eight_pull",
+            "eight_curl",
+            "eight_curl_memory",
+        )
+    }
     try:
         wait_port("127.0.0.1", 8470)
         for i in range(rounds):
@@ -160,22 +177,35 @@ def loopback(store: Path, base_bytes: int, rounds: int) -> dict:
             runs["one_curl"].append(base_bytes / _curls(base, 1) / 1e6)
             runs["one_curl_memory"].append(base_bytes / _curls(base, 1, keep=True) / 1e6)
             rs = _processes([fetch + ["parts", "0", "--streams", "4"]] * 8, env)
-            runs["eight_pull"].append(sum(r["bytes"] for r in rs) / (max(r["t1"] for r in rs) -
-                                                                      min(r["t0"] for r in rs)) / 1e6)
+            runs["eight_pull"].append(
+                sum(r["bytes"] for r in rs) / (max(r["t1"] for r in rs) - min(r["t0"] for r in rs)) / 1e6
+            )
             runs["eight_curl"].append(8 * base_bytes / _curls(base, 8) / 1e6)
             runs["eight_curl_memory"].append(8 * base_bytes / _curls(base, 8, keep=True) / 1e6)
     finally:
         server.kill()
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"base_bytes": base_bytes, "rounds": runs,
-            "one_process": {"streams": 4, "pull_MBps": med["one_pull"], "base_MBps": med["one_base"],
-                            "curl_MBps": med["one_curl"], "pull_of_curl": med["one_pull"] / med["one_curl"],
-                            "curl_into_memory_MBps": med["one_curl_memory"],
-                            "pull_of_curl_into_memory": med["one_pull"] / med["one_curl_memory"]},
-            "eight_processes": {"streams": 4, "pull_MBps": med["eight_pull"], "curl_MBps": med["eight_curl"],
-                                "pull_of_curl": med["eight_pull"] / med["eight_curl"],
-                                "curl_into_memory_MBps": med["eight_curl_memory"],
-                                "pull_of_curl_into_memory": med["eight_pull"] / med["eight_curl_memory"]}}
+    return {
+        "base_bytes": base_bytes,
+        "rounds": runs,
+        "one_process": {
+            "streams": 4,
+            "pull_MBps": med["one_pull"],
+            "base_MBps": med["one_base"],
+            "curl_MBps": med["one_curl"],
+            "pull_of_curl": med["one_pull"] / med["one_curl"],
+            "curl_into_memory_MBps": med["one_curl_memory"],
+            "pull_of_curl_into_memory": med["one_pull"] / med["one_curl_memory"],
+        },
+        "eight_processes": {
+            "streams": 4,
+            "pull_MBps": med["eight_pull"],
+            "curl_MBps": med["eight_curl"],
+            "pull_of_curl": med["eight_pull"] / med["eight_curl"],
+            "curl_into_memory_MBps": med["eight_curl_memory"],
+            "pull_of_curl_into_memory": med["eight_pull"] / med["eight_curl_memory"],
+        },
+    }
 
 
 def hashes(size: int = 256 << 20, rounds: int = 3) -> dict:
@@ -220,9 +250,9 @@ def decode_vs_pull(elements: int, rounds: int) -> dict:
     ULP each) pulled over loopback by one process with 4 streams, beside
     decode + verified apply of the same deltas into the state; a base's pull beside its load +
     full state hash."""
-    from sparrowrl.store.checkpoint_io import tensors_in
     from sparrowrl.delta import apply_delta, state_hash
     from sparrowrl.delta.frame import TensorSpec
+    from sparrowrl.store.checkpoint_io import tensors_in
     from sparrowrl.store.store import Store
     from sparrowrl.transport.client import Client
 
@@ -266,14 +296,23 @@ def decode_vs_pull(elements: int, rounds: int) -> dict:
                     assert h == store.versions[rounds].state_hash
                     touch_s = _touch_floor(states)
                     signed = await _signature_cost(c, rounds)
-                    return {"base_bytes": len(raw), "base_pull_MBps": len(raw) / base_pull_s / 1e6,
-                            "base_load_hash_MBps": len(raw) / load_s / 1e6,
-                            "deltas": rounds, "delta_bytes": nbytes, "changed": changed,
-                            "density": changed / (rounds * elements),
-                            "delta_pull_MBps": nbytes / pull_s / 1e6, "delta_apply_MBps": nbytes / apply_s / 1e6,
-                            "apply_of_pull": pull_s / apply_s,
-                            "touch_only_MBps": nbytes / touch_s / 1e6, "apply_of_touch": touch_s / apply_s,
-                            "signatures": signed, "commit_check": _commit_check_cost()}
+                    return {
+                        "base_bytes": len(raw),
+                        "base_pull_MBps": len(raw) / base_pull_s / 1e6,
+                        "base_load_hash_MBps": len(raw) / load_s / 1e6,
+                        "deltas": rounds,
+                        "delta_bytes": nbytes,
+                        "changed": changed,
+                        "density": changed / (rounds * elements),
+                        "delta_pull_MBps": nbytes / pull_s / 1e6,
+                        "delta_apply_MBps": nbytes / apply_s / 1e6,
+                        "apply_of_pull": pull_s / apply_s,
+                        "touch_only_MBps": nbytes / touch_s / 1e6,
+                        "apply_of_touch": touch_s / apply_s,
+                        "signatures": signed,
+                        "commit_check": _commit_check_cost(),
+                    }
+
             return asyncio.run(run())
         finally:
             server.kill()
@@ -299,10 +338,16 @@ async def _signature_cost(c, deltas: int, rounds: int = 5) -> dict:
         c.trust = trusted
     cost = len(pieces) * (sign_s + verify_s)
     pull_s = min(pulls["checked"])
-    return {"pieces": len(pieces), "piece_bytes_mean": sum(p[1] for p in pieces) / len(pieces),
-            "sign_us": sign_s * 1e6, "verify_us": verify_s * 1e6,
-            "pull_checked_s": pull_s, "pull_unchecked_s": min(pulls["unchecked"]),
-            "cost_of_pull": cost / pull_s, "checked_over_unchecked": pull_s / min(pulls["unchecked"]) - 1}
+    return {
+        "pieces": len(pieces),
+        "piece_bytes_mean": sum(p[1] for p in pieces) / len(pieces),
+        "sign_us": sign_s * 1e6,
+        "verify_us": verify_s * 1e6,
+        "pull_checked_s": pull_s,
+        "pull_unchecked_s": min(pulls["unchecked"]),
+        "cost_of_pull": cost / pull_s,
+        "checked_over_unchecked": pull_s / min(pulls["unchecked"]) - 1,
+    }
 
 
 def _commit_check_cost(n: int = 1 << 20, lt: int = 20_000) -> dict:
@@ -331,8 +376,13 @@ def _commit_check_cost(n: int = 1 << 20, lt: int = 20_000) -> dict:
     t0 = time.perf_counter()
     hashlib.shake_256(b"x").digest(64 << 20)
     floor = 4096 / (64 << 20) * (time.perf_counter() - t0)  # its 4 KiB of SHAKE output alone, no Python loop
-    return {"additive_ns": additive * 1e9, "lthash16_ns": lthash * 1e9, "lthash16_shake_floor_ns": floor * 1e9,
-            "lthash_over_additive": lthash / additive, "lthash_floor_over_additive": floor / additive}
+    return {
+        "additive_ns": additive * 1e9,
+        "lthash16_ns": lthash * 1e9,
+        "lthash16_shake_floor_ns": floor * 1e9,
+        "lthash_over_additive": lthash / additive,
+        "lthash_floor_over_additive": floor / additive,
+    }
 
 
 def _sign_verify_s(piece: list) -> tuple[float, float]:
@@ -377,8 +427,10 @@ def _base_pieces(listing: dict, version: int) -> tuple[int, list]:
     from sparrowrl.transport.client import Piece
 
     b = next(v for v in listing["versions"] if v["version"] == version)["base"]
-    return b["bytes"], [Piece(i * b["part_bytes"], min(b["part_bytes"], b["bytes"] - i * b["part_bytes"]), h)
-                        for i, h in enumerate(b["parts"])]
+    return b["bytes"], [
+        Piece(i * b["part_bytes"], min(b["part_bytes"], b["bytes"] - i * b["part_bytes"]), h)
+        for i, h in enumerate(b["parts"])
+    ]
 
 
 def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, repeat: int) -> dict:
@@ -392,15 +444,32 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
     out: dict = {"link_mbit": link, "per_flow_mbit": link / 4}
     with Wan(regions=["us", "eu"], link_mbit=link, per_flow_mbit=link / 4) as wan:
         origin = f"http://{wan.addr(ORIGIN)}:8470"
-        procs = [wan.popen(ORIGIN, [EXE, "serve", str(store_dir), "--host", "0.0.0.0", "--port", "8470"], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        procs = [
+            wan.popen(
+                ORIGIN,
+                [EXE, "serve", str(store_dir), "--host", "0.0.0.0", "--port", "8470"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        ]
         raw = wan.popen(ORIGIN, [sys.executable, wanpy, "_serve", "8000"], stdout=subprocess.PIPE, text=True)
         raw.stdout.readline()
         wait_port(wan.addr(ORIGIN), 8470, run=lambda a, **k: wan.run("us", a, **k))
 
         def fetch(ns: str, url: str, what: str, v: int, streams: int, ports: list[int], wait_for=None):
-            cmd = [sys.executable, me, "_fetch", url, what, str(v), "--streams", str(streams),
-                   "--ports", *map(str, ports)] + ([] if wait_for is None else ["--wait-for", str(wait_for)])
+            cmd = [
+                sys.executable,
+                me,
+                "_fetch",
+                url,
+                what,
+                str(v),
+                "--streams",
+                str(streams),
+                "--ports",
+                *map(str, ports),
+            ] + ([] if wait_for is None else ["--wait-for", str(wait_for)])
             p = wan.popen(ns, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             assert p.stdout.readline().strip() == "ready", p.stderr.read()
             return p
@@ -412,8 +481,22 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
             return json.loads(line)
 
         # streams: goodput of one base download with 1/2/4/8 streams, raw TCP 4 streams as reference
-        res = wan.run("us", [sys.executable, wanpy, "_xfer", wan.addr(ORIGIN), "8000", "GET", str(24_000_000),
-                             *[str(flow_port(i)) for i in range(4)]], capture_output=True, text=True, timeout=120)
+        res = wan.run(
+            "us",
+            [
+                sys.executable,
+                wanpy,
+                "_xfer",
+                wan.addr(ORIGIN),
+                "8000",
+                "GET",
+                str(24_000_000),
+                *[str(flow_port(i)) for i in range(4)],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         out["raw_tcp_4_streams_mbit"] = json.loads(res.stdout)["total_mbit"]
         out["streams"] = {}
         # fixed client ports stay in TIME_WAIT after a run: each run takes fresh ones of the same
@@ -424,16 +507,36 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
             r = result(fetch("us", origin, "base", 0, n, [flow_port(16 * k + i) for i in range(n)]))
             mbit = r["bytes"] * 8 / r["download_s"] / 1e6  # the transfer itself: not loading or hashing
             print(f"  ({r['requests']} requests, {r['retries']} retries)", file=sys.stderr)
-            out["streams"][n] = {"mbit": mbit, "of_link": mbit / link, "of_raw_tcp": mbit / out["raw_tcp_4_streams_mbit"]}
+            out["streams"][n] = {
+                "mbit": mbit,
+                "of_link": mbit / link,
+                "of_raw_tcp": mbit / out["raw_tcp_4_streams_mbit"],
+            }
             print(f"  {n} streams: {mbit:.1f} Mbit/s ({mbit / link:.0%} of the link)", file=sys.stderr)
 
         # fan-out: one new delta to `workers` workers in each region, direct vs via relays
         store = Store(store_dir)
         k = next(rounds)  # the relays' upstream streams get flow classes 12..15 of their region's link
         relay_logs = {r: store_dir.parent / f"relay-{r}.log" for r in ("us", "eu")}
-        relays = [wan.popen(r, [EXE, "relay", "--upstream", origin, "--port", "8471", "--local-ports",
-                                ",".join(str(flow_port(16 * k + 12 + i)) for i in range(4))], env=env,
-                            stdout=open(relay_logs[r], "w"), stderr=subprocess.STDOUT) for r in ("us", "eu")]
+        relays = [
+            wan.popen(
+                r,
+                [
+                    EXE,
+                    "relay",
+                    "--upstream",
+                    origin,
+                    "--port",
+                    "8471",
+                    "--local-ports",
+                    ",".join(str(flow_port(16 * k + 12 + i)) for i in range(4)),
+                ],
+                env=env,
+                stdout=open(relay_logs[r], "w"),
+                stderr=subprocess.STDOUT,
+            )
+            for r in ("us", "eu")
+        ]
         procs += relays
         for r in ("us", "eu"):
             wait_port("127.0.0.1", 8471, run=lambda a, r=r, **k: wan.run(r, a, **k))
@@ -446,8 +549,12 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
             for r in ("us", "eu"):
                 deadline = time.time() + 120
                 while True:
-                    res = wan.run(r, ["curl", "-sf", "-H", f"Authorization: Bearer {TOKEN}",
-                                      "http://127.0.0.1:8471/v1/versions"], capture_output=True, text=True)
+                    res = wan.run(
+                        r,
+                        ["curl", "-sf", "-H", f"Authorization: Bearer {TOKEN}", "http://127.0.0.1:8471/v1/versions"],
+                        capture_output=True,
+                        text=True,
+                    )
                     if res.returncode == 0 and json.loads(res.stdout)["newest"] >= v:
                         break
                     if time.time() > deadline:
@@ -467,9 +574,19 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
             Workers that reach their server across the WAN get flow-classed ports; a relay's
             workers reach it inside their region, unshaped."""
             k = next(rounds) if via_wan else None
-            ps = [fetch(r, url_of(r), how, v, 4, [flow_port(16 * k + 4 * w + s) for s in range(4)] if via_wan else [],
-                        wait_for=v)
-                  for r in regions for w in range(n)]
+            ps = [
+                fetch(
+                    r,
+                    url_of(r),
+                    how,
+                    v,
+                    4,
+                    [flow_port(16 * k + 4 * w + s) for s in range(4)] if via_wan else [],
+                    wait_for=v,
+                )
+                for r in regions
+                for w in range(n)
+            ]
             time.sleep(1.0)  # all workers are long-polling
             t0 = time.time()
             with store.publish([TensorSpec.of("w", states[v]["w"])]) as w:  # as the trainer does: old state in memory
@@ -478,8 +595,12 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
 
         # each figure `repeat` times, interleaved, so that a noisy moment of this shared VM hits
         # all of them alike; the ratios use medians
-        runs: dict[str, list[float]] = {"fanout_direct_s": [], "fanout_relays_s": [], "single_transfer_s": [],
-                                        "single_store_and_forward_s": []}
+        runs: dict[str, list[float]] = {
+            "fanout_direct_s": [],
+            "fanout_relays_s": [],
+            "single_transfer_s": [],
+            "single_store_and_forward_s": [],
+        }
         v = 0
         relays_hold(0)  # synced (no base crosses: none of their workers asks for one)
         relays_stop()
@@ -491,20 +612,23 @@ def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, rep
             relays_stop()
             runs["single_transfer_s"].append(fan_out(lambda r: origin, v := v + 1, regions=("us",), n=1))
             runs["single_store_and_forward_s"].append(
-                fan_out(lambda r: origin, v := v + 1, regions=("us",), n=1, how="delta"))
+                fan_out(lambda r: origin, v := v + 1, regions=("us",), n=1, how="delta")
+            )
         for key, xs in runs.items():
             out[key] = statistics.median(xs)
             out[key.removesuffix("_s") + "_runs_s"] = xs
         out["delta_bytes"] = store.versions[2].delta_bytes
         d = store.delta(2)  # its pieces: the header, each chunk, the tail
         sign_s, verify_s = _sign_verify_s([0, len(d.data), "0" * 64, False])
-        out["signature_of_single_transfer"] = (len(d.manifest["chunks"]) + 2) * (sign_s + verify_s) / \
-            out["single_transfer_s"]
+        out["signature_of_single_transfer"] = (
+            (len(d.manifest["chunks"]) + 2) * (sign_s + verify_s) / out["single_transfer_s"]
+        )
         out["relays_vs_single"] = out["fanout_relays_s"] / out["single_transfer_s"]
         out["direct_vs_single"] = out["fanout_direct_s"] / out["single_transfer_s"]
         out["relays_vs_single_runs"] = [r / s for r, s in zip(runs["fanout_relays_s"], runs["single_transfer_s"])]
-        print(f"  relays/single per round: {', '.join(f'{x:.2f}' for x in out['relays_vs_single_runs'])}",
-              file=sys.stderr)
+        print(
+            f"  relays/single per round: {', '.join(f'{x:.2f}' for x in out['relays_vs_single_runs'])}", file=sys.stderr
+        )
         for p in procs + [raw]:
             p.kill()
         out["relay_logs"] = {r: f.read_text().splitlines() for r, f in relay_logs.items()}
@@ -518,10 +642,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE.parent / "docs" / "bench_transfer.json")
     ap.add_argument("--link-mbit", type=float, default=200.0)
     ap.add_argument("--elements", type=int, default=64 << 20, help="bf16 elements in the model")
-    ap.add_argument("--loopback-elements", type=int, default=512 << 20,
-                    help="bf16 elements of the base pulled over loopback (default: 1 GiB)")
-    ap.add_argument("--decode-elements", type=int, default=256 << 20,
-                    help="bf16 elements of the model whose deltas are pulled and applied")
+    ap.add_argument(
+        "--loopback-elements",
+        type=int,
+        default=512 << 20,
+        help="bf16 elements of the base pulled over loopback (default: 1 GiB)",
+    )
+    ap.add_argument(
+        "--decode-elements",
+        type=int,
+        default=256 << 20,
+        help="bf16 elements of the model whose deltas are pulled and applied",
+    )
     ap.add_argument("--skip-wan", action="store_true", help="loopback figures only")
     ap.add_argument("--workers", type=int, default=3, help="workers per region")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of the fan-out figures (medians reported)")

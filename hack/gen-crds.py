@@ -85,8 +85,9 @@ def structural(schema: dict, defs: dict) -> dict:
     if "patternProperties" in schema:  # a map whose keys have a pattern: the values' schema, the keys in CEL
         [(pattern, values)] = schema["patternProperties"].items()
         out["additionalProperties"] = structural(values, defs)
-        rules.append({"rule": f"self.all(k, k.matches({json.dumps(pattern)}))",
-                      "message": f"keys must match {pattern}"})
+        rules.append(
+            {"rule": f"self.all(k, k.matches({json.dumps(pattern)}))", "message": f"keys must match {pattern}"}
+        )
     if (n := schema.get("propertyNames", {}).get("maxLength")) is not None:
         rules.append({"rule": f"self.all(k, k.size() <= {n})", "message": f"keys must be {n} characters at most"})
     if rules:
@@ -99,22 +100,59 @@ def schema_of(model: type[BaseModel]) -> dict:
     return structural(raw, raw.get("$defs", {}))
 
 
-def crd(kind: str, plural: str, scope: str, spec: dict, status: dict, columns: list[dict], doc: str,
-        short: list[str] = (), required: bool = True) -> dict:
-    names = {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower(),
-             "categories": ["sparrowrl"]}
+def crd(
+    kind: str,
+    plural: str,
+    scope: str,
+    spec: dict,
+    status: dict,
+    columns: list[dict],
+    doc: str,
+    short: list[str] = (),
+    required: bool = True,
+) -> dict:
+    names = {
+        "kind": kind,
+        "listKind": f"{kind}List",
+        "plural": plural,
+        "singular": kind.lower(),
+        "categories": ["sparrowrl"],
+    }
     if short:
         names["shortNames"] = list(short)
-    root = {"type": "object", "description": doc,
-            "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
-                           "spec": spec, "status": status}}
+    root = {
+        "type": "object",
+        "description": doc,
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
     if required:
         root["required"] = ["spec"]
-    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.{GROUP}"},
-            "spec": {"group": GROUP, "names": names, "scope": scope, "versions": [{
-                "name": VERSION, "served": True, "storage": True, "subresources": {"status": {}},
-                "additionalPrinterColumns": columns, "schema": {"openAPIV3Schema": root}}]}}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "names": names,
+            "scope": scope,
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
+        },
+    }
 
 
 def col(name: str, type_: str, path: str, doc: str, priority: int = 0) -> dict:
@@ -127,24 +165,54 @@ AGE = col("Age", "date", ".metadata.creationTimestamp", "Time since the object w
 
 def crds() -> dict[str, str]:
     """File name → YAML text."""
-    job = crd("SparrowRLJob", "sparrowrljobs", "Namespaced", schema_of(JobSpec), schema_of(JobStatus), [
-        col("Phase", "string", ".status.phase", "Pending, Starting, Running, Suspended, Restarting, Succeeded, Failed."),
-        col("Step", "string", ".status.display.step", "Optimizer steps taken / steps."),
-        col("Rollout", "string", ".status.display.rollout", "Rollout workers ready / desired, over all placements."),
-        col("Leases", "string", ".status.display.leases", "Work leases held by healthy workers / active."),
-        col("Reward", "number", ".status.progress.reward", "Mean reward of the last step."),
-        AGE,
-        col("Version", "integer", ".status.progress.policyVersion", "The newest published policy version.", 1),
-        col("Clusters", "string", ".status.display.clusters", "Clusters reachable / used.", 1),
-        col("Payload", "string", ".status.display.payload", "Bytes shipped for the last step, and the changed fraction.", 1),
-    ], "A GRPO post-training job: its trainer, and rollout workers placed over member clusters; each step's "
-       "weights ship as a lossless sparse delta.", short=["srl"])
-    cluster = crd("SparrowCluster", "sparrowclusters", "Cluster", schema_of(ClusterSpec), schema_of(ClusterStatus), [
-        col("Connected", "string", '.status.conditions[?(@.type=="Active")].status', "The last probe reached it."),
-        col("Reason", "string", '.status.conditions[?(@.type=="Active")].reason', "Why, when it did not.", 1),
-        col("Region", "string", ".spec.region", "The region its placements are in."),
-        AGE,
-    ], "A member cluster that jobs place rollout workers in, reached with a kubeconfig from a Secret.")
+    job = crd(
+        "SparrowRLJob",
+        "sparrowrljobs",
+        "Namespaced",
+        schema_of(JobSpec),
+        schema_of(JobStatus),
+        [
+            col(
+                "Phase",
+                "string",
+                ".status.phase",
+                "Pending, Starting, Running, Suspended, Restarting, Succeeded, Failed.",
+            ),
+            col("Step", "string", ".status.display.step", "Optimizer steps taken / steps."),
+            col(
+                "Rollout", "string", ".status.display.rollout", "Rollout workers ready / desired, over all placements."
+            ),
+            col("Leases", "string", ".status.display.leases", "Work leases held by healthy workers / active."),
+            col("Reward", "number", ".status.progress.reward", "Mean reward of the last step."),
+            AGE,
+            col("Version", "integer", ".status.progress.policyVersion", "The newest published policy version.", 1),
+            col("Clusters", "string", ".status.display.clusters", "Clusters reachable / used.", 1),
+            col(
+                "Payload",
+                "string",
+                ".status.display.payload",
+                "Bytes shipped for the last step, and the changed fraction.",
+                1,
+            ),
+        ],
+        "A GRPO post-training job: its trainer, and rollout workers placed over member clusters; each step's "
+        "weights ship as a lossless sparse delta.",
+        short=["srl"],
+    )
+    cluster = crd(
+        "SparrowCluster",
+        "sparrowclusters",
+        "Cluster",
+        schema_of(ClusterSpec),
+        schema_of(ClusterStatus),
+        [
+            col("Connected", "string", '.status.conditions[?(@.type=="Active")].status', "The last probe reached it."),
+            col("Reason", "string", '.status.conditions[?(@.type=="Active")].reason', "Why, when it did not.", 1),
+            col("Region", "string", ".spec.region", "The region its placements are in."),
+            AGE,
+        ],
+        "A member cluster that jobs place rollout workers in, reached with a kubeconfig from a Secret.",
+    )
     dump = lambda d: HEADER + yaml.safe_dump(d, sort_keys=False, width=120, allow_unicode=True)  # noqa: E731
     return {f"{GROUP}_sparrowrljobs.yaml": dump(job), f"{GROUP}_sparrowclusters.yaml": dump(cluster)}
 

@@ -27,8 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 330  # under the 6 minutes one run of the check may take, with the machine's start beside it
 OUTPUTS = ("summary.json", "check.log", "bench_gpu.json", "bench_shard.json")
-VLLM_WHY = ("vLLM is not installed on this machine and cannot be carried there (its wheel is far over the "
-            "64 MiB one run may bring): the vLLM engine's GPU route stays unverified")
+VLLM_WHY = (
+    "vLLM is not installed on this machine and cannot be carried there (its wheel is far over the "
+    "64 MiB one run may bring): the vLLM engine's GPU route stays unverified"
+)
 
 
 @dataclass(frozen=True)
@@ -48,18 +50,55 @@ class Part:
 
 
 PARTS = (
-    Part("codec", "the codec's tests on this machine's torch, numpy and numba (CPU)",
-         ("tests/test_roundtrip.py", "tests/test_layout.py", "tests/test_statehash.py"), 100),
-    Part("gpu-tests", "CUDA inputs give the CPU's delta bytes, device hash = host hash, in-place apply into "
-         "fused CUDA views, the sharded trainer's NCCL route", ("tests/test_gpu.py",), 150, ("cuda", "cupy")),
-    Part("vllm-gpu", "the vLLM engine's in-place GPU route", ("tests/engine_vllm",), 120, ("cuda", "vllm"),
-         why_missing={"vllm": VLLM_WHY}),
-    Part("bench-gpu", "diff, encode and state hash of 2^30 bf16 elements beside the device copy",
-         ("hack/bench_gpu.py",), 100, ("cuda", "cupy"), gpu_args=("--out", "{out}/bench_gpu.json")),
-    Part("bench-shard", "the sharded trainer's step-to-published beside memcpy (FSDP2; NCCL on GPUs)",
-         ("hack/bench_shard.py",), 120, gpu_args=("--ranks", "{ranks}", "--json", "{out}/bench_shard.json"),
-         cpu_args=("--ranks", "1", "--hidden", "256", "--layers", "2", "--steps", "2",
-                   "--json", "{out}/bench_shard.json")),
+    Part(
+        "codec",
+        "the codec's tests on this machine's torch, numpy and numba (CPU)",
+        ("tests/test_roundtrip.py", "tests/test_layout.py", "tests/test_statehash.py"),
+        100,
+    ),
+    Part(
+        "gpu-tests",
+        "CUDA inputs give the CPU's delta bytes, device hash = host hash, in-place apply into "
+        "fused CUDA views, the sharded trainer's NCCL route",
+        ("tests/test_gpu.py",),
+        150,
+        ("cuda", "cupy"),
+    ),
+    Part(
+        "vllm-gpu",
+        "the vLLM engine's in-place GPU route",
+        ("tests/engine_vllm",),
+        120,
+        ("cuda", "vllm"),
+        why_missing={"vllm": VLLM_WHY},
+    ),
+    Part(
+        "bench-gpu",
+        "diff, encode and state hash of 2^30 bf16 elements beside the device copy",
+        ("hack/bench_gpu.py",),
+        100,
+        ("cuda", "cupy"),
+        gpu_args=("--out", "{out}/bench_gpu.json"),
+    ),
+    Part(
+        "bench-shard",
+        "the sharded trainer's step-to-published beside memcpy (FSDP2; NCCL on GPUs)",
+        ("hack/bench_shard.py",),
+        120,
+        gpu_args=("--ranks", "{ranks}", "--json", "{out}/bench_shard.json"),
+        cpu_args=(
+            "--ranks",
+            "1",
+            "--hidden",
+            "256",
+            "--layers",
+            "2",
+            "--steps",
+            "2",
+            "--json",
+            "{out}/bench_shard.json",
+        ),
+    ),
 )
 
 
@@ -75,8 +114,13 @@ def environment() -> dict:
     import numpy
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "numpy": numpy.__version__, "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "numpy": numpy.__version__,
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
     for m in ("numba", "cupy"):
         try:
             env[m] = __import__(m).__version__
@@ -87,7 +131,10 @@ def environment() -> dict:
         try:
             env["nvidia_smi"] = subprocess.run(
                 ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=30).stdout.strip()
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired) as e:
             env["nvidia_smi"] = f"not run: {e}"
     return env
@@ -119,8 +166,9 @@ def run(argv: list[str], log, timeout_s: float) -> tuple[int | None, str]:
 
 def pytest_result(junit: Path) -> dict:
     suites = ET.parse(junit).getroot()
-    counts = {k: sum(int(s.get(k, 0)) for s in suites.iter("testsuite")) for k in ("tests", "failures", "errors",
-                                                                                   "skipped")}
+    counts = {
+        k: sum(int(s.get(k, 0)) for s in suites.iter("testsuite")) for k in ("tests", "failures", "errors", "skipped")
+    }
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     reasons = {s.get("message", "") for s in suites.iter("skipped")}
     counts["skip_reasons"] = sorted(r for r in reasons if r)[:5]
@@ -150,10 +198,12 @@ def main() -> int:
     env = environment()
     gpu = env["cuda_devices"] > 0
     ranks = "1,2" if env["cuda_devices"] >= 2 else "1"
-    print(f"gpu-check: python {env['python']}, torch {env['torch']} (CUDA {env['torch_cuda']}), numpy {env['numpy']}, "
-          f"numba {env['numba']}, cupy {env['cupy']}; "
-          + (f"{env['cuda_devices']} x {env['device']} ({env.get('nvidia_smi', '')})" if gpu else "no CUDA device"),
-          flush=True)
+    print(
+        f"gpu-check: python {env['python']}, torch {env['torch']} (CUDA {env['torch_cuda']}), numpy {env['numpy']}, "
+        f"numba {env['numba']}, cupy {env['cupy']}; "
+        + (f"{env['cuda_devices']} x {env['device']} ({env.get('nvidia_smi', '')})" if gpu else "no CUDA device"),
+        flush=True,
+    )
     results = []
     with open(out / "check.log", "w") as log, tempfile.TemporaryDirectory() as tmp:
         for i, part in enumerate(PARTS, 1):
@@ -162,8 +212,10 @@ def main() -> int:
             timeout_s = min(part.timeout_s, left - 5)
             if missing:
                 status = "skipped"
-                why = "; ".join(part.why_missing.get(n, "no CUDA device" if n == "cuda" else f"{n} is not installed")
-                                for n in missing)
+                why = "; ".join(
+                    part.why_missing.get(n, "no CUDA device" if n == "cuda" else f"{n} is not installed")
+                    for n in missing
+                )
                 took = 0.0
             elif timeout_s < 20:
                 status, why, took = "skipped", f"the check's {BUDGET_S} s were spent before it", 0.0
@@ -182,8 +234,9 @@ def main() -> int:
             line = f"{status.upper():7} {part.name}: {why}"
             print(f"[{i}/{len(PARTS)}] {line}", flush=True)
             log.write(line + "\n")
-            results.append({"part": part.name, "what": part.what, "status": status, "why": why,
-                            "seconds": round(took, 1)})
+            results.append(
+                {"part": part.name, "what": part.what, "status": status, "why": why, "seconds": round(took, 1)}
+            )
     summary = {"environment": env, "parts": results, "seconds": round(time.monotonic() - start, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     extra = sorted(p.name for p in out.rglob("*") if p.is_file() and p.name not in OUTPUTS)

@@ -32,15 +32,32 @@ HACK = Path(__file__).resolve().parent
 WHEELS, IMAGE = HACK / "gpu-wheels.txt", HACK / "gpu-image.txt"
 # The GPU machine: CPython 3.12 on x86-64 Linux. pip matches manylinux tags exactly: name each.
 PYTHON = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
-TARGET = ["--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp",
-          *(a for p in PLATFORMS for a in ("--platform", p))]
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
+TARGET = [
+    "--only-binary=:all:",
+    "--python-version",
+    PYTHON,
+    "--implementation",
+    "cp",
+    *(a for p in PLATFORMS for a in ("--platform", p)),
+]
 # What markers see there, for a requirement such as `cffi; python_version < "3.14"`.
 ENVIRONMENT = default_environment() | {
-    "python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "implementation_name": "cpython",
-    "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
-    "platform_machine": "x86_64", "os_name": "posix"}
+    "python_version": PYTHON,
+    "python_full_version": f"{PYTHON}.3",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+}
 
 
 class WheelError(Exception):
@@ -73,8 +90,10 @@ def wheel_files(folder: Path, wanted: dict[str, str]) -> list[Path]:
         if not right:
             problems.append(f"{name}=={version}: no wheel of it in {folder}")
         elif len(have) > 1:
-            problems.append(f"{name}: {len(have)} versions in {folder} ({', '.join(f.name for _, f in have)}); "
-                            f"remove all but {right[0].name}")
+            problems.append(
+                f"{name}: {len(have)} versions in {folder} ({', '.join(f.name for _, f in have)}); "
+                f"remove all but {right[0].name}"
+            )
         else:
             out.append(right[0])
     if problems:
@@ -106,8 +125,9 @@ def unmet(needs: dict[str, list[Requirement]], carried: dict[str, str], image: d
                 where = "the image has it at a version not recorded" if name in image else "neither list has it"
                 out.append(f"{who} needs {r} ({where}: add it to {WHEELS.name})")
             elif not r.specifier.contains(version, prereleases=True):
-                out.append(f"{who} needs {r}, and {name} is {version} "
-                           f"({'carried' if name in carried else 'on the image'})")
+                out.append(
+                    f"{who} needs {r}, and {name} is {version} ({'carried' if name in carried else 'on the image'})"
+                )
     return out
 
 
@@ -117,8 +137,10 @@ def prepare(folder: Path) -> None:
         raise WheelError(f"{WHEELS.name}: every wheel needs an exact version (name==version)")
     folder.mkdir(exist_ok=True)
     spec = [f"{n}=={v}" for n, v in carried.items()]
-    print(f"downloading {len(spec)} wheels for CPython {PYTHON} on x86-64 Linux into {folder}/: {' '.join(spec)}",
-          flush=True)
+    print(
+        f"downloading {len(spec)} wheels for CPython {PYTHON} on x86-64 Linux into {folder}/: {' '.join(spec)}",
+        flush=True,
+    )
     run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *TARGET, "-d", str(folder), *spec])
     files = wheel_files(folder, carried)
     problems = unmet({f.name: requirements(f) for f in files}, carried, pins(IMAGE))
@@ -128,22 +150,54 @@ def prepare(folder: Path) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as site:
-        run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile", *TARGET,
-             "--target", site, *map(str, files)])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                *TARGET,
+                "--target",
+                site,
+                *map(str, files),
+            ]
+        )
     for f in files:
         print(f"  {f.name}  {f.stat().st_size / 1e6:.1f} MB")
-    print(f"ready: {len(files)} wheels, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB; carry {folder}/ with "
-          f"the checkout and run `bash hack/gpu-check.sh` there")
+    print(
+        f"ready: {len(files)} wheels, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB; carry {folder}/ with "
+        f"the checkout and run `bash hack/gpu-check.sh` there"
+    )
 
 
 def install(folder: Path, site: Path) -> None:
     try:
         files = wheel_files(folder, pins(WHEELS))
     except WheelError as e:
-        raise WheelError(f"{e}. Run `bash hack/gpu-check.sh --prepare` where there is a package index, and "
-                         f"carry {folder}/ with the checkout") from None
-    run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-         "--no-cache-dir", "--target", str(site), *map(str, files)])
+        raise WheelError(
+            f"{e}. Run `bash hack/gpu-check.sh --prepare` where there is a package index, and "
+            f"carry {folder}/ with the checkout"
+        ) from None
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--target",
+            str(site),
+            *map(str, files),
+        ]
+    )
     print(f"installed {len(files)} carried wheels into {site}", flush=True)
 
 

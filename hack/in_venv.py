@@ -16,8 +16,9 @@ def enter() -> None:
     """Re-run this script under ROOT/.venv, after `make` has set it up if needed; unless this
     python already has sparrowrl and torch (a GPU machine's, given PYTHONPATH by gpu-check.sh)."""
     venv = ROOT / ".venv"
-    if Path(sys.prefix).resolve() == venv.resolve() or \
-            all(importlib.util.find_spec(m) is not None for m in ("sparrowrl", "torch")):
+    if Path(sys.prefix).resolve() == venv.resolve() or all(
+        importlib.util.find_spec(m) is not None for m in ("sparrowrl", "torch")
+    ):
         return
     subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", ".venv/.installed"], check=True)
     python = venv / "bin" / "python"

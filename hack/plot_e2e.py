@@ -37,12 +37,14 @@ def _bars(ax, names, values, colors, fmt):
 def throughput(e2e: dict, out: Path) -> None:
     m = e2e["modes"]
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    _bars(ax, list(m), [x["tokens_per_s"] for x in m.values()], [COLORS.get(k, "#999") for k in m],
-          lambda v: f"{v:.0f}")
+    _bars(
+        ax, list(m), [x["tokens_per_s"] for x in m.values()], [COLORS.get(k, "#999") for k in m], lambda v: f"{v:.0f}"
+    )
     for i, (k, x) in enumerate(m.items()):
         if k != "full" and "speedup_over_full" in x:
-            ax.text(i, x["tokens_per_s"] / 2, f"{x['speedup_over_full']:.2f}x full", ha="center", color="white",
-                    fontsize=9)
+            ax.text(
+                i, x["tokens_per_s"] / 2, f"{x['speedup_over_full']:.2f}x full", ha="center", color="white", fontsize=9
+            )
     ax.set_ylabel("training throughput (tokens/s)")
     ax.set_title("the same RL job on the same emulated WAN", fontsize=10)
     fig.tight_layout()
@@ -56,8 +58,13 @@ def phases(e2e: dict, out: Path) -> None:
     width = 0.8 / len(keys)
     for j, k in enumerate(keys):
         ax.bar([i + j * width for i in range(len(m))], [x["phases_s"][k] for x in m.values()], width, label=k)
-    ax.plot([i + 0.4 - width / 2 for i in range(len(m))], [x["step_s"] for x in m.values()], "k_", markersize=40,
-            label="step")
+    ax.plot(
+        [i + 0.4 - width / 2 for i in range(len(m))],
+        [x["step_s"] for x in m.values()],
+        "k_",
+        markersize=40,
+        label="step",
+    )
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(m))], list(m))
     ax.set_ylabel("seconds per step (mean)")
     ax.set_title("trainer: wait for the batch, train, extract; workers: transfer (overlapped)", fontsize=9)
@@ -70,8 +77,13 @@ def phases(e2e: dict, out: Path) -> None:
 def payload(e2e: dict, out: Path) -> None:
     m = e2e["modes"]
     fig, ax = plt.subplots(figsize=(5, 3.4))
-    _bars(ax, list(m), [x["payload_bytes"] for x in m.values()], [COLORS.get(k, "#999") for k in m],
-          lambda v: f"{v / 1e3:,.0f} kB")
+    _bars(
+        ax,
+        list(m),
+        [x["payload_bytes"] for x in m.values()],
+        [COLORS.get(k, "#999") for k in m],
+        lambda v: f"{v / 1e3:,.0f} kB",
+    )
     ax.set_yscale("log")
     ax.set_ylabel("bytes shipped per step")
     fig.tight_layout()
@@ -81,8 +93,9 @@ def payload(e2e: dict, out: Path) -> None:
 def ablations(e2e: dict, out: Path) -> None:
     a = {"sparse (all on)": e2e["modes"]["sparse"], **e2e["ablations"]}
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    _bars(ax, list(a), [x["tokens_per_s"] for x in a.values()], ["#4a7"] + ["#999"] * (len(a) - 1),
-          lambda v: f"{v:.0f}")
+    _bars(
+        ax, list(a), [x["tokens_per_s"] for x in a.values()], ["#4a7"] + ["#999"] * (len(a) - 1), lambda v: f"{v:.0f}"
+    )
     ax.set_ylabel("tokens/s")
     ax.set_title("one mechanism off at a time", fontsize=10)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
@@ -112,8 +125,11 @@ def projection(proj: dict, out: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("WAN link (Gbit/s)")
     ax.set_ylabel("sparse over full (tokens/s)")
-    ax.set_title("projected (hack/project.py); the models coincide: their times are assumed\n"
-                 "proportional to their size, and their densities are alike", fontsize=9)
+    ax.set_title(
+        "projected (hack/project.py); the models coincide: their times are assumed\n"
+        "proportional to their size, and their densities are alike",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "projection.png", dpi=120)

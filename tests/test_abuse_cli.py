@@ -1,6 +1,6 @@
 """Abuse from the command line, as a careless or hostile user would try it: every case is
 refused with one line naming the problem, and nothing that was there before is lost. Each
-command runs as a child under an address-space limit and a deadline (tests/bounded.py)."""
+command runs as a child under an address-space limit and a deadline (tests/support/bounded.py)."""
 
 import json
 import os
@@ -11,31 +11,39 @@ import sys
 import pytest
 import torch
 import yaml
-from safetensors.torch import save_file
-
-from bounded import limit_memory, refused, sparrowrl
 from conftest import zstd_frame
+from safetensors.torch import save_file
+from support.bounded import limit_memory, refused, sparrowrl
+
 from sparrowrl.cli import runner
 from sparrowrl.spec.job import JobError, parse
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("address_space_limit")]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.usefixtures("address_space_limit")]
 
-BILLION_LAUGHS = """\
+BILLION_LAUGHS = (
+    """\
 apiVersion: sparrowrl.dev/v1alpha1
 kind: SparrowRLJob
 metadata:
   name: x
   annotations: &a0 {a: lol}
   labels:
-""" + "".join(f"    a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10)) + """\
+"""
+    + "".join(f"    a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10))
+    + """\
 spec: {model: {tiny: {}}, task: {builtin: add}}
 """
+)
 
 
 def job(**spec) -> dict:
     base = {"steps": 1, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"}}
-    return {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
-            "spec": {**base, **spec}}
+    return {
+        "apiVersion": "sparrowrl.dev/v1alpha1",
+        "kind": "SparrowRLJob",
+        "metadata": {"name": "t"},
+        "spec": {**base, **spec},
+    }
 
 
 def write_job(path, **spec):
@@ -49,6 +57,7 @@ def tree(path) -> dict:
 
 
 # ---------------------------------------------------------------- run dirs: never delete what we did not write
+
 
 def user_files(d):
     (d / "model").mkdir(parents=True)
@@ -115,6 +124,7 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path):
 
 # ---------------------------------------------------------------- the job file and what it names
 
+
 def test_yaml_alias_expansion_is_bounded(tmp_path):
     f = tmp_path / "laughs.yaml"
     f.write_text(BILLION_LAUGHS)
@@ -130,8 +140,11 @@ def test_job_and_task_files_are_bounded_and_regular(tmp_path):
     refused(sparrowrl("run", big), "a job file is 2,097,154 bytes (limit 1,048,576)")
     os.mkfifo(tmp_path / "fifo")
     refused(sparrowrl("run", tmp_path / "fifo", timeout=60), "a job file must be a regular file")
-    for jsonl, reason in ((tmp_path / "fifo", "must be a regular file"), ("/dev/zero", "must be a regular file"),
-                          (tmp_path / "huge.jsonl", "(limit 268,435,456)")):
+    for jsonl, reason in (
+        (tmp_path / "fifo", "must be a regular file"),
+        ("/dev/zero", "must be a regular file"),
+        (tmp_path / "huge.jsonl", "(limit 268,435,456)"),
+    ):
         if jsonl == tmp_path / "huge.jsonl":
             with open(jsonl, "wb") as fh:
                 fh.truncate(300 << 20)  # sparse: no disk used
@@ -140,26 +153,42 @@ def test_job_and_task_files_are_bounded_and_regular(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("spec, field, reason", [
-    ({"grpo": {"weightDecay": float("inf")}}, "spec.grpo.weightDecay", "finite number"),
-    ({"grpo": {"learningRate": float("nan")}}, "spec.grpo.learningRate", "finite number"),
-    ({"grpo": {"weightDecay": 2.0}}, "spec.grpo.weightDecay", "less than or equal to 1"),
-    ({"grpo": {"temperature": 1e-300}}, "spec.grpo.temperature", "greater than or equal to 0.01"),
-    ({"grpo": {"promptsPerStep": 10**9}}, "spec.grpo.promptsPerStep", "less than or equal to 4096"),
-    ({"rollout": {"leaseSeconds": float("inf")}}, "spec.rollout.leaseSeconds", "finite number"),
-    ({"seed": 2**64}, "spec.seed", "less than or equal to"),
-    ({"seed": -1}, "spec.seed", "greater than or equal to 0"),
-    ({"steps": 10**12}, "spec.steps", "less than or equal to 10000000"),
-    ({"sync": {"baseEvery": 10**9}}, "spec.sync.baseEvery", "less than or equal to 1000000"),
-    ({"topology": {"regions": [{"name": "a", "bandwidthMbit": float("inf")}]}},
-     "spec.topology.regions.0.bandwidthMbit", "finite number"),
-    ({"topology": {"regions": [{"name": f"r{i}"} for i in range(65)]}}, "spec.topology.regions",
-     "at most 64 items"),
-    ({"task": {"builtin": "add", "reward": "os:system;rm"}}, "spec.task.reward", "is not exact, numeric, char_match"),
-    ({"task": {"builtin": "add", "reward": "pkg.mod:f"}}, "spec.task.reward", "module:function (module.py beside"),
-    ({"grpo": {"groupSize": 256, "maxNewTokens": 4096}, "rollout": {"groupsPerLease": 8}}, "spec",
-     "8,388,608 tokens per lease (limit 4,194,304)"),
-])
+@pytest.mark.parametrize(
+    "spec, field, reason",
+    [
+        ({"grpo": {"weightDecay": float("inf")}}, "spec.grpo.weightDecay", "finite number"),
+        ({"grpo": {"learningRate": float("nan")}}, "spec.grpo.learningRate", "finite number"),
+        ({"grpo": {"weightDecay": 2.0}}, "spec.grpo.weightDecay", "less than or equal to 1"),
+        ({"grpo": {"temperature": 1e-300}}, "spec.grpo.temperature", "greater than or equal to 0.01"),
+        ({"grpo": {"promptsPerStep": 10**9}}, "spec.grpo.promptsPerStep", "less than or equal to 4096"),
+        ({"rollout": {"leaseSeconds": float("inf")}}, "spec.rollout.leaseSeconds", "finite number"),
+        ({"seed": 2**64}, "spec.seed", "less than or equal to"),
+        ({"seed": -1}, "spec.seed", "greater than or equal to 0"),
+        ({"steps": 10**12}, "spec.steps", "less than or equal to 10000000"),
+        ({"sync": {"baseEvery": 10**9}}, "spec.sync.baseEvery", "less than or equal to 1000000"),
+        (
+            {"topology": {"regions": [{"name": "a", "bandwidthMbit": float("inf")}]}},
+            "spec.topology.regions.0.bandwidthMbit",
+            "finite number",
+        ),
+        (
+            {"topology": {"regions": [{"name": f"r{i}"} for i in range(65)]}},
+            "spec.topology.regions",
+            "at most 64 items",
+        ),
+        (
+            {"task": {"builtin": "add", "reward": "os:system;rm"}},
+            "spec.task.reward",
+            "is not exact, numeric, char_match",
+        ),
+        ({"task": {"builtin": "add", "reward": "pkg.mod:f"}}, "spec.task.reward", "module:function (module.py beside"),
+        (
+            {"grpo": {"groupSize": 256, "maxNewTokens": 4096}, "rollout": {"groupsPerLease": 8}},
+            "spec",
+            "8,388,608 tokens per lease (limit 4,194,304)",
+        ),
+    ],
+)
 def test_every_number_is_finite_and_bounded(spec, field, reason):
     with pytest.raises(JobError) as e:
         parse(job(**spec))
@@ -174,15 +203,18 @@ def test_a_non_finite_number_in_yaml_is_refused_from_the_command_line(tmp_path):
     refused(sparrowrl("run", write_job(tmp_path / "k.yaml"), "--steps", "100000000000"), "spec.steps")
 
 
-@pytest.mark.parametrize("meta, reason", [
-    ({"name": "t", "nickname": "x"}, "metadata.nickname: unknown field"),
-    ({"name": "t", "finalizers": ["x"] * 65}, "metadata.finalizers: List should have at most 64 items"),
-    ({"name": "t", "labels": {"a": "x" * 64}}, "is not 63 characters at most"),
-    ({"name": "t", "labels": {"bad key!": "x"}}, "label key 'bad key!'"),
-    ({"name": "t", "labels": {"a": ["nested"]}}, "metadata.labels.a: Input should be a valid string"),
-    ({"name": "t", "annotations": {"a": "x" * (300 << 10)}}, "Kubernetes allows 262,144"),
-    ({"name": "t", "namespace": "Not_A_Namespace"}, "metadata.namespace"),
-])
+@pytest.mark.parametrize(
+    "meta, reason",
+    [
+        ({"name": "t", "nickname": "x"}, "metadata.nickname: unknown field"),
+        ({"name": "t", "finalizers": ["x"] * 65}, "metadata.finalizers: List should have at most 64 items"),
+        ({"name": "t", "labels": {"a": "x" * 64}}, "is not 63 characters at most"),
+        ({"name": "t", "labels": {"bad key!": "x"}}, "label key 'bad key!'"),
+        ({"name": "t", "labels": {"a": ["nested"]}}, "metadata.labels.a: Input should be a valid string"),
+        ({"name": "t", "annotations": {"a": "x" * (300 << 10)}}, "Kubernetes allows 262,144"),
+        ({"name": "t", "namespace": "Not_A_Namespace"}, "metadata.namespace"),
+    ],
+)
 def test_metadata_is_what_kubernetes_allows(meta, reason):
     with pytest.raises(JobError, match=reason.replace(".", r"\.").replace("(", r"\(")):
         parse({**job(), "metadata": meta})
@@ -197,17 +229,27 @@ def test_a_reward_names_a_file_beside_the_job_never_an_installed_callable(tmp_pa
 def test_a_file_beside_the_job_does_not_shadow_the_standard_library(tmp_path):
     """tabnanny: a standard module that nothing has imported before the reward does."""
     (tmp_path / "tabnanny.py").write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")
-    (tmp_path / "rw.py").write_text("import tabnanny\nimport helper\n"
-                                    "def f(prompt, completion, answer):\n"
-                                    "    return float(hasattr(tabnanny, 'check')) * helper.ONE\n")
+    (tmp_path / "rw.py").write_text(
+        "import tabnanny\nimport helper\n"
+        "def f(prompt, completion, answer):\n"
+        "    return float(hasattr(tabnanny, 'check')) * helper.ONE\n"
+    )
     (tmp_path / "helper.py").write_text("ONE = 1.0\n")  # the reward's own module, beside it
-    code = ("import sys; from sparrowrl.spec.job import load; from sparrowrl.trainer.tasks import for_job; "
-            "assert 'tabnanny' not in sys.modules; "
-            f"_, r = for_job(load({str(tmp_path / 'j.yaml')!r}).spec); "
-            "import tabnanny; print(r('', '', ''), tabnanny.__file__)")
+    code = (
+        "import sys; from sparrowrl.spec.job import load; from sparrowrl.trainer.tasks import for_job; "
+        "assert 'tabnanny' not in sys.modules; "
+        f"_, r = for_job(load({str(tmp_path / 'j.yaml')!r}).spec); "
+        "import tabnanny; print(r('', '', ''), tabnanny.__file__)"
+    )
     write_job(tmp_path / "j.yaml", task={"builtin": "add", "reward": "rw:f"})
-    p = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                       preexec_fn=limit_memory)
+    p = subprocess.run(
+        [sys.executable, "-P", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        preexec_fn=limit_memory,
+    )
     assert p.returncode == 0, p.stderr
     value, where = p.stdout.split()
     assert value == "1.0" and not where.startswith(str(tmp_path))
@@ -215,6 +257,7 @@ def test_a_file_beside_the_job_does_not_shadow_the_standard_library(tmp_path):
 
 
 # ---------------------------------------------------------------- stores: a bad version is refused, nothing lost
+
 
 @pytest.fixture
 def store(tmp_path):
@@ -224,13 +267,16 @@ def store(tmp_path):
     return tmp_path / "s", t
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda t: {"a": t["a"]}, ["lacks tensor 'b', which v0 has"]),
-    (lambda t: {**t, "c": torch.ones(1)}, ["has tensor 'c', which v0 does not"]),
-    (lambda t: {"a": t["a"], "B": t["b"]}, ["has tensor 'B', which v0 does not"]),
-    (lambda t: {**t, "b": torch.ones(6)}, ["tensor 'b' is F32[6] in the new version, F32[5] in v0"]),
-    (lambda t: {**t, "a": t["a"].float()}, ["tensor 'a' is F32[3, 4] in the new version, BF16[3, 4] in v0"]),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda t: {"a": t["a"]}, ["lacks tensor 'b', which v0 has"]),
+        (lambda t: {**t, "c": torch.ones(1)}, ["has tensor 'c', which v0 does not"]),
+        (lambda t: {"a": t["a"], "B": t["b"]}, ["has tensor 'B', which v0 does not"]),
+        (lambda t: {**t, "b": torch.ones(6)}, ["tensor 'b' is F32[6] in the new version, F32[5] in v0"]),
+        (lambda t: {**t, "a": t["a"].float()}, ["tensor 'a' is F32[3, 4] in the new version, BF16[3, 4] in v0"]),
+    ],
+)
 def test_store_add_refuses_another_tensor_table_and_the_store_stays_whole(store, tmp_path, change, words):
     path, t = store
     save_file(change(t), tmp_path / "bad.safetensors")
@@ -243,17 +289,22 @@ def test_store_add_refuses_another_tensor_table_and_the_store_stays_whole(store,
     assert sparrowrl("store", "materialize", path, "1", "-o", tmp_path / "out.safetensors").returncode == 0
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda d: d["versions"][0].update(base="../../../etc/passwd"),
-     ["base '../../../etc/passwd' is not the store's name"]),
-    (lambda d: d["versions"][0].update(base="/etc/passwd"), ["base '/etc/passwd'"]),
-    (lambda d: d.update(base_every=0), ["base_every 0 is not 1..1,000,000"]),
-    (lambda d: d.update(versions=[]), ["no versions"]),
-    (lambda d: d["versions"][0].update(version=1.5), ["version 1.5: not a version number"]),
-    (lambda d: d["versions"][0].update(base_bytes=-1), ["base_bytes -1 is not a count"]),
-    (lambda d: d["versions"][0].update(base_part_bytes=3 << 16), ["its parts do not fit its size"]),
-    (lambda d: d["versions"][0].update(base_part_bytes=1 << 40), ["its parts do not fit its size"]),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (
+            lambda d: d["versions"][0].update(base="../../../etc/passwd"),
+            ["base '../../../etc/passwd' is not the store's name"],
+        ),
+        (lambda d: d["versions"][0].update(base="/etc/passwd"), ["base '/etc/passwd'"]),
+        (lambda d: d.update(base_every=0), ["base_every 0 is not 1..1,000,000"]),
+        (lambda d: d.update(versions=[]), ["no versions"]),
+        (lambda d: d["versions"][0].update(version=1.5), ["version 1.5: not a version number"]),
+        (lambda d: d["versions"][0].update(base_bytes=-1), ["base_bytes -1 is not a count"]),
+        (lambda d: d["versions"][0].update(base_part_bytes=3 << 16), ["its parts do not fit its size"]),
+        (lambda d: d["versions"][0].update(base_part_bytes=1 << 40), ["its parts do not fit its size"]),
+    ],
+)
 def test_an_index_that_names_files_outside_the_store_or_impossible_numbers_is_refused(store, edit, words):
     path, _ = store
     index = json.loads((path / "store.json").read_text())
@@ -265,12 +316,15 @@ def test_an_index_that_names_files_outside_the_store_or_impossible_numbers_is_re
 
 def test_store_init_refuses_base_every_out_of_range(tmp_path, store):
     for k in ("0", "-3", "2000000"):
-        refused(sparrowrl("store", "init", tmp_path / "n", tmp_path / "v0.safetensors", "--base-every", k),
-                "base_every must be 1..1,000,000")
+        refused(
+            sparrowrl("store", "init", tmp_path / "n", tmp_path / "v0.safetensors", "--base-every", k),
+            "base_every must be 1..1,000,000",
+        )
     assert not (tmp_path / "n").exists()
 
 
 # ---------------------------------------------------------------- outputs: never replace what is not a regular file
+
 
 def specials(tmp_path) -> dict:
     os.mkfifo(tmp_path / "fifo")
@@ -291,12 +345,18 @@ def unchanged(path, kind) -> bool:
 def test_outputs_that_are_not_regular_files_are_never_replaced(store, tmp_path):
     path, t = store
     save_file({**t, "b": t["b"] * 3}, tmp_path / "v1.safetensors")
-    assert sparrowrl("delta", "diff", tmp_path / "v0.safetensors", tmp_path / "v1.safetensors", "-o",
-                     tmp_path / "d.spd").returncode == 0
+    assert (
+        sparrowrl(
+            "delta", "diff", tmp_path / "v0.safetensors", tmp_path / "v1.safetensors", "-o", tmp_path / "d.spd"
+        ).returncode
+        == 0
+    )
     for kind, out in specials(tmp_path).items():
-        for args in (["delta", "diff", tmp_path / "v0.safetensors", tmp_path / "v1.safetensors", "-o", out],
-                     ["delta", "apply", tmp_path / "v0.safetensors", tmp_path / "d.spd", "-o", out],
-                     ["store", "materialize", path, "0", "-o", out]):
+        for args in (
+            ["delta", "diff", tmp_path / "v0.safetensors", tmp_path / "v1.safetensors", "-o", out],
+            ["delta", "apply", tmp_path / "v0.safetensors", tmp_path / "d.spd", "-o", out],
+            ["store", "materialize", path, "0", "-o", out],
+        ):
             refused(sparrowrl(*args, timeout=60), str(out), "not replaced")
             assert unchanged(out, kind), (kind, args)
     assert (tmp_path / "folder" / "keep").read_text() == "x"
@@ -308,15 +368,28 @@ def test_a_folder_output_is_replaced_only_by_a_checkpoint_of_the_same_files(tmp_
     save_file(t, tmp_path / "base" / "model.safetensors")
     (tmp_path / "base" / "config.json").write_text("{}")
     save_file({"w": t["w"] * 2}, tmp_path / "new.safetensors")
-    assert sparrowrl("delta", "diff", tmp_path / "base" / "model.safetensors", tmp_path / "new.safetensors", "-o",
-                     tmp_path / "d.spd").returncode == 0
+    assert (
+        sparrowrl(
+            "delta",
+            "diff",
+            tmp_path / "base" / "model.safetensors",
+            tmp_path / "new.safetensors",
+            "-o",
+            tmp_path / "d.spd",
+        ).returncode
+        == 0
+    )
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "thesis.tex").write_text("years of work")
-    refused(sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
-            "holds 'thesis.tex', which this checkpoint does not; not replaced")
+    refused(
+        sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
+        "holds 'thesis.tex', which this checkpoint does not; not replaced",
+    )
     save_file(t, tmp_path / "home" / "downloaded.safetensors")  # a checkpoint among other files is still theirs
-    refused(sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
-            "holds 'downloaded.safetensors', which this checkpoint does not")
+    refused(
+        sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
+        "holds 'downloaded.safetensors', which this checkpoint does not",
+    )
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["downloaded.safetensors", "thesis.tex"]
     assert sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "out").returncode == 0
     assert sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "out").returncode == 0
@@ -335,16 +408,44 @@ def test_fifos_given_as_files_and_a_missing_ca_file_are_named(tmp_path, store):
     save_file({"w": torch.ones(2)}, tmp_path / "ck" / "a.safetensors")
     os.mkfifo(tmp_path / "ck" / "b.safetensors")
     save_file({"w": torch.ones(2)}, tmp_path / "new.safetensors")
-    refused(sparrowrl("delta", "diff", tmp_path / "ck", tmp_path / "new.safetensors", "-o", tmp_path / "d.spd",
-                      timeout=60), "b.safetensors: not a regular file")
-    refused(sparrowrl("fetch", "https://127.0.0.1:9", "--version", "0", "-o", tmp_path / "o.safetensors",
-                      "--ca-cert", tmp_path / "none.pem"), "--ca-cert", "none.pem")
+    refused(
+        sparrowrl("delta", "diff", tmp_path / "ck", tmp_path / "new.safetensors", "-o", tmp_path / "d.spd", timeout=60),
+        "b.safetensors: not a regular file",
+    )
+    refused(
+        sparrowrl(
+            "fetch",
+            "https://127.0.0.1:9",
+            "--version",
+            "0",
+            "-o",
+            tmp_path / "o.safetensors",
+            "--ca-cert",
+            tmp_path / "none.pem",
+        ),
+        "--ca-cert",
+        "none.pem",
+    )
     os.mkfifo(tmp_path / "cert.pem")
-    refused(sparrowrl("serve", store[0], "--port", "9", "--tls-cert", tmp_path / "cert.pem", "--tls-key",
-                      tmp_path / "cert.pem", timeout=60), "--tls-cert", "a PEM file must be a regular file")
+    refused(
+        sparrowrl(
+            "serve",
+            store[0],
+            "--port",
+            "9",
+            "--tls-cert",
+            tmp_path / "cert.pem",
+            "--tls-key",
+            tmp_path / "cert.pem",
+            timeout=60,
+        ),
+        "--tls-cert",
+        "a PEM file must be a regular file",
+    )
 
 
 # ---------------------------------------------------------------- inputs read whole
+
 
 def test_a_delta_that_is_endless_or_larger_than_memory_is_refused_before_reading(tmp_path):
     refused(sparrowrl("delta", "inspect", "/dev/zero", timeout=60), "a delta must be a regular file")
@@ -352,8 +453,9 @@ def test_a_delta_that_is_endless_or_larger_than_memory_is_refused_before_reading
     refused(sparrowrl("delta", "inspect", tmp_path / "fifo", timeout=60), "a delta must be a regular file")
     with open(tmp_path / "huge.spd", "wb") as f:
         f.truncate(1 << 40)  # sparse: no disk used, and more than this machine's memory
-    refused(sparrowrl("delta", "inspect", tmp_path / "huge.spd", timeout=60),
-            "a delta is 1,099,511,627,776 bytes (limit")
+    refused(
+        sparrowrl("delta", "inspect", tmp_path / "huge.spd", timeout=60), "a delta is 1,099,511,627,776 bytes (limit"
+    )
 
 
 def test_a_packed_header_too_large_to_parse_in_the_memory_free_is_refused_unread(tmp_path):
@@ -363,18 +465,29 @@ def test_a_packed_header_too_large_to_parse_in_the_memory_free_is_refused_unread
     import hashlib
     import resource
 
-    from bounded import BASELINE, EXE
+    from support.bounded import BASELINE, EXE
+
     from sparrowrl.delta.frame import HEAD, MAGIC, TRAILER
 
     frame = zstd_frame(60 << 20, b"{}")
     path = tmp_path / "d.spd"
     path.write_bytes(HEAD.pack(MAGIC, 3, len(frame)) + frame + hashlib.sha256(frame).digest() + bytes(TRAILER.size))
     room = BASELINE + (512 << 20)
-    p = subprocess.run([str(EXE), "delta", "inspect", str(path)], capture_output=True, text=True, timeout=60,
-                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (room, room)))
-    refused(p, f"{path}: header: does not unpack: declares {60 << 20} bytes unpacked, more than the memory free "
-               "here can parse")
-    assert "more than the memory" not in refused(sparrowrl("delta", "inspect", path, timeout=60), "header: does not unpack")
+    p = subprocess.run(
+        [str(EXE), "delta", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (room, room)),
+    )
+    refused(
+        p,
+        f"{path}: header: does not unpack: declares {60 << 20} bytes unpacked, more than the memory free "
+        "here can parse",
+    )
+    assert "more than the memory" not in refused(
+        sparrowrl("delta", "inspect", path, timeout=60), "header: does not unpack"
+    )
 
 
 def test_a_relay_cache_that_holds_other_files_is_refused(tmp_path):
@@ -387,8 +500,10 @@ def test_a_relay_cache_that_holds_other_files_is_refused(tmp_path):
     (d / "deltas" / "notes.txt").write_text("mine")
     (tmp_path / "file").write_text("x")
     for cache in (d, tmp_path / "file"):
-        refused(sparrowrl("relay", "--upstream", "http://127.0.0.1:9", "--cache", cache, "--port", "9", timeout=60),
-                "not empty, and not a relay's cache")
+        refused(
+            sparrowrl("relay", "--upstream", "http://127.0.0.1:9", "--cache", cache, "--port", "9", timeout=60),
+            "not empty, and not a relay's cache",
+        )
     assert tree(d) == {"deltas/notes.txt": b"mine"} and (tmp_path / "file").read_text() == "x"
     old = tmp_path / "old"
     (old / "deltas").mkdir(parents=True)
@@ -404,15 +519,16 @@ def test_a_server_refuses_an_index_that_points_outside_the_store(store):
     import urllib.error
     import urllib.request
 
-    from bounded import TOKEN, serving
+    from support.bounded import TOKEN, serving
 
     path, _ = store
     with serving("serve", path) as (_, port):
         index = json.loads((path / "store.json").read_text())
         index["versions"][0]["base"] = "../../../../etc/passwd"  # changed while it serves
         (path / "store.json").write_text(json.dumps(index))
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/versions/0/base",
-                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/versions/0/base", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=30)
         assert e.value.code == 503 and "damaged index" in e.value.read().decode()

@@ -1,6 +1,6 @@
 """Hostile peers over real HTTP: query numbers, clients that hang up, bytes that are not UTF-8,
 ports and TLS files that do not work, forged delta headers, servers whose listings lie. Every
-server under test runs as a bounded child (tests/bounded.py)."""
+server under test runs as a bounded child (tests/support/bounded.py)."""
 
 import asyncio
 import hashlib
@@ -19,19 +19,19 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
-from safetensors.torch import save_file
-
-from bounded import TOKEN, free_port, refused, serving, sparrowrl
 from conftest import mutate, random_tensor
+from safetensors.torch import save_file
+from support.bounded import TOKEN, free_port, refused, serving, sparrowrl
+
+from sparrowrl.auth.signing import Signer, base_statement, piece_statement
 from sparrowrl.delta import DeltaFile, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError
 from sparrowrl.delta.frame import END, HEAD, MAGIC, TRAILER, pack_json, unpack_json
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
-from sparrowrl.auth.signing import Signer, base_statement, piece_statement
 from sparrowrl.store.store import BASE_PART, Store
 
-pytestmark = pytest.mark.usefixtures("address_space_limit")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("address_space_limit")]
 
 
 def make_store(path: Path, deltas: int) -> Path:
@@ -76,9 +76,11 @@ def wakes(pid: int, seconds: float) -> int:
     """How often the process's main thread (its event loop) woke up within `seconds`: an idle
     aiohttp server sleeps in epoll; a long-poll handler that is still waiting wakes every turn
     of its loop."""
+
     def switches() -> int:
         status = Path(f"/proc/{pid}/status").read_text()
         return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
     before = switches()
     time.sleep(seconds)
     return switches() - before
@@ -113,21 +115,24 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("target, name", [
-    ("/v1/versions/2/pieces?wait=nan", "wait"),  # was: the deadline never passed, the handler spun forever
-    ("/v1/versions?after=1&wait=nan", "wait"),
-    ("/v1/versions?after=1&wait=inf", "wait"),
-    ("/v1/versions?after=1&wait=1e999", "wait"),
-    ("/v1/versions?after=1&wait=-1", "wait"),
-    ("/v1/versions/0/base/pieces?wait=-inf", "wait"),
-    ("/v1/versions?after=-5", "after"),  # was: slices from the end
-    ("/v1/versions?base=-1", "base"),
-    ("/v1/versions/1/pieces?after=-5", "after"),
-    ("/v1/versions/0/base/pieces?after=-1", "after"),
-    ("/v1/plan?to=-1", "to"),
-    ("/v1/plan?to=1&from=-1", "from"),
-    (f"/v1/versions?after={2**62 + 1}", "after"),
-])
+@pytest.mark.parametrize(
+    "target, name",
+    [
+        ("/v1/versions/2/pieces?wait=nan", "wait"),  # was: the deadline never passed, the handler spun forever
+        ("/v1/versions?after=1&wait=nan", "wait"),
+        ("/v1/versions?after=1&wait=inf", "wait"),
+        ("/v1/versions?after=1&wait=1e999", "wait"),
+        ("/v1/versions?after=1&wait=-1", "wait"),
+        ("/v1/versions/0/base/pieces?wait=-inf", "wait"),
+        ("/v1/versions?after=-5", "after"),  # was: slices from the end
+        ("/v1/versions?base=-1", "base"),
+        ("/v1/versions/1/pieces?after=-5", "after"),
+        ("/v1/versions/0/base/pieces?after=-1", "after"),
+        ("/v1/plan?to=-1", "to"),
+        ("/v1/plan?to=1&from=-1", "from"),
+        (f"/v1/versions?after={2**62 + 1}", "after"),
+    ],
+)
 def test_query_numbers_must_be_finite_and_in_range(server, target, name):
     status, text = get(server, target)
     assert status == 400 and f"query parameter {name}=" in text, (status, text)
@@ -170,8 +175,9 @@ def test_a_relay_base_long_poll_ends_when_its_client_leaves(tmp_path):
     with serving("serve", make_store(tmp_path / "s", deltas=0)) as (_, origin):
         with serving("relay", "--upstream", f"http://127.0.0.1:{origin}", "--rate-mbit", "0.001") as (p, port):
             deadline = time.monotonic() + 60
-            while not (get(port, "/v1/versions")[0] == 200 and json.loads(get(port, "/v1/versions")[1])
-                       ["versions"][0]["base"]):
+            while not (
+                get(port, "/v1/versions")[0] == 200 and json.loads(get(port, "/v1/versions")[1])["versions"][0]["base"]
+            ):
                 assert time.monotonic() < deadline, "the relay did not list the origin's base"
                 time.sleep(0.2)
             s = long_poll(port, "/v1/versions/0/base/pieces?after=0&wait=60")
@@ -213,9 +219,16 @@ def role_args(tmp_path: Path, command: str) -> list:
     if command == "relay":
         return ["relay", "--upstream", "http://127.0.0.1:9"]
     if command == "trainer":
-        (tmp_path / "j.yaml").write_text(json.dumps({
-            "apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
-            "spec": {"model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"}}}))
+        (tmp_path / "j.yaml").write_text(
+            json.dumps(
+                {
+                    "apiVersion": "sparrowrl.dev/v1alpha1",
+                    "kind": "SparrowRLJob",
+                    "metadata": {"name": "t"},
+                    "spec": {"model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"}},
+                }
+            )
+        )
         return ["trainer", tmp_path / "j.yaml", "--state-dir", tmp_path / "state"]
     return ["worker", "--trainer", "http://127.0.0.1:9", "--name", "w"]
 
@@ -224,15 +237,19 @@ def role_args(tmp_path: Path, command: str) -> list:
 @pytest.mark.parametrize("command", ["serve", "relay", "trainer", "worker"])
 @pytest.mark.parametrize("port", [0, 70000, -1])
 def test_a_port_out_of_range_is_named(tmp_path, command, port):
-    refused(sparrowrl(*role_args(tmp_path, command), f"--port={port}", timeout=60), "--port", str(port),
-            "out of range")
+    refused(sparrowrl(*role_args(tmp_path, command), f"--port={port}", timeout=60), "--port", str(port), "out of range")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("flag,value,why", [("--pace-tokens-per-s", "nan", "out of range"),
-                                            ("--pace-tokens-per-s", "0", "out of range"),
-                                            ("--local-ports", "1,x", "not comma-separated port numbers"),
-                                            ("--local-ports", "70000", "out of range")])
+@pytest.mark.parametrize(
+    "flag,value,why",
+    [
+        ("--pace-tokens-per-s", "nan", "out of range"),
+        ("--pace-tokens-per-s", "0", "out of range"),
+        ("--local-ports", "1,x", "not comma-separated port numbers"),
+        ("--local-ports", "70000", "out of range"),
+    ],
+)
 def test_a_worker_flag_out_of_range_is_named(tmp_path, flag, value, why):
     refused(sparrowrl(*role_args(tmp_path, "worker"), f"{flag}={value}", timeout=60), flag, why)
 
@@ -242,13 +259,16 @@ def test_tls_files_that_do_not_work_are_named(tmp_path):
     store = make_store(tmp_path / "s", deltas=0)
     junk, missing = tmp_path / "junk.pem", tmp_path / "missing.pem"
     junk.write_text("not a certificate\n")
-    serve = lambda cert, key: sparrowrl("serve", store, "--port", free_port(), "--tls-cert", cert, "--tls-key", key,
-                                        timeout=60)
+
+    def serve(cert, key):
+        return sparrowrl("serve", store, "--port", free_port(), "--tls-cert", cert, "--tls-key", key, timeout=60)
+
     refused(serve(missing, junk), "--tls-cert", str(missing), "No such file")
     refused(serve(junk, missing), "--tls-key", str(missing), "No such file")
     refused(serve(junk, junk), f"--tls-cert {junk}", f"--tls-key {junk}")
-    relay = sparrowrl("relay", "--upstream", "http://127.0.0.1:9", "--port", free_port(), "--ca-cert", missing,
-                      timeout=60)
+    relay = sparrowrl(
+        "relay", "--upstream", "http://127.0.0.1:9", "--port", free_port(), "--ca-cert", missing, timeout=60
+    )
     refused(relay, "--ca-cert", str(missing), "No such file")
 
 
@@ -260,13 +280,19 @@ def forged_duplicate(t: torch.Tensor) -> bytes:
     re-signed and every hash made to agree with that table: before duplicates were refused,
     `delta apply` took it and printed a "verified" hash that its output does not have."""
     buf = io.BytesIO()
-    write_delta(buf, {"a": t, "b": t}, {"a": t, "b": t}, base_version=0, base_hash=state_hash({"a": t, "b": t}),
-                target_version=1)
+    write_delta(
+        buf,
+        {"a": t, "b": t},
+        {"a": t, "b": t},
+        base_version=0,
+        base_hash=state_hash({"a": t, "b": t}),
+        target_version=1,
+    )
     data = buf.getvalue()
     _, version, n = HEAD.unpack_from(data)
-    header = json.loads(unpack_json(data[HEAD.size:HEAD.size + n], version))
+    header = json.loads(unpack_json(data[HEAD.size : HEAD.size + n], version))
     offset, length, _, _ = TRAILER.unpack_from(data, len(data) - TRAILER.size)
-    manifest = json.loads(unpack_json(data[offset:offset + length], version))
+    manifest = json.loads(unpack_json(data[offset : offset + length], version))
     assert not manifest["chunks"]  # nothing changed: no chunk offsets to move
     header["tensors"][1][0] = "a"
     seen = format_hash(2 * tensor_hash(tensor_key("a", t), bits(t)))  # the base as that table sees it
@@ -287,8 +313,10 @@ def test_a_header_that_lists_a_tensor_twice_is_refused(tmp_path, rng):
     save_file({"a": t}, tmp_path / "base.safetensors")
     (tmp_path / "d.spd").write_bytes(forged)
     out = tmp_path / "out.safetensors"
-    refused(sparrowrl("delta", "apply", tmp_path / "base.safetensors", tmp_path / "d.spd", "-o", out),
-            "tensor 'a' is listed twice")
+    refused(
+        sparrowrl("delta", "apply", tmp_path / "base.safetensors", tmp_path / "d.spd", "-o", out),
+        "tensor 'a' is listed twice",
+    )
     assert not out.exists()
 
 
@@ -299,6 +327,7 @@ def test_a_header_that_lists_a_tensor_twice_is_refused(tmp_path, rng):
 def hostile(answers: dict):
     """An HTTP server in this process that answers GET PATH with answers[PATH] as JSON, whatever
     the query, or with answers[PATH](request) where that is a function; yields its URL."""
+
     async def answer(request: web.Request) -> web.Response:
         if request.path not in answers:
             raise web.HTTPNotFound()
@@ -323,10 +352,21 @@ def hostile(answers: dict):
 
 
 def listing(base: dict | None) -> dict:
-    return {"newest": 1, "base_every": 4, "producing": [], "versions": [
-        {"version": 0, "state_hash": "0" * 16, "changed": 0, "delta": None, "base": base},
-        {"version": 1, "state_hash": "1" * 16, "changed": 3, "delta": {"bytes": 100, "sha256": "a" * 64},
-         "base": None}]}
+    return {
+        "newest": 1,
+        "base_every": 4,
+        "producing": [],
+        "versions": [
+            {"version": 0, "state_hash": "0" * 16, "changed": 0, "delta": None, "base": base},
+            {
+                "version": 1,
+                "state_hash": "1" * 16,
+                "changed": 3,
+                "delta": {"bytes": 100, "sha256": "a" * 64},
+                "base": None,
+            },
+        ],
+    }
 
 
 def huge_base(size: int) -> dict:
@@ -337,15 +377,19 @@ def huge_base(size: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("size, words", [
-    (1 << 41, ["/v1/versions: versions.0.base.bytes", "less than or equal to"]),  # past any file a peer may list
-    (1 << 40, ["base v0", f"{1 << 40:,} bytes", "memory free here"]),  # listable, but more than this machine has
-])
+@pytest.mark.parametrize(
+    "size, words",
+    [
+        (1 << 41, ["/v1/versions: versions.0.base.bytes", "less than or equal to"]),  # past any file a peer may list
+        (1 << 40, ["base v0", f"{1 << 40:,} bytes", "memory free here"]),  # listable, but more than this machine has
+    ],
+)
 def test_a_base_bigger_than_memory_is_refused_before_allocating(tmp_path, size, words):
     assert os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") < 1 << 40
     out = tmp_path / "out.safetensors"
-    with hostile({"/v1/plan": {"route": "base", "base": 0, "deltas": []},
-                  "/v1/versions": listing(huge_base(size))}) as url:
+    with hostile(
+        {"/v1/plan": {"route": "base", "base": 0, "deltas": []}, "/v1/versions": listing(huge_base(size))}
+    ) as url:
         p = sparrowrl("fetch", url, "--version", 0, "-o", out, env={"SPARROWRL_TOKEN": TOKEN})
     refused(p, *words)
     assert not out.exists()
@@ -355,26 +399,59 @@ def test_a_base_bigger_than_memory_is_refused_before_allocating(tmp_path, size, 
 def test_pieces_at_negative_offsets_are_refused(tmp_path, rng):
     save_file({"w": random_tensor(rng, "F32", (8,))}, tmp_path / "base.safetensors")
     out = tmp_path / "out.safetensors"
-    with hostile({"/v1/plan": {"route": "chain", "base": None, "deltas": [1]},
-                  "/v1/versions": listing(None),
-                  "/v1/versions/1/pieces": {"pieces": [[-8, 8, "a" * 64, True, ""]], "complete": True, "bytes": 8,
-                                            "epoch": "file"}}) as url:
-        p = sparrowrl("fetch", url, "--version", 1, "--base", tmp_path / "base.safetensors", "--base-version", 0,
-                      "-o", out, env={"SPARROWRL_TOKEN": TOKEN})
+    with hostile(
+        {
+            "/v1/plan": {"route": "chain", "base": None, "deltas": [1]},
+            "/v1/versions": listing(None),
+            "/v1/versions/1/pieces": {
+                "pieces": [[-8, 8, "a" * 64, True, ""]],
+                "complete": True,
+                "bytes": 8,
+                "epoch": "file",
+            },
+        }
+    ) as url:
+        p = sparrowrl(
+            "fetch",
+            url,
+            "--version",
+            1,
+            "--base",
+            tmp_path / "base.safetensors",
+            "--base-version",
+            0,
+            "-o",
+            out,
+            env={"SPARROWRL_TOKEN": TOKEN},
+        )
     refused(p, "/v1/versions/1/pieces: pieces.0.0", "greater than or equal to 0")
     assert not out.exists()
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("plan, words", [
-    ({"route": "base", "base": 1, "deltas": []}, ["the plan names base v1, which the version listing does not hold"]),
-    ({"route": "base", "base": 7, "deltas": []}, ["route 'base' (base 7, 0 deltas) does not lead from nothing to v1"]),
-    ({"route": "base", "base": 0, "deltas": [2]}, ["route 'base' (base 0, 1 deltas) does not lead from nothing to v1"]),
-    ({"route": "chain", "base": None, "deltas": [1]}, ["route 'chain' to v1 for a client that holds nothing"]),
-    ({"route": "teleport", "base": None, "deltas": []}, ["/v1/plan: route: Input should be"]),
-    ({"route": "chain", "base": None, "deltas": [-1]},
-     ["/v1/plan: deltas.0: Input should be greater than or equal to 0"]),
-])
+@pytest.mark.parametrize(
+    "plan, words",
+    [
+        (
+            {"route": "base", "base": 1, "deltas": []},
+            ["the plan names base v1, which the version listing does not hold"],
+        ),
+        (
+            {"route": "base", "base": 7, "deltas": []},
+            ["route 'base' (base 7, 0 deltas) does not lead from nothing to v1"],
+        ),
+        (
+            {"route": "base", "base": 0, "deltas": [2]},
+            ["route 'base' (base 0, 1 deltas) does not lead from nothing to v1"],
+        ),
+        ({"route": "chain", "base": None, "deltas": [1]}, ["route 'chain' to v1 for a client that holds nothing"]),
+        ({"route": "teleport", "base": None, "deltas": []}, ["/v1/plan: route: Input should be"]),
+        (
+            {"route": "chain", "base": None, "deltas": [-1]},
+            ["/v1/plan: deltas.0: Input should be greater than or equal to 0"],
+        ),
+    ],
+)
 def test_a_plan_that_does_not_fit_the_listing_is_refused(tmp_path, plan, words):
     out = tmp_path / "out.safetensors"
     with hostile({"/v1/plan": plan, "/v1/versions": listing(huge_base(100))}) as url:
@@ -392,9 +469,17 @@ def test_a_delta_whose_pieces_never_end_is_refused_before_memory_runs_out(tmp_pa
 
     def pieces(request):  # signed with the job's key: a trainer's delta is bounded too
         after, sign = int(request.query.get("after", 0)), Signer(TOKEN).sign
-        return web.json_response({"pieces": [[o, mib, zeros, False, sign(piece_statement(1, o, mib, zeros, False))]
-                                             for o in ((after + i) * mib for i in range(64))],
-                                  "complete": False, "bytes": None, "epoch": "file"})
+        return web.json_response(
+            {
+                "pieces": [
+                    [o, mib, zeros, False, sign(piece_statement(1, o, mib, zeros, False))]
+                    for o in ((after + i) * mib for i in range(64))
+                ],
+                "complete": False,
+                "bytes": None,
+                "epoch": "file",
+            }
+        )
 
     def delta(request):
         r = request.http_range
@@ -402,9 +487,27 @@ def test_a_delta_whose_pieces_never_end_is_refused_before_memory_runs_out(tmp_pa
 
     save_file({"w": random_tensor(rng, "F32", (8,))}, tmp_path / "base.safetensors")
     out = tmp_path / "out.safetensors"
-    with hostile({"/v1/plan": {"route": "chain", "base": None, "deltas": [1]}, "/v1/versions": listing(None),
-                  "/v1/versions/1/pieces": pieces, "/v1/versions/1/delta": delta}) as url:
-        p = sparrowrl("fetch", url, "--version", 1, "--base", tmp_path / "base.safetensors", "--base-version", 0,
-                      "-o", out, env={"SPARROWRL_TOKEN": TOKEN}, timeout=200)
+    with hostile(
+        {
+            "/v1/plan": {"route": "chain", "base": None, "deltas": [1]},
+            "/v1/versions": listing(None),
+            "/v1/versions/1/pieces": pieces,
+            "/v1/versions/1/delta": delta,
+        }
+    ) as url:
+        p = sparrowrl(
+            "fetch",
+            url,
+            "--version",
+            1,
+            "--base",
+            tmp_path / "base.safetensors",
+            "--base-version",
+            0,
+            "-o",
+            out,
+            env={"SPARROWRL_TOKEN": TOKEN},
+            timeout=200,
+        )
     refused(p, "delta v1: the server's pieces take more than the memory free here")
     assert not out.exists()

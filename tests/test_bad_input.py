@@ -6,8 +6,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-
 from conftest import mutate, random_tensor, zstd_frame
+
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError, DeltaError, FormatError, MismatchError, VerifyError
@@ -19,8 +19,9 @@ def pair(rng):
     old = {"a": random_tensor(rng, "BF16", (300, 40)), "b": random_tensor(rng, "F32", (1000,))}
     new = {"a": mutate(rng, old["a"], 0.02), "b": mutate(rng, old["b"], 0.5)}
     buf = io.BytesIO()
-    m = write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1,
-                    segment=2048, chunk_bytes=256)
+    m = write_delta(
+        buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1, segment=2048, chunk_bytes=256
+    )
     assert len(m["chunks"]) >= 3
     return old, new, buf.getvalue(), m
 
@@ -41,8 +42,11 @@ def flip(data: bytes, at: int) -> bytes:
 
 def test_corruption_anywhere_is_refused(pair):
     old, _, data, m = pair
-    regions = {"header": HEAD.size + 5, "manifest": m["chunks"][-1]["offset"] + m["chunks"][-1]["length"] + 10,
-               "trailer": len(data) - 20}
+    regions = {
+        "header": HEAD.size + 5,
+        "manifest": m["chunks"][-1]["offset"] + m["chunks"][-1]["length"] + 10,
+        "trailer": len(data) - 20,
+    }
     for i, c in enumerate(m["chunks"]):
         regions[f"chunk {i} header"] = c["offset"] + 5
         regions[f"chunk {i} body"] = c["offset"] + CHUNK.size + (c["length"] - CHUNK.size) // 2
@@ -98,7 +102,9 @@ def test_wrong_tracked_base_hash(pair):
 def test_shape_and_dtype_mismatch(pair):
     old, _, data, _ = pair
     reshaped = dict(old, a=old["a"].reshape(40, 300))
-    assert_refused(data, reshaped, MismatchError, r"tensor 'a': delta expects BF16\[300, 40\], base has BF16\[40, 300\]")
+    assert_refused(
+        data, reshaped, MismatchError, r"tensor 'a': delta expects BF16\[300, 40\], base has BF16\[40, 300\]"
+    )
     retyped = dict(old, b=old["b"].to(torch.float64))
     assert_refused(data, retyped, MismatchError, r"tensor 'b': delta expects F32\[1000\], base has F64\[1000\]")
 
@@ -111,8 +117,6 @@ def test_missing_and_extra_tensors(pair):
 
 def test_lying_manifest_is_caught_before_any_write(pair):
     """Re-sign a manifest whose target hash is wrong: staging catches it, nothing changes."""
-    import hashlib, json
-
     old, _, data, m = pair
     forged = resign_manifest(data, lambda m: m.update(target_hash="%016x" % (int(m["target_hash"], 16) ^ 1)))
     assert_refused(forged, old, VerifyError, "target hash mismatch")
@@ -121,12 +125,13 @@ def test_lying_manifest_is_caught_before_any_write(pair):
 def resign_manifest(data: bytes, edit=None, raw: bytes | None = None) -> bytes:
     """A manifest edited (or replaced by `raw` as stored) and re-signed: checksums pass, so only
     validation can catch it."""
-    import hashlib, json
+    import hashlib
+    import json
 
     version = HEAD.unpack_from(data)[1]
     off, length, _, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
     if raw is None:
-        manifest = json.loads(unpack_json(data[off:off + length], version))
+        manifest = json.loads(unpack_json(data[off : off + length], version))
         edit(manifest)
         raw = pack_json(manifest, version)
     return data[:off] + raw + TRAILER.pack(off, len(raw), hashlib.sha256(raw).digest(), end)
@@ -140,14 +145,15 @@ def test_a_packed_manifest_that_would_unpack_beyond_its_bound_is_refused_unread(
     _, _, data, _ = pair
     raw = zstd_frame(1 << 40, b"{}")
     assert zstandard.get_frame_parameters(raw).content_size == 1 << 40
-    with pytest.raises(CorruptError, match=f"manifest: does not unpack: declares {1 << 40} bytes unpacked "
-                                           f"\\(bound {MAX_JSON}\\)"):
+    with pytest.raises(
+        CorruptError, match=f"manifest: does not unpack: declares {1 << 40} bytes unpacked \\(bound {MAX_JSON}\\)"
+    ):
         DeltaFile(resign_manifest(data, raw=raw))
     with pytest.raises(CorruptError, match="manifest: does not unpack"):
         DeltaFile(resign_manifest(data, raw=b"{}"))  # format 3 stores it packed; bare JSON is not
     version = HEAD.unpack_from(data)[1]
     off, length, _, _ = TRAILER.unpack_from(data, len(data) - TRAILER.size)
-    packed = data[off:off + length]
+    packed = data[off : off + length]
     with pytest.raises(CorruptError, match="manifest: does not unpack: its zstd frame is followed by 3 bytes"):
         DeltaFile(resign_manifest(data, raw=packed + b"xyz"))
     with pytest.raises(CorruptError, match="manifest: does not unpack: its zstd frame is cut short"):
@@ -163,16 +169,19 @@ def test_a_packed_manifest_that_would_unpack_beyond_its_bound_is_refused_unread(
         DeltaFile(resign_manifest(data, raw=zstd_frame(100, b"{}")))
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda m: m.pop("base_version"), "manifest: base_version: Field required"),
-    (lambda m: m.update(chunks={}), "manifest: chunks: Input should be a valid array"),
-    (lambda m: m["chunks"][0].update(offset=40.0), "manifest: chunks.0.offset: Input should be a valid integer"),
-    (lambda m: m["chunks"][0].pop("sha256"), "manifest: chunks.0.sha256: Field required"),
-    (lambda m: m["tensors"][0].update(changed="7"), "manifest: tensors.0.changed: Input should be a valid integer"),
-    (lambda m: m["tensors"][0].update(changed=10**9), "claims 1000000000 changes of 12000 elements"),
-    (lambda m: m.update(target_hash="XYZ"), "manifest: target_hash: String should match pattern"),
-    (lambda m: m.update(extra=1), "manifest: extra: Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.pop("base_version"), "manifest: base_version: Field required"),
+        (lambda m: m.update(chunks={}), "manifest: chunks: Input should be a valid array"),
+        (lambda m: m["chunks"][0].update(offset=40.0), "manifest: chunks.0.offset: Input should be a valid integer"),
+        (lambda m: m["chunks"][0].pop("sha256"), "manifest: chunks.0.sha256: Field required"),
+        (lambda m: m["tensors"][0].update(changed="7"), "manifest: tensors.0.changed: Input should be a valid integer"),
+        (lambda m: m["tensors"][0].update(changed=10**9), "claims 1000000000 changes of 12000 elements"),
+        (lambda m: m.update(target_hash="XYZ"), "manifest: target_hash: String should match pattern"),
+        (lambda m: m.update(extra=1), "manifest: extra: Extra inputs are not permitted"),
+    ],
+)
 def test_forged_manifests_are_named(pair, edit, message):
     old, _, data, _ = pair
     with pytest.raises(CorruptError, match=message.replace(".", r"\.").replace("(", r"\(")):
@@ -180,14 +189,15 @@ def test_forged_manifests_are_named(pair, edit, message):
 
 
 def test_forged_header_with_absurd_shape(pair):
-    import hashlib, json
+    import hashlib
+    import json
 
     _, _, data, _ = pair
     _, version, n = HEAD.unpack_from(data)
-    header = json.loads(unpack_json(data[HEAD.size:HEAD.size + n], version))
+    header = json.loads(unpack_json(data[HEAD.size : HEAD.size + n], version))
     header["tensors"][0][2] = [2**40, 2**40]
     raw = pack_json(header, version)
-    forged = HEAD.pack(b"SPRWDLTA", version, len(raw)) + raw + hashlib.sha256(raw).digest() + data[HEAD.size + n + 32:]
+    forged = HEAD.pack(b"SPRWDLTA", version, len(raw)) + raw + hashlib.sha256(raw).digest() + data[HEAD.size + n + 32 :]
     with pytest.raises(CorruptError, match="header: .*elements \\(limit"):
         DeltaFile(forged)
 
@@ -199,8 +209,12 @@ def test_base_tensors_are_views_of_the_pulled_bytes(rng):
 
     from sparrowrl.store.checkpoint_io import tensors_in
 
-    state = {"a": random_tensor(rng, "BF16", (3, 5)), "b": torch.arange(7, dtype=torch.int64),
-             "c": torch.zeros(0), "d": torch.tensor(3.0)}
+    state = {
+        "a": random_tensor(rng, "BF16", (3, 5)),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.zeros(0),
+        "d": torch.tensor(3.0),
+    }
     buf = bytearray(save(state))
     got = tensors_in(buf)
     assert state_hash(got) == state_hash(state)
@@ -212,13 +226,16 @@ def test_base_tensors_are_views_of_the_pulled_bytes(rng):
     assert tensors_in(odd)["x"].view(torch.uint8).tolist() == list(range(1, 9))
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}, "at bytes 0..8"),  # shape needs 16 bytes
-    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 64]}, "at bytes 0..64"),  # past the end
-    ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "at bytes 0..8"),
-    ({"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}, "unreadable entry"),
-    ({"shape": [2], "data_offsets": [0, 8]}, "unreadable entry"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}, "at bytes 0..8"),  # shape needs 16 bytes
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0, 64]}, "at bytes 0..64"),  # past the end
+        ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "at bytes 0..8"),
+        ({"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}, "unreadable entry"),
+        ({"shape": [2], "data_offsets": [0, 8]}, "unreadable entry"),
+    ],
+)
 def test_a_base_with_a_lying_header_is_refused(entry, message):
     import json
 

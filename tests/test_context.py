@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import adam_step_pair, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from conftest import adam_step_pair, random_tensor
 from sparrowrl.delta import DeltaFile, apply_delta, kernels, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.context import FIELDS, field, locate_on_device, ranks_on_device
@@ -37,8 +37,12 @@ def grouped(cls: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 
 
 @settings(max_examples=200, deadline=None)
-@given(dtype=st.sampled_from(["BF16", "F16", "F32", "I32", "F8_E4M3"]), n=st.integers(1, 3000),
-       density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1))
+@given(
+    dtype=st.sampled_from(["BF16", "F16", "F32", "I32", "F8_E4M3"]),
+    n=st.integers(1, 3000),
+    density=st.floats(0, 1),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_ranks_locate_back_to_the_positions_on_host_and_device_route(dtype, n, density, seed):
     rng = np.random.default_rng(seed)
     base = random_tensor(rng, dtype, (n,))
@@ -56,8 +60,10 @@ def test_ranks_locate_back_to_the_positions_on_host_and_device_route(dtype, n, d
         return
     assert cls.max() <= fld[1]
     classes, counts, gaps, order = grouped(cls, rank)
-    for where in (lambda: kernels.class_locate(flat, *fld, classes, counts, gaps),
-                  lambda: locate_on_device(signed, fld, classes, counts, gaps)):
+    for where in (
+        lambda: kernels.class_locate(flat, *fld, classes, counts, gaps),
+        lambda: locate_on_device(signed, fld, classes, counts, gaps),
+    ):
         pos, src, found = where()
         assert found and np.array_equal(pos, positions) and np.array_equal(order[src], np.arange(len(positions)))
     # a change past its class's last element is not found, on either route
@@ -112,7 +118,10 @@ def test_a_context_record_in_a_format_1_file_is_refused(rng):
     b = a.clone()
     bits(b)[::50] += 1
     body = encode_changes(0, extract_segment(0, bits(a), bits(b), FIELDS["BF16"]), 2)
-    locate = lambda tid, start, length, *f: kernels.class_locate(bits(a)[start:start + length], 7, 0xFF, *f)
+
+    def locate(tid, start, length, *f):
+        return kernels.class_locate(bits(a)[start : start + length], 7, 0xFF, *f)
+
     assert decode_record(Cursor(body, "ok"), [2], [4096], 2, locate).count == 82
     with pytest.raises(CorruptError, match="unknown record kind 3"):
         decode_record(Cursor(body, "old"), [2], [4096], 1, locate)
@@ -126,7 +135,10 @@ def test_format_3_record_headers_are_bounded_integers(rng):
     bits(b)[::50] += 1
     ch = extract_segment(0, bits(a), bits(b), FIELDS["BF16"])
     body, old_body = encode_changes(0, ch, 3), encode_changes(0, ch, 2)
-    locate = lambda tid, start, length, *f: kernels.class_locate(bits(a)[start:start + length], 7, 0xFF, *f)
+
+    def locate(tid, start, length, *f):
+        return kernels.class_locate(bits(a)[start : start + length], 7, 0xFF, *f)
+
     got = decode_record(Cursor(body, "r"), [2], [4096], 3, locate)
     old_got = decode_record(Cursor(old_body, "r"), [2], [4096], 2, locate)
     assert np.array_equal(got.positions, old_got.positions) and np.array_equal(got.diffs, old_got.diffs)
@@ -168,7 +180,7 @@ def test_a_delta_applied_to_another_base_that_claims_its_hash_changes_nothing(rn
     buf = io.BytesIO()
     m = write_delta(buf, {"w": old}, {"w": new}, base_version=0, base_hash=state_hash({"w": old}), target_version=1)
     other = old.clone()
-    bits(other)[: 1 << 15] = bits(old)[1 << 15:]  # the same values, elsewhere
+    bits(other)[: 1 << 15] = bits(old)[1 << 15 :]  # the same values, elsewhere
     before = bits(other).copy()
     with pytest.raises(DeltaError):
         apply_delta(DeltaFile(buf.getvalue()), {"w": other}, base_hash=m["base_hash"])

@@ -5,16 +5,25 @@ import asyncio
 
 import pytest
 from aiohttp import web
+from support.netfaults import Faults, FaultyProxy
 
-from netfaults import FaultyProxy, Faults
 from sparrowrl.spec.job import parse
 from sparrowrl.trainer.trainer import Run
 from sparrowrl.transport.client import Client
 
-SPEC = {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "control"},
-        "spec": {"steps": 2, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"},
-                 "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
-                 "rollout": {"groupsPerLease": 1}, "topology": {"regions": [{"name": "a", "workers": 1}]}}}
+SPEC = {
+    "apiVersion": "sparrowrl.dev/v1alpha1",
+    "kind": "SparrowRLJob",
+    "metadata": {"name": "control"},
+    "spec": {
+        "steps": 2,
+        "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+        "task": {"builtin": "add"},
+        "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
+        "rollout": {"groupsPerLease": 1},
+        "topology": {"regions": [{"name": "a", "workers": 1}]},
+    },
+}
 
 
 @pytest.fixture
@@ -41,7 +50,9 @@ def test_a_commit_whose_answer_was_lost_counts_once(trainer):
         try:
             async with lossy(port) as proxy, Client(proxy.url, attempts=3, backoff=0.01) as c:
                 h0 = trainer.coord.hashes[0]
-                assert await c.post_json("/v1/commit", {"worker": "w", "version": 0, "state_hash": h0}) == {"verified": True}
+                assert await c.post_json("/v1/commit", {"worker": "w", "version": 0, "state_hash": h0}) == {
+                    "verified": True
+                }
                 assert proxy.connections == 2  # the answer was lost once and the body sent again
             assert trainer.coord.counts.verified == 1
             async with Client(f"http://127.0.0.1:{port}") as c:  # a new request (new key) acts again
@@ -62,9 +73,17 @@ def test_a_lease_whose_answer_was_lost_is_not_handed_out_twice(trainer):
                 assert proxy.connections == 2
             assert list(trainer.coord.leases) == [ans["lease"]["id"]]
             lease = ans["lease"]
-            results = {str(p["group"]): {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2} for p in lease["prompts"]}
-            body = {"lease": lease["id"], "worker": "w", "version": 0, "state_hash": trainer.coord.hashes[0],
-                    "results": results, "generate_s": 0.1}
+            results = {
+                str(p["group"]): {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2} for p in lease["prompts"]
+            }
+            body = {
+                "lease": lease["id"],
+                "worker": "w",
+                "version": 0,
+                "state_hash": trainer.coord.hashes[0],
+                "results": results,
+                "generate_s": 0.1,
+            }
             async with lossy(port) as proxy, Client(proxy.url, attempts=3, backoff=0.01) as c:
                 assert (await c.post_json("/v1/results", body))["admitted"] == 1
                 assert proxy.connections == 2
@@ -89,21 +108,32 @@ def post(port: int, path: str, data: bytes) -> tuple[int, str]:
 
 def valid(trainer, path: str) -> dict:
     h0 = trainer.coord.hashes[0]
-    return {"/v1/work": {"worker": "w", "version": 0},
-            "/v1/commit": {"worker": "w", "version": 0, "state_hash": h0, "fetch_s": 0.1},
-            "/v1/results": {"lease": 0, "worker": "w", "version": 0, "state_hash": h0, "generate_s": 0.1,
-                            "results": {"0": {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2}}}}[path]
+    return {
+        "/v1/work": {"worker": "w", "version": 0},
+        "/v1/commit": {"worker": "w", "version": 0, "state_hash": h0, "fetch_s": 0.1},
+        "/v1/results": {
+            "lease": 0,
+            "worker": "w",
+            "version": 0,
+            "state_hash": h0,
+            "generate_s": 0.1,
+            "results": {"0": {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2}},
+        },
+    }[path]
 
 
 @pytest.mark.usefixtures("address_space_limit")
-@pytest.mark.parametrize("path, edit, field", [
-    ("/v1/results", lambda b: b.update(lease=-1), "lease: Input should be greater than or equal to 0"),
-    ("/v1/results", lambda b: b.pop("worker"), "worker: Field required"),
-    ("/v1/commit", lambda b: b.update(fetch_s=float("inf")), "fetch_s: Input should be a finite number"),
-    ("/v1/commit", lambda b: b.update(version=10**30), "version: Input should be less than 100000000"),
-    ("/v1/work", lambda b: b.update(worker="../x" * 100), "worker: String should match pattern"),
-    ("/v1/work", lambda b: b.pop("worker"), "worker: Field required"),
-])
+@pytest.mark.parametrize(
+    "path, edit, field",
+    [
+        ("/v1/results", lambda b: b.update(lease=-1), "lease: Input should be greater than or equal to 0"),
+        ("/v1/results", lambda b: b.pop("worker"), "worker: Field required"),
+        ("/v1/commit", lambda b: b.update(fetch_s=float("inf")), "fetch_s: Input should be a finite number"),
+        ("/v1/commit", lambda b: b.update(version=10**30), "version: Input should be less than 100000000"),
+        ("/v1/work", lambda b: b.update(worker="../x" * 100), "worker: String should match pattern"),
+        ("/v1/work", lambda b: b.pop("worker"), "worker: Field required"),
+    ],
+)
 def test_a_malformed_body_is_refused_with_its_field_before_anything_acts(trainer, path, edit, field):
     import json
 
@@ -127,11 +157,20 @@ def test_a_malformed_body_is_refused_with_its_field_before_anything_acts(trainer
 
 
 @pytest.mark.usefixtures("address_space_limit")
-@pytest.mark.parametrize("edit, field", [
-    (lambda s: s.update(logprobs=[float("nan")]), "results.0.samples.0.logprobs.0: Input should be a finite number"),
-    (lambda s: s.update(logprobs=[1e300]), "results.0.samples.0.logprobs.0: Input should be less than or equal to 0"),
-    (lambda s: s.update(tokens=[3.5]), "results.0.samples.0.tokens.0: Input should be a valid integer"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (
+            lambda s: s.update(logprobs=[float("nan")]),
+            "results.0.samples.0.logprobs.0: Input should be a finite number",
+        ),
+        (
+            lambda s: s.update(logprobs=[1e300]),
+            "results.0.samples.0.logprobs.0: Input should be less than or equal to 0",
+        ),
+        (lambda s: s.update(tokens=[3.5]), "results.0.samples.0.tokens.0: Input should be a valid integer"),
+    ],
+)
 def test_malformed_results_refuse_their_lease_and_its_groups_go_back(trainer, edit, field):
     """Workers are not trusted: one NaN log-prob admitted would make every weight NaN. The
     worker goes on; its lease's groups are handed out again."""
@@ -144,8 +183,10 @@ def test_malformed_results_refuse_their_lease_and_its_groups_go_back(trainer, ed
                 lease = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
             body = valid(trainer, "/v1/results")
             body["lease"] = lease["id"]
-            body["results"] = {str(p["group"]): {"samples": [{"tokens": [3], "logprobs": [-1.0]} for _ in range(2)]}
-                               for p in lease["prompts"]}
+            body["results"] = {
+                str(p["group"]): {"samples": [{"tokens": [3], "logprobs": [-1.0]} for _ in range(2)]}
+                for p in lease["prompts"]
+            }
             edit(next(iter(body["results"].values()))["samples"][0])
             body_json = json.dumps(body).encode()
             status, text = await asyncio.to_thread(post, port, "/v1/results", body_json)

@@ -29,6 +29,7 @@ def root_schema(crd: dict) -> dict:
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
+@pytest.mark.e2e
 def test_crds_chart_copy_and_generator_agree():
     r = subprocess.run([sys.executable, str(ROOT / "hack" / "gen-crds.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -52,8 +53,18 @@ def nodes(schema: dict, path: str = ""):
 def test_schema_is_structural(name):
     """What the API server refuses in a v1 CRD, or prunes by surprise."""
     for path, node in nodes(root_schema(CRDS[name])):
-        forbidden = {"anyOf", "oneOf", "allOf", "$ref", "$defs", "patternProperties", "propertyNames", "title", "const",
-                     "uniqueItems"} & set(node)
+        forbidden = {
+            "anyOf",
+            "oneOf",
+            "allOf",
+            "$ref",
+            "$defs",
+            "patternProperties",
+            "propertyNames",
+            "title",
+            "const",
+            "uniqueItems",
+        } & set(node)
         assert not forbidden, f"{path}: {forbidden}"
         assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), f"{path}: no type"
         assert not ("properties" in node and "additionalProperties" in node), f"{path}: both"
@@ -135,7 +146,9 @@ def test_examples_are_admitted_and_parse():
                 assert admitted(doc) == [], path
                 load(path)
             elif doc["kind"] == "SparrowCluster":
-                jsonschema.Draft4Validator(root_schema(CLUSTER_CRD)).validate(with_defaults(root_schema(CLUSTER_CRD), doc))
+                jsonschema.Draft4Validator(root_schema(CLUSTER_CRD)).validate(
+                    with_defaults(root_schema(CLUSTER_CRD), doc)
+                )
                 ClusterSpec.model_validate(doc["spec"])
             else:  # Kubernetes' own kinds: against Kubernetes' schemas
                 kubernetes_validate.validate(doc, latest_version(), strict=True)
@@ -176,35 +189,73 @@ def test_managed_by_is_immutable():
     assert admitted(old, old) == []
     assert admitted(example_job(), old) == ["spec: managedBy is immutable"]
     assert admitted(spec_with(lambda s: s.update(managedBy="sparrowrl.dev/operator")), old) == [
-        "spec: managedBy is immutable"]
+        "spec: managedBy is immutable"
+    ]
 
 
 def test_training_fields_are_immutable():
     old = example_job()
     assert admitted(spec_with(lambda s: s["placements"][0].update(replicas=4)), old) == []
     assert admitted(spec_with(lambda s: s.update(runPolicy={"suspend": True})), old) == []
-    for change in (lambda s: s.update(steps=301), lambda s: s["grpo"].update(learningRate=1e-6),
-                   lambda s: s.update(sync={"streams": 2}), lambda s: s["model"]["tiny"].update(layers=3)):
+    for change in (
+        lambda s: s.update(steps=301),
+        lambda s: s["grpo"].update(learningRate=1e-6),
+        lambda s: s.update(sync={"streams": 2}),
+        lambda s: s["model"]["tiny"].update(layers=3),
+    ):
         assert admitted(spec_with(change), old) == [
-            "spec: steps, seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"]
+            "spec: steps, seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"
+        ]
 
 
 def test_full_status_fits_the_schema():
     """Every field the operator can write survives a real API server (which drops unknown ones)."""
-    status = JobStatus.model_validate({
-        "observedGeneration": 3, "phase": "Running",
-        "conditions": [{"type": "Created", "status": "True", "reason": "PodsCreated", "message": "m",
-                        "lastTransitionTime": "2026-12-01T00:00:00Z", "observedGeneration": 3}],
-        "placements": [{"region": "eu", "cluster": "eu-west", "desired": 2, "ready": 1, "failed": 1, "replaced": 1}],
-        "leases": {"active": 2, "healthy": 1, "expired": 3, "requeued": 4, "staleWorkers": ["w"],
-                   "oldestHeartbeatSeconds": 1.5},
-        "progress": {"step": 3, "steps": 9, "policyVersion": 3, "reward": 0.5, "recentReward": 0.4,
-                     "tokensPerSecond": 10.0, "payloadBytes": 99, "changedFraction": 0.01, "commitsVerified": 2,
-                     "commitsMismatched": 0, "workers": [{"name": "w", "region": "eu", "committedVersion": 3,
-                                                          "verification": "ok"}]},
-        "display": {"step": "3/9", "rollout": "1/2", "leases": "1/2", "clusters": "2/2", "payload": "99 B"},
-        "trainerAddress": "http://1.2.3.4:8470", "restarts": 1, "startTime": "2026-12-01T00:00:00Z",
-        "activeSince": "2026-12-01T00:00:00Z", "completionTime": "2026-12-01T01:00:00Z"})
+    status = JobStatus.model_validate(
+        {
+            "observedGeneration": 3,
+            "phase": "Running",
+            "conditions": [
+                {
+                    "type": "Created",
+                    "status": "True",
+                    "reason": "PodsCreated",
+                    "message": "m",
+                    "lastTransitionTime": "2026-12-01T00:00:00Z",
+                    "observedGeneration": 3,
+                }
+            ],
+            "placements": [
+                {"region": "eu", "cluster": "eu-west", "desired": 2, "ready": 1, "failed": 1, "replaced": 1}
+            ],
+            "leases": {
+                "active": 2,
+                "healthy": 1,
+                "expired": 3,
+                "requeued": 4,
+                "staleWorkers": ["w"],
+                "oldestHeartbeatSeconds": 1.5,
+            },
+            "progress": {
+                "step": 3,
+                "steps": 9,
+                "policyVersion": 3,
+                "reward": 0.5,
+                "recentReward": 0.4,
+                "tokensPerSecond": 10.0,
+                "payloadBytes": 99,
+                "changedFraction": 0.01,
+                "commitsVerified": 2,
+                "commitsMismatched": 0,
+                "workers": [{"name": "w", "region": "eu", "committedVersion": 3, "verification": "ok"}],
+            },
+            "display": {"step": "3/9", "rollout": "1/2", "leases": "1/2", "clusters": "2/2", "payload": "99 B"},
+            "trainerAddress": "http://1.2.3.4:8470",
+            "restarts": 1,
+            "startTime": "2026-12-01T00:00:00Z",
+            "activeSince": "2026-12-01T00:00:00Z",
+            "completionTime": "2026-12-01T01:00:00Z",
+        }
+    )
     dumped = status.model_dump(by_alias=True, exclude_none=True)
     schema = root_schema(JOB_CRD)["properties"]["status"]
     jsonschema.Draft4Validator(schema).validate(dumped)

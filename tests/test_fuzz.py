@@ -5,16 +5,16 @@ import io
 
 import numpy as np
 import torch
+from conftest import mutate, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import mutate, random_tensor
 from sparrowrl.delta import DeltaFile, apply_delta, kernels, state_hash, write_delta
+from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import HEAD, MAGIC, TRAILER
 from sparrowrl.delta.records import decode_record, encode_changes, extract_segment
-from sparrowrl.delta.bitview import bits
 
 _rng = np.random.default_rng(7)
 OLD = {"a": random_tensor(_rng, "BF16", (64, 64)), "b": random_tensor(_rng, "F32", (300,))}
@@ -22,8 +22,17 @@ NEW = {"a": mutate(_rng, OLD["a"], 0.03), "b": mutate(_rng, OLD["b"], 0.9)}
 VALID = {}  # per format version
 for _v in (1, 2, 3):
     _buf = io.BytesIO()
-    write_delta(_buf, OLD, NEW, base_version=0, base_hash=state_hash(OLD), target_version=1, segment=512,
-                chunk_bytes=300, version=_v)
+    write_delta(
+        _buf,
+        OLD,
+        NEW,
+        base_version=0,
+        base_hash=state_hash(OLD),
+        target_version=1,
+        segment=512,
+        chunk_bytes=300,
+        version=_v,
+    )
     VALID[_v] = _buf.getvalue()
 
 # record bodies of every kind and codec, to mutate beneath the chunk checksums; each context
@@ -32,13 +41,19 @@ SIZES, NUMELS, FIELDS = [2, 4], [4096, 300], [(7, 0xFF), (23, 0xFF)]
 BASES = [bits(random_tensor(_rng, "BF16", (4096,))), bits(random_tensor(_rng, "F32", (300,)))]
 BODIES = []  # (format version, record)
 for density in (0.002, 0.02, 0.3, 1.0):
-    ch = extract_segment(0, BASES[0], bits(mutate(_rng, torch.from_numpy(BASES[0].view(np.int16)).view(torch.bfloat16),
-                                                  density)), FIELDS[0])
+    ch = extract_segment(
+        0,
+        BASES[0],
+        bits(mutate(_rng, torch.from_numpy(BASES[0].view(np.int16)).view(torch.bfloat16), density)),
+        FIELDS[0],
+    )
     BODIES += [(v, encode_changes(0, ch, v)) for v in (1, 2, 3)]
 
 
 def locate(tid, start, length, *found):
-    return kernels.class_locate(BASES[tid][start:start + length], *FIELDS[tid], *found)
+    return kernels.class_locate(BASES[tid][start : start + length], *FIELDS[tid], *found)
+
+
 settings_ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -60,14 +75,16 @@ def bits_t(t):
 
 
 @settings_
-@given(version=st.sampled_from([1, 2, 3]),
-       edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
-       cut=st.one_of(st.none(), st.integers(0, 10**6)))
+@given(
+    version=st.sampled_from([1, 2, 3]),
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
+    cut=st.one_of(st.none(), st.integers(0, 10**6)),
+)
 def test_mutated_files(version, edits, cut):
     data = bytearray(VALID[version])
     for at, val in edits:
         data[at % len(data)] = val
-    attempt(bytes(data[:cut % (len(data) + 1)] if cut is not None else data))
+    attempt(bytes(data[: cut % (len(data) + 1)] if cut is not None else data))
 
 
 @settings_
@@ -77,9 +94,11 @@ def test_arbitrary_files(data):
 
 
 @settings_
-@given(part=st.sampled_from(["header", "manifest"]),
-       edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
-       cut=st.one_of(st.none(), st.integers(0, 10**6)))
+@given(
+    part=st.sampled_from(["header", "manifest"]),
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
+    cut=st.one_of(st.none(), st.integers(0, 10**6)),
+)
 def test_mutated_packed_json_whose_digests_are_made_to_agree(part, edits, cut):
     """Format 3 packs its header and manifest: mutated, with their digests recomputed, so that
     unpacking and validation are what refuse them (or they still read as the same delta)."""
@@ -90,9 +109,9 @@ def test_mutated_packed_json_whose_digests_are_made_to_agree(part, edits, cut):
     stored = bytearray(data[lo:hi])
     for at, val in edits:
         stored[at % len(stored)] = val
-    stored = bytes(stored[:cut % (len(stored) + 1)] if cut is not None else stored)
+    stored = bytes(stored[: cut % (len(stored) + 1)] if cut is not None else stored)
     if part == "header":
-        forged = HEAD.pack(MAGIC, version, len(stored)) + stored + hashlib.sha256(stored).digest() + data[hi + 32:]
+        forged = HEAD.pack(MAGIC, version, len(stored)) + stored + hashlib.sha256(stored).digest() + data[hi + 32 :]
     else:
         forged = data[:off] + stored + TRAILER.pack(off, len(stored), hashlib.sha256(stored).digest(), end)
     attempt(forged)
@@ -108,9 +127,11 @@ def decode_all(body: bytes, version: int) -> None:
 
 
 @settings_
-@given(which=st.integers(0, len(BODIES) - 1),
-       edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
-       cut=st.one_of(st.none(), st.integers(0, 10**6)))
+@given(
+    which=st.integers(0, len(BODIES) - 1),
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+    cut=st.one_of(st.none(), st.integers(0, 10**6)),
+)
 def test_mutated_records_beneath_checksums(which, edits, cut):
     version, body = BODIES[which][0], bytearray(BODIES[which][1])
     for at, val in edits:
@@ -135,8 +156,12 @@ def test_many_seeded_mutations_beneath_checksums():
 
 
 @settings_
-@given(st.lists(st.integers(0, 10**6), min_size=2, max_size=256), st.integers(0, 2**32 - 1), st.integers(0, 3),
-       st.integers(0, 2**31))
+@given(
+    st.lists(st.integers(0, 10**6), min_size=2, max_size=256),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 3),
+    st.integers(0, 2**31),
+)
 def test_the_ans_decoder_is_constrictions_bit_for_bit(counts, seed, damage, where):
     """Our GIL-free ANS decoder against the library that encodes: the same symbols from every
     stream it wrote, and the same verdict (decoded, bits left, refused) on damaged streams."""
@@ -157,7 +182,7 @@ def test_the_ans_decoder_is_constrictions_bit_for_bit(counts, seed, damage, wher
         if damage == 1:
             words[where % len(words)] ^= np.uint32(1 << (where % 32))
         else:
-            words = words[where % len(words):]
+            words = words[where % len(words) :]
     got, status = kernels.ans_decode(words, kernels.ans_cdf(counts)[None, :], np.array([len(sym)], np.int64))
     try:
         ref = constriction.stream.stack.AnsCoder(words)
@@ -172,10 +197,15 @@ def test_the_ans_decoder_is_constrictions_bit_for_bit(counts, seed, damage, wher
         assert status == 0 and np.array_equal(got, sym)
 
 
-
 @settings_
-@given(st.lists(st.tuples(st.lists(st.integers(0, 10**6), min_size=256, max_size=256), st.integers(0, 400)),
-                min_size=1, max_size=4), st.integers(0, 2**32 - 1))
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 10**6), min_size=256, max_size=256), st.integers(0, 400)),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(0, 2**32 - 1),
+)
 def test_the_ans_encoder_is_constrictions_bit_for_bit(runs, seed):
     """Our GIL-free ANS encoder against the library: the same words for runs of symbols, each
     run over its own model (zero counts included: every symbol keeps a width of at least 1),
@@ -193,8 +223,9 @@ def test_the_ans_encoder_is_constrictions_bit_for_bit(runs, seed):
         syms.append(rng.choice(256, n, p=counts / counts.sum()) if rng.random() < 0.8 else rng.integers(0, 256, n))
     coder = constriction.stream.stack.AnsCoder()
     for counts, sym in reversed(list(zip(models, syms))):
-        coder.encode_reverse(sym.astype(np.int32), constriction.stream.model.Categorical(counts.astype(np.float64),
-                                                                                          perfect=False))
+        coder.encode_reverse(
+            sym.astype(np.int32), constriction.stream.model.Categorical(counts.astype(np.float64), perfect=False)
+        )
     cdfs = np.stack([kernels.ans_cdf(c) for c in models])
     lengths = np.array([len(x) for x in syms], np.int64)
     words = kernels.ans_encode(np.concatenate(syms).astype(np.int64), cdfs, lengths)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import adam_step_pair, mutate, random_tensor
-from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
-from sparrowrl.delta.statehash import tensor_hash, tensor_key
-from sparrowrl.delta.bitview import bits
 from test_shard import _port, _rank, check_published
+
+from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
+from sparrowrl.delta.bitview import bits
+from sparrowrl.delta.statehash import tensor_hash, tensor_key
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -70,6 +70,7 @@ def test_gpu_apply_in_place_into_fused_views(rng):
     assert np.array_equal(bits(qkv.cpu()), bits(torch.cat(list(new.values()))))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_sharded_trainer_publishes_from_cuda_shards(tmp_path):
     """tests/test_shard.py's ranks on GPUs: FSDP2 shards on CUDA, NCCL, the shards diffed by CuPy

@@ -86,11 +86,15 @@ def _imported(tree: ast.AST, path: Path) -> list[str]:
             base = node.module or ""
             if node.level:  # relative: from the file's own package
                 pkg = path.parent.relative_to(next(b for b in LOCAL if path.is_relative_to(b))).parts
-                base = ".".join([*pkg[:len(pkg) - node.level + 1], *([base] if base else [])])
+                base = ".".join([*pkg[: len(pkg) - node.level + 1], *([base] if base else [])])
             out += [base] + [f"{base}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)) and \
-                getattr(node.func, "attr", getattr(node.func, "id", None)) in ("importorskip", "import_module") and \
-                node.args and isinstance(node.args[0], ast.Constant):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Attribute, ast.Name))
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("importorskip", "import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             out.append(node.args[0].value)
         todo.extend(ast.iter_child_nodes(node))
     return [n for n in out if n]
@@ -127,11 +131,15 @@ def off_the_machine(files: list[Path]) -> list[str]:
     for top, where in sorted(found.items()):
         dists = importlib.metadata.packages_distributions().get(top)
         if not dists:
-            problems.append(f"{top} (no installed distribution provides it, so its package cannot be checked), "
-                            f"imported by {sorted(where)}")
+            problems.append(
+                f"{top} (no installed distribution provides it, so its package cannot be checked), "
+                f"imported by {sorted(where)}"
+            )
         elif not provided(top):
-            problems.append(f"{top} (from {', '.join(dists)}: on neither hack/gpu-image.txt nor hack/gpu-wheels.txt), "
-                            f"imported by {sorted(where)}")
+            problems.append(
+                f"{top} (from {', '.join(dists)}: on neither hack/gpu-image.txt nor hack/gpu-wheels.txt), "
+                f"imported by {sorted(where)}"
+            )
     return problems
 
 
@@ -175,9 +183,16 @@ def on_fake_image(site: Path, argv: list[str], env: dict | None = None, timeout:
     """Run this python without its site-packages (-S), with the fake image, the repo's runtime/
     (as hack/gpu-check.sh gives it), tests/ and hack/ on its path."""
     path = os.pathsep.join(map(str, [site, ROOT / "runtime", ROOT / "tests", ROOT / "hack"]))
-    return subprocess.run([sys.executable, "-S", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-                          | {"PYTHONPATH": path} | (env or {}))
+    return subprocess.run(
+        [sys.executable, "-S", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        | {"PYTHONPATH": path}
+        | (env or {}),
+    )
 
 
 IMPORT_ALL = """
@@ -231,9 +246,11 @@ def test_what_the_carried_wheels_need_is_carried_or_on_the_image():
     # without pydantic-core, pydantic would not import there
     less = {n: v for n, v in carried().items() if n != "pydantic-core"}
     assert gpu_wheels.unmet(needs, less, image()) == [
-        "pydantic needs pydantic-core==2.50.4 (neither list has it: add it to gpu-wheels.txt)"]
+        "pydantic needs pydantic-core==2.50.4 (neither list has it: add it to gpu-wheels.txt)"
+    ]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_the_check_runs_on_an_image_of_only_those_packages(tmp_path):
     """Every module of the check imports with every other package absent, and the check itself
@@ -258,12 +275,14 @@ def test_the_check_runs_on_an_image_of_only_those_packages(tmp_path):
     assert json.loads((out / "bench_shard.json").read_text())["runs"]["1"][0]["steps"]
 
 
+@pytest.mark.e2e
 def test_a_dependency_on_neither_list_is_caught_both_ways(tmp_path):
     """A part that imports kopf (installed here, on neither list) lazily, inside a function: the
     static pass names it, and on the fake image the import fails."""
     part = tmp_path / "part.py"
-    part.write_text("from sparrowrl.delta import frame\n\n\ndef later():\n    import kopf\n    return kopf\n\n\n"
-                    "later()\n")
+    part.write_text(
+        "from sparrowrl.delta import frame\n\n\ndef later():\n    import kopf\n    return kopf\n\n\nlater()\n"
+    )
     problems = off_the_machine(check_files() + [part])
     assert len(problems) == 1 and problems[0].startswith("kopf (from kopf: on neither") and str(part) in problems[0]
     assert importlib.util.find_spec("kopf") is not None  # it is installed here: only the lists make it wrong

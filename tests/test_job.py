@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 import yaml
+from support.servers import EXE
 
-from servers import EXE
 from sparrowrl.spec.job import JobError, load, parse
 
 EXAMPLE = "examples/local-job.yaml"
@@ -14,8 +14,12 @@ EXAMPLE = "examples/local-job.yaml"
 
 def job(**spec):
     base = {"model": {"tiny": {}}, "task": {"builtin": "add"}}
-    return {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
-            "spec": {**base, **spec}}
+    return {
+        "apiVersion": "sparrowrl.dev/v1alpha1",
+        "kind": "SparrowRLJob",
+        "metadata": {"name": "t"},
+        "spec": {**base, **spec},
+    }
 
 
 def test_the_example_parses_with_its_defaults():
@@ -24,29 +28,44 @@ def test_the_example_parses_with_its_defaults():
     assert [r.name for r in j.spec.topology.regions] == ["us", "eu"]
 
 
-@pytest.mark.parametrize("spec, field, reason", [
-    ({"grpo": {"learningRate": -1}}, "spec.grpo.learningRate", "greater than 0"),
-    ({"grpo": {"learningrate": 1e-5}}, "spec.grpo.learningrate", "unknown field"),
-    ({"sync": {"mode": "dense"}}, "spec.sync.mode", "'sparse' or 'full'"),
-    ({"sync": {"staleness": 20}}, "spec.sync.staleness", "less than or equal to 8"),
-    ({"rollout": {"engine": "tgi"}}, "spec.rollout.engine", "Input should be 'hf'"),
-    ({"model": {"tiny": {"hidden": 100, "heads": 3}}}, "spec.model.tiny", "multiple of heads"),
-    ({"model": {"path": "/m", "tiny": {}}}, "spec.model", "exactly one of model.path"),
-    ({"task": {}}, "spec.task", "exactly one of task.builtin"),
-    ({"topology": {"regions": [{"name": "a"}, {"name": "a"}]}}, "spec.topology", "unique"),
-    ({"topology": {"regions": [{"name": "Bad_Name"}]}}, "spec.topology.regions.0.name", "pattern"),
-    ({"topology": {"regions": [{"name": "a", "workers": 0}]}}, "spec.topology", "at least one region needs a worker"),
-    ({"placements": [{"region": "a"}], "topology": {"regions": [{"name": "b"}]}}, "spec", "topology (regions for"),
-    ({"placements": [{"region": "a", "cluster": "east"}]}, "spec", "cannot reach a ClusterIP trainer"),
-    ({"placements": [{"region": "a", "replicas": 1, "minReplicas": 2}]}, "spec.placements.0", "must not exceed"),
-    ({"placements": [{"region": "a", "template": {"status": {}}}]}, "spec.placements.0.template", "metadata and spec"),
-    ({"trainer": {"resources": {"limits": {"cpu": "two"}}}}, "spec.trainer.resources.limits.cpu", "pattern"),
-    ({"trainer": {"ranks": 0}}, "spec.trainer.ranks", "greater than or equal to 1"),
-    ({"trainer": {"ranks": 9}, "grpo": {"promptsPerStep": 8}}, "spec", "trainer.ranks (9) must not exceed"),
-    ({"trainer": {"ranks": 4, "resources": {"limits": {"nvidia.com/gpu": "2"}}}}, "spec", "fewer than trainer.ranks"),
-    ({"runPolicy": {"backoffLimit": 101}}, "spec.runPolicy.backoffLimit", "less than or equal to 100"),
-    ({"health": {"onStale": "Panic"}}, "spec.health.onStale", "'Replace', 'Ignore' or 'FailJob'"),
-])
+@pytest.mark.parametrize(
+    "spec, field, reason",
+    [
+        ({"grpo": {"learningRate": -1}}, "spec.grpo.learningRate", "greater than 0"),
+        ({"grpo": {"learningrate": 1e-5}}, "spec.grpo.learningrate", "unknown field"),
+        ({"sync": {"mode": "dense"}}, "spec.sync.mode", "'sparse' or 'full'"),
+        ({"sync": {"staleness": 20}}, "spec.sync.staleness", "less than or equal to 8"),
+        ({"rollout": {"engine": "tgi"}}, "spec.rollout.engine", "Input should be 'hf'"),
+        ({"model": {"tiny": {"hidden": 100, "heads": 3}}}, "spec.model.tiny", "multiple of heads"),
+        ({"model": {"path": "/m", "tiny": {}}}, "spec.model", "exactly one of model.path"),
+        ({"task": {}}, "spec.task", "exactly one of task.builtin"),
+        ({"topology": {"regions": [{"name": "a"}, {"name": "a"}]}}, "spec.topology", "unique"),
+        ({"topology": {"regions": [{"name": "Bad_Name"}]}}, "spec.topology.regions.0.name", "pattern"),
+        (
+            {"topology": {"regions": [{"name": "a", "workers": 0}]}},
+            "spec.topology",
+            "at least one region needs a worker",
+        ),
+        ({"placements": [{"region": "a"}], "topology": {"regions": [{"name": "b"}]}}, "spec", "topology (regions for"),
+        ({"placements": [{"region": "a", "cluster": "east"}]}, "spec", "cannot reach a ClusterIP trainer"),
+        ({"placements": [{"region": "a", "replicas": 1, "minReplicas": 2}]}, "spec.placements.0", "must not exceed"),
+        (
+            {"placements": [{"region": "a", "template": {"status": {}}}]},
+            "spec.placements.0.template",
+            "metadata and spec",
+        ),
+        ({"trainer": {"resources": {"limits": {"cpu": "two"}}}}, "spec.trainer.resources.limits.cpu", "pattern"),
+        ({"trainer": {"ranks": 0}}, "spec.trainer.ranks", "greater than or equal to 1"),
+        ({"trainer": {"ranks": 9}, "grpo": {"promptsPerStep": 8}}, "spec", "trainer.ranks (9) must not exceed"),
+        (
+            {"trainer": {"ranks": 4, "resources": {"limits": {"nvidia.com/gpu": "2"}}}},
+            "spec",
+            "fewer than trainer.ranks",
+        ),
+        ({"runPolicy": {"backoffLimit": 101}}, "spec.runPolicy.backoffLimit", "less than or equal to 100"),
+        ({"health": {"onStale": "Panic"}}, "spec.health.onStale", "'Replace', 'Ignore' or 'FailJob'"),
+    ],
+)
 def test_bad_fields_are_named_with_the_reason(spec, field, reason):
     with pytest.raises(JobError) as e:
         parse(job(**spec))
@@ -56,8 +75,14 @@ def test_bad_fields_are_named_with_the_reason(spec, field, reason):
 def test_a_job_with_placements_survives_a_round_trip():
     """`sparrowrl run --steps` dumps the spec and reads it back: every field is then set."""
     j = load("examples/k8s/job.yaml")
-    again = parse({"apiVersion": j.api_version, "kind": j.kind, "metadata": {"name": "x"},
-                   "spec": j.spec.model_dump(by_alias=True, exclude_none=True)})
+    again = parse(
+        {
+            "apiVersion": j.api_version,
+            "kind": j.kind,
+            "metadata": {"name": "x"},
+            "spec": j.spec.model_dump(by_alias=True, exclude_none=True),
+        }
+    )
     assert again.spec == j.spec and [r.name for r in again.spec.regions] == ["us", "eu", "ap"]
     assert again.spec.quorum == 1 + 1 + 1  # each placement's minReplicas
 
@@ -69,6 +94,7 @@ def test_wrong_kind_and_missing_metadata():
         parse({k: v for k, v in job().items() if k != "metadata"})
 
 
+@pytest.mark.e2e
 def test_run_refuses_a_bad_spec_before_starting_anything(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(job(grpo={"groupSize": 1})))
@@ -80,6 +106,7 @@ def test_run_refuses_a_bad_spec_before_starting_anything(tmp_path):
     assert r.returncode == 1 and "not valid YAML" in r.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_run_names_a_missing_vllm_before_starting_anything(tmp_path):
     f = tmp_path / "vllm.yaml"

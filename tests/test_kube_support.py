@@ -1,4 +1,4 @@
-"""tests/kube.py and tests/kubelet.py do what the operator's tests rely on: the API server's
+"""tests/support/kube.py and tests/support/kubelet.py do what the operator's tests rely on: the API server's
 behaviour as kopf and the kubernetes client see it, and pods that really run and reach each other."""
 
 from __future__ import annotations
@@ -22,17 +22,23 @@ import kopf
 import pytest
 import yaml
 from kubernetes import client, watch
+from support.kube import ApiError, Cluster, clusters, until
+from support.kubelet import Kubelet, kubelets
 
-from kube import ApiError, Cluster, clusters, until
-from kubelet import Kubelet, kubelets
+pytestmark = pytest.mark.kube
+
 
 JOBS = "sparrowrl.dev/v1alpha1/sparrowrljobs"
 
 
 def pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
     container = {"name": "main", "image": "ignored", "command": command} | spec.pop("container", {})
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default", **spec.pop("metadata", {})},
-            "spec": {"restartPolicy": "Never", "containers": [container], **spec}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", **spec.pop("metadata", {})},
+        "spec": {"restartPolicy": "Never", "containers": [container], **spec},
+    }
 
 
 def python(name: str, code: str, **spec: Any) -> dict[str, Any]:
@@ -41,8 +47,11 @@ def python(name: str, code: str, **spec: Any) -> dict[str, Any]:
 
 def phase(cluster: Cluster, name: str, *phases: str, timeout: float = 30) -> dict[str, Any]:
     """The pod, once it is in one of these phases."""
-    return until(lambda: (p := cluster.get("v1/pods", "default", name)) and p["status"].get("phase") in phases and p,
-                 timeout, f"pod {name} in {cluster.name} to be {'/'.join(phases)}")
+    return until(
+        lambda: (p := cluster.get("v1/pods", "default", name)) and p["status"].get("phase") in phases and p,
+        timeout,
+        f"pod {name} in {cluster.name} to be {'/'.join(phases)}",
+    )
 
 
 def ready(cluster: Cluster, name: str, want: bool = True, timeout: float = 30) -> dict[str, Any]:
@@ -50,6 +59,7 @@ def ready(cluster: Cluster, name: str, want: bool = True, timeout: float = 30) -
         p = cluster.get("v1/pods", "default", name)
         conditions = {c["type"]: c["status"] for c in (p or {}).get("status", {}).get("conditions", [])}
         return p if p and conditions.get("Ready") == str(want) else None
+
     return until(probe, timeout, f"pod {name} in {cluster.name} Ready={want}")
 
 
@@ -60,7 +70,11 @@ def container(p: dict[str, Any] | None) -> dict[str, Any]:
 
 def logged(kubelet: Kubelet, name: str, pattern: str, timeout: float = 10) -> re.Match[str]:
     """The first line of a pod's log that matches, once there is one."""
-    return until(lambda: re.search(pattern, kubelet.log("default", name) or "", re.MULTILINE), timeout, f"{pattern!r} in {name}'s log")
+    return until(
+        lambda: re.search(pattern, kubelet.log("default", name) or "", re.MULTILINE),
+        timeout,
+        f"{pattern!r} in {name}'s log",
+    )
 
 
 def terminated(p: dict[str, Any]) -> dict[str, Any]:
@@ -73,19 +87,29 @@ def world(tmp_path: Path) -> Iterator[tuple[Cluster, Cluster, Kubelet, Kubelet]]
         yield east, west, k_east, k_west
 
 
-WEB = pod("web", ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8080"],
-          metadata={"labels": {"app": "web"}},
-          container={"workingDir": "/srv", "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                     "ports": [{"name": "http", "containerPort": 8080}],
-                     "readinessProbe": {"httpGet": {"path": "/site/index.html", "port": "http"}},
-                     "volumeMounts": [{"name": "site", "mountPath": "/srv/site"}]},
-          volumes=[{"name": "site", "configMap": {"name": "site", "items": [{"key": "page", "path": "index.html"}]}}])
+WEB = pod(
+    "web",
+    ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8080"],
+    metadata={"labels": {"app": "web"}},
+    container={
+        "workingDir": "/srv",
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": "http", "containerPort": 8080}],
+        "readinessProbe": {"httpGet": {"path": "/site/index.html", "port": "http"}},
+        "volumeMounts": [{"name": "site", "mountPath": "/srv/site"}],
+    },
+    volumes=[{"name": "site", "configMap": {"name": "site", "items": [{"key": "page", "path": "index.html"}]}}],
+)
 SITE = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "site"}, "data": {"page": "hello from east"}}
 
 
 def service(name: str, kind: str, target: int | str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
-            "spec": {"type": kind, "selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": target}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name},
+        "spec": {"type": kind, "selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": target}]},
+    }
 
 
 # --- the API server -------------------------------------------------------------------------------
@@ -96,20 +120,54 @@ def test_core_objects_round_trip_through_the_kubernetes_client() -> None:
     with clusters("solo") as (c,):
         v1 = client.CoreV1Api(c.api())
         kinds = {
-            "pod": (v1.create_namespaced_pod, v1.read_namespaced_pod, v1.list_namespaced_pod, v1.patch_namespaced_pod, v1.delete_namespaced_pod,
-                    {"spec": {"containers": [{"name": "c", "image": "i"}]}}),
-            "service": (v1.create_namespaced_service, v1.read_namespaced_service, v1.list_namespaced_service, v1.patch_namespaced_service,
-                        v1.delete_namespaced_service, {"spec": {"ports": [{"port": 80}]}}),
-            "secret": (v1.create_namespaced_secret, v1.read_namespaced_secret, v1.list_namespaced_secret, v1.patch_namespaced_secret,
-                       v1.delete_namespaced_secret, {"stringData": {"token": "s3cret"}}),
-            "configmap": (v1.create_namespaced_config_map, v1.read_namespaced_config_map, v1.list_namespaced_config_map,
-                          v1.patch_namespaced_config_map, v1.delete_namespaced_config_map, {"data": {"k": "v"}}),
-            "pvc": (v1.create_namespaced_persistent_volume_claim, v1.read_namespaced_persistent_volume_claim,
-                    v1.list_namespaced_persistent_volume_claim, v1.patch_namespaced_persistent_volume_claim,
-                    v1.delete_namespaced_persistent_volume_claim,
-                    {"spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}),
-            "event": (v1.create_namespaced_event, v1.read_namespaced_event, v1.list_namespaced_event, v1.patch_namespaced_event,
-                      v1.delete_namespaced_event, {"involvedObject": {"kind": "Pod", "name": "x"}, "reason": "Test", "message": "m"}),
+            "pod": (
+                v1.create_namespaced_pod,
+                v1.read_namespaced_pod,
+                v1.list_namespaced_pod,
+                v1.patch_namespaced_pod,
+                v1.delete_namespaced_pod,
+                {"spec": {"containers": [{"name": "c", "image": "i"}]}},
+            ),
+            "service": (
+                v1.create_namespaced_service,
+                v1.read_namespaced_service,
+                v1.list_namespaced_service,
+                v1.patch_namespaced_service,
+                v1.delete_namespaced_service,
+                {"spec": {"ports": [{"port": 80}]}},
+            ),
+            "secret": (
+                v1.create_namespaced_secret,
+                v1.read_namespaced_secret,
+                v1.list_namespaced_secret,
+                v1.patch_namespaced_secret,
+                v1.delete_namespaced_secret,
+                {"stringData": {"token": "s3cret"}},
+            ),
+            "configmap": (
+                v1.create_namespaced_config_map,
+                v1.read_namespaced_config_map,
+                v1.list_namespaced_config_map,
+                v1.patch_namespaced_config_map,
+                v1.delete_namespaced_config_map,
+                {"data": {"k": "v"}},
+            ),
+            "pvc": (
+                v1.create_namespaced_persistent_volume_claim,
+                v1.read_namespaced_persistent_volume_claim,
+                v1.list_namespaced_persistent_volume_claim,
+                v1.patch_namespaced_persistent_volume_claim,
+                v1.delete_namespaced_persistent_volume_claim,
+                {"spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}},
+            ),
+            "event": (
+                v1.create_namespaced_event,
+                v1.read_namespaced_event,
+                v1.list_namespaced_event,
+                v1.patch_namespaced_event,
+                v1.delete_namespaced_event,
+                {"involvedObject": {"kind": "Pod", "name": "x"}, "reason": "Test", "message": "m"},
+            ),
         }
         for kind, (create, read, list_, patch, delete, body) in kinds.items():
             made = create("default", {"metadata": {"name": f"a-{kind}", "labels": {"kind": kind}}, **body})
@@ -118,7 +176,9 @@ def test_core_objects_round_trip_through_the_kubernetes_client() -> None:
             patched = patch(f"a-{kind}", "default", {"metadata": {"labels": {"touched": "yes"}}})
             assert int(patched.metadata.resource_version) > int(made.metadata.resource_version), kind
             assert read(f"a-{kind}", "default").metadata.labels == {"kind": kind, "touched": "yes"}, kind
-            assert [o.metadata.name for o in list_("default", label_selector=f"kind={kind}").items] == [f"a-{kind}"], kind
+            assert [o.metadata.name for o in list_("default", label_selector=f"kind={kind}").items] == [f"a-{kind}"], (
+                kind
+            )
             assert list_("default", label_selector="kind=none").items == [], kind
             delete(f"a-{kind}", "default")
             with pytest.raises(client.ApiException) as e:
@@ -129,47 +189,102 @@ def test_core_objects_round_trip_through_the_kubernetes_client() -> None:
         secret = c.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"a": "b"}})
         assert secret["data"] == {"a": "Yg=="} and "stringData" not in secret
         svc = c.create(service("lb", "LoadBalancer", 8080))
-        assert svc["spec"]["clusterIP"].startswith(f"127.{c.subnet}.0.") and svc["spec"]["ports"][0]["nodePort"] >= 30000
+        assert (
+            svc["spec"]["clusterIP"].startswith(f"127.{c.subnet}.0.") and svc["spec"]["ports"][0]["nodePort"] >= 30000
+        )
         named = c.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"generateName": "gen-"}})
         assert named["metadata"]["name"].startswith("gen-") and len(named["metadata"]["name"]) == 9
         with pytest.raises(ApiError) as e:
             c.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "absent"}})
         assert e.value.status == 404 and "namespaces" in e.value.body
         c.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "absent"}})
-        assert c.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "absent"}})["metadata"]["namespace"] == "absent"
-        assert {n.metadata.name for n in v1.list_namespace().items} == {"default", "kube-system", "kube-public", "absent"}
+        assert (
+            c.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "absent"}})[
+                "metadata"
+            ]["namespace"]
+            == "absent"
+        )
+        assert {n.metadata.name for n in v1.list_namespace().items} == {
+            "default",
+            "kube-system",
+            "kube-public",
+            "absent",
+        }
 
 
 @pytest.mark.timeout(60)
 def test_custom_resources_have_status_generation_and_optimistic_locking() -> None:
     with clusters("solo") as (c,):
         api = client.CustomObjectsApi(c.api())
-        job = {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "j"},
-               "spec": {"x": 1}, "status": {"phase": "ignored on create"}}
+        job = {
+            "apiVersion": "sparrowrl.dev/v1alpha1",
+            "kind": "SparrowRLJob",
+            "metadata": {"name": "j"},
+            "spec": {"x": 1},
+            "status": {"phase": "ignored on create"},
+        }
         made = api.create_namespaced_custom_object("sparrowrl.dev", "v1alpha1", "default", "sparrowrljobs", job)
         assert "status" not in made and made["metadata"]["generation"] == 1
 
-        after = api.patch_namespaced_custom_object_status("sparrowrl.dev", "v1alpha1", "default", "sparrowrljobs", "j",
-                                                          {"status": {"phase": "Running"}, "spec": {"x": 99}})
-        assert after["status"] == {"phase": "Running"} and after["spec"] == {"x": 1} and after["metadata"]["generation"] == 1
+        after = api.patch_namespaced_custom_object_status(
+            "sparrowrl.dev",
+            "v1alpha1",
+            "default",
+            "sparrowrljobs",
+            "j",
+            {"status": {"phase": "Running"}, "spec": {"x": 99}},
+        )
+        assert (
+            after["status"] == {"phase": "Running"}
+            and after["spec"] == {"x": 1}
+            and after["metadata"]["generation"] == 1
+        )
 
-        after = api.patch_namespaced_custom_object("sparrowrl.dev", "v1alpha1", "default", "sparrowrljobs", "j",
-                                                   {"status": {"phase": "ignored"}, "spec": {"x": 2}})
-        assert after["status"] == {"phase": "Running"} and after["spec"] == {"x": 2} and after["metadata"]["generation"] == 2
+        after = api.patch_namespaced_custom_object(
+            "sparrowrl.dev",
+            "v1alpha1",
+            "default",
+            "sparrowrljobs",
+            "j",
+            {"status": {"phase": "ignored"}, "spec": {"x": 2}},
+        )
+        assert (
+            after["status"] == {"phase": "Running"}
+            and after["spec"] == {"x": 2}
+            and after["metadata"]["generation"] == 2
+        )
         after = c.patch(JOBS, "default", "j", {"metadata": {"labels": {"a": "b"}}})
         assert after["metadata"]["generation"] == 2, "metadata is not a spec change"
 
         with pytest.raises(ApiError) as e:
-            c.patch(JOBS, "default", "j", {"metadata": {"resourceVersion": made["metadata"]["resourceVersion"]}, "spec": {"x": 3}})
+            c.patch(
+                JOBS,
+                "default",
+                "j",
+                {"metadata": {"resourceVersion": made["metadata"]["resourceVersion"]}, "spec": {"x": 3}},
+            )
         assert e.value.status == 409
         with pytest.raises(ApiError) as e:
-            c.patch(JOBS, "default", "j", [{"op": "test", "path": "/metadata/resourceVersion", "value": "1"},
-                                           {"op": "replace", "path": "/spec/x", "value": 3}])
+            c.patch(
+                JOBS,
+                "default",
+                "j",
+                [
+                    {"op": "test", "path": "/metadata/resourceVersion", "value": "1"},
+                    {"op": "replace", "path": "/spec/x", "value": 3},
+                ],
+            )
         assert e.value.status == 422
         assert c.get(JOBS, "default", "j")["spec"] == {"x": 2}
 
-        member = c.create({"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowCluster", "metadata": {"name": "m", "namespace": "ignored"},
-                           "spec": {}})
+        member = c.create(
+            {
+                "apiVersion": "sparrowrl.dev/v1alpha1",
+                "kind": "SparrowCluster",
+                "metadata": {"name": "m", "namespace": "ignored"},
+                "spec": {},
+            }
+        )
         assert "namespace" not in member["metadata"]
         assert [m["metadata"]["name"] for m in c.list("sparrowrl.dev/v1alpha1/sparrowclusters")] == ["m"]
 
@@ -178,7 +293,10 @@ def test_custom_resources_have_status_generation_and_optimistic_locking() -> Non
 def test_a_watch_sees_every_change_it_selects() -> None:
     with clusters("solo") as (c,):
         v1 = client.CoreV1Api(c.api())
-        body = {"metadata": {"name": "p", "labels": {"app": "w"}}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
+        body = {
+            "metadata": {"name": "p", "labels": {"app": "w"}},
+            "spec": {"containers": [{"name": "c", "image": "i"}]},
+        }
         v1.create_namespaced_pod("default", body)
         seen: list[tuple[str, str, str]] = []
         stream = watch.Watch()
@@ -188,6 +306,7 @@ def test_a_watch_sees_every_change_it_selects() -> None:
             v1.create_namespaced_pod("default", {**body, "metadata": {"name": "other", "labels": {"app": "else"}}})
             v1.patch_namespaced_pod("p", "default", {"metadata": {"labels": {"step": "2"}}})
             v1.delete_namespaced_pod("p", "default")
+
         thread = threading.Thread(target=changes)
         thread.start()
         for event in stream.stream(v1.list_namespaced_pod, "default", label_selector="app=w", _request_timeout=20):
@@ -200,7 +319,9 @@ def test_a_watch_sees_every_change_it_selects() -> None:
 
         started = time.monotonic()
         ended = list(watch.Watch().stream(v1.list_namespaced_pod, "default", timeout_seconds=1))
-        assert [e["object"].metadata.name for e in ended] == ["other"] and time.monotonic() - started < 5, "timeoutSeconds ends it"
+        assert [e["object"].metadata.name for e in ended] == ["other"] and time.monotonic() - started < 5, (
+            "timeoutSeconds ends it"
+        )
 
 
 @pytest.mark.timeout(60)
@@ -210,6 +331,7 @@ def test_kopf_runs_against_an_emulated_cluster() -> None:
     registry = kopf.OperatorRegistry()
     deleted: list[str] = []
     with clusters("home") as (home,):
+
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=home.url, token="emulated")
@@ -229,20 +351,36 @@ def test_kopf_runs_against_an_emulated_cluster() -> None:
             deleted.append(name)
 
         started, stop = threading.Event(), threading.Event()
-        thread = threading.Thread(target=lambda: asyncio.run(kopf.operator(
-            registry=registry, clusterwide=True, ready_flag=started, stop_flag=stop)))
+        thread = threading.Thread(
+            target=lambda: asyncio.run(
+                kopf.operator(registry=registry, clusterwide=True, ready_flag=started, stop_flag=stop)
+            )
+        )
         thread.start()
         try:
             assert started.wait(20)
-            home.create({"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "j"}, "spec": {"x": 7}})
-            job = until(lambda: (j := home.get(JOBS, "default", "j")) and j.get("status", {}).get("phase") and j, 20, "kopf's status")
+            home.create(
+                {
+                    "apiVersion": "sparrowrl.dev/v1alpha1",
+                    "kind": "SparrowRLJob",
+                    "metadata": {"name": "j"},
+                    "spec": {"x": 7},
+                }
+            )
+            job = until(
+                lambda: (j := home.get(JOBS, "default", "j")) and j.get("status", {}).get("phase") and j,
+                20,
+                "kopf's status",
+            )
             assert job["status"] == {"phase": "Running", "created": {"x": 7}}
             assert job["metadata"]["finalizers"] == ["kopf.zalando.org/KopfFinalizerMarker"]
             home.delete(JOBS, "default", "j")
             until(lambda: home.get(JOBS, "default", "j") is None, 20, "the job to be gone")
             assert deleted == ["j"]
             event = until(lambda: home.list("v1/events", "default"), 20, "kopf's event")[0]
-            assert event["message"] == "seen by the test's operator" and event["metadata"]["name"].startswith("kopf-event-")
+            assert event["message"] == "seen by the test's operator" and event["metadata"]["name"].startswith(
+                "kopf-event-"
+            )
         finally:
             stop.set()
             thread.join(20)
@@ -277,8 +415,12 @@ def test_kubectl_works_against_an_emulated_cluster(tmp_path: Path, kube_tools: P
         config = tmp_path / "kubeconfig"
         config.write_text(yaml.safe_dump(c.kubeconfig()))
         c.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "seen-by-kubectl"}})
-        out = subprocess.run([str(kube_tools / "kubectl"), "--kubeconfig", str(config), "get", "configmaps", "-o", "name"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [str(kube_tools / "kubectl"), "--kubeconfig", str(config), "get", "configmaps", "-o", "name"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.stdout.split() == ["configmap/seen-by-kubectl"], out.stderr
 
 
@@ -296,18 +438,39 @@ def test_pods_reach_services_by_name_and_other_clusters_by_load_balancer(tmp_pat
         assert web["spec"]["nodeName"] == k_east.node
         east.create(service("web", "ClusterIP", "http"))
         east.create(service("web-lb", "LoadBalancer", 8080))
-        lb = until(lambda: (s := east.get("v1/services", "default", "web-lb")) and s.get("status", {}).get("loadBalancer", {}).get("ingress"),
-                   10, "a load balancer address")[0]["ip"]
+        lb = until(
+            lambda: (
+                (s := east.get("v1/services", "default", "web-lb"))
+                and s.get("status", {}).get("loadBalancer", {}).get("ingress")
+            ),
+            10,
+            "a load balancer address",
+        )[0]["ip"]
         with urllib.request.urlopen(f"http://{lb}/site/index.html", timeout=5) as resp:
             assert resp.read() == b"hello from east"
 
-        fetch = ("import socket, sys, urllib.request\n"
-                 "for url in sys.argv[1:]:\n"
-                 "    print(url, urllib.request.urlopen(url, timeout=5).read().decode())\n")
-        east.create(pod("inside", ["python", "-c", fetch, "http://web.default.svc.cluster.local/site/index.html", "http://web/site/index.html"]))
-        isolated = ("try:\n    socket.gethostbyname('web.default.svc.cluster.local')\n"
-                    "except socket.gaierror:\n    print('no such name here')\n"
-                    "else:\n    sys.exit('east names resolve in west')\n")
+        fetch = (
+            "import socket, sys, urllib.request\n"
+            "for url in sys.argv[1:]:\n"
+            "    print(url, urllib.request.urlopen(url, timeout=5).read().decode())\n"
+        )
+        east.create(
+            pod(
+                "inside",
+                [
+                    "python",
+                    "-c",
+                    fetch,
+                    "http://web.default.svc.cluster.local/site/index.html",
+                    "http://web/site/index.html",
+                ],
+            )
+        )
+        isolated = (
+            "try:\n    socket.gethostbyname('web.default.svc.cluster.local')\n"
+            "except socket.gaierror:\n    print('no such name here')\n"
+            "else:\n    sys.exit('east names resolve in west')\n"
+        )
         west.create(pod("outside", ["python", "-c", fetch + isolated, f"http://{lb}/site/index.html"]))
         phase(east, "inside", "Succeeded")
         assert k_east.log("default", "inside").count("hello from east") == 2
@@ -328,14 +491,24 @@ def test_pods_reach_services_by_name_and_other_clusters_by_load_balancer(tmp_pat
 @pytest.mark.timeout(90)
 def test_env_from_secrets_and_the_downward_api_and_exit_codes(tmp_path: Path) -> None:
     with world(tmp_path) as (east, _, k_east, _):
-        east.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"}, "stringData": {"token": "s3cret"}})
-        env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
-               {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-               {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-               {"name": "UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-               {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-               {"name": "GREETING", "value": "hi $(ME), $$(ME) stays"}]
-        east.create(pod("env", ["sh", "-c", 'echo "$TOKEN $ME $NS $UID $IP $1 | $GREETING"', "sh", "$(IP)"], container={"env": env}))
+        east.create(
+            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"}, "stringData": {"token": "s3cret"}}
+        )
+        env = [
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+            {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "GREETING", "value": "hi $(ME), $$(ME) stays"},
+        ]
+        east.create(
+            pod(
+                "env",
+                ["sh", "-c", 'echo "$TOKEN $ME $NS $UID $IP $1 | $GREETING"', "sh", "$(IP)"],
+                container={"env": env},
+            )
+        )
         done = phase(east, "env", "Succeeded")
         assert terminated(done)["exitCode"] == 0 and terminated(done)["reason"] == "Completed"
         ip, uid = done["status"]["podIP"], done["metadata"]["uid"]
@@ -345,7 +518,13 @@ def test_env_from_secrets_and_the_downward_api_and_exit_codes(tmp_path: Path) ->
         failed = phase(east, "three", "Failed")
         assert terminated(failed)["exitCode"] == 3 and terminated(failed)["reason"] == "Error"
 
-        east.create(pod("waits", ["true"], container={"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "later", "key": "x"}}}]}))
+        east.create(
+            pod(
+                "waits",
+                ["true"],
+                container={"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "later", "key": "x"}}}]},
+            )
+        )
         waiting = until(lambda: container(p := east.get("v1/pods", "default", "waits")) and p, 10, "a status")
         assert waiting["status"]["phase"] == "Pending"
         assert container(waiting)["state"]["waiting"]["reason"] == "CreateContainerConfigError"
@@ -353,25 +532,41 @@ def test_env_from_secrets_and_the_downward_api_and_exit_codes(tmp_path: Path) ->
         phase(east, "waits", "Succeeded")
 
         east.create(pod("again", ["sh", "-c", "exit 3"], restartPolicy="Always"))
-        restarted = until(lambda: container(p := east.get("v1/pods", "default", "again")).get("restartCount", 0) >= 2 and p, 30, "restarts")
+        restarted = until(
+            lambda: container(p := east.get("v1/pods", "default", "again")).get("restartCount", 0) >= 2 and p,
+            30,
+            "restarts",
+        )
         assert restarted["status"]["phase"] == "Running"
         assert container(restarted)["lastState"]["terminated"]["exitCode"] == 3
 
 
 @pytest.mark.timeout(90)
 def test_a_claim_outlives_its_pod(tmp_path: Path) -> None:
-    count = ("import pathlib\n"
-             "f = pathlib.Path('state/count')\n"
-             "n = int(f.read_text()) + 1 if f.exists() else 1\n"
-             "f.write_text(str(n)); print('count', n)\n")
-    trainer = python("trainer", count, container={"workingDir": "/work", "volumeMounts": [{"name": "state", "mountPath": "/work/state"}]},
-                     volumes=[{"name": "state", "persistentVolumeClaim": {"claimName": "trainer-state"}}])
+    count = (
+        "import pathlib\n"
+        "f = pathlib.Path('state/count')\n"
+        "n = int(f.read_text()) + 1 if f.exists() else 1\n"
+        "f.write_text(str(n)); print('count', n)\n"
+    )
+    trainer = python(
+        "trainer",
+        count,
+        container={"workingDir": "/work", "volumeMounts": [{"name": "state", "mountPath": "/work/state"}]},
+        volumes=[{"name": "state", "persistentVolumeClaim": {"claimName": "trainer-state"}}],
+    )
     with world(tmp_path) as (east, _, k_east, _):
         east.create(trainer)
         waiting = until(lambda: container(p := east.get("v1/pods", "default", "trainer")) and p, 10, "a status")
         assert waiting["status"]["phase"] == "Pending", "no claim, no start"
-        east.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "trainer-state"},
-                     "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+        east.create(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "trainer-state"},
+                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+            }
+        )
         first = phase(east, "trainer", "Succeeded")
         assert "count 1" in k_east.log("default", "trainer")
         assert east.get("v1/persistentvolumeclaims", "default", "trainer-state")["status"]["phase"] == "Bound"
@@ -385,10 +580,12 @@ def test_a_claim_outlives_its_pod(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(90)
 def test_killed_paused_and_deleted_pods(tmp_path: Path) -> None:
-    sleeper = ("import os, signal, sys, time\n"
-               "print('pid', os.getpid(), flush=True)\n"
-               "signal.signal(signal.SIGTERM, lambda *_: (print('got', signal.Signals(_[0]).name, flush=True), sys.exit(0)))\n"
-               "time.sleep(600)\n")
+    sleeper = (
+        "import os, signal, sys, time\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('got', signal.Signals(_[0]).name, flush=True), sys.exit(0)))\n"
+        "time.sleep(600)\n"
+    )
     with world(tmp_path) as (east, _, k_east, _):
         east.create(python("lost", sleeper))
         phase(east, "lost", "Running")
@@ -409,7 +606,9 @@ def test_killed_paused_and_deleted_pods(tmp_path: Path) -> None:
         phase(east, "doomed", "Running")
         pid = int(logged(k_east, "doomed", r"^pid (\d+)$")[1])
         east.delete("v1/pods", "default", "doomed")
-        assert east.get("v1/pods", "default", "doomed")["metadata"]["deletionTimestamp"], "Terminating until the kubelet is done"
+        assert east.get("v1/pods", "default", "doomed")["metadata"]["deletionTimestamp"], (
+            "Terminating until the kubelet is done"
+        )
         until(lambda: east.get("v1/pods", "default", "doomed") is None, 10, "the pod to be gone")
         assert "got SIGTERM\n" in k_east.log("default", "doomed")
         with pytest.raises(ProcessLookupError):
@@ -420,7 +619,13 @@ def test_killed_paused_and_deleted_pods(tmp_path: Path) -> None:
 def test_what_the_stand_in_cannot_do_fails_the_test(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="not under workingDir"):
         with world(tmp_path) as (east, _, _, _):
-            east.create(pod("bad", ["true"], container={"workingDir": "/work", "volumeMounts": [{"name": "v", "mountPath": "/data"}]},
-                            volumes=[{"name": "v", "emptyDir": {}}]))
+            east.create(
+                pod(
+                    "bad",
+                    ["true"],
+                    container={"workingDir": "/work", "volumeMounts": [{"name": "v", "mountPath": "/data"}]},
+                    volumes=[{"name": "v", "emptyDir": {}}],
+                )
+            )
             failed = phase(east, "bad", "Failed")
             assert "not under workingDir" in failed["status"]["message"]

@@ -5,8 +5,8 @@ import io
 import numpy as np
 import pytest
 import torch
-
 from conftest import mutate, random_tensor
+
 from sparrowrl.delta import DeltaFile, Slot, apply_delta, state_hash, write_delta
 from sparrowrl.delta.apply import DeviceSlot, hash_through
 from sparrowrl.delta.bitview import bits
@@ -22,7 +22,10 @@ def test_apply_into_fused_qkv(rng):
 
     qkv = torch.cat([q, k, v]).contiguous()  # the receiver's fused parameter
     offsets = {"q_proj.weight": 0, "k_proj.weight": q.numel(), "v_proj.weight": q.numel() + k.numel()}
-    slot_of = lambda spec: Slot(bits(qkv), offsets[spec.name])
+
+    def slot_of(spec):
+        return Slot(bits(qkv), offsets[spec.name])
+
     delta = DeltaFile(buf.getvalue())
     assert hash_through(delta.tensors, slot_of) == state_hash(old)
     h = apply_delta(delta, slot_of=slot_of, verify_full=True)
@@ -43,7 +46,10 @@ def test_apply_through_device_slots(rng):
 
     qkv = torch.cat([q, k, v]).contiguous()
     offsets = {"q_proj.weight": 0, "k_proj.weight": q.numel(), "v_proj.weight": q.numel() + k.numel()}
-    slot_of = lambda spec: DeviceSlot(qkv.view(-1).view(torch.int16), offsets[spec.name])
+
+    def slot_of(spec):
+        return DeviceSlot(qkv.view(-1).view(torch.int16), offsets[spec.name])
+
     h = apply_delta(DeltaFile(buf.getvalue()), slot_of=slot_of, verify_full=True)
     assert np.array_equal(bits(qkv), bits(torch.cat(list(new.values()))))
     assert h == state_hash(new)
@@ -60,7 +66,10 @@ def test_a_wrong_layout_is_caught_by_the_full_hash_and_rolled_back(rng, device):
     write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1)
     rows = k.clone()
     flat = rows.view(-1).view(torch.int16) if device else bits(rows)
-    slot_of = lambda spec: (DeviceSlot if device else Slot)(flat, 0)
+
+    def slot_of(spec):
+        return (DeviceSlot if device else Slot)(flat, 0)
+
     with pytest.raises(VerifyError, match="rolled back"):
         apply_delta(DeltaFile(buf.getvalue()), slot_of=slot_of, verify_full=True)
     assert np.array_equal(bits(rows), bits(k))

@@ -1,4 +1,4 @@
-"""The operator under kopf, against emulated clusters (tests/kube.py): what it writes into the
+"""The operator under kopf, against emulated clusters (tests/support/kube.py): what it writes into the
 home cluster and the members, its conditions and Events, its finalizer, a member going away."""
 
 from __future__ import annotations
@@ -12,18 +12,26 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.bounded import free_port
+from support.kube import clusters, until
+from support.operator_run import add_member, operator
 
-from bounded import free_port
-from kube import clusters, until
-from operator_run import add_member, operator
+pytestmark = pytest.mark.kube
+
 
 JOBS = "sparrowrl.dev/v1alpha1/sparrowrljobs"
 CLUSTERS = "sparrowrl.dev/v1alpha1/sparrowclusters"
 JOB = {
-    "apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "grpo", "namespace": "default"},
-    "spec": {"steps": 3, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"},
-             "trainer": {"service": {"url": "http://203.0.113.5:8470"}},
-             "placements": [{"region": "us", "replicas": 1}, {"region": "eu", "cluster": "east", "replicas": 2}]},
+    "apiVersion": "sparrowrl.dev/v1alpha1",
+    "kind": "SparrowRLJob",
+    "metadata": {"name": "grpo", "namespace": "default"},
+    "spec": {
+        "steps": 3,
+        "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+        "task": {"builtin": "add"},
+        "trainer": {"service": {"url": "http://203.0.113.5:8470"}},
+        "placements": [{"region": "us", "replicas": 1}, {"region": "eu", "cluster": "east", "replicas": 2}],
+    },
 }
 
 
@@ -36,8 +44,11 @@ def condition(obj: dict | None, type_: str) -> dict | None:
 
 
 def connected(home, name: str) -> None:
-    until(lambda: (condition(home.get(CLUSTERS, None, name), "Active") or {}).get("status") == "True", 30,
-          f"member {name} connected")
+    until(
+        lambda: (condition(home.get(CLUSTERS, None, name), "Active") or {}).get("status") == "True",
+        30,
+        f"member {name} connected",
+    )
 
 
 def reasons(cluster) -> set[str]:
@@ -50,12 +61,20 @@ def test_a_job_spans_clusters_and_its_delete_cleans_them():
         add_member(home, east, "east")
         connected(home, "east")
         m = "grpo-" + home.create(copy.deepcopy(JOB))["metadata"]["uid"][:5]  # names in a member carry the uid's start
-        until(lambda: names(east, "sparrowrl") == {f"{m}-relay-eu-0", f"{m}-worker-eu-0-0", f"{m}-worker-eu-1-0"}, 30,
-              "the member's relay and workers")
+        until(
+            lambda: names(east, "sparrowrl") == {f"{m}-relay-eu-0", f"{m}-worker-eu-0-0", f"{m}-worker-eu-1-0"},
+            30,
+            "the member's relay and workers",
+        )
         assert names(home, "default") == {"grpo-trainer-0", "grpo-relay-us-0", "grpo-worker-us-0-0"}
-        until(lambda: names(east, "sparrowrl", "v1/secrets") == {f"{m}-relay-eu-token", f"{m}-worker-eu-0-token",
-                                                                 f"{m}-worker-eu-1-token"}, 30,
-              "each relay's and worker slot's own token, and not the job's secret")
+        until(
+            lambda: (
+                names(east, "sparrowrl", "v1/secrets")
+                == {f"{m}-relay-eu-token", f"{m}-worker-eu-0-token", f"{m}-worker-eu-1-token"}
+            ),
+            30,
+            "each relay's and worker slot's own token, and not the job's secret",
+        )
         worker = east.get("v1/pods", "sparrowrl", f"{m}-worker-eu-0-0")
         assert worker["spec"]["containers"][0]["args"][:3] == ["worker", "--trainer", "http://203.0.113.5:8470"]
         job = until(lambda: (j := home.get(JOBS, "default", "grpo")) and condition(j, "Created") and j, 30, "a status")
@@ -64,8 +83,15 @@ def test_a_job_spans_clusters_and_its_delete_cleans_them():
         assert "sparrowrl.dev/cleanup" in job["metadata"]["finalizers"]
         assert "Created" in reasons(home)
         home.delete(JOBS, "default", "grpo")
-        until(lambda: not names(east, "sparrowrl") and not names(east, "sparrowrl", "v1/services")
-              and not names(east, "sparrowrl", "v1/secrets"), 30, "the member's objects deleted")
+        until(
+            lambda: (
+                not names(east, "sparrowrl")
+                and not names(east, "sparrowrl", "v1/services")
+                and not names(east, "sparrowrl", "v1/secrets")
+            ),
+            30,
+            "the member's objects deleted",
+        )
         until(lambda: home.get(JOBS, "default", "grpo") is None, 30, "the finalizer released")
 
 
@@ -75,8 +101,13 @@ def test_an_unreachable_member_degrades_the_job_and_the_others_go_on():
         add_member(home, east, "east")
         connected(home, "east")
         east.unreachable()
-        until(lambda: (condition(home.get(CLUSTERS, None, "east"), "Active") or {}).get("reason") ==
-              "ClientConnectionFailed", 30, "the probe noticed")
+        until(
+            lambda: (
+                (condition(home.get(CLUSTERS, None, "east"), "Active") or {}).get("reason") == "ClientConnectionFailed"
+            ),
+            30,
+            "the probe noticed",
+        )
         home.create(copy.deepcopy(JOB))
         job = until(lambda: (j := home.get(JOBS, "default", "grpo")) and condition(j, "Degraded") and j, 30, "Degraded")
         assert condition(job, "Degraded")["status"] == "True" and "east" in condition(job, "Degraded")["message"]
@@ -115,9 +146,14 @@ def test_an_insecure_kubeconfig_is_refused():
 def test_the_sweep_removes_orphans_and_nothing_else():
     """Objects of a job that no longer exists (its delete came while the member was away) go;
     a live job's, and anything the operator did not write, stay."""
+
     def pod(name: str, labels: dict) -> dict:
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "sparrowrl", "labels": labels},
-                "spec": {"containers": [{"name": "c", "image": "x"}]}}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "sparrowrl", "labels": labels},
+            "spec": {"containers": [{"name": "c", "image": "x"}]},
+        }
 
     ours = {"app.kubernetes.io/managed-by": "sparrowrl-operator"}
     with clusters("home", "east") as (home, east), operator(home):
@@ -140,17 +176,30 @@ def test_the_images_command_runs_the_operator(tmp_path):
         config = tmp_path / "kubeconfig"
         config.write_text(yaml.safe_dump(home.kubeconfig()))
         port = free_port()
-        p = subprocess.Popen([str(Path(sys.executable).parent / "kopf"), "run", "--standalone", "--all-namespaces",
-                              f"--liveness=http://127.0.0.1:{port}/healthz", "-m", "sparrowrl_operator.main"],
-                             env={**os.environ, "KUBECONFIG": str(config)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "kopf"),
+                "run",
+                "--standalone",
+                "--all-namespaces",
+                f"--liveness=http://127.0.0.1:{port}/healthz",
+                "-m",
+                "sparrowrl_operator.main",
+            ],
+            env={**os.environ, "KUBECONFIG": str(config)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
+
             def alive() -> bool:
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
                         return r.status == 200
                 except OSError:
                     return p.poll() is not None and pytest.fail(p.stdout.read())
+
             until(alive, 60, "the liveness endpoint")
             bad = copy.deepcopy(JOB)
             del bad["spec"]["task"]

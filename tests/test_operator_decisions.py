@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from sparrowrl.auth.signing import Verifier, parse_public
+from sparrowrl.auth.tokens import Gate, Principal
 from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl.spec.status import WorkerStatus
-from sparrowrl.auth.tokens import Gate, Principal
 from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile, stamp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,9 +47,15 @@ class World:
     def observe(self, now: datetime.datetime) -> Observed:
         svc = {"status": {"loadBalancer": {"ingress": [{"ip": self.lb}]}}} if self.lb else {}
         reachable = {None} | {m for m, x in self.members.items() if x.reachable}
-        return Observed(now=now, token="tok", members=self.members, trainer_service=svc, trainer=self.trainer,
-                        pods={c: [copy.deepcopy(p) for p in ps.values()] for c, ps in self.pods.items() if c in reachable},
-                        objects={c: set(o) for c, o in self.objects.items() if c in reachable})
+        return Observed(
+            now=now,
+            token="tok",
+            members=self.members,
+            trainer_service=svc,
+            trainer=self.trainer,
+            pods={c: [copy.deepcopy(p) for p in ps.values()] for c, ps in self.pods.items() if c in reachable},
+            objects={c: set(o) for c, o in self.objects.items() if c in reachable},
+        )
 
     def apply(self, plan: Plan, job: dict) -> None:
         for cluster, m in plan.create:
@@ -71,11 +77,23 @@ class World:
     def set_phase(self, name: str, phase: str, ready: bool = True, finished: float | None = None, exit_code: int = 1):
         for pods in self.pods.values():
             if name in pods:
-                st = {"phase": phase, "startTime": stamp(T0),
-                      "conditions": [{"type": "Ready", "status": str(ready and phase == "Running")}]}
+                st = {
+                    "phase": phase,
+                    "startTime": stamp(T0),
+                    "conditions": [{"type": "Ready", "status": str(ready and phase == "Running")}],
+                }
                 if finished is not None:
-                    st["containerStatuses"] = [{"name": "x", "state": {"terminated": {
-                        "exitCode": exit_code, "finishedAt": at(finished).strftime("%Y-%m-%dT%H:%M:%SZ")}}}]
+                    st["containerStatuses"] = [
+                        {
+                            "name": "x",
+                            "state": {
+                                "terminated": {
+                                    "exitCode": exit_code,
+                                    "finishedAt": at(finished).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                }
+                            },
+                        }
+                    ]
                 pods[name]["status"] = st
                 return
         raise KeyError(name)
@@ -103,26 +121,39 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     assert ("eu-west", "Pod", "add-grpo-u-1-worker-eu-1-0") in kinds
     assert ("ap-south", "Secret", "add-grpo-u-1-token") not in kinds  # the job's secret stays with the trainer
     secrets = {(c, m["metadata"]["name"]): m["stringData"] for c, m in plan.create if m["kind"] == "Secret"}
-    assert {n for c, n in secrets if c == "ap-south"} == {"add-grpo-u-1-relay-ap-token", "add-grpo-u-1-worker-ap-0-token"}
+    assert {n for c, n in secrets if c == "ap-south"} == {
+        "add-grpo-u-1-relay-ap-token",
+        "add-grpo-u-1-worker-ap-0-token",
+    }
     mine = secrets["ap-south", "add-grpo-u-1-worker-ap-0-token"]  # a slot's own token, and the trainer's key
     gate = Gate(None, Verifier(parse_public(mine["trainer-key"])))  # as the relay checks its workers
     assert gate.principal(f"Bearer {mine['token']}") == Principal("worker", "add-grpo-u-1-worker-ap-0-*")
     assert Gate.of("tok", None).principal(f"Bearer {mine['token']}") is not None  # from the secret the trainer holds
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in
-           w.pods["ap-south"]["add-grpo-u-1-worker-ap-0-0"]["spec"]["containers"][0]["env"] if "valueFrom" in e
-           and "secretKeyRef" in e["valueFrom"]}
-    assert env == {"SPARROWRL_TOKEN": {"name": "add-grpo-u-1-worker-ap-0-token", "key": "token"},
-                   "SPARROWRL_TRAINER_KEY": {"name": "add-grpo-u-1-worker-ap-0-token", "key": "trainer-key"}}
+    env = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in w.pods["ap-south"]["add-grpo-u-1-worker-ap-0-0"]["spec"]["containers"][0]["env"]
+        if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+    }
+    assert env == {
+        "SPARROWRL_TOKEN": {"name": "add-grpo-u-1-worker-ap-0-token", "key": "token"},
+        "SPARROWRL_TRAINER_KEY": {"name": "add-grpo-u-1-worker-ap-0-token", "key": "trainer-key"},
+    }
     assert w.names("eu-west") == ["add-grpo-u-1-relay-eu-0", "add-grpo-u-1-worker-eu-0-0", "add-grpo-u-1-worker-eu-1-0"]
     assert job["status"]["phase"] == "Pending"
     worker = w.pods["eu-west"]["add-grpo-u-1-worker-eu-0-0"]
     args = worker["spec"]["containers"][0]["args"]
-    assert args[:5] == ["worker", "--trainer", "http://203.0.113.7:8470", "--relay",
-                        "http://add-grpo-u-1-relay-eu.sparrowrl.svc:8471"]  # the load balancer; the region's relay
+    assert args[:5] == [
+        "worker",
+        "--trainer",
+        "http://203.0.113.7:8470",
+        "--relay",
+        "http://add-grpo-u-1-relay-eu.sparrowrl.svc:8471",
+    ]  # the load balancer; the region's relay
     home = w.pods[None]["add-grpo-worker-us-0-0"]["spec"]["containers"][0]["args"]
     assert home[2] == "http://add-grpo-trainer.default.svc:8470"
     assert w.pods["ap-south"]["add-grpo-u-1-worker-ap-0-0"]["spec"]["tolerations"] == [
-        {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}]  # the placement's template
+        {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}
+    ]  # the placement's template
     assert "ownerReferences" in w.pods[None]["add-grpo-trainer-0"]["metadata"]
     assert "ownerReferences" not in worker["metadata"]  # no owner across clusters: the finalizer cleans up
     again = w.step(job, 1)
@@ -218,10 +249,23 @@ def test_a_failed_worker_is_replaced_after_its_backoff():
 
 
 def trainer_status(workers: list[tuple[str, float, str | None]], step: int = 5) -> TrainerStatus:
-    return TrainerStatus(phase="Running", step=step, steps=300, version=step, reward_last=0.5, leases_active=3,
-                         last_payload_bytes=12_345, last_changed_fraction=0.012, commits_verified=7,
-                         workers=[WorkerStatus(name=n, seconds_since_seen=s, committed_version=step, staleness=0,
-                                               last_verification=v, leases_held=1) for n, s, v in workers])
+    return TrainerStatus(
+        phase="Running",
+        step=step,
+        steps=300,
+        version=step,
+        reward_last=0.5,
+        leases_active=3,
+        last_payload_bytes=12_345,
+        last_changed_fraction=0.012,
+        commits_verified=7,
+        workers=[
+            WorkerStatus(
+                name=n, seconds_since_seen=s, committed_version=step, staleness=0, last_verification=v, leases_held=1
+            )
+            for n, s, v in workers
+        ],
+    )
 
 
 def test_a_stale_worker_is_reported_and_replaced():
@@ -236,8 +280,13 @@ def test_a_stale_worker_is_reported_and_replaced():
     assert ("Warning", "StaleWorker") in [(t, r) for t, r, _ in plan.events]
     assert "add-grpo-u-1-worker-eu-0-1" in w.names("eu-west") and "add-grpo-u-1-worker-eu-0-0" not in w.names("eu-west")
     assert job["status"]["leases"] | {"oldestHeartbeatSeconds": 0} == {
-        "active": 3, "healthy": 2, "expired": 0, "requeued": 0, "staleWorkers": ["add-grpo-u-1-worker-eu-0-0"],
-        "oldestHeartbeatSeconds": 0}
+        "active": 3,
+        "healthy": 2,
+        "expired": 0,
+        "requeued": 0,
+        "staleWorkers": ["add-grpo-u-1-worker-eu-0-0"],
+        "oldestHeartbeatSeconds": 0,
+    }
     w.run_all()
     w.step(job, 320)  # the trainer still lists the old name; its pod is gone, so it no longer counts
     assert condition(job, "LeasesHealthy")["status"] == "True"
@@ -281,8 +330,13 @@ def test_weights_in_sync_and_a_hash_mismatch():
     w.step(job, 5)
     assert condition(job, "WeightsInSync")["status"] == "True"
     assert job["status"]["phase"] == "Running"
-    assert job["status"]["display"] == {"step": "5/300", "rollout": "5/5", "leases": "3/3", "clusters": "3/3",
-                                        "payload": "12.3 kB (1.20%)"}
+    assert job["status"]["display"] == {
+        "step": "5/300",
+        "rollout": "5/5",
+        "leases": "3/3",
+        "clusters": "3/3",
+        "payload": "12.3 kB (1.20%)",
+    }
     w.trainer = trainer_status([("add-grpo-worker-us-0-0", 1.0, "ok"), ("add-grpo-worker-us-1-0", 1.0, "mismatch")])
     plan = w.step(job, 6)
     ws = condition(job, "WeightsInSync")
@@ -365,11 +419,14 @@ def test_a_startup_deadline_counts_until_the_first_rollout():
     assert job2["status"]["phase"] == "Running"
 
 
-@pytest.mark.parametrize("service, node, address", [
-    ({"type": "NodePort"}, "198.51.100.9", "http://198.51.100.9:30123"),
-    ({"type": "NodePort"}, None, None),  # no node address yet: members wait
-    ({"url": "https://trainer.example.com:443/"}, None, "https://trainer.example.com:443"),
-])
+@pytest.mark.parametrize(
+    "service, node, address",
+    [
+        ({"type": "NodePort"}, "198.51.100.9", "http://198.51.100.9:30123"),
+        ({"type": "NodePort"}, None, None),  # no node address yet: members wait
+        ({"url": "https://trainer.example.com:443/"}, None, "https://trainer.example.com:443"),
+    ],
+)
 def test_how_members_reach_the_trainer(service, node, address):
     w, job = World(lb=None), body(trainer={"service": service})
     w.step(job, 0)

@@ -1,5 +1,5 @@
 """The operator's pods really train: kopf runs the operator against emulated clusters, and
-tests/kubelet.py runs every Pod it creates as a local process. A job spanning the operator's
+tests/support/kubelet.py runs every Pod it creates as a local process. A job spanning the operator's
 cluster and two members trains to completion, through faults, with every commit verified."""
 
 from __future__ import annotations
@@ -10,25 +10,36 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.kube import clusters, until
+from support.kubelet import kubelets
+from support.operator_run import add_member, columns, operator
 
-from kube import clusters, until
-from kubelet import kubelets
-from operator_run import add_member, columns, operator
+pytestmark = [pytest.mark.kube, pytest.mark.e2e]
+
 
 CRD = yaml.safe_load((Path(__file__).parent.parent / "crds" / "sparrowrl.dev_sparrowrljobs.yaml").read_text())
 
 JOBS = "sparrowrl.dev/v1alpha1/sparrowrljobs"
 NS = "default"
 JOB = {
-    "apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "grpo", "namespace": NS},
-    "spec": {"steps": 60, "seed": 1, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
-             "task": {"builtin": "add"},
-             "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3, "learningRate": 1e-3},
-             "rollout": {"groupsPerLease": 1, "leaseSeconds": 10},
-             "trainer": {"service": {"type": "LoadBalancer"}},
-             "placements": [{"region": "us", "replicas": 1}, {"region": "eu", "cluster": "east", "replicas": 1},
-                            {"region": "ap", "cluster": "west", "replicas": 1}],
-             "health": {"staleAfterSeconds": 20}},  # over a worker's longest retry backoff (about 10 s)
+    "apiVersion": "sparrowrl.dev/v1alpha1",
+    "kind": "SparrowRLJob",
+    "metadata": {"name": "grpo", "namespace": NS},
+    "spec": {
+        "steps": 60,
+        "seed": 1,
+        "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+        "task": {"builtin": "add"},
+        "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3, "learningRate": 1e-3},
+        "rollout": {"groupsPerLease": 1, "leaseSeconds": 10},
+        "trainer": {"service": {"type": "LoadBalancer"}},
+        "placements": [
+            {"region": "us", "replicas": 1},
+            {"region": "eu", "cluster": "east", "replicas": 1},
+            {"region": "ap", "cluster": "west", "replicas": 1},
+        ],
+        "health": {"staleAfterSeconds": 20},
+    },  # over a worker's longest retry backoff (about 10 s)
 }
 
 
@@ -53,8 +64,9 @@ def pods(cluster, namespace: str) -> set[str]:
 def kubectl(tools: Path, home, tmp_path: Path, *args: str) -> str:
     config = tmp_path / "kubeconfig"
     config.write_text(yaml.safe_dump(home.kubeconfig()))
-    p = subprocess.run([str(tools / "kubectl"), "--kubeconfig", str(config), *args], capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(
+        [str(tools / "kubectl"), "--kubeconfig", str(config), *args], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     return p.stdout
 
@@ -67,15 +79,22 @@ def settled(home, **want) -> dict | None:
 
 @pytest.mark.timeout(600)
 def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_path, kube_tools):
-    with clusters("home", "east", "west") as (home, east, west), \
-            kubelets(home, east, west, root=tmp_path) as (k_home, k_east, _), operator(home):
+    with (
+        clusters("home", "east", "west") as (home, east, west),
+        kubelets(home, east, west, root=tmp_path) as (k_home, k_east, _),
+        operator(home),
+    ):
         add_member(home, east, "east")
         add_member(home, west, "west")
         m = "grpo-" + home.create(copy.deepcopy(JOB))["metadata"]["uid"][:5]  # names in a member carry the uid's start
-        until(lambda: (job_of(home).get("status") or {}).get("progress", {}).get("step", 0) >= 2, 240,
-              "training under way")
-        running = until(lambda: settled(home, rollout="3/3", leases="1/1") or settled(home, rollout="3/3"), 60,
-                        "every worker ready")
+        until(
+            lambda: (job_of(home).get("status") or {}).get("progress", {}).get("step", 0) >= 2,
+            240,
+            "training under way",
+        )
+        running = until(
+            lambda: settled(home, rollout="3/3", leases="1/1") or settled(home, rollout="3/3"), 60, "every worker ready"
+        )
         (tmp_path / "running.yaml").write_text(yaml.safe_dump(running))
         described = kubectl(kube_tools, home, tmp_path, "describe", "srl", "grpo")
         assert "Phase:" in described and "Type:" in described and "TrainerReady" in described, described
@@ -88,8 +107,11 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
         until(lambda: f"{m}-worker-eu-0-1" in pods(east, "sparrowrl"), 60, "the killed worker replaced")
         k_home.kill(NS, "grpo-trainer-0")
         until(lambda: "grpo-trainer-1" in pods(home, NS), 60, "the trainer restarted")
-        job = until(lambda: (j := job_of(home)).get("status", {}).get("phase") in ("Succeeded", "Failed") and j, 400,
-                    "the job finished")
+        job = until(
+            lambda: (j := job_of(home)).get("status", {}).get("phase") in ("Succeeded", "Failed") and j,
+            400,
+            "the job finished",
+        )
         s = job["status"]
         assert s["phase"] == "Succeeded", condition(job, "Failed")
         assert s["progress"]["step"] == s["progress"]["steps"] == 60
@@ -101,9 +123,17 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
         assert {"Created", "Replaced", "TrainerRestarted", "Succeeded"} <= set(reasons(home))
         assert s["display"]["step"] == "60/60"
         assert s["trainerAddress"].startswith("http://127.")
-        until(lambda: not [p for p in east.list("v1/pods", "sparrowrl")
-                           if p["status"].get("phase") not in ("Succeeded", "Failed")], 30,
-              "nothing left running in the member")  # a finished job frees its machines
+        until(
+            lambda: (
+                not [
+                    p
+                    for p in east.list("v1/pods", "sparrowrl")
+                    if p["status"].get("phase") not in ("Succeeded", "Failed")
+                ]
+            ),
+            30,
+            "nothing left running in the member",
+        )  # a finished job frees its machines
 
 
 def small(name: str, **spec) -> dict:
@@ -135,28 +165,53 @@ def test_a_hung_worker_suspend_and_resume_and_a_trainer_past_its_backoff_limit(t
         home.create(small("pause", steps=40))
         until(lambda: step("pause") >= 2, 240, "the paused job training")
         home.patch(JOBS, NS, "pause", {"spec": {"runPolicy": {"suspend": True}}})
-        suspended = until(lambda: (j := home.get(JOBS, NS, "pause"))["status"]["phase"] == "Suspended" and
-                          not [p for p in pods(home, NS) if p.startswith("pause-")] and j, 60, "suspended, pods gone")
+        suspended = until(
+            lambda: (
+                (j := home.get(JOBS, NS, "pause"))["status"]["phase"] == "Suspended"
+                and not [p for p in pods(home, NS) if p.startswith("pause-")]
+                and j
+            ),
+            60,
+            "suspended, pods gone",
+        )
         at = suspended["status"]["progress"]["step"]
         assert at < 40, "the suspend came after the job's end: nothing left to resume"
 
-        fragile = until(lambda: (j := home.get(JOBS, NS, "fragile"))["status"]["phase"] == "Failed" and j, 120,
-                        "the fragile job failed")
+        fragile = until(
+            lambda: (j := home.get(JOBS, NS, "fragile"))["status"]["phase"] == "Failed" and j,
+            120,
+            "the fragile job failed",
+        )
         assert condition(fragile, "Failed")["reason"] == "BackoffLimitExceeded"
-        until(lambda: not [p for p in home.list("v1/pods", NS) if p["metadata"]["name"].startswith("fragile-") and
-                           p["status"].get("phase") not in ("Succeeded", "Failed")], 60, "the failed job's pods freed")
+        until(
+            lambda: (
+                not [
+                    p
+                    for p in home.list("v1/pods", NS)
+                    if p["metadata"]["name"].startswith("fragile-")
+                    and p["status"].get("phase") not in ("Succeeded", "Failed")
+                ]
+            ),
+            60,
+            "the failed job's pods freed",
+        )
 
         home.patch(JOBS, NS, "pause", {"spec": {"runPolicy": {"suspend": False}}})
         # LeasesHealthy is False only until the replacement's cycle ends (tests/test_operator_decisions.py
         # checks the condition itself); its Events stay
-        until(lambda: events(home, "StaleWorkers", "hung-worker-us-0-0"), 120, "LeasesHealthy False for the hung worker")
+        until(
+            lambda: events(home, "StaleWorkers", "hung-worker-us-0-0"), 120, "LeasesHealthy False for the hung worker"
+        )
         assert events(home, "StaleWorker", "hung-worker-us-0-0")
         until(lambda: "hung-worker-us-0-1" in pods(home, NS), 30, "the hung worker replaced")
 
         until(lambda: step("pause") > at, 240, "training again after the resume")
         for name in ("pause", "hung"):
-            done = until(lambda: (j := home.get(JOBS, NS, name))["status"]["phase"] in ("Succeeded", "Failed") and j,
-                         300, f"{name} finished")
+            done = until(
+                lambda: (j := home.get(JOBS, NS, name))["status"]["phase"] in ("Succeeded", "Failed") and j,
+                300,
+                f"{name} finished",
+            )
             assert done["status"]["phase"] == "Succeeded", condition(done, "Failed")
         done = home.get(JOBS, NS, "pause")
         assert done["status"]["restarts"] == 0  # a resume is not a failure

@@ -10,15 +10,26 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from safetensors.torch import load as load_safetensors
-
 from conftest import mutate, random_tensor
-from netfaults import FaultyProxy, Faults
+from safetensors.torch import load as load_safetensors
+from support.netfaults import Faults, FaultyProxy
+from support.servers import (
+    EXE,
+    TOKEN,
+    Server,
+    free_port,
+    next_version,
+    paused_publish,
+    same,
+    serving,
+    start_server,
+    until,
+)
+
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store.store import BASE_PART, Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
-from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, serving, start_server, until
 
 
 class RelayServer:
@@ -38,6 +49,7 @@ class RelayServer:
         await self.runner.cleanup()
 
 
+@pytest.mark.network
 @pytest.mark.timeout(120)
 def test_a_worker_that_starts_before_its_relay_has_synced_waits_for_it(history, tmp_path):
     """A relay that has not reached its upstream yet asks its workers to come back (503 with
@@ -46,7 +58,7 @@ def test_a_worker_that_starts_before_its_relay_has_synced_waits_for_it(history, 
     path, states = history
 
     async def go():
-        async with Server(path) as origin, FaultyProxy(origin.port, Faults(cut_after=0, cuts=10 ** 6)) as wan:
+        async with Server(path) as origin, FaultyProxy(origin.port, Faults(cut_after=0, cuts=10**6)) as wan:
             relay = Relay([wan.url], tmp_path / "mirror", token=TOKEN, backoff=0.01)
             runner = web.AppRunner(make_relay_app(relay, TOKEN))
             await runner.setup()
@@ -65,17 +77,22 @@ def test_a_worker_that_starts_before_its_relay_has_synced_waits_for_it(history, 
                     assert worker._server == 0
             finally:
                 await runner.cleanup()
+
     asyncio.run(go())
 
 
+@pytest.mark.network
 def test_relay_fetches_once_and_serves_its_region(history, tmp_path):
     """Deltas cross the WAN as the origin makes them; a base snapshot only when a worker first
     asks for one, and once however many ask."""
     path, states = history
 
     async def go():
-        async with Server(path) as origin, FaultyProxy(origin.port, Faults()) as wan, \
-                RelayServer(wan.url, tmp_path / "mirror") as relay:
+        async with (
+            Server(path) as origin,
+            FaultyProxy(origin.port, Faults()) as wan,
+            RelayServer(wan.url, tmp_path / "mirror") as relay,
+        ):
             mirrored = wan.bytes_down
             base = Store(path).versions[4].base_bytes
             assert mirrored < base  # deltas only: no worker has asked for a base yet
@@ -101,6 +118,7 @@ def test_relay_fetches_once_and_serves_its_region(history, tmp_path):
             listing = await Client(relay.url, token=TOKEN).__aenter__()
             assert (await listing.versions())["newest"] == 6
             await listing.__aexit__(None, None, None)
+
     asyncio.run(go())
 
 
@@ -110,16 +128,20 @@ def test_relay_is_cut_through(history, tmp_path, rng):
     got_first, writer_done = threading.Event(), threading.Event()
 
     async def go():
-        async with Server(path) as origin, RelayServer(origin.url, tmp_path / "mirror") as relay, \
-                Client(relay.url, token=TOKEN) as worker:
+        async with (
+            Server(path) as origin,
+            RelayServer(origin.url, tmp_path / "mirror") as relay,
+            Client(relay.url, token=TOKEN) as worker,
+        ):
             t = paused_publish(store, old, new, got_first, writer_done)
             for _ in range(12):  # long-polls of 5 s: a minute
-                if v0 + 1 in (l := await worker.versions(after=v0, wait=5))["producing"] + [l["newest"]]:
+                if v0 + 1 in (listed := await worker.versions(after=v0, wait=5))["producing"] + [listed["newest"]]:
                     break
             else:
                 pytest.fail(f"v{v0 + 1} never listed")
-            await until(lambda: len(getattr(relay.relay.tables.get(v0 + 1), "pieces", [])) >= 2,
-                        "the relay mirrors two pieces")
+            await until(
+                lambda: len(getattr(relay.relay.tables.get(v0 + 1), "pieces", [])) >= 2, "the relay mirrors two pieces"
+            )
             # meanwhile, a client that listed its pieces elsewhere (the origin, before falling back
             # here) gets only bytes that have verified at the relay, at once
             offset, length, *_ = relay.relay.tables[v0 + 1].pieces[1]
@@ -128,7 +150,7 @@ def test_relay_is_cut_through(history, tmp_path, rng):
                 async with curl.get(url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}) as r:
                     assert (r.status, r.headers["Content-Range"]) == (206, f"bytes {offset}-{offset + length - 1}/*")
                     early = await r.read()
-                async with curl.get(url, headers={"Range": f"bytes=0-{10 ** 9}"}) as r:
+                async with curl.get(url, headers={"Range": f"bytes=0-{10**9}"}) as r:
                     assert r.status == 503 and "not reached this relay yet" in await r.text()
                 async with curl.get(url) as r:  # its size is not known yet
                     assert r.status == 503
@@ -138,24 +160,41 @@ def test_relay_is_cut_through(history, tmp_path, rng):
                 seen.append(writer_done.is_set())
                 if len(seen) >= 2:
                     got_first.set()
+
             d = await worker.delta(v0 + 1, on_piece)
             await asyncio.to_thread(t.join)
             assert seen[1] is False, "the worker's first chunk came only after the trainer finished"
-            assert early == d.data[offset:offset + length]
+            assert early == d.data[offset : offset + length]
             held = {k: v.clone() for k, v in old.items()}
             assert apply_delta(d, held, base_hash=store.versions[v0].state_hash) == state_hash(new)
+
     asyncio.run(go())
 
 
+@pytest.mark.e2e
 def test_relay_killed_workers_fall_back(history, tmp_path):
     path, states = history
     origin_port, relay_port = free_port(), free_port()
     origin = start_server(path, origin_port)
     env = dict(os.environ, SPARROWRL_TOKEN=TOKEN)
-    relay = subprocess.Popen([str(EXE), "relay", "--upstream", f"http://127.0.0.1:{origin_port}", "--port",
-                              str(relay_port), "--cache", str(tmp_path / "mirror")], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    relay = subprocess.Popen(
+        [
+            str(EXE),
+            "relay",
+            "--upstream",
+            f"http://127.0.0.1:{origin_port}",
+            "--port",
+            str(relay_port),
+            "--cache",
+            str(tmp_path / "mirror"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
+
         async def go():
             urls = [f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{origin_port}"]
             async with Client(urls, token=TOKEN, backoff=0.05) as c:
@@ -173,6 +212,7 @@ def test_relay_killed_workers_fall_back(history, tmp_path):
                 relay.wait()
                 state, _ = await c.advance(5)
                 assert same(state, states[5]) and c._server == 1  # fell back to the origin
+
         asyncio.run(go())
     finally:
         relay.kill()
@@ -189,8 +229,12 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
     path, states = history
     table = Table("delta", 5, path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
     active = {"on": True}
-    app = make_app(path, TOKEN, signer=Signer(TOKEN),
-                   arriving=lambda what, v, start: table if (what, v) == ("delta", 5) and active["on"] else None)
+    app = make_app(
+        path,
+        TOKEN,
+        signer=Signer(TOKEN),
+        arriving=lambda what, v, start: table if (what, v) == ("delta", 5) and active["on"] else None,
+    )
 
     async def go():
         async with serving(app) as url, Client(url, token=TOKEN) as c:
@@ -205,6 +249,7 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
                 await until(lambda: len(got) >= 2, "two pieces arrive")
                 active["on"] = False
                 table.close()
+
             got = []
             task = asyncio.create_task(switch())
             d = await c.delta(5, lambda p, data: got.append(p.offset))
@@ -212,6 +257,7 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
             assert d.data == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
             assert len(got) == len(set(got)) == len(in_file_order)  # each piece fetched once
             assert got[-1] == 0  # the header, first in file order, was listed and fetched last
+
     asyncio.run(go())
 
 
@@ -228,6 +274,7 @@ def big_base(tmp_path_factory):
     return path, states
 
 
+@pytest.mark.network
 def test_relay_serves_a_base_cut_through(big_base, tmp_path):
     """A worker gets a base's first parts while its relay still fetches the rest over a slow
     WAN: a large model's base neither waits for its last byte nor runs into read timeouts.
@@ -236,23 +283,30 @@ def test_relay_serves_a_base_cut_through(big_base, tmp_path):
     whole = (path / "bases" / "v00000000.safetensors").read_bytes()
 
     async def go():
-        async with Server(path) as origin, FaultyProxy(origin.port, Faults(rate=10e6)) as wan, \
-                RelayServer(wan.url, tmp_path / "mirror", streams=1) as relay, \
-                Client(relay.url, token=TOKEN, streams=2) as worker, \
-                aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as curl:
+        async with (
+            Server(path) as origin,
+            FaultyProxy(origin.port, Faults(rate=10e6)) as wan,
+            RelayServer(wan.url, tmp_path / "mirror", streams=1) as relay,
+            Client(relay.url, token=TOKEN, streams=2) as worker,
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as curl,
+        ):
             entry = next(e for e in (await worker.versions())["versions"] if e["version"] == 0)
             buf, relay_busy = bytearray(len(whole)), []
 
             def keep(p, data):
                 relay_busy.append(0 in relay.relay.bases)
-                buf[p.offset:p.offset + p.length] = data
+                buf[p.offset : p.offset + p.length] = data
+
             crossed = wan.bytes_down
             download = asyncio.create_task(worker.base_parts(0, entry, keep))
             await until(lambda: relay_busy, "the worker's first part")
             url = f"{relay.url}/v1/versions/0/base"
             async with curl.get(url, headers={"Range": "bytes=0-99"}) as r:  # in: the worker has it
-                assert (r.status, r.headers["Content-Range"], await r.read()) == \
-                    (206, f"bytes 0-99/{len(whole)}", whole[:100])
+                assert (r.status, r.headers["Content-Range"], await r.read()) == (
+                    206,
+                    f"bytes 0-99/{len(whole)}",
+                    whole[:100],
+                )
             async with curl.get(url, headers={"Range": "bytes=-100"}) as r:  # the last part: not yet
                 assert r.status == 503 and "not reached this relay yet" in await r.text()
             async with curl.get(url, headers={"Range": "bytes=9-2"}) as r:
@@ -266,19 +320,24 @@ def test_relay_serves_a_base_cut_through(big_base, tmp_path):
             async with curl.get(url) as r:
                 assert r.status == 200 and await r.read() == whole
             assert (tmp_path / "mirror" / "bases" / "v00000000.safetensors").read_bytes() == whole
+
     asyncio.run(go())
 
 
+@pytest.mark.network
 def test_a_base_the_relay_cannot_fetch_sends_workers_to_the_origin(history, tmp_path):
     """A failed fetch is answered with its error for a while: clients go to the origin instead
     of starting a fetch across the WAN each."""
     path, states = history
 
     async def go():
-        async with Server(path) as origin, FaultyProxy(origin.port, Faults()) as wan, \
-                RelayServer(wan.url, tmp_path / "mirror") as relay, \
-                Client([relay.url, origin.url], token=TOKEN, backoff=0.01) as worker:
-            wan.faults.cut_after, wan.faults.cuts = 0, 10 ** 6  # the relay's link fails after it synced
+        async with (
+            Server(path) as origin,
+            FaultyProxy(origin.port, Faults()) as wan,
+            RelayServer(wan.url, tmp_path / "mirror") as relay,
+            Client([relay.url, origin.url], token=TOKEN, backoff=0.01) as worker,
+        ):
+            wan.faults.cut_after, wan.faults.cuts = 0, 10**6  # the relay's link fails after it synced
             state, _ = await worker.advance(6)
             assert same(state, states[6]) and worker._server == 1
             failed = relay.relay.bases[4][0]
@@ -288,9 +347,11 @@ def test_a_base_the_relay_cannot_fetch_sends_workers_to_the_origin(history, tmp_
                     assert r.status == 503 and failed.error in await r.text()
             assert relay.relay.bases[4][0] is failed  # no new fetch
             assert not list((tmp_path / "mirror" / "bases").iterdir())  # no partial file left behind
+
     asyncio.run(go())
 
 
+@pytest.mark.network
 def test_a_base_pruned_while_fetched_is_dropped(history, tmp_path):
     """The relay moves on while a slow base fetch is under way: the versions it serves leave
     its window, the fetch stops, no file is left behind, and its worker goes to the origin."""
@@ -300,9 +361,12 @@ def test_a_base_pruned_while_fetched_is_dropped(history, tmp_path):
     rng = np.random.default_rng(9)
 
     async def go():
-        async with Server(path) as origin, FaultyProxy(origin.port, Faults(rate=100e3)) as wan, \
-                RelayServer(wan.url, tmp_path / "mirror", keep=2) as relay, \
-                Client([relay.url, origin.url], token=TOKEN, backoff=0.01) as worker:
+        async with (
+            Server(path) as origin,
+            FaultyProxy(origin.port, Faults(rate=100e3)) as wan,
+            RelayServer(wan.url, tmp_path / "mirror", keep=2) as relay,
+            Client([relay.url, origin.url], token=TOKEN, backoff=0.01) as worker,
+        ):
             fetch = asyncio.create_task(worker.advance(6))  # from base 4: six seconds over this link
             await until(lambda: 4 in relay.relay.bases, "the relay starts fetching base v4")
             table = relay.relay.bases[4][0]
@@ -314,4 +378,5 @@ def test_a_base_pruned_while_fetched_is_dropped(history, tmp_path):
             assert table.error and "dropped" in table.error
             assert 4 not in Store(tmp_path / "mirror").versions
             assert not list((tmp_path / "mirror" / "bases").iterdir())
+
     asyncio.run(go())

@@ -5,15 +5,15 @@ import asyncio
 import json
 
 import pytest
+from test_control import SPEC, serve
 
-from sparrowrl.trainer import models
 from sparrowrl.delta import state_hash
 from sparrowrl.spec.job import parse
-from sparrowrl.trainer.resume import Journal, ResumeError
 from sparrowrl.store.store import Store
+from sparrowrl.trainer import models
+from sparrowrl.trainer.resume import Journal, ResumeError
 from sparrowrl.trainer.trainer import Run
 from sparrowrl.transport.client import Client
-from test_control import SPEC, serve
 
 pytestmark = pytest.mark.timeout(300)
 JOB = parse(SPEC).spec
@@ -38,8 +38,14 @@ def results(lease: dict, token: int = 3) -> dict:
 
 
 def body(run: Run, lease: dict, token: int = 3) -> dict:
-    return {"lease": lease["id"], "worker": "w", "version": 0, "state_hash": run.coord.hashes[0],
-            "results": results(lease, token), "generate_s": 0.1}
+    return {
+        "lease": lease["id"],
+        "worker": "w",
+        "version": 0,
+        "state_hash": run.coord.hashes[0],
+        "results": results(lease, token),
+        "generate_s": 0.1,
+    }
 
 
 async def over_http(run: Run, calls):
@@ -54,6 +60,7 @@ async def over_http(run: Run, calls):
 def step(run: Run) -> dict:
     """Batch 0 from two leases over HTTP, then the optimizer step and its checkpoint (not yet
     published): the moment a kill leaves the store one version behind the checkpoint."""
+
     async def calls(c):
         for _ in range(2):
             lease = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
@@ -108,8 +115,10 @@ def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
     assert list(again.coord.leases) == [b["id"]] and again.coord.batches[0].pending == []
 
     async def after(c):
-        got = [await c.post_json("/v1/results", body(again, b, token=4)),
-               await c.post_json("/v1/results", body(again, a, token=5))]  # a retry the first process answered
+        got = [
+            await c.post_json("/v1/results", body(again, b, token=4)),
+            await c.post_json("/v1/results", body(again, a, token=5)),
+        ]  # a retry the first process answered
         return got, await c.post_json("/v1/work", {"worker": "w", "version": 0})
 
     (got_b, got_a), nxt = asyncio.run(over_http(again, after))

@@ -10,16 +10,23 @@ import urllib.request
 
 import pytest
 import yaml
+from support.bounded import EXE, free_port
 
-from bounded import EXE, free_port
 from sparrowrl.spec.job import parse
 from sparrowrl.spec.layout import Role, roles
 
+pytestmark = pytest.mark.e2e
+
 
 def spec(*regions) -> object:
-    return parse({"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
-                  "spec": {"model": {"tiny": {}}, "task": {"builtin": "add"},
-                           "topology": {"regions": list(regions)}}}).spec
+    return parse(
+        {
+            "apiVersion": "sparrowrl.dev/v1alpha1",
+            "kind": "SparrowRLJob",
+            "metadata": {"name": "t"},
+            "spec": {"model": {"tiny": {}}, "task": {"builtin": "add"}, "topology": {"regions": list(regions)}},
+        }
+    ).spec
 
 
 def url(name: str, region: str) -> str:
@@ -27,8 +34,14 @@ def url(name: str, region: str) -> str:
 
 
 def test_a_relay_per_region_with_workers_and_workers_that_prefer_it():
-    got = roles(spec({"name": "us", "workers": 2, "bandwidthMbit": 100}, {"name": "eu", "workers": 0},
-                     {"name": "ap", "workers": 1, "relay": False, "bandwidthMbit": 50}), url)
+    got = roles(
+        spec(
+            {"name": "us", "workers": 2, "bandwidthMbit": 100},
+            {"name": "eu", "workers": 0},
+            {"name": "ap", "workers": 1, "relay": False, "bandwidthMbit": 50},
+        ),
+        url,
+    )
     t, r = "http://trainer.svc", "http://relay-us.svc"
     assert got == [
         Role("trainer", "trainer"),
@@ -40,15 +53,29 @@ def test_a_relay_per_region_with_workers_and_workers_that_prefer_it():
 
 
 def test_placements_are_the_regions_in_a_cluster():
-    j = parse({"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "t"},
-               "spec": {"model": {"tiny": {}}, "task": {"builtin": "add"}, "trainer": {"service": {"type": "LoadBalancer"}},
-                        "placements": [{"region": "us", "replicas": 2}, {"region": "eu", "cluster": "eu-west",
-                                                                          "replicas": 1, "relay": False}]}})
+    j = parse(
+        {
+            "apiVersion": "sparrowrl.dev/v1alpha1",
+            "kind": "SparrowRLJob",
+            "metadata": {"name": "t"},
+            "spec": {
+                "model": {"tiny": {}},
+                "task": {"builtin": "add"},
+                "trainer": {"service": {"type": "LoadBalancer"}},
+                "placements": [
+                    {"region": "us", "replicas": 2},
+                    {"region": "eu", "cluster": "eu-west", "replicas": 1, "relay": False},
+                ],
+            },
+        }
+    )
     assert [(r.kind, r.name, r.trainer, r.relay) for r in roles(j.spec, url)] == [
-        ("trainer", "trainer", None, None), ("relay", "relay-us", "http://trainer.svc", None),
+        ("trainer", "trainer", None, None),
+        ("relay", "relay-us", "http://trainer.svc", None),
         ("worker", "worker-us-0", "http://trainer.svc", "http://relay-us.svc"),
         ("worker", "worker-us-1", "http://trainer.svc", "http://relay-us.svc"),
-        ("worker", "worker-eu-0", "http://lb-for-eu", None)]
+        ("worker", "worker-eu-0", "http://lb-for-eu", None),
+    ]
     assert j.spec.quorum == 2  # each placement's minReplicas (1) must call in before rollouts start
 
 
@@ -63,10 +90,19 @@ def test_names_are_unique_dns_labels():
 def test_role_commands_started_by_hand_form_a_job(tmp_path):
     """The README's commands, one process each, sharing nothing but the network: a worker gets
     the job, the model's config and tokenizer, and its weights over HTTP."""
-    job = {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "by-hand"},
-           "spec": {"steps": 3, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"},
-                    "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3}, "rollout": {"groupsPerLease": 1},
-                    "topology": {"regions": [{"name": "a", "workers": 1}, {"name": "b", "workers": 1, "relay": False}]}}}
+    job = {
+        "apiVersion": "sparrowrl.dev/v1alpha1",
+        "kind": "SparrowRLJob",
+        "metadata": {"name": "by-hand"},
+        "spec": {
+            "steps": 3,
+            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+            "task": {"builtin": "add"},
+            "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
+            "rollout": {"groupsPerLease": 1},
+            "topology": {"regions": [{"name": "a", "workers": 1}, {"name": "b", "workers": 1, "relay": False}]},
+        },
+    }
     for d in ("trainer", "relay", "w0", "w1"):
         (tmp_path / d).mkdir()
     (tmp_path / "trainer" / "job.yaml").write_text(yaml.safe_dump(job))
@@ -76,54 +112,104 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
         r = subprocess.run([EXE, "credentials", *what], env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
+
     key = given("key")
-    envs = {"trainer": env, **{name: dict(env, SPARROWRL_TOKEN=given(*role), SPARROWRL_TRAINER_KEY=key)
-                               for name, role in (("relay", ("relay", "a")), ("w0", ("worker", "worker-a-0")),
-                                                  ("w1", ("worker", "worker-b-0")))}}
+    envs = {
+        "trainer": env,
+        **{
+            name: dict(env, SPARROWRL_TOKEN=given(*role), SPARROWRL_TRAINER_KEY=key)
+            for name, role in (
+                ("relay", ("relay", "a")),
+                ("w0", ("worker", "worker-a-0")),
+                ("w1", ("worker", "worker-b-0")),
+            )
+        },
+    }
     t, r, w0, w1, tm, rm, wm = (free_port() for _ in range(7))  # tm, rm, wm: open /metrics ports
     trainer, relay = f"http://127.0.0.1:{t}", f"http://127.0.0.1:{r}"
     commands = {  # each in a folder of its own, as on separate machines
         "trainer": ["trainer", "job.yaml", "--state-dir", "state", "--port", t, "--metrics-port", tm],
         "relay": ["relay", "--upstream", trainer, "--port", r, "--cache", "cache", "--metrics-port", rm],
-        "w0": ["worker", "--trainer", trainer, "--relay", relay, "--name", "worker-a-0", "--region", "a",
-               "--port", w0, "--metrics-port", wm],
+        "w0": [
+            "worker",
+            "--trainer",
+            trainer,
+            "--relay",
+            relay,
+            "--name",
+            "worker-a-0",
+            "--region",
+            "a",
+            "--port",
+            w0,
+            "--metrics-port",
+            wm,
+        ],
         "w1": ["worker", "--trainer", trainer, "--name", "worker-b-0", "--port", w1],
     }
     # the trainer waits for both workers before it hands out work: until w1 calls in, nothing runs
-    probes = {"trainer": f"{trainer}/readyz", "relay": f"{relay}/readyz",  # listed upstream
-              "w0": f"http://127.0.0.1:{w0}/readyz",  # committed a verified version
-              "w1": f"http://127.0.0.1:{w1}/healthz"}  # alive: it may be done before its readiness is seen
+    probes = {
+        "trainer": f"{trainer}/readyz",
+        "relay": f"{relay}/readyz",  # listed upstream
+        "w0": f"http://127.0.0.1:{w0}/readyz",  # committed a verified version
+        "w1": f"http://127.0.0.1:{w1}/healthz",
+    }  # alive: it may be done before its readiness is seen
     procs = {}
     try:
         for name, args in commands.items():
             if name == "w1":  # before it starts: the job waits for it
-                r = subprocess.run([EXE, "status", trainer, "--json"], env=env, capture_output=True, text=True,
-                                   timeout=60)
+                r = subprocess.run(
+                    [EXE, "status", trainer, "--json"], env=env, capture_output=True, text=True, timeout=60
+                )
                 assert r.returncode == 0, r.stderr
                 s = json.loads(r.stdout)
-                assert s["phase"] == "Pending" and [(w["name"], w["region"], w["committed_version"])
-                                                    for w in s["workers"]] == [("worker-a-0", "a", 0)]
-                r = subprocess.run([EXE, "status", trainer], env=dict(env, SPARROWRL_TOKEN="wrong"),
-                                   capture_output=True, text=True, timeout=60)
+                assert s["phase"] == "Pending" and [
+                    (w["name"], w["region"], w["committed_version"]) for w in s["workers"]
+                ] == [("worker-a-0", "a", 0)]
+                r = subprocess.run(
+                    [EXE, "status", trainer],
+                    env=dict(env, SPARROWRL_TOKEN="wrong"),
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 assert r.returncode == 1 and "401 unauthorized" in r.stderr
                 assert get(f"{trainer}/healthz") == 200 and get(f"{trainer}/v1/status") == 401  # probes need no token
-                admin = given("admin")  # what a scraper of every role's /metrics holds (the trainer takes the secret too)
-                m = {url: scrape(url, f"http://127.0.0.1:{o}", admin)
-                     for url, o in ((trainer, tm), (relay, rm), (f"http://127.0.0.1:{w0}", wm))}
+                admin = given(
+                    "admin"
+                )  # what a scraper of every role's /metrics holds (the trainer takes the secret too)
+                m = {
+                    url: scrape(url, f"http://127.0.0.1:{o}", admin)
+                    for url, o in ((trainer, tm), (relay, rm), (f"http://127.0.0.1:{w0}", wm))
+                }
                 assert m[trainer]["sparrowrl_versions_published_total"] == 0
                 assert m[trainer]["sparrowrl_prompt_groups_total", "state", "admitted"] == 0
                 assert m[trainer]["sparrowrl_commit_verifications_total", "result", "ok"] == 1  # w0's v0
                 assert m[relay]["sparrowrl_received_bytes_total", "kind", "base"] > 0  # v0, once, for w0
-                assert m[relay]["sparrowrl_sent_bytes_total", "kind", "base"] == \
-                    m[f"http://127.0.0.1:{w0}"]["sparrowrl_received_bytes_total", "kind", "base"] > 0
+                assert (
+                    m[relay]["sparrowrl_sent_bytes_total", "kind", "base"]
+                    == m[f"http://127.0.0.1:{w0}"]["sparrowrl_received_bytes_total", "kind", "base"]
+                    > 0
+                )
                 assert m[f"http://127.0.0.1:{w0}"]["sparrowrl_commit_verifications_total", "result", "ok"] == 1
-                by_stream = {k[3:]: x for k, x in m[f"http://127.0.0.1:{w0}"].items()
-                             if k[:3] == ("sparrowrl_received_stream_bytes_total", "kind", "base")}
+                by_stream = {
+                    k[3:]: x
+                    for k, x in m[f"http://127.0.0.1:{w0}"].items()
+                    if k[:3] == ("sparrowrl_received_stream_bytes_total", "kind", "base")
+                }
                 assert {k[:2] for k in by_stream} == {("server", relay)}  # its relay, not the origin
-                assert sum(by_stream.values()) == m[f"http://127.0.0.1:{w0}"]["sparrowrl_received_bytes_total",
-                                                                                 "kind", "base"]
-            procs[name] = subprocess.Popen([EXE, *map(str, args)], cwd=tmp_path / name, env=envs[name], text=True,
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                assert (
+                    sum(by_stream.values())
+                    == m[f"http://127.0.0.1:{w0}"]["sparrowrl_received_bytes_total", "kind", "base"]
+                )
+            procs[name] = subprocess.Popen(
+                [EXE, *map(str, args)],
+                cwd=tmp_path / name,
+                env=envs[name],
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             wait_for(probes[name], procs)
         summary = tmp_path / "trainer" / "state" / "summary.json"
         deadline = time.monotonic() + 300
@@ -150,13 +236,20 @@ def scrape(url: str, open_url: str, token: str) -> dict:
     assert get(f"{url}/metrics") == 401
     assert get(f"{open_url}/v1/versions") == get(f"{open_url}/healthz") == 404
     out = []
-    for req in (urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}),
-                urllib.request.Request(f"{open_url}/metrics")):
+    for req in (
+        urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}),
+        urllib.request.Request(f"{open_url}/metrics"),
+    ):
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=")
             text = r.read().decode()
-        out.append({(s.name, *(x for kv in s.labels.items() for x in kv)) if s.labels else s.name: s.value
-                    for family in text_string_to_metric_families(text) for s in family.samples})
+        out.append(
+            {
+                (s.name, *(x for kv in s.labels.items() for x in kv)) if s.labels else s.name: s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+            }
+        )
     assert out[0].keys() == out[1].keys()
     return out[0]
 

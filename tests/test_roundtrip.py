@@ -5,10 +5,10 @@ import io
 import numpy as np
 import pytest
 import torch
+from conftest import adam_step_pair, mutate, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import adam_step_pair, mutate, random_tensor
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 
@@ -32,9 +32,14 @@ shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dtype=st.sampled_from(DTYPE_NAMES), shape=shapes,
-       density=st.one_of(st.just(0.0), st.just(1.0), st.floats(0, 1)), seed=st.integers(0, 2**32 - 1),
-       segment=st.sampled_from([7, 64, 1 << 22]), chunk=st.sampled_from([1, 200, 1 << 22]))
+@given(
+    dtype=st.sampled_from(DTYPE_NAMES),
+    shape=shapes,
+    density=st.one_of(st.just(0.0), st.just(1.0), st.floats(0, 1)),
+    seed=st.integers(0, 2**32 - 1),
+    segment=st.sampled_from([7, 64, 1 << 22]),
+    chunk=st.sampled_from([1, 200, 1 << 22]),
+)
 def test_roundtrip_property(dtype, shape, density, seed, segment, chunk):
     rng = np.random.default_rng(seed)
     old = {"t": random_tensor(rng, dtype, shape), "other": random_tensor(rng, "BF16", (5,))}
@@ -123,5 +128,5 @@ def test_clustered_property(seed, runs):
     b = bits(new["t"])
     for _ in range(runs):
         s = int(rng.integers(0, 299_000))
-        b[s:s + int(rng.integers(1, 1000))] += 1
+        b[s : s + int(rng.integers(1, 1000))] += 1
     roundtrip(old, new, segment=1 << 17)

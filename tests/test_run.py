@@ -12,22 +12,33 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
+from support.servers import EXE
 
-from servers import EXE
 from sparrowrl.store.store import Store
+
+pytestmark = pytest.mark.e2e
+
 
 STEPS = 3
 
 
 def job(mode: str, **spec) -> dict:
-    return {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": f"t-{mode}"},
-            "spec": {"steps": STEPS, "seed": 7, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 30}},
-                     "task": {"builtin": "add"},
-                     "grpo": {"learningRate": 1e-3, "groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
-                     "rollout": {"groupsPerLease": 1},
-                     "sync": {"mode": mode, "staleness": 0, "baseEvery": 2},
-                     "topology": {"regions": [{"name": "a", "workers": 1},
-                                              {"name": "b", "workers": 1, "relay": False}]}, **spec}}
+    return {
+        "apiVersion": "sparrowrl.dev/v1alpha1",
+        "kind": "SparrowRLJob",
+        "metadata": {"name": f"t-{mode}"},
+        "spec": {
+            "steps": STEPS,
+            "seed": 7,
+            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 30}},
+            "task": {"builtin": "add"},
+            "grpo": {"learningRate": 1e-3, "groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
+            "rollout": {"groupsPerLease": 1},
+            "sync": {"mode": mode, "staleness": 0, "baseEvery": 2},
+            "topology": {"regions": [{"name": "a", "workers": 1}, {"name": "b", "workers": 1, "relay": False}]},
+            **spec,
+        },
+    }
 
 
 def run(tmp_path, name: str, spec: dict) -> tuple[subprocess.CompletedProcess, object]:
@@ -52,7 +63,10 @@ def test_sparse_and_full_sync_train_identical_weights_at_every_version(runs):
     hashes = [{v: x.state_hash for v, x in Store(d / "store").versions.items()} for d in (sparse, full)]
     assert sorted(hashes[0]) == list(range(STEPS + 1)) and hashes[0] == hashes[1]
     assert len(set(hashes[0].values())) == STEPS + 1  # the weights did change each step
-    with safe_open(sparse / "final" / "model.safetensors", "pt") as a, safe_open(full / "final" / "model.safetensors", "pt") as b:
+    with (
+        safe_open(sparse / "final" / "model.safetensors", "pt") as a,
+        safe_open(full / "final" / "model.safetensors", "pt") as b,
+    ):
         assert set(a.keys()) == set(b.keys())
         for k in a.keys():  # the fp32 master weights too
             assert a.get_tensor(k).view(torch.int32).equal(b.get_tensor(k).view(torch.int32))
@@ -84,8 +98,17 @@ def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert [x["version"] for x in rows] == list(range(1, STEPS + 1))
     for x in rows:
-        for key in ("reward_mean", "loss", "generate_s", "train_s", "extract_s", "transfer_s", "wait_s",
-                    "payload_bytes", "changed_fraction"):
+        for key in (
+            "reward_mean",
+            "loss",
+            "generate_s",
+            "train_s",
+            "extract_s",
+            "transfer_s",
+            "wait_s",
+            "payload_bytes",
+            "changed_fraction",
+        ):
             assert x[key] is not None, key
         assert x["behaviour_versions"] == [x["version"] - 1]  # staleness 0
     procs = json.loads((d / "processes.json").read_text())
@@ -104,8 +127,10 @@ def test_workers_fetch_from_their_regions_relay(runs, mode):
     the snapshots, which the relay fetches on its worker's request)."""
     _, d = runs[mode]
     relay_url = re.search(r"on (http://127\.0\.0\.1:\d+)/v1/versions", (d / "logs" / "relay-a.log").read_text())[1]
-    staged = {w: re.findall(r": v(\d+) staged from (\S+) ", (d / "logs" / f"{w}.log").read_text())
-              for w in ("worker-a-0", "worker-b-0")}
+    staged = {
+        w: re.findall(r": v(\d+) staged from (\S+) ", (d / "logs" / f"{w}.log").read_text())
+        for w in ("worker-a-0", "worker-b-0")
+    }
     assert [int(v) for v, _ in staged["worker-a-0"]] == list(range(1, STEPS + 1))
     assert {u for _, u in staged["worker-a-0"]} == {relay_url}
     assert relay_url not in {u for _, u in staged["worker-b-0"]} and len(staged["worker-b-0"]) == STEPS
@@ -118,8 +143,9 @@ def status(run_dir, cli: bool = False) -> dict:
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
     url = json.loads((run_dir / "processes.json").read_text())["urls"]["trainer"]
-    req = urllib.request.Request(f"{url}/v1/status",
-                                 headers={"Authorization": f"Bearer {(run_dir / 'token').read_text().strip()}"})
+    req = urllib.request.Request(
+        f"{url}/v1/status", headers={"Authorization": f"Bearer {(run_dir / 'token').read_text().strip()}"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -129,8 +155,9 @@ def start(tmp_path, spec: dict) -> tuple[subprocess.Popen, object]:
     f = tmp_path / "j.yaml"
     f.write_text(yaml.safe_dump(spec))
     out = tmp_path / "run"
-    return subprocess.Popen([EXE, "run", str(f), "--run-dir", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True), out
+    return subprocess.Popen(
+        [EXE, "run", str(f), "--run-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ), out
 
 
 def test_a_lost_worker_leases_go_to_the_others(tmp_path):
@@ -144,6 +171,7 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
     while not (out / "processes.json").exists() and time.time() < deadline:
         time.sleep(0.1)
     victim = json.loads((out / "processes.json").read_text())["workers"]["worker-b-1"]
+
     def holds_a_lease() -> bool:
         return any(w["name"] == "worker-b-1" and w["leases_held"] for w in status(out)["workers"])
 
@@ -180,8 +208,9 @@ def test_children_stop_when_the_runner_is_killed(tmp_path):
     f = tmp_path / "j.yaml"
     f.write_text(yaml.safe_dump(job("sparse", steps=50)))
     out = tmp_path / "run"
-    p = subprocess.Popen([EXE, "run", str(f), "--run-dir", str(out)], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [EXE, "run", str(f), "--run-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while not (out / "processes.json").exists() and time.time() < deadline:
         time.sleep(0.1)
@@ -203,9 +232,11 @@ def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     models.tiny_qwen3(len(tok), 32, 1, 2, 0).save_pretrained(tmp_path / "pretrained")
     tok.save_pretrained(tmp_path / "pretrained")
     (tmp_path / "qa.jsonl").write_text("".join(f'{{"prompt": "{a}*2=", "answer": "{2 * a}"}}\n' for a in range(10)))
-    (tmp_path / "myreward.py").write_text("import secrets, tabnanny\n"
-                                          "def starts_right(prompt, completion, answer):\n"
-                                          "    return float(completion[:1] == answer[:1])\n")
+    (tmp_path / "myreward.py").write_text(
+        "import secrets, tabnanny\n"
+        "def starts_right(prompt, completion, answer):\n"
+        "    return float(completion[:1] == answer[:1])\n"
+    )
     for shadow in ("secrets.py", "tabnanny.py"):  # the standard library's, in every process: never these
         (tmp_path / shadow).write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")
     spec = job("sparse", steps=2)
@@ -288,6 +319,7 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, 
     for v, entry in published.items():  # what was published before the kill is never rewritten
         assert (store.versions[v].state_hash, store.versions[v].delta_sha256) == entry
     from sparrowrl.delta import state_hash
+
     assert state_hash(store.materialize(steps)) == s["final_state_hash"]
 
     after = json.loads((out / "processes.json").read_text())

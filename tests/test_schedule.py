@@ -19,8 +19,7 @@ TABLE = [
     # 4:1 speed: 4:1 shares, everyone done at 16·10 / 50 = 3.2 s
     (16, 10, [("fast", 0, 40), ("slow", 0, 10)], {"fast": 13, "slow": 3}, 3.2),
     # 4:1 with two of each: ideal is 32 groups at 100 tokens/s
-    (32, 10, [("f1", 0, 40), ("f2", 0, 40), ("s1", 0, 10), ("s2", 0, 10)],
-     {"f1": 13, "f2": 13, "s1": 3, "s2": 3}, 3.2),
+    (32, 10, [("f1", 0, 40), ("f2", 0, 40), ("s1", 0, 10), ("s2", 0, 10)], {"f1": 13, "f2": 13, "s1": 3, "s2": 3}, 3.2),
     # a slow link: b starts 2 s late and takes 2 groups fewer
     (8, 10, [("a", 0, 10), ("b", 2, 10)], {"a": 5, "b": 3}, 5.0),
     # a link so slow that the others finish first: no share at all
@@ -89,8 +88,10 @@ def deliver(c, clock, worker, lease, tokens_per_s, tokens_per_group=10):
     """The worker generates its lease at `tokens_per_s` and reports it."""
     seconds = len(lease["groups"]) * tokens_per_group / tokens_per_s
     clock.t += seconds
-    results = {g: {"samples": [{"tokens": [1] * tokens_per_group, "logprobs": [-1.0] * tokens_per_group}]}
-               for g in lease["groups"]}
+    results = {
+        g: {"samples": [{"tokens": [1] * tokens_per_group, "logprobs": [-1.0] * tokens_per_group}]}
+        for g in lease["groups"]
+    }
     return c.submit(lease["id"], worker, 0, "h0", results, seconds)
 
 

@@ -1,8 +1,8 @@
 """Relays that need no trust, and credentials per role. A relay that forges (altered bytes, an
 altered list, an old version under a new number, another job's version, a delta recomputed to a
 matching additive hash, a plan that stops short, an altered base or its bytes) is caught by the
-worker before any weight changes; it falls back to the origin and reports the relay. Each role's token does what that role may, and
-nothing else. All over real HTTP on loopback."""
+worker before any weight changes; it falls back to the origin and reports the relay. Each role's
+token does what that role may, and nothing else. All over real HTTP on loopback."""
 
 import asyncio
 import hashlib
@@ -12,15 +12,22 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-
 from conftest import mutate
-from servers import TOKEN, Server, same, serving
+from support.servers import TOKEN, Server, same, serving
+
+from sparrowrl.auth.signing import (
+    Signer,
+    base_statement,
+    parse_public,
+    piece_statement,
+    public_text,
+    table_statement,
+    trust,
+)
+from sparrowrl.auth.tokens import Gate, Principal, acts_as, allowed, mint
 from sparrowrl.delta import state_hash
 from sparrowrl.spec.job import parse
-from sparrowrl.auth.signing import (Signer, base_statement, parse_public, piece_statement, public_text, table_statement,
-                               trust)
 from sparrowrl.store.store import Store
-from sparrowrl.auth.tokens import Gate, Principal, acts_as, allowed, mint
 from sparrowrl.trainer.trainer import Run
 from sparrowrl.transport.client import Client, FetchError
 
@@ -42,8 +49,11 @@ class Forger:
 
         async def get(url: str, path_qs: str, headers: dict | None = None):
             async with self.session.get(url + path_qs, headers=headers or {}) as r:
-                return r.status, {k: v for k, v in r.headers.items() if k in ("Content-Range", "Content-Type")}, \
-                    await r.read()
+                return (
+                    r.status,
+                    {k: v for k, v in r.headers.items() if k in ("Content-Range", "Content-Type")},
+                    await r.read(),
+                )
 
         async def answer(request: web.Request) -> web.Response:
             range_ = {"Range": request.headers["Range"]} if "Range" in request.headers else {}
@@ -73,21 +83,25 @@ def flip(body: bytes, at: int) -> bytes:
 
 def from_other(url: str, token: str):
     """The version listing and everything about v5 (its pieces and bytes) from another server."""
+
     async def forge(request, get):
         if request.path == "/v1/versions" or request.path.startswith("/v1/versions/5/"):
             headers = {"Range": request.headers["Range"]} if "Range" in request.headers else {}
             return await get(url, request.path_qs, {**headers, "Authorization": f"Bearer {token}"})
         return None
+
     return forge
 
 
 def flipped(path: str):
     """The listing is the trainer's; the bytes of `path` are not."""
+
     async def forge(request, get):
         if request.path == path:
             status, headers, body = await get(FORGED["origin"], request.path_qs, {"Range": request.headers["Range"]})
             return status, headers, flip(body, len(body) // 2)
         return None
+
     return forge
 
 
@@ -133,20 +147,27 @@ async def short_plan(request, get):
     """A plan that stops at v4 (the base) for a worker that asks for v5, and the listing's v5
     state hash made v4's: the worker would hold v4 and call it v5."""
     if request.path == "/v1/plan":
-        return 200, {"Content-Type": "application/json"}, json.dumps(
-            {"route": "base", "base": 4, "deltas": [], "bytes": 0}).encode()
+        return (
+            200,
+            {"Content-Type": "application/json"},
+            json.dumps({"route": "base", "base": 4, "deltas": [], "bytes": 0}).encode(),
+        )
+
     def as_v4(doc: dict) -> None:
         by = {e["version"]: e for e in doc["versions"]}
         by[5]["state_hash"] = by[4]["state_hash"]
+
     return await edited(request, get, as_v4) if request.path == "/v1/versions" else None
 
 
 async def altered_base(request, get):
     """A listing whose base snapshot of v4 names other parts."""
+
     def other_parts(doc: dict) -> None:
         for e in doc["versions"]:
             if e["base"]:
                 e["base"]["parts"][0] = "0" * 64
+
     return await edited(request, get, other_parts) if request.path == "/v1/versions" else None
 
 
@@ -174,26 +195,44 @@ def have(states, v):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["altered bytes", "altered list", "altered list, per piece", "replayed version",
-                                  "another job's version",
-                                  "recomputed additive hash", "a plan that stops short", "altered base",
-                                  "altered base bytes"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "altered bytes",
+        "altered list",
+        "altered list, per piece",
+        "replayed version",
+        "another job's version",
+        "recomputed additive hash",
+        "a plan that stops short",
+        "altered base",
+        "altered base bytes",
+    ],
+)
 def test_a_forging_relay_is_caught_before_any_weight_changes(jobs, case):
     path, states, other, forged, forged_state = jobs
     key = Signer(TOKEN).verifier
 
     async def go():
-        async with Server(path) as origin, Server(other, token=OTHER) as other_job, \
-                Server(forged, token="", port=0) as forger_origin:
+        async with (
+            Server(path) as origin,
+            Server(other, token=OTHER) as other_job,
+            Server(forged, token="", port=0) as forger_origin,
+        ):
             FORGED["origin"] = origin.url
             async with Client(origin.url, token=WORKER, trust=key) as c:
                 FORGED["piece1"] = tuple((await c.json("/v1/versions/5/pieces"))["pieces"][1][:2])
-            forge = {"altered bytes": flipped("/v1/versions/5/delta"), "altered list": altered_list,
-                     "altered list, per piece": lambda r, g: altered_list(r, g, table=False), "replayed version": replayed,
-                     "another job's version": from_other(other_job.url, OTHER),
-                     "recomputed additive hash": from_other(forger_origin.url, ""),
-                     "a plan that stops short": short_plan, "altered base": altered_base,
-                     "altered base bytes": flipped("/v1/versions/4/base")}[case]
+            forge = {
+                "altered bytes": flipped("/v1/versions/5/delta"),
+                "altered list": altered_list,
+                "altered list, per piece": lambda r, g: altered_list(r, g, table=False),
+                "replayed version": replayed,
+                "another job's version": from_other(other_job.url, OTHER),
+                "recomputed additive hash": from_other(forger_origin.url, ""),
+                "a plan that stops short": short_plan,
+                "altered base": altered_base,
+                "altered base bytes": flipped("/v1/versions/4/base"),
+            }[case]
             async with Forger(origin.url, forge) as relay:
                 target = 4 if case.startswith("altered base") else 5
                 start = None if case.startswith("altered base") else have(states, 4)
@@ -224,9 +263,13 @@ def test_signatures_bind_version_key_and_every_field():
     h = "ab" * 32
     sig = s.sign(piece_statement(5, 0, 100, h, False))
     assert s.verifier.ok(piece_statement(5, 0, 100, h, False), sig)
-    for changed in [piece_statement(6, 0, 100, h, False), piece_statement(5, 1, 100, h, False),
-                    piece_statement(5, 0, 101, h, False), piece_statement(5, 0, 100, "cd" * 32, False),
-                    piece_statement(5, 0, 100, h, True)]:
+    for changed in [
+        piece_statement(6, 0, 100, h, False),
+        piece_statement(5, 1, 100, h, False),
+        piece_statement(5, 0, 101, h, False),
+        piece_statement(5, 0, 100, "cd" * 32, False),
+        piece_statement(5, 0, 100, h, True),
+    ]:
         assert not s.verifier.ok(changed, sig)
     assert not other.verifier.ok(piece_statement(5, 0, 100, h, False), sig)
     base = base_statement(4, "0" * 16, 10, 1 << 16, [h])
@@ -256,25 +299,50 @@ def test_what_each_role_may_do():
     assert gate.principal(f"Bearer {WORKER[:-2]}AA") is None and gate.principal("Bearer sprl1.x.y") is None
     assert gate.principal(WORKER) is None  # not a bearer header
     for who, method, path, ok in [
-        (relay, "GET", "/v1/versions", True), (relay, "GET", "/v1/versions/5/delta", True),
-        (relay, "GET", "/v1/plan", True), (relay, "GET", "/v1/job", False), (relay, "POST", "/v1/results", False),
-        (relay, "GET", "/v1/status", False), (relay, "GET", "/metrics", False),
-        (worker, "GET", "/v1/versions/5/pieces", True), (worker, "GET", "/v1/model/config.json", True),
-        (worker, "POST", "/v1/work", True), (worker, "GET", "/v1/status", False), (worker, "GET", "/metrics", False),
-        (worker, "POST", "/v1/versions", False), (admin, "GET", "/v1/status", True),
+        (relay, "GET", "/v1/versions", True),
+        (relay, "GET", "/v1/versions/5/delta", True),
+        (relay, "GET", "/v1/plan", True),
+        (relay, "GET", "/v1/job", False),
+        (relay, "POST", "/v1/results", False),
+        (relay, "GET", "/v1/status", False),
+        (relay, "GET", "/metrics", False),
+        (worker, "GET", "/v1/versions/5/pieces", True),
+        (worker, "GET", "/v1/model/config.json", True),
+        (worker, "POST", "/v1/work", True),
+        (worker, "GET", "/v1/status", False),
+        (worker, "GET", "/metrics", False),
+        (worker, "POST", "/v1/versions", False),
+        (admin, "GET", "/v1/status", True),
     ]:
         assert (allowed(who, method, path) is None) == ok, (who, method, path)
     slot = Principal("worker", "grpo-worker-eu-1-*")  # a cluster's worker slot: each attempt's pod
     assert acts_as(slot, "grpo-worker-eu-1-0") and acts_as(slot, "grpo-worker-eu-1-12")
-    assert not any(acts_as(slot, w) for w in ("grpo-worker-eu-1-", "grpo-worker-eu-10", "grpo-worker-eu-2-0",
-                                              "grpo-worker-eu-1-0-1", "grpo-worker-eu-1-*"))
+    assert not any(
+        acts_as(slot, w)
+        for w in (
+            "grpo-worker-eu-1-",
+            "grpo-worker-eu-10",
+            "grpo-worker-eu-2-0",
+            "grpo-worker-eu-1-0-1",
+            "grpo-worker-eu-1-*",
+        )
+    )
     assert acts_as(worker, "w1") and not acts_as(worker, "w2") and not acts_as(relay, "eu")
 
 
-SPEC = {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "roles"},
-        "spec": {"steps": 2, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"},
-                 "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
-                 "rollout": {"groupsPerLease": 1}, "topology": {"regions": [{"name": "a", "workers": 1}]}}}
+SPEC = {
+    "apiVersion": "sparrowrl.dev/v1alpha1",
+    "kind": "SparrowRLJob",
+    "metadata": {"name": "roles"},
+    "spec": {
+        "steps": 2,
+        "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+        "task": {"builtin": "add"},
+        "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
+        "rollout": {"groupsPerLease": 1},
+        "topology": {"regions": [{"name": "a", "workers": 1}]},
+    },
+}
 
 
 @pytest.mark.timeout(120)
@@ -292,9 +360,11 @@ def test_per_role_tokens_over_http(tmp_path):
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
             async with aiohttp.ClientSession() as s:
+
                 async def call(token, method, path, body=None):
-                    async with s.request(method, url + path, json=body,
-                                         headers={"Authorization": f"Bearer {token}"}) as r:
+                    async with s.request(
+                        method, url + path, json=body, headers={"Authorization": f"Bearer {token}"}
+                    ) as r:
                         return r.status, await r.text()
 
                 h0 = run.coord.hashes[0]
@@ -302,10 +372,17 @@ def test_per_role_tokens_over_http(tmp_path):
                 lease = lease["lease"]
                 status, text = await call(w2, "POST", "/v1/work", {"worker": "w1", "version": 0})
                 assert status == 403 and "'w2'" in text and "'w1'" in text
-                results = {str(p["group"]): {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2}
-                           for p in lease["prompts"]}
-                body = {"lease": lease["id"], "worker": "w1", "version": 0, "state_hash": h0, "results": results,
-                        "generate_s": 0.1}
+                results = {
+                    str(p["group"]): {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2} for p in lease["prompts"]
+                }
+                body = {
+                    "lease": lease["id"],
+                    "worker": "w1",
+                    "version": 0,
+                    "state_hash": h0,
+                    "results": results,
+                    "generate_s": 0.1,
+                }
                 assert (await call(w2, "POST", "/v1/results", body))[0] == 403  # w1's lease, w2's token
                 malformed = {**body, "generate_s": -1.0}  # refuses its lease, but only its worker's token may
                 assert (await call(w2, "POST", "/v1/results", malformed))[0] == 403
@@ -366,6 +443,7 @@ def test_a_relay_forwards_signatures_it_cannot_make(history, tmp_path, monkeypat
                 await runner.cleanup()
         kept = Store(tmp_path / "mirror").versions[6]
         assert len(kept.delta_sigs) == len(listed) and kept.delta_table_sig
+
     asyncio.run(go())
 
 
@@ -381,16 +459,22 @@ def test_a_base_listed_in_arrival_order_then_in_file_order_is_not_refused(histor
     info = Store(path).versions[0]
     table = Table("base", 0, path / "bases" / info.base, info.base_bytes)
     active = {"on": True}
-    app = make_app(path, TOKEN, signer=SIGNER,
-                   arriving=lambda what, v, start: table if (what, v) == ("base", 0) and active["on"] else None)
+    app = make_app(
+        path,
+        TOKEN,
+        signer=SIGNER,
+        arriving=lambda what, v, start: table if (what, v) == ("base", 0) and active["on"] else None,
+    )
 
     async def go():
         async with serving(app) as url, Client(url, token=WORKER, trust=SIGNER.verifier) as c:
             listing = await c.versions()
             entry = next(e for e in listing["versions"] if e["version"] == 0)
             size, step = info.base_bytes, info.base_part_bytes
-            parts = [[i * step, min(step, size - i * step), h, i == len(info.base_parts) - 1, ""]
-                     for i, h in enumerate(info.base_parts)]
+            parts = [
+                [i * step, min(step, size - i * step), h, i == len(info.base_parts) - 1, ""]
+                for i, h in enumerate(info.base_parts)
+            ]
             assert len(parts) >= 3
             table.add(parts[-1])  # the last part first: arrival order is not file order
             got = []
@@ -399,6 +483,8 @@ def test_a_base_listed_in_arrival_order_then_in_file_order_is_not_refused(histor
                 got.append(p.offset)
                 if len(got) == 1:  # midway the relay has it all, and lists in file order
                     active["on"] = False
+
             await c.base_parts(0, entry, keep)
             assert sorted(got) == [p[0] for p in parts] and not c.stats.refused
+
     asyncio.run(go())

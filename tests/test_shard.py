@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sparrowrl.trainer import models, ranks, shard
 from sparrowrl.delta import state_hash
 from sparrowrl.delta.errors import MismatchError
 from sparrowrl.delta.frame import DeltaWriter, Encoder, TensorSpec
 from sparrowrl.store.store import Store
+from sparrowrl.trainer import models, ranks, shard
 
 VOCAB = 53  # odd: FSDP gives the two ranks 27 and 26 rows of the embedding
 
@@ -62,9 +62,15 @@ def _rank(rank: int, world: int, port: int, out: str, device: str = "cpu") -> No
             full_old = dict(_full(table, old))
             full_new = dict(_full(table, new))
             if rank == 0:
-                torch.save({"held": held, "old": full_old, "new": full_new,
-                            "ranges": {t.name: [(r, *_range(t, r, world)) for r in range(world)] for t in table}},
-                           Path(out) / f"step{step}.pt")
+                torch.save(
+                    {
+                        "held": held,
+                        "old": full_old,
+                        "new": full_new,
+                        "ranges": {t.name: [(r, *_range(t, r, world)) for r in range(world)] for t in table},
+                    },
+                    Path(out) / f"step{step}.pt",
+                )
             old = new
     finally:
         dist.destroy_process_group()
@@ -86,6 +92,7 @@ def _full(table, shards):
         yield t.name, torch.cat([f for _, f in sorted(parts, key=lambda p: p[0])]).view(t.shape)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_two_ranks_publish_one_version(tmp_path):
     mp.spawn(_rank, args=(2, _port(), str(tmp_path)), nprocs=2)
@@ -110,10 +117,13 @@ def check_published(out: Path) -> None:
         w = DeltaWriter(buf, table, base_version=step, base_hash=store.versions[step].state_hash, target_version=v)
         enc = Encoder(table)
         for tid, t in enumerate(table):
-            spans = [(tid, a, got["old"][t.name].reshape(-1)[a:b], got["new"][t.name].reshape(-1)[a:b])
-                     for _, a, b in got["ranges"][t.name]]
-            w.add_encoded(t.name, [(a, b - a) for _, a, b in got["ranges"][t.name]],
-                          (e for e in enc.encode(spans) if e.data))
+            spans = [
+                (tid, a, got["old"][t.name].reshape(-1)[a:b], got["new"][t.name].reshape(-1)[a:b])
+                for _, a, b in got["ranges"][t.name]
+            ]
+            w.add_encoded(
+                t.name, [(a, b - a) for _, a, b in got["ranges"][t.name]], (e for e in enc.encode(spans) if e.data)
+            )
         enc.close()
         w.close()
         assert buf.getvalue() == (store.path / "deltas" / store.versions[v].delta).read_bytes()
@@ -124,7 +134,9 @@ def test_ranges_that_do_not_cover_a_tensor_are_refused():
     w = DeltaWriter(io.BytesIO(), [spec], base_version=0, base_hash="0" * 16, target_version=1)
     with pytest.raises(MismatchError, match=r"tensor 'w': a range of 16 elements at 24, where it goes on at 20"):
         w.add_encoded("w", [(0, 20), (24, 16)], [])
-    with pytest.raises(MismatchError, match=r"tensor 'w': its ranges cover 36 elements, the table's BF16\[10, 4\] has 40"):
+    with pytest.raises(
+        MismatchError, match=r"tensor 'w': its ranges cover 36 elements, the table's BF16\[10, 4\] has 40"
+    ):
         w.add_encoded("w", [(0, 20), (20, 16)], [])
     w.encoder.close()
 
@@ -134,6 +146,7 @@ def _load(rank: int, world: int, port: int, folder: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from transformers import AutoConfig
+
         model = shard.build(AutoConfig.from_pretrained(folder), shard.from_files(folder))
         torch.save(dict(shard.gathered(model, torch.float32)), Path(folder) / f"gathered{rank}.pt")
     finally:
@@ -141,6 +154,7 @@ def _load(rank: int, world: int, port: int, folder: str) -> None:
     ranks.leave()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_each_rank_reads_its_rows_of_a_hugging_face_folder(tmp_path):
     """model.path with 2 ranks: every rank reads only its rows, and together they hold the

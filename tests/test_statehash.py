@@ -4,8 +4,8 @@ import io
 
 import numpy as np
 import torch
-
 from conftest import mutate, random_tensor
+
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.statehash import TensorKey
@@ -85,6 +85,9 @@ def reference_hash(state: dict) -> str:
 
 
 def test_hash_matches_its_definition(rng):
-    state = {"a": random_tensor(rng, "BF16", (7, 9)), "b": random_tensor(rng, "F32", (5,)),
-             "c": random_tensor(rng, "F64", (4,))}
+    state = {
+        "a": random_tensor(rng, "BF16", (7, 9)),
+        "b": random_tensor(rng, "F32", (5,)),
+        "c": random_tensor(rng, "F64", (4,)),
+    }
     assert state_hash(state) == reference_hash(state)

@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import mutate, random_tensor
+
 from sparrowrl.delta import state_hash
 from sparrowrl.delta.bitview import bits
 from sparrowrl.store.store import Store, StoreError

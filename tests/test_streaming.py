@@ -4,8 +4,8 @@ import hashlib
 import io
 import struct
 
-
 from conftest import mutate, random_tensor
+
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
 from sparrowrl.delta.frame import CHUNK, HEAD, TensorSpec
 
@@ -25,8 +25,14 @@ def test_chunks_are_on_the_wire_before_the_last_tensor_is_added(rng):
     old = {f"layer{i}": random_tensor(rng, "BF16", (200, 50)) for i in range(4)}
     new = {k: mutate(rng, v, 0.05) for k, v in old.items()}
     out = Tap()
-    w = DeltaWriter(out, [TensorSpec.of(n, t) for n, t in new.items()], base_version=0,
-                    base_hash=state_hash(old), target_version=1, chunk_bytes=512)
+    w = DeltaWriter(
+        out,
+        [TensorSpec.of(n, t) for n, t in new.items()],
+        base_version=0,
+        base_hash=state_hash(old),
+        target_version=1,
+        chunk_bytes=512,
+    )
     w.add([("layer0", old["layer0"], new["layer0"])])
     early = out.getvalue()
     assert out.flushed, "nothing flushed after the first tensor"
@@ -36,7 +42,7 @@ def test_chunks_are_on_the_wire_before_the_last_tensor_is_added(rng):
     chunks = 0
     while pos < len(early):
         magic, index, length, digest = CHUNK.unpack_from(early, pos)
-        body = early[pos + CHUNK.size:pos + CHUNK.size + length]
+        body = early[pos + CHUNK.size : pos + CHUNK.size + length]
         assert magic == b"SPCK" and index == chunks
         assert hashlib.sha256(struct.pack("<II", index, length) + body).digest() == digest
         pos += CHUNK.size + length

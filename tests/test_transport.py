@@ -10,15 +10,14 @@ import threading
 import time
 
 import pytest
-from safetensors.torch import save_file
-
 from conftest import mutate
-from netfaults import FaultyProxy, Faults
+from safetensors.torch import save_file
+from support.netfaults import Faults, FaultyProxy
+from support.servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server
+
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store.store import Store
 from sparrowrl.transport.client import Client, FetchError
-
-from servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server
 
 
 def run(coro):
@@ -28,12 +27,19 @@ def run(coro):
 def test_every_endpoint_wants_the_token(history):
     async def go():
         async with Server(history[0]) as s, Client(s.url, token="") as anon, Client(s.url, token="wrong") as bad:
-            for path in ["/v1/versions", "/v1/plan?to=3", "/v1/versions/2/manifest", "/v1/versions/2/delta",
-                         "/v1/versions/4/base", "/nowhere"]:
+            for path in [
+                "/v1/versions",
+                "/v1/plan?to=3",
+                "/v1/versions/2/manifest",
+                "/v1/versions/2/delta",
+                "/v1/versions/4/base",
+                "/nowhere",
+            ]:
                 for c in (anon, bad):
                     async with c._session.get(s.url + path) as r:
                         assert r.status == 401, path
                         assert r.headers["WWW-Authenticate"].startswith("Bearer")
+
     run(go())
 
 
@@ -44,29 +50,45 @@ def test_ranges_and_bad_requests(history):
 
     async def go():
         async with Server(path) as s, Client(s.url, token=TOKEN) as c:
-            get = lambda p, **h: c._session.get(s.url + p, headers=h)
+
+            def get(p, **h):
+                return c._session.get(s.url + p, headers=h)
+
             async with get("/v1/versions/3/delta", Range="bytes=10-99") as r:
                 assert r.status == 206 and await r.read() == raw[10:100]
                 assert r.headers["Content-Range"] == f"bytes 10-99/{len(raw)}"
             for bad in ["bytes=999999999-", "bytes=50-10", "bytes=abc"]:
                 async with get("/v1/versions/3/delta", Range=bad) as r:
                     assert 400 <= r.status < 500, bad
-            for p in ["/v1/versions/99/delta", "/v1/versions/-1/delta", "/v1/versions/0/delta",
-                      "/v1/versions/3/base", "/v1/plan?to=abc", "/v1/plan"]:
+            for p in [
+                "/v1/versions/99/delta",
+                "/v1/versions/-1/delta",
+                "/v1/versions/0/delta",
+                "/v1/versions/3/base",
+                "/v1/plan?to=abc",
+                "/v1/plan",
+            ]:
                 async with get(p) as r:
                     assert 400 <= r.status < 500, p
-            for p in ["/v1/versions/..%2F..%2Fstore.json/delta", "/v1/versions/3/../../store.json",
-                      "/v1/versions/3/delta/../../../../store.json", "/../store.json", "/v1/versions/%2e%2e/delta"]:
+            for p in [
+                "/v1/versions/..%2F..%2Fstore.json/delta",
+                "/v1/versions/3/../../store.json",
+                "/v1/versions/3/delta/../../../../store.json",
+                "/../store.json",
+                "/v1/versions/%2e%2e/delta",
+            ]:
                 status, body = await raw_get(s.port, p)  # as sent: a client library would normalize `..` away
                 assert 400 <= status < 500 and b'"base_every"' not in body, (p, status)
+
     run(go())
 
 
 async def raw_get(port: int, target: str) -> tuple[int, bytes]:
     """One GET with the request target exactly as given, on a socket of its own."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
-                 .encode())
+    writer.write(
+        f"GET {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n".encode()
+    )
     await writer.drain()
     answer = await reader.read()
     writer.close()
@@ -85,6 +107,7 @@ def test_fetch_by_chain_and_by_base(history, streams):
             assert (await c.json("/v1/plan", params={"to": 3, "from": 1}))["route"] == "chain"
             state, h = await c.advance(6)  # from nothing: base v4 + deltas 5, 6
             assert same(state, states[6])
+
     run(go())
 
 
@@ -96,7 +119,9 @@ def test_a_server_that_ignores_range_still_serves_each_piece():
     from sparrowrl.transport.client import Piece
 
     data = os.urandom(3 << 20)
-    pieces = [Piece(o, 1 << 20, hashlib.sha256(data[o:o + (1 << 20)]).hexdigest()) for o in range(0, len(data), 1 << 20)]
+    pieces = [
+        Piece(o, 1 << 20, hashlib.sha256(data[o : o + (1 << 20)]).hexdigest()) for o in range(0, len(data), 1 << 20)
+    ]
     asked = []
 
     async def whole(request):
@@ -117,18 +142,22 @@ def test_a_server_that_ignores_range_still_serves_each_piece():
                 assert bytes(got) == data and c.stats.refetched == 0
         finally:
             await runner.cleanup()
+
     run(go())
     assert sorted(asked) == ["bytes=0-1048575", "bytes=1048576-2097151", "bytes=2097152-3145727"]
 
 
+@pytest.mark.network
 def test_connection_killed_mid_transfer_resumes(history):
     path, states = history
 
     async def go():
         async with Server(path) as s:
             faults = Faults(cut_after=3000, cuts=5)  # requests span several pieces: cuts land mid-request
-            async with FaultyProxy(s.port, faults) as proxy, \
-                    Client(proxy.url, token=TOKEN, streams=2, backoff=0.01) as c:
+            async with (
+                FaultyProxy(s.port, faults) as proxy,
+                Client(proxy.url, token=TOKEN, streams=2, backoff=0.01) as c,
+            ):
                 state, _ = await c.advance(6)
                 assert same(state, states[6])
                 # every cut happened; those that hit a request in flight were resumed (one that hits a
@@ -136,30 +165,38 @@ def test_connection_killed_mid_transfer_resumes(history):
                 assert faults.cuts == 0 and c.stats.retries >= 1
                 size = Store(path).plan(None, 6).bytes
                 assert c.stats.bytes <= size  # verified pieces were kept, never fetched twice
+
     run(go())
 
 
+@pytest.mark.network
 def test_corrupted_chunk_is_refetched_never_applied(history):
     path, states = history
 
     async def go():
         async with Server(path) as s:
             faults = Faults(corrupt_at=60, corruptions=3)
-            async with FaultyProxy(s.port, faults) as proxy, \
-                    Client(proxy.url, token=TOKEN, streams=1, backoff=0.01, group_bytes=1) as c:
+            async with (
+                FaultyProxy(s.port, faults) as proxy,
+                Client(proxy.url, token=TOKEN, streams=1, backoff=0.01, group_bytes=1) as c,
+            ):
                 held = {k: v.clone() for k, v in states[4].items()}
                 state, _ = await c.advance(6, (4, held, state_hash(held)))
                 assert same(state, states[6]) and faults.corruptions == 0 and c.stats.refetched >= 1
+
     run(go())
 
 
+@pytest.mark.network
 def test_gives_up_with_a_clear_error(history):
     path, states = history
 
     async def go():
         async with Server(path) as s:
-            async with FaultyProxy(s.port, Faults(corrupt_at=60, corruptions=10**6)) as proxy, \
-                    Client(proxy.url, token=TOKEN, streams=1, attempts=3, backoff=0.01) as c:
+            async with (
+                FaultyProxy(s.port, Faults(corrupt_at=60, corruptions=10**6)) as proxy,
+                Client(proxy.url, token=TOKEN, streams=1, attempts=3, backoff=0.01) as c,
+            ):
                 held = {k: v.clone() for k, v in states[4].items()}
                 before = {k: v.clone() for k, v in held.items()}
                 with pytest.raises(FetchError, match="failed their checksum 3 times"):
@@ -168,6 +205,7 @@ def test_gives_up_with_a_clear_error(history):
         async with Client("http://127.0.0.1:9", token=TOKEN, attempts=2, backoff=0.01) as c:
             with pytest.raises(FetchError, match="gave up after 2 attempts"):
                 await c.versions()
+
     run(go())
 
 
@@ -178,6 +216,7 @@ def test_fallback_to_the_next_server(history):
         async with Server(path) as s, Client(["http://127.0.0.1:9", s.url], token=TOKEN, backoff=0.01) as c:
             state, _ = await c.advance(5)
             assert same(state, states[5])
+
     run(go())
 
 
@@ -206,6 +245,7 @@ def test_long_poll_wakes_on_a_new_version(history, tmp_path, rng):
             # it wakes as soon as the new version is being written, or once it is stored
             assert newest + 1 in listing["producing"] or listing["newest"] == newest + 1
             assert time.monotonic() - t0 < 20
+
     run(go())
 
 
@@ -228,6 +268,7 @@ def test_long_poll_waits_for_a_base_snapshot(history, tmp_path, rng):
             listing = await c.versions(base=v, wait=30)
             writer.join()
             assert next(e for e in listing["versions"] if e["version"] == v)["base"] is not None
+
     run(go())
 
 
@@ -250,9 +291,11 @@ def test_long_poll_waits_for_a_version_to_be_stored(history, tmp_path, rng):
             adder.join()
             entry = next(e for e in listing["versions"] if e["version"] == newest + 1)
             assert entry["delta"]["sha256"] == Store(path).versions[newest + 1].delta_sha256
+
     run(go())
 
 
+@pytest.mark.e2e
 def test_server_restart_mid_fetch(history):
     """The server dies with the client's fetch under way and comes back: the fetch completes."""
     path, states = history
@@ -273,12 +316,14 @@ def test_server_restart_mid_fetch(history):
             server = await asyncio.to_thread(start_server, path, port)
             state, _ = await task
             assert same(state, states[6]) and c.stats.retries >= 1
+
     try:
         run(go())
     finally:
         server.kill()
 
 
+@pytest.mark.e2e
 def test_curl_lists_versions_and_fetches_a_chunk_range(history):
     path, _ = history
     port = free_port()
@@ -299,35 +344,83 @@ def test_curl_lists_versions_and_fetches_a_chunk_range(history):
         server.kill()
 
 
+@pytest.mark.e2e
 def test_tls_and_the_fetch_command(history, tmp_path):
     path, states = history
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", key, "-out", cert],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+        ],
+        check=True,
+        capture_output=True,
+    )
     port = free_port()
     server = start_server(path, port, "--tls-cert", str(cert), "--tls-key", str(key))
     try:
         save_file(states[2], tmp_path / "v2.safetensors")
         env = dict(os.environ, SPARROWRL_TOKEN=TOKEN)
-        p = subprocess.run([str(EXE), "fetch", f"https://127.0.0.1:{port}", "--version", "5", "--base",
-                            tmp_path / "v2.safetensors", "--base-version", "2", "--ca-cert", cert, "-o",
-                            tmp_path / "v5.safetensors"], env=env, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [
+                str(EXE),
+                "fetch",
+                f"https://127.0.0.1:{port}",
+                "--version",
+                "5",
+                "--base",
+                tmp_path / "v2.safetensors",
+                "--base-version",
+                "2",
+                "--ca-cert",
+                cert,
+                "-o",
+                tmp_path / "v5.safetensors",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stderr
         from safetensors.torch import load_file
 
         assert same(load_file(str(tmp_path / "v5.safetensors")), states[5])
-        p = subprocess.run([str(EXE), "fetch", f"https://127.0.0.1:{port}", "--version", "5", "-o",
-                            tmp_path / "x.safetensors"], env=env, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [str(EXE), "fetch", f"https://127.0.0.1:{port}", "--version", "5", "-o", tmp_path / "x.safetensors"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 1 and not (tmp_path / "x.safetensors").exists()  # untrusted certificate
     finally:
         server.kill()
 
 
+@pytest.mark.e2e
 def test_serve_refuses_public_address_without_token(history):
-    p = subprocess.run([str(EXE), "serve", str(history[0]), "--host", "0.0.0.0", "--port", "1"],
-                       env={k: v for k, v in os.environ.items() if k != "SPARROWRL_TOKEN"},
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [str(EXE), "serve", str(history[0]), "--host", "0.0.0.0", "--port", "1"],
+        env={k: v for k, v in os.environ.items() if k != "SPARROWRL_TOKEN"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1 and "without SPARROWRL_TOKEN" in p.stderr
 
 
@@ -348,39 +441,54 @@ def test_cut_through_first_chunk_arrives_before_the_writer_finishes(history, tmp
                 seen.append((len(data), writer_done.is_set()))
                 if len(seen) >= 2:  # header, then a chunk
                     got_first.set()
+
             d = await c.delta(v0 + 1, on_piece)
             await asyncio.to_thread(t.join)
             assert any(not done for _, done in seen[1:2]), "first chunk came only after the writer finished"
             held = {k: v.clone() for k, v in old.items()}
             assert apply_delta(d, held, base_hash=store.versions[v0].state_hash) == state_hash(new)
             assert Store(path).versions[v0 + 1].state_hash == state_hash(new)
+
     run(go())
 
 
+@pytest.mark.network
 def test_cut_through_resumes_after_cuts(history):
     path, states = history
 
     async def go():
-        async with Server(path) as s, FaultyProxy(s.port, Faults(cut_after=5000, cuts=3)) as proxy, \
-                Client(proxy.url, token=TOKEN, backoff=0.01) as c:
+        async with (
+            Server(path) as s,
+            FaultyProxy(s.port, Faults(cut_after=5000, cuts=3)) as proxy,
+            Client(proxy.url, token=TOKEN, backoff=0.01) as c,
+        ):
             pieces = {}
             d = await c.delta(5, lambda p, data: pieces.setdefault(p.offset, data))
-            assert b"".join(pieces[k] for k in sorted(pieces)) == d.data == \
-                (path / "deltas" / Store(path).versions[5].delta).read_bytes()
+            assert (
+                b"".join(pieces[k] for k in sorted(pieces))
+                == d.data
+                == (path / "deltas" / Store(path).versions[5].delta).read_bytes()
+            )
             assert c.stats.retries >= 1
+
     run(go())
 
 
+@pytest.mark.network
 def test_streams_bind_the_given_local_ports(history):
     """For per-flow shaped links (hack/wan): stream i connects from local_ports[i]."""
     path, states = history
     ports = [free_port(), free_port()]
 
     async def go():
-        async with Server(path) as s, FaultyProxy(s.port, Faults()) as proxy, \
-                Client(proxy.url, token=TOKEN, streams=2, local_ports=ports, group_bytes=1) as c:
+        async with (
+            Server(path) as s,
+            FaultyProxy(s.port, Faults()) as proxy,
+            Client(proxy.url, token=TOKEN, streams=2, local_ports=ports, group_bytes=1) as c,
+        ):
             state, _ = await c.advance(6)
             assert same(state, states[6]) and set(ports) <= proxy.peer_ports
+
     run(go())
 
 
@@ -400,6 +508,7 @@ def test_a_local_port_in_time_wait_is_bound_again(history):
             async with Client(s.url, token=TOKEN, streams=1, local_ports=[port], attempts=2, backoff=0.01) as c:
                 state, _ = await c.advance(6)
             assert same(state, states[6])
+
     run(go())
 
 
@@ -421,10 +530,13 @@ def test_a_stream_whose_local_port_is_taken_waits_for_it(history):
     async def go():
         held = _hold(port)
         asyncio.get_running_loop().call_later(1.0, held.close)
-        async with Server(path) as s, \
-                Client(s.url, token=TOKEN, streams=1, local_ports=[port], attempts=2, backoff=0.01) as c:
+        async with (
+            Server(path) as s,
+            Client(s.url, token=TOKEN, streams=1, local_ports=[port], attempts=2, backoff=0.01) as c,
+        ):
             state, _ = await c.advance(6)
         assert same(state, states[6]) and c.stats.port_waits >= 1 and c.stats.retries == 0
+
     run(go())
 
 
@@ -436,13 +548,16 @@ def test_a_local_port_that_stays_taken_is_named_after_a_bounded_wait(history):
     async def go():
         held = _hold(port)
         try:
-            async with Server(path) as s, Client(s.url, token=TOKEN, streams=1, local_ports=[port], attempts=2,
-                                                 port_wait=1.0) as c:
+            async with (
+                Server(path) as s,
+                Client(s.url, token=TOKEN, streams=1, local_ports=[port], attempts=2, port_wait=1.0) as c,
+            ):
                 with pytest.raises(FetchError, match=rf"local port {port} stayed taken for 1 s .*--local-ports"):
                     await c.advance(6)
                 assert c.stats.retries == 0  # waiting, not failing: the attempts were not spent
         finally:
             held.close()
+
     run(go())
 
 
@@ -460,4 +575,5 @@ def test_a_rate_cap_paces_the_download(history):
             assert same(state, states[4])
             want = c.stats.bytes * 8 / (rate_mbit * 1e6)
             assert took >= 0.9 * want - 0.1, (took, want)  # the bucket starts with 0.1 s of credit
+
     run(go())

@@ -259,8 +259,7 @@ class Wan:
                 _kill_netns_pids(ns)
             for i in range(len(self._regions)):
                 if f"{self.prefix}{ORIGIN}" in self._created:
-                    _sh(["ip", "-n", f"{self.prefix}{ORIGIN}", "link", "del", _ORIGIN_IF.format(i)],
-                        check=False)
+                    _sh(["ip", "-n", f"{self.prefix}{ORIGIN}", "link", "del", _ORIGIN_IF.format(i)], check=False)
             for ns in reversed(self._created):
                 _del_netns(ns)
             self._created.clear()
@@ -323,8 +322,11 @@ class Wan:
         # the flow ports lie inside the ephemeral range: reserved, the kernel never hands one out to
         # another connection, which would hold a stream's port (EADDRINUSE) for as long as it lives
         reserved = f"{FLOW_PORT_BASE}-{FLOW_PORT_BASE + FLOW_PORT_SPAN - 1}"
-        for key, val in (("net.ipv4.tcp_tw_reuse", "1"), ("net.ipv6.conf.all.disable_ipv6", "1"),
-                         ("net.ipv4.ip_local_reserved_ports", reserved)):
+        for key, val in (
+            ("net.ipv4.tcp_tw_reuse", "1"),
+            ("net.ipv6.conf.all.disable_ipv6", "1"),
+            ("net.ipv4.ip_local_reserved_ports", reserved),
+        ):
             _sh(["ip", "netns", "exec", full, "sysctl", "-qw", f"{key}={val}"], check=False)
         return full
 
@@ -336,8 +338,7 @@ class Wan:
             r = self._add_netns(reg.name)
             oif = _ORIGIN_IF.format(i)
             # Both ends are created inside their namespaces: no name ever exists in the host's.
-            _sh(["ip", "link", "add", oif, "netns", o, "type", "veth", "peer", "name", _REGION_IF,
-                 "netns", r])
+            _sh(["ip", "link", "add", oif, "netns", o, "type", "veth", "peer", "name", _REGION_IF, "netns", r])
             net = f"10.77.{i + 1}"
             _sh(["ip", "-n", o, "addr", "add", f"{net}.254/24", "dev", oif])
             _sh(["ip", "-n", r, "addr", "add", f"{net}.1/24", "dev", _REGION_IF])
@@ -346,8 +347,7 @@ class Wan:
             _sh(["ip", "-n", o, "link", "set", oif, "up"])
             _sh(["ip", "-n", r, "link", "set", _REGION_IF, "up"])
             # origin speaks from 10.77.0.1 to every region; regions route everything via origin
-            _sh(["ip", "-n", o, "route", "replace", f"{net}.0/24", "dev", oif, "src",
-                 self.addr(ORIGIN)])
+            _sh(["ip", "-n", o, "route", "replace", f"{net}.0/24", "dev", oif, "src", self.addr(ORIGIN)])
             _sh(["ip", "-n", r, "route", "add", "default", "via", f"{net}.254", "src", f"{net}.1"])
             if reg.link_mbit is not None:
                 self._shape(o, oif, reg)
@@ -373,16 +373,56 @@ class Wan:
             value = FLOW_PORT_BASE | k
             # dport first: a packet towards the client; then sport: a packet from the client
             for prio, field in ((1, "dport"), (2, "sport")):
-                _sh([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio",
-                     str(prio), "u32", "match", "ip", field, hex(value), hex(mask),
-                     "flowid", cid])
+                _sh(
+                    [
+                        *tc,
+                        "filter",
+                        "add",
+                        "dev",
+                        dev,
+                        "parent",
+                        "1:",
+                        "protocol",
+                        "ip",
+                        "prio",
+                        str(prio),
+                        "u32",
+                        "match",
+                        "ip",
+                        field,
+                        hex(value),
+                        hex(mask),
+                        "flowid",
+                        cid,
+                    ]
+                )
 
-    def _htb_class(self, tc: list[str], dev: str, parent: str, cid: str, rate: float,
-                   ceil: float) -> None:
+    def _htb_class(self, tc: list[str], dev: str, parent: str, cid: str, rate: float, ceil: float) -> None:
         burst = max(128 * 1024, int(ceil * 125_000 * 0.002))  # >= 2 GSO packets or 2 ms
-        _sh([*tc, "class", "add", "dev", dev, "parent", parent, "classid", cid, "htb",
-             "rate", _kbit(rate), "ceil", _kbit(ceil), "burst", str(burst), "cburst", str(burst),
-             "quantum", "65536"])
+        _sh(
+            [
+                *tc,
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                parent,
+                "classid",
+                cid,
+                "htb",
+                "rate",
+                _kbit(rate),
+                "ceil",
+                _kbit(ceil),
+                "burst",
+                str(burst),
+                "cburst",
+                str(burst),
+                "quantum",
+                "65536",
+            ]
+        )
         if cid != "1:1":  # leaf: a byte fifo of queue_ms at the ceiling rate
             limit = max(256 * 1024, int(ceil * 125_000 * self.queue_ms / 1000))
             _sh([*tc, "qdisc", "add", "dev", dev, "parent", cid, "bfifo", "limit", str(limit)])
@@ -535,17 +575,21 @@ def _one(host: str, port: int, local_port: int, op: str, n: int, out: dict[str, 
 
 def _xfer(host: str, port: int, op: str, nbytes: int, local_ports: list[int]) -> dict[str, Any]:
     results: list[dict[str, Any]] = [{} for _ in local_ports]
-    threads = [threading.Thread(target=_one, args=(host, port, lp, op, nbytes, results[j]))
-               for j, lp in enumerate(local_ports)]
+    threads = [
+        threading.Thread(target=_one, args=(host, port, lp, op, nbytes, results[j])) for j, lp in enumerate(local_ports)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     total = sum(r["bytes"] for r in results)
     span = max(r["t1"] for r in results) - min(r["t0"] for r in results)
-    return {"streams": [round(r["mbit"], 1) for r in results],
-            "total_mbit": round(total * 8 / span / 1e6, 1), "seconds": round(span, 2),
-            "bytes": total}
+    return {
+        "streams": [round(r["mbit"], 1) for r in results],
+        "total_mbit": round(total * 8 / span / 1e6, 1),
+        "seconds": round(span, 2),
+        "bytes": total,
+    }
 
 
 def selftest() -> int:
@@ -553,24 +597,30 @@ def selftest() -> int:
     mb = 1_000_000
     t_start = time.monotonic()
     with Wan(regions=["us", "eu"], link_mbit=link, per_flow_mbit=per_flow) as wan:
-        print(f"wan: prefix {wan.prefix}, link {link} Mbit/s, per flow {per_flow} Mbit/s, "
-              f"{wan.flow_classes} flow classes, built in {time.monotonic() - t_start:.1f} s")
+        print(
+            f"wan: prefix {wan.prefix}, link {link} Mbit/s, per flow {per_flow} Mbit/s, "
+            f"{wan.flow_classes} flow classes, built in {time.monotonic() - t_start:.1f} s"
+        )
         for ns in wan.sites:
             print(f"  {wan.netns(ns):28s} {wan.addr(ns)}")
         me = os.path.abspath(__file__)
         srv_port = 8000
         servers = {}
         for ns in (ORIGIN, "us"):  # origin for WAN tests, us for the intra-region test
-            p = wan.popen(ns, [sys.executable, me, "_serve", str(srv_port)],
-                          stdout=subprocess.PIPE, text=True)
+            p = wan.popen(ns, [sys.executable, me, "_serve", str(srv_port)], stdout=subprocess.PIPE, text=True)
             assert p.stdout is not None
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"server in {ns} did not start")
             servers[ns] = p
 
         def xfer(ns: str, host: str, op: str, n: int, ports: list[int]) -> dict[str, Any]:
-            res = wan.run(ns, [sys.executable, me, "_xfer", host, str(srv_port), op, str(n),
-                               *map(str, ports)], capture_output=True, text=True, timeout=60)
+            res = wan.run(
+                ns,
+                [sys.executable, me, "_xfer", host, str(srv_port), op, str(n), *map(str, ports)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if res.returncode != 0:
                 raise RuntimeError(f"_xfer failed: {res.stderr}")
             return json.loads(res.stdout)
@@ -578,18 +628,60 @@ def selftest() -> int:
         origin = wan.addr(ORIGIN)
         fp = flow_port
         cases = [
-            ("1 stream, download origin->us (port 40960)", "us", origin, "GET", 16 * mb, [fp(0)],
-             (0.85 * per_flow, 1.05 * per_flow)),
-            ("4 streams, download origin->us (ports 40960-40963)", "us", origin, "GET", 16 * mb,
-             [fp(i) for i in range(4)], (0.9 * link, 1.05 * link)),
-            ("4 streams in ONE class (ports 40960,40976,40992,41008)", "us", origin, "GET",
-             4 * mb, [fp(16 * i) for i in range(4)], (0.85 * per_flow, 1.05 * per_flow)),
-            ("1 stream, ephemeral port (default class)", "us", origin, "GET", 8 * mb, [0],
-             (0.85 * per_flow, 1.05 * per_flow)),
-            ("4 streams, upload eu->origin (ports 40964-40967)", "eu", origin, "PUT", 16 * mb,
-             [fp(4 + i) for i in range(4)], (0.9 * link, 1.05 * link)),
-            ("1 stream, intra-region us->us over loopback (unshaped)", "us", wan.addr("us"),
-             "GET", 200 * mb, [fp(0)], (2 * link, float("inf"))),
+            (
+                "1 stream, download origin->us (port 40960)",
+                "us",
+                origin,
+                "GET",
+                16 * mb,
+                [fp(0)],
+                (0.85 * per_flow, 1.05 * per_flow),
+            ),
+            (
+                "4 streams, download origin->us (ports 40960-40963)",
+                "us",
+                origin,
+                "GET",
+                16 * mb,
+                [fp(i) for i in range(4)],
+                (0.9 * link, 1.05 * link),
+            ),
+            (
+                "4 streams in ONE class (ports 40960,40976,40992,41008)",
+                "us",
+                origin,
+                "GET",
+                4 * mb,
+                [fp(16 * i) for i in range(4)],
+                (0.85 * per_flow, 1.05 * per_flow),
+            ),
+            (
+                "1 stream, ephemeral port (default class)",
+                "us",
+                origin,
+                "GET",
+                8 * mb,
+                [0],
+                (0.85 * per_flow, 1.05 * per_flow),
+            ),
+            (
+                "4 streams, upload eu->origin (ports 40964-40967)",
+                "eu",
+                origin,
+                "PUT",
+                16 * mb,
+                [fp(4 + i) for i in range(4)],
+                (0.9 * link, 1.05 * link),
+            ),
+            (
+                "1 stream, intra-region us->us over loopback (unshaped)",
+                "us",
+                wan.addr("us"),
+                "GET",
+                200 * mb,
+                [fp(0)],
+                (2 * link, float("inf")),
+            ),
         ]
         ok = True
         for title, ns, host, op, n, ports, (lo, hi) in cases:
@@ -597,24 +689,41 @@ def selftest() -> int:
             good = lo <= r["total_mbit"] <= hi
             ok &= good
             streams = " + ".join(f"{s:.1f}" for s in r["streams"]) if len(ports) > 1 else ""
-            print(f"{'ok  ' if good else 'FAIL'} {title}: {r['total_mbit']:.1f} Mbit/s"
-                  f"{' (' + streams + ')' if streams else ''} in {r['seconds']:.2f} s"
-                  f" [expect {lo:.0f}..{hi:.0f}]")
+            print(
+                f"{'ok  ' if good else 'FAIL'} {title}: {r['total_mbit']:.1f} Mbit/s"
+                f"{' (' + streams + ')' if streams else ''} in {r['seconds']:.2f} s"
+                f" [expect {lo:.0f}..{hi:.0f}]"
+            )
 
         # both regions at once: separate links, each should fill its own 200 Mbit/s
-        procs = {ns: wan.popen(ns, [sys.executable, me, "_xfer", origin, str(srv_port), "GET",
-                                    str(16 * mb), *map(str, (fp(i) for i in range(4)))],
-                               stdout=subprocess.PIPE, text=True)
-                 for ns in ("us", "eu")}
+        procs = {
+            ns: wan.popen(
+                ns,
+                [
+                    sys.executable,
+                    me,
+                    "_xfer",
+                    origin,
+                    str(srv_port),
+                    "GET",
+                    str(16 * mb),
+                    *map(str, (fp(i) for i in range(4))),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for ns in ("us", "eu")
+        }
         both = {ns: json.loads(p.communicate(timeout=60)[0]) for ns, p in procs.items()}
         for ns, r in both.items():
             good = 0.9 * link <= r["total_mbit"] <= 1.05 * link
             ok &= good
-            print(f"{'ok  ' if good else 'FAIL'} concurrent: 4 streams origin->{ns}: "
-                  f"{r['total_mbit']:.1f} Mbit/s in {r['seconds']:.2f} s"
-                  f" [expect {0.9 * link:.0f}..{1.05 * link:.0f}]")
-    print(f"selftest {'passed' if ok else 'FAILED'} in {time.monotonic() - t_start:.1f} s "
-          f"(torn down)")
+            print(
+                f"{'ok  ' if good else 'FAIL'} concurrent: 4 streams origin->{ns}: "
+                f"{r['total_mbit']:.1f} Mbit/s in {r['seconds']:.2f} s"
+                f" [expect {0.9 * link:.0f}..{1.05 * link:.0f}]"
+            )
+    print(f"selftest {'passed' if ok else 'FAILED'} in {time.monotonic() - t_start:.1f} s (torn down)")
     return 0 if ok else 1
 
 

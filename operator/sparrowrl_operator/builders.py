@@ -12,14 +12,28 @@ from typing import Any
 
 import yaml
 
+from sparrowrl.auth.signing import Signer, public_text
+from sparrowrl.auth.tokens import mint
 from sparrowrl.spec.job import API_VERSION, JobSpec
 from sparrowrl.spec.kubespec import Scheduling
 from sparrowrl.spec.layout import Role
-from sparrowrl.auth.signing import Signer, public_text
-from sparrowrl.auth.tokens import mint
-from sparrowrl_operator.constants import (ATTEMPT_LABEL, JOB_LABEL, MANAGED_BY_LABEL, MANAGER, METRICS_PORT,
-                                          REGION_LABEL, RELAY_PORT, ROLE_LABEL, SLOT_LABEL, TOKEN_KEY,
-                                          TRAINER_KEY_KEY, TRAINER_PORT, UID_LABEL, WORKDIR, WORKER_PORT)
+from sparrowrl_operator.constants import (
+    ATTEMPT_LABEL,
+    JOB_LABEL,
+    MANAGED_BY_LABEL,
+    MANAGER,
+    METRICS_PORT,
+    REGION_LABEL,
+    RELAY_PORT,
+    ROLE_LABEL,
+    SLOT_LABEL,
+    TOKEN_KEY,
+    TRAINER_KEY_KEY,
+    TRAINER_PORT,
+    UID_LABEL,
+    WORKDIR,
+    WORKER_PORT,
+)
 
 PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
 USER = 65532  # the runtime image's user
@@ -54,8 +68,16 @@ def labels(job: JobRef, role: str | None = None, region: str | None = None) -> d
 def owner(job: JobRef) -> list[dict]:
     """Home-cluster objects go with the job (garbage collection); member clusters' cannot point
     across clusters, so the finalizer and the orphan sweep remove those."""
-    return [{"apiVersion": API_VERSION, "kind": "SparrowRLJob", "name": job.name, "uid": job.uid, "controller": True,
-             "blockOwnerDeletion": True}]
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": "SparrowRLJob",
+            "name": job.name,
+            "uid": job.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
 
 
 def _meta(job: JobRef, name: str, namespace: str, home: bool, **label_args) -> dict:
@@ -90,8 +112,13 @@ def names_fit(job: JobRef, spec: JobSpec) -> str | None:
 
 
 def token_secret(job: JobRef, token: str, namespace: str, home: bool) -> dict:
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(job, token_name(job), namespace, home), "stringData": {TOKEN_KEY: token}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(job, token_name(job), namespace, home),
+        "stringData": {TOKEN_KEY: token},
+    }
 
 
 def credentials_name(job: JobRef, role: Role) -> str:
@@ -105,16 +132,24 @@ def credentials_secret(job: JobRef, role: Role, secret: str, namespace: str, hom
     trainer's public key, to check what the relay serves and who asks."""
     signer = Signer(secret)
     name = role.region if role.kind == "relay" else f"{job.base}-{role.name}-*"
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(job, credentials_name(job, role), namespace, home, role=role.kind, region=role.region),
-            "stringData": {TOKEN_KEY: mint(signer, role.kind, name), TRAINER_KEY_KEY: public_text(signer.key)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(job, credentials_name(job, role), namespace, home, role=role.kind, region=role.region),
+        "stringData": {TOKEN_KEY: mint(signer, role.kind, name), TRAINER_KEY_KEY: public_text(signer.key)},
+    }
 
 
 def job_config(job: JobRef, spec: dict) -> dict:
     """The job as the trainer reads it: written once, so the trainer's state always belongs to it."""
     doc = {"apiVersion": API_VERSION, "kind": "SparrowRLJob", "metadata": {"name": job.name}, "spec": spec}
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, f"{job.name}-job", job.namespace, True),
-            "data": {"job.yaml": yaml.safe_dump(doc, sort_keys=False)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, f"{job.name}-job", job.namespace, True),
+        "data": {"job.yaml": yaml.safe_dump(doc, sort_keys=False)},
+    }
 
 
 def state_claim(job: JobRef, spec: JobSpec) -> dict:
@@ -122,8 +157,12 @@ def state_claim(job: JobRef, spec: JobSpec) -> dict:
     claim = {"accessModes": list(s.access_modes), "resources": {"requests": {"storage": s.size}}}
     if s.storage_class_name:
         claim["storageClassName"] = s.storage_class_name
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": _meta(job, f"{job.name}-state", job.namespace, True), "spec": claim}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(job, f"{job.name}-state", job.namespace, True),
+        "spec": claim,
+    }
 
 
 def trainer_service(job: JobRef, spec: JobSpec) -> dict:
@@ -131,16 +170,29 @@ def trainer_service(job: JobRef, spec: JobSpec) -> dict:
     meta = _meta(job, trainer_name(job), job.namespace, True, role="trainer")
     if svc.annotations:
         meta["annotations"] = dict(svc.annotations)
-    return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {
-        "type": svc.type, "selector": {UID_LABEL: job.uid, ROLE_LABEL: "trainer"},
-        "ports": [{"name": "http", "port": TRAINER_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": svc.type,
+            "selector": {UID_LABEL: job.uid, ROLE_LABEL: "trainer"},
+            "ports": [{"name": "http", "port": TRAINER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
 
 
 def relay_service(job: JobRef, region: str, namespace: str, home: bool) -> dict:
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(job, relay_name(job, region), namespace, home, role="relay", region=region),
-            "spec": {"type": "ClusterIP", "selector": {UID_LABEL: job.uid, ROLE_LABEL: "relay", REGION_LABEL: region},
-                     "ports": [{"name": "http", "port": RELAY_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, relay_name(job, region), namespace, home, role="relay", region=region),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {UID_LABEL: job.uid, ROLE_LABEL: "relay", REGION_LABEL: region},
+            "ports": [{"name": "http", "port": RELAY_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
 
 
 def trainer_url(job: JobRef) -> str:
@@ -160,8 +212,15 @@ def _args(role: Role, spec: JobSpec) -> list[str]:
         return ["trainer", "job/job.yaml", "--state-dir", "state", *serve]
     if role.kind == "relay":
         return ["relay", "--upstream", role.trainer, "--cache", "cache", "--streams", str(spec.sync.streams), *serve]
-    return ["worker", "--trainer", role.trainer, *(["--relay", role.relay] if role.relay else []),
-            "--region", role.region, *serve]
+    return [
+        "worker",
+        "--trainer",
+        role.trainer,
+        *(["--relay", role.relay] if role.relay else []),
+        "--region",
+        role.region,
+        *serve,
+    ]
 
 
 def _resources(s: Scheduling) -> dict:
@@ -169,15 +228,29 @@ def _resources(s: Scheduling) -> dict:
     return r
 
 
-def pod(job: JobRef, role: Role, spec: JobSpec, *, namespace: str, attempt: int, image: str, home: bool,
-        slot: int | None = None, template: dict | None = None) -> dict:
+def pod(
+    job: JobRef,
+    role: Role,
+    spec: JobSpec,
+    *,
+    namespace: str,
+    attempt: int,
+    image: str,
+    home: bool,
+    slot: int | None = None,
+    template: dict | None = None,
+) -> dict:
     sched = spec.trainer if role.kind == "trainer" else spec.rollout
     mounts, volumes = [], []
     if role.kind == "trainer":
-        mounts = [{"name": "job", "mountPath": f"{WORKDIR}/job", "readOnly": True},
-                  {"name": "state", "mountPath": f"{WORKDIR}/state"}]
-        volumes = [{"name": "job", "configMap": {"name": f"{job.name}-job"}},
-                   {"name": "state", "persistentVolumeClaim": {"claimName": f"{job.name}-state"}}]
+        mounts = [
+            {"name": "job", "mountPath": f"{WORKDIR}/job", "readOnly": True},
+            {"name": "state", "mountPath": f"{WORKDIR}/state"},
+        ]
+        volumes = [
+            {"name": "job", "configMap": {"name": f"{job.name}-job"}},
+            {"name": "state", "persistentVolumeClaim": {"claimName": f"{job.name}-state"}},
+        ]
         if spec.trainer.ranks > 1:  # the ranks' shared memory (NCCL); a pod's own /dev/shm is 64 MiB
             mounts.append({"name": "shm", "mountPath": "/dev/shm"})
             volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
@@ -185,32 +258,62 @@ def pod(job: JobRef, role: Role, spec: JobSpec, *, namespace: str, attempt: int,
         mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
         volumes = [{"name": "cache", "emptyDir": {}}]
     secret = token_name(job) if role.kind == "trainer" else credentials_name(job, role)
-    env = [{"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}},
-           *([] if role.kind == "trainer" else
-             [{"name": "SPARROWRL_TRAINER_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": TRAINER_KEY_KEY}}}]),
-           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env = [
+        {"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}},
+        *(
+            []
+            if role.kind == "trainer"
+            else [
+                {
+                    "name": "SPARROWRL_TRAINER_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": secret, "key": TRAINER_KEY_KEY}},
+                }
+            ]
+        ),
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
     probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
     container = {
-        "name": role.kind, "image": image, "command": ["sparrowrl"], "args": _args(role, spec), "workingDir": WORKDIR,
-        "env": env, "ports": [{"name": "http", "containerPort": PORTS[role.kind]},
-                              {"name": "metrics", "containerPort": METRICS_PORT}],
+        "name": role.kind,
+        "image": image,
+        "command": ["sparrowrl"],
+        "args": _args(role, spec),
+        "workingDir": WORKDIR,
+        "env": env,
+        "ports": [
+            {"name": "http", "containerPort": PORTS[role.kind]},
+            {"name": "metrics", "containerPort": METRICS_PORT},
+        ],
         "readinessProbe": probe,
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": mounts, "resources": _resources(sched),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+        "volumeMounts": mounts,
+        "resources": _resources(sched),
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
     meta = _meta(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
     meta["labels"][ATTEMPT_LABEL] = str(attempt)
     if slot is not None:
         meta["labels"][SLOT_LABEL] = str(slot)
-    manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {
-        "restartPolicy": "Never",  # the operator replaces a failed pod, and counts it
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "fsGroup": USER,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container], "volumes": volumes}}
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "restartPolicy": "Never",  # the operator replaces a failed pod, and counts it
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 30,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": USER,
+                "fsGroup": USER,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
     if sched.node_selector:
         manifest["spec"]["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:

@@ -22,9 +22,13 @@ from sparrowrl_operator.constants import GROUP, MANAGED_BY_LABEL, MANAGER, VERSI
 MAX_KUBECONFIG_BYTES = 64 << 10
 TIMEOUT = (5, 30)  # connect, read: an unreachable member must not hold a reconcile for long
 PATHS = {  # kind → (API prefix, plural)
-    "Pod": ("/api/v1", "pods"), "Service": ("/api/v1", "services"), "Secret": ("/api/v1", "secrets"),
-    "ConfigMap": ("/api/v1", "configmaps"), "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
-    "Node": ("/api/v1", "nodes"), "SparrowRLJob": (f"/apis/{GROUP}/{VERSION}", "sparrowrljobs"),
+    "Pod": ("/api/v1", "pods"),
+    "Service": ("/api/v1", "services"),
+    "Secret": ("/api/v1", "secrets"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "Node": ("/api/v1", "nodes"),
+    "SparrowRLJob": (f"/apis/{GROUP}/{VERSION}", "sparrowrljobs"),
     "SparrowCluster": (f"/apis/{GROUP}/{VERSION}", "sparrowclusters"),
 }
 SWEPT = ("Pod", "Service", "Secret")  # what the operator puts into member clusters
@@ -52,13 +56,18 @@ class Kube:
     def __init__(self, api: kubernetes.client.ApiClient):
         self.api = api
 
-    def _call(self, method: str, path: str, body: dict | None = None, query: list | None = None,
-              ok: tuple[int, ...] = ()) -> dict | None:
+    def _call(
+        self, method: str, path: str, body: dict | None = None, query: list | None = None, ok: tuple[int, ...] = ()
+    ) -> dict | None:
         try:
-            request = self.api.param_serialize(method, path, query_params=query or [], body=body,
-                                               header_params={"Content-Type": "application/json",
-                                                              "Accept": "application/json"},
-                                               auth_settings=["BearerToken"])
+            request = self.api.param_serialize(
+                method,
+                path,
+                query_params=query or [],
+                body=body,
+                header_params={"Content-Type": "application/json", "Accept": "application/json"},
+                auth_settings=["BearerToken"],
+            )
             r = self.api.call_api(*request, _request_timeout=TIMEOUT)
             data = r.read()
         except ApiException as e:
@@ -105,15 +114,20 @@ def check_kubeconfig(text: str) -> dict:
         user = next((u["user"] for u in cfg.get("users") or [] if u["name"] == ctx.get("user")), {}) or {}
         server = urllib.parse.urlsplit(cluster["server"])
     except (yaml.YAMLError, KeyError, TypeError, StopIteration, AttributeError, ValueError) as e:
-        raise KubeConfigError("BadKubeConfig", f"not a kubeconfig with a current context ({type(e).__name__}: {e})") \
-            from None
+        raise KubeConfigError(
+            "BadKubeConfig", f"not a kubeconfig with a current context ({type(e).__name__}: {e})"
+        ) from None
     if cluster.get("insecure-skip-tls-verify"):
         raise KubeConfigError("InsecureKubeConfig", "insecure-skip-tls-verify is set")
-    files = [k for k in ("certificate-authority",) if k in cluster] + \
-            [k for k in ("client-certificate", "client-key", "tokenFile", "exec", "auth-provider") if k in user]
+    files = [k for k in ("certificate-authority",) if k in cluster] + [
+        k for k in ("client-certificate", "client-key", "tokenFile", "exec", "auth-provider") if k in user
+    ]
     if files:
-        raise KubeConfigError("InsecureKubeConfig", f"{', '.join(files)}: names a file or a program on the operator's "
-                                                    f"machine; inline the data (…-data fields, token)")
+        raise KubeConfigError(
+            "InsecureKubeConfig",
+            f"{', '.join(files)}: names a file or a program on the operator's "
+            f"machine; inline the data (…-data fields, token)",
+        )
     if server.scheme != "https" and not _loopback(server.hostname or ""):
         raise KubeConfigError("InsecureKubeConfig", f"server {cluster['server']}: not https")
     return cfg

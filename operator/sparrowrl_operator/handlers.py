@@ -21,12 +21,34 @@ from pydantic import ValidationError
 from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
-from sparrowrl_operator.clusters import (SWEPT, KubeConfigError, Kube, Members, MemberState, Unreachable,
-                                         check_kubeconfig, connect)
+from sparrowrl_operator.clusters import (
+    SWEPT,
+    Kube,
+    KubeConfigError,
+    Members,
+    MemberState,
+    Unreachable,
+    check_kubeconfig,
+    connect,
+)
 from sparrowrl_operator.conditions import find, set_condition
-from sparrowrl_operator.constants import (CLEANED, CLUSTERS, FINALIZER, GROUP, JOBS, MANAGED_BY_LABEL, MANAGER,
-                                          PROGRESS_PREFIX, RECONNECTED, ROLE_LABEL, TOKEN_KEY, TRAINER_PORT, UID_LABEL,
-                                          UNREACHABLE, VERSION)
+from sparrowrl_operator.constants import (
+    CLEANED,
+    CLUSTERS,
+    FINALIZER,
+    GROUP,
+    JOBS,
+    MANAGED_BY_LABEL,
+    MANAGER,
+    PROGRESS_PREFIX,
+    RECONNECTED,
+    ROLE_LABEL,
+    TOKEN_KEY,
+    TRAINER_PORT,
+    UID_LABEL,
+    UNREACHABLE,
+    VERSION,
+)
 from sparrowrl_operator.model import ClusterSpec, ClusterStatus
 from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile, stamp
 
@@ -65,6 +87,7 @@ def merge_patch(old: dict, new: dict) -> dict:
 class Operator:
     """What the handlers share: the clusters, and one lock per job, so that a timer and a change
     handler never reconcile the same job at once."""
+
     cfg: Config
     home: Kube
     members: Members = field(default_factory=Members)
@@ -90,9 +113,14 @@ class Operator:
         cluster DNS); None when it does not answer."""
         for p in pods:
             st = p.get("status") or {}
-            if p["metadata"]["labels"].get(ROLE_LABEL) == "trainer" and st.get("phase") == "Running" and st.get("podIP"):
-                req = urllib.request.Request(f"http://{st['podIP']}:{TRAINER_PORT}/v1/status",
-                                             headers={"Authorization": f"Bearer {token}"})
+            if (
+                p["metadata"]["labels"].get(ROLE_LABEL) == "trainer"
+                and st.get("phase") == "Running"
+                and st.get("podIP")
+            ):
+                req = urllib.request.Request(
+                    f"http://{st['podIP']}:{TRAINER_PORT}/v1/status", headers={"Authorization": f"Bearer {token}"}
+                )
                 try:
                     with urllib.request.urlopen(req, timeout=5) as r:
                         return TrainerStatus.model_validate_json(r.read(MAX_STATUS_BYTES))
@@ -106,8 +134,13 @@ class Operator:
         mine = {UID_LABEL: job.uid}
         token, _ = self.token(job)
         pods = {None: self.home.list("Pod", job.namespace, mine)}
-        objects = {None: {(k, o["metadata"]["name"]) for k in ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim")
-                          for o in self.home.list(k, job.namespace, mine)}}
+        objects = {
+            None: {
+                (k, o["metadata"]["name"])
+                for k in ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim")
+                for o in self.home.list(k, job.namespace, mine)
+            }
+        }
         members = {}
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)
@@ -118,8 +151,11 @@ class Operator:
             if state.reachable and state.kube:
                 try:
                     pods[name] = state.kube.list("Pod", state.namespace, mine)
-                    objects[name] = {(k, o["metadata"]["name"]) for k in ("Service", "Secret")
-                                     for o in state.kube.list(k, state.namespace, mine)}
+                    objects[name] = {
+                        (k, o["metadata"]["name"])
+                        for k in ("Service", "Secret")
+                        for o in state.kube.list(k, state.namespace, mine)
+                    }
                 except Unreachable as e:
                     logger.warning(f"member {name}: {e}")
                     self.members.mark_unreachable(name, str(e))
@@ -128,8 +164,16 @@ class Operator:
         node = None
         if ((service or {}).get("spec") or {}).get("type") == "NodePort":
             node = node_address(self.home.list("Node", None))
-        return Observed(now=now(), token=token, pods=pods, objects=objects, members=members, trainer_service=service,
-                        node_address=node, trainer=self.trainer_status(pods[None], token))
+        return Observed(
+            now=now(),
+            token=token,
+            pods=pods,
+            objects=objects,
+            members=members,
+            trainer_service=service,
+            node_address=node,
+            trainer=self.trainer_status(pods[None], token),
+        )
 
     def carry_out(self, plan: Plan, body: dict, logger: logging.Logger) -> None:
         """Creates in order (the home cluster's first), then deletes. A home failure stops the
@@ -177,8 +221,12 @@ class Operator:
                 n = sweep(state.kube, state.namespace, keep=lambda u: u != uid)
                 kopf.event(body, type="Normal", reason=CLEANED, message=f"deleted {n} objects in cluster {name}")
             except Unreachable as e:
-                kopf.event(body, type="Warning", reason=UNREACHABLE,
-                           message=f"cluster {name}: {e}; its objects go when it answers (the orphan sweep)")
+                kopf.event(
+                    body,
+                    type="Warning",
+                    reason=UNREACHABLE,
+                    message=f"cluster {name}: {e}; its objects go when it answers (the orphan sweep)",
+                )
 
     # --- member clusters ---
 
@@ -190,8 +238,12 @@ class Operator:
         except ValidationError:
             status = ClusterStatus()
         last = status.last_probe_time
-        if status.failures and last and (t - datetime.datetime.fromisoformat(last.replace("Z", "+00:00"))
-                                         ).total_seconds() < self.cfg.backoff.delay(status.failures - 1):
+        if (
+            status.failures
+            and last
+            and (t - datetime.datetime.fromisoformat(last.replace("Z", "+00:00"))).total_seconds()
+            < self.cfg.backoff.delay(status.failures - 1)
+        ):
             return
         try:
             spec = ClusterSpec.model_validate(body.get("spec") or {})
@@ -202,11 +254,15 @@ class Operator:
             ref = spec.kubeconfig.secret_ref
             secret = self.home.get("Secret", ref.namespace, ref.name)
             data = ((secret or {}).get("data") or {}).get(spec.kubeconfig.key)
-            text = base64.b64decode(data).decode() if data else ((secret or {}).get("stringData") or {}).get(
-                spec.kubeconfig.key)
+            text = (
+                base64.b64decode(data).decode()
+                if data
+                else ((secret or {}).get("stringData") or {}).get(spec.kubeconfig.key)
+            )
             if text is None:
-                raise KubeConfigError("BadKubeConfig", f"Secret {ref.namespace}/{ref.name} has no key "
-                                                       f"{spec.kubeconfig.key!r}")
+                raise KubeConfigError(
+                    "BadKubeConfig", f"Secret {ref.namespace}/{ref.name} has no key {spec.kubeconfig.key!r}"
+                )
             state.kube = connect(check_kubeconfig(text))
             state.kube.list("Pod", spec.namespace, {MANAGED_BY_LABEL: MANAGER})
             state.reachable, state.reason = True, ""
@@ -226,11 +282,15 @@ class Operator:
         state.failures = 0 if state.reachable else status.failures + 1
         self.members.put(name, state)
         if was is None or was.reason != reason:
-            kopf.event(body, type="Normal" if state.reachable else "Warning",
-                       reason=RECONNECTED if state.reachable else UNREACHABLE,
-                       message=f"cluster {name}: {message or 'connected'}")
-        conds = set_condition(list(status.conditions), "Active", state.reachable, reason,
-                              message or "the API server answers", stamp(t))
+            kopf.event(
+                body,
+                type="Normal" if state.reachable else "Warning",
+                reason=RECONNECTED if state.reachable else UNREACHABLE,
+                message=f"cluster {name}: {message or 'connected'}",
+            )
+        conds = set_condition(
+            list(status.conditions), "Active", state.reachable, reason, message or "the API server answers", stamp(t)
+        )
         new = ClusterStatus(conditions=conds, last_probe_time=stamp(t), failures=state.failures)
         patch.setdefault("status", {}).update(new.model_dump(by_alias=True, exclude_none=True, mode="json"))
 

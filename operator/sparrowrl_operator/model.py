@@ -19,12 +19,14 @@ MAX_LISTED = 64  # workers and stale workers listed in a status: `kubectl descri
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, allow_inf_nan=False
+    )
 
 
 class Condition(_Model):
     """metav1.Condition."""
+
     type: Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9]*$", max_length=316)]
     status: Literal["True", "False", "Unknown"]
     reason: Annotated[str, Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)]
@@ -33,8 +35,10 @@ class Condition(_Model):
     observed_generation: Count | None = None
 
 
-Conditions = Annotated[list[Condition], Field(max_length=32, json_schema_extra={
-    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})]
+Conditions = Annotated[
+    list[Condition],
+    Field(max_length=32, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}),
+]
 
 
 class PlacementStatus(_Model):
@@ -64,6 +68,7 @@ class WorkerProgress(_Model):
 
 class Progress(_Model):
     """Copied from the trainer's JobStatus."""
+
     step: Count = 0
     steps: Count = 0
     policy_version: Annotated[int, Field(ge=-1, le=10**8)] = -1
@@ -79,6 +84,7 @@ class Progress(_Model):
 
 class Display(_Model):
     """What the printer columns show: the API server cannot compute "3/40" from two numbers."""
+
     step: Annotated[str, Field(max_length=64)] = ""
     rollout: Annotated[str, Field(max_length=64)] = ""
     leases: Annotated[str, Field(max_length=64)] = ""
@@ -116,14 +122,15 @@ class KubeConfigRef(_Model):
 
 class ClusterSpec(_Model):
     """A member cluster, as MultiKueue's MultiKueueCluster: a kubeconfig in a Secret."""
+
     kubeconfig: KubeConfigRef
     region: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)] | None = None
-    namespace: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)] = Field("default", description=(
-        "Where this cluster's relays and workers, and their token Secrets, go."))
+    namespace: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)] = Field(
+        "default", description=("Where this cluster's relays and workers, and their token Secrets, go.")
+    )
 
 
 class ClusterStatus(_Model):
     conditions: Conditions = []
     last_probe_time: Time | None = None
     failures: Count = 0  # consecutive failed probes: the reconnect backoff grows with them
-

@@ -20,11 +20,31 @@ from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.conditions import find, is_true, set_condition
-from sparrowrl_operator.constants import (ATTEMPT_LABEL, CREATED, INVALID, REGION_LABEL, REPLACED, RESTARTED,
-                                          RESUMED, ROLE_LABEL, SLOT_LABEL, STALE, SUCCEEDED, SUSPENDED, TRAINER_PORT,
-                                          UNREACHABLE)
-from sparrowrl_operator.model import (MAX_LISTED, Display, JobStatus, LeaseHealth, PlacementStatus, Progress,
-                                      WorkerProgress)
+from sparrowrl_operator.constants import (
+    ATTEMPT_LABEL,
+    CREATED,
+    INVALID,
+    REGION_LABEL,
+    REPLACED,
+    RESTARTED,
+    RESUMED,
+    ROLE_LABEL,
+    SLOT_LABEL,
+    STALE,
+    SUCCEEDED,
+    SUSPENDED,
+    TRAINER_PORT,
+    UNREACHABLE,
+)
+from sparrowrl_operator.model import (
+    MAX_LISTED,
+    Display,
+    JobStatus,
+    LeaseHealth,
+    PlacementStatus,
+    Progress,
+    WorkerProgress,
+)
 
 Cluster = str | None  # a SparrowCluster's name; None: the operator's own
 
@@ -32,6 +52,7 @@ Cluster = str | None  # a SparrowCluster's name; None: the operator's own
 @dataclass(frozen=True)
 class Member:
     """What the operator knows of a member cluster that a placement names."""
+
     namespace: str
     reachable: bool | None  # None: its first probe has not answered yet
     reason: str = ""  # why not, when not
@@ -169,8 +190,10 @@ class _Cycle:
 
     def run(self) -> Plan:
         try:
-            job = parse({k: self.body[k] for k in ("apiVersion", "kind", "metadata", "spec")},
-                        f"{self.job.namespace}/{self.job.name}")
+            job = parse(
+                {k: self.body[k] for k in ("apiVersion", "kind", "metadata", "spec")},
+                f"{self.job.namespace}/{self.job.name}",
+            )
         except JobError as e:
             return self.invalid(str(e))
         except KeyError as e:
@@ -253,11 +276,16 @@ class _Cycle:
     def deadlines(self) -> bool:
         rp, active = self.spec.run_policy, since(self.status.active_since, self.obs.now)
         if rp.active_deadline_seconds is not None and active > rp.active_deadline_seconds:
-            self.fail("DeadlineExceeded", f"running for {active:.0f} s, over runPolicy.activeDeadlineSeconds "
-                                          f"({rp.active_deadline_seconds})")
-        elif (rp.startup_deadline_seconds is not None and not self.started() and active > rp.startup_deadline_seconds):
-            self.fail("DeadlineExceeded", f"no rollout after {active:.0f} s, over runPolicy.startupDeadlineSeconds "
-                                          f"({rp.startup_deadline_seconds})")
+            self.fail(
+                "DeadlineExceeded",
+                f"running for {active:.0f} s, over runPolicy.activeDeadlineSeconds ({rp.active_deadline_seconds})",
+            )
+        elif rp.startup_deadline_seconds is not None and not self.started() and active > rp.startup_deadline_seconds:
+            self.fail(
+                "DeadlineExceeded",
+                f"no rollout after {active:.0f} s, over runPolicy.startupDeadlineSeconds "
+                f"({rp.startup_deadline_seconds})",
+            )
         else:
             return False
         self.finish()
@@ -279,9 +307,14 @@ class _Cycle:
         self.ensure(None, builders.state_claim(job, spec))
         self.ensure(None, builders.trainer_service(job, spec))
         missing = [m["kind"] for c, m in self.plan.create if c is None]
-        self.condition("Created", not missing, "ObjectsCreated" if not missing else "Creating",
-                       "the trainer's Secret, ConfigMap, volume claim and Service exist" if not missing
-                       else f"creating {', '.join(missing)}")
+        self.condition(
+            "Created",
+            not missing,
+            "ObjectsCreated" if not missing else "Creating",
+            "the trainer's Secret, ConfigMap, volume claim and Service exist"
+            if not missing
+            else f"creating {', '.join(missing)}",
+        )
 
     def current(self, cluster: Cluster, key: tuple) -> tuple[dict | None, list[dict]]:
         """The newest attempt's pod of a slot, and the older ones still there."""
@@ -309,14 +342,20 @@ class _Cycle:
         if phase == "Succeeded":
             self.condition("TrainerReady", False, "Finished", "the trainer finished the job")
             self.transition("Succeeded", True, SUCCEEDED, f"trained {self.spec.steps} steps")
-            self.update(phase="Succeeded", completion_time=self.status.completion_time or self.now,
-                        # it exits 0 only once every step is trained; its last /v1/status may have been missed
-                        progress=self.status.progress.model_copy(update={
-                            "step": self.spec.steps, "steps": self.spec.steps, "policy_version": self.spec.steps}))
+            self.update(
+                phase="Succeeded",
+                completion_time=self.status.completion_time or self.now,
+                # it exits 0 only once every step is trained; its last /v1/status may have been missed
+                progress=self.status.progress.model_copy(
+                    update={"step": self.spec.steps, "steps": self.spec.steps, "policy_version": self.spec.steps}
+                ),
+            )
             return
         if phase == "Failed":
             if n >= limit:
-                self.fail("BackoffLimitExceeded", f"the trainer failed {n + 1} times; runPolicy.backoffLimit is {limit}")
+                self.fail(
+                    "BackoffLimitExceeded", f"the trainer failed {n + 1} times; runPolicy.backoffLimit is {limit}"
+                )
                 return
             self.update(phase="Restarting")
             self.condition("TrainerReady", False, "Restarting", f"the trainer failed (pod {pod['metadata']['name']})")
@@ -324,15 +363,22 @@ class _Cycle:
                 self.create_pod(None, role, n + 1, None)
                 self.remove(None, pod)
                 self.update(restarts=n + 1)
-                self.event(RESTARTED, f"the trainer failed; restart {n + 1} of {limit}, resuming from its volume",
-                           warning=True)
+                self.event(
+                    RESTARTED, f"the trainer failed; restart {n + 1} of {limit}, resuming from its volume", warning=True
+                )
             return
         self.update(restarts=max(self.status.restarts, n))
         up = phase == "Running" and ready(pod)
-        self.condition("TrainerReady", up, "Ready" if up else "NotReady",
-                       f"pod {pod['metadata']['name']}" + ("" if up else f" is {phase}"))
+        self.condition(
+            "TrainerReady",
+            up,
+            "Ready" if up else "NotReady",
+            f"pod {pod['metadata']['name']}" + ("" if up else f" is {phase}"),
+        )
         t = self.obs.trainer
-        self.update(phase="Running" if up and t is not None and t.phase != "Pending" else "Starting" if up else "Pending")
+        self.update(
+            phase="Running" if up and t is not None and t.phase != "Pending" else "Starting" if up else "Pending"
+        )
 
     def trainer_address(self) -> str | None:
         """How workers in member clusters reach the trainer."""
@@ -365,7 +411,9 @@ class _Cycle:
             remote = where.get(region) is not None and where[region].cluster is not None
             if name == "trainer":
                 return (address or "") if remote else builders.trainer_url(job)
-            return builders.relay_url(job.in_member() if remote else job, name.removeprefix("relay-"), namespace(region))
+            return builders.relay_url(
+                job.in_member() if remote else job, name.removeprefix("relay-"), namespace(region)
+            )
 
         roles = [r for r in layout.roles(spec, url) if r.kind != "trainer"]
         statuses, unreachable, connecting, total, reachable = [], [], [], set(), set()
@@ -389,20 +437,34 @@ class _Cycle:
                 continue  # its pods need the trainer's outside address, and their tokens the job's secret first
             statuses.append(self.placement(cluster, namespace(region.name), region.name, mine, p))
         if unreachable:
-            self.transition("Degraded", True, UNREACHABLE, "unreachable: " + ", ".join(unreachable) +
-                            "; the other placements go on", warning=True)
+            self.transition(
+                "Degraded",
+                True,
+                UNREACHABLE,
+                "unreachable: " + ", ".join(unreachable) + "; the other placements go on",
+                warning=True,
+            )
         elif find(self.status.conditions, "Degraded") is not None:
             self.transition("Degraded", False, "AllReachable", "every member cluster answers")
         self.update(placements=statuses)
         self.clusters = (len(reachable), len(total))  # the operator's own counts as one
-        waiting = [s.region for s in statuses if s.ready < (where[s.region].min_replicas if s.region in where
-                                                             else s.desired)]
-        self.condition("RolloutReady", not waiting, "MinReplicasReady" if not waiting else "Waiting",
-                       "every placement has its minimum of ready workers" if not waiting
-                       else f"waiting for workers in {', '.join(waiting)}" +
-                       ("" if address or not any(where[r].cluster for r in waiting if r in where)
-                        else " (the trainer's address from outside is not known yet)") +
-                       (f" (connecting to {', '.join(connecting)})" if connecting else ""))
+        waiting = [
+            s.region for s in statuses if s.ready < (where[s.region].min_replicas if s.region in where else s.desired)
+        ]
+        self.condition(
+            "RolloutReady",
+            not waiting,
+            "MinReplicasReady" if not waiting else "Waiting",
+            "every placement has its minimum of ready workers"
+            if not waiting
+            else f"waiting for workers in {', '.join(waiting)}"
+            + (
+                ""
+                if address or not any(where[r].cluster for r in waiting if r in where)
+                else " (the trainer's address from outside is not known yet)"
+            )
+            + (f" (connecting to {', '.join(connecting)})" if connecting else ""),
+        )
 
     def placement(self, cluster: Cluster, namespace: str, region: str, roles: list[Role], p) -> PlacementStatus:
         home = cluster is None
@@ -436,25 +498,54 @@ class _Cycle:
                 if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
                     self.replace(cluster, pod, r, n, slot, namespace, template, f"pod {pod['metadata']['name']} failed")
             elif r.kind == "worker" and self.stale(pod) and self.spec.health.on_stale == "Replace":
-                self.replace(cluster, pod, r, n, slot, namespace, template,
-                             f"worker {pod['metadata']['name']} is stale")
+                self.replace(
+                    cluster, pod, r, n, slot, namespace, template, f"worker {pod['metadata']['name']} is stale"
+                )
         for stray in self.obs.pods.get(cluster, []):  # scaled down
             role, reg, slot = slot_key(stray)
             if role == "worker" and reg == region and slot is not None and int(slot) >= len(workers):
                 self.remove(cluster, stray)
-        return PlacementStatus(region=region, cluster=cluster, desired=len(workers), ready=ready_n, failed=failed,
-                               replaced=replaced)
+        return PlacementStatus(
+            region=region, cluster=cluster, desired=len(workers), ready=ready_n, failed=failed, replaced=replaced
+        )
 
-    def create_pod(self, cluster: Cluster, role: Role, n: int, slot: int | None, namespace: str | None = None,
-                   template: dict | None = None) -> None:
+    def create_pod(
+        self,
+        cluster: Cluster,
+        role: Role,
+        n: int,
+        slot: int | None,
+        namespace: str | None = None,
+        template: dict | None = None,
+    ) -> None:
         job = self.job if cluster is None else self.job.in_member()
-        manifest = builders.pod(job, role, self.spec, namespace=namespace or self.job.namespace, attempt=n,
-                                image=self.spec.image or self.image, home=cluster is None, slot=slot, template=template)
+        manifest = builders.pod(
+            job,
+            role,
+            self.spec,
+            namespace=namespace or self.job.namespace,
+            attempt=n,
+            image=self.spec.image or self.image,
+            home=cluster is None,
+            slot=slot,
+            template=template,
+        )
         self.plan.create.append((cluster, manifest))
-        self.event(CREATED, f"created pod {manifest['metadata']['name']}" + (f" in cluster {cluster}" if cluster else ""))
+        self.event(
+            CREATED, f"created pod {manifest['metadata']['name']}" + (f" in cluster {cluster}" if cluster else "")
+        )
 
-    def replace(self, cluster: Cluster, pod: dict, role: Role, n: int, slot: int | None, namespace: str,
-                template: dict | None, why: str) -> None:
+    def replace(
+        self,
+        cluster: Cluster,
+        pod: dict,
+        role: Role,
+        n: int,
+        slot: int | None,
+        namespace: str,
+        template: dict | None,
+        why: str,
+    ) -> None:
         self.create_pod(cluster, role, n + 1, slot, namespace, template)
         self.remove(cluster, pod)
         self.event(REPLACED, f"{why}; replaced it (replacement {n + 1})", warning=True)
@@ -483,19 +574,37 @@ class _Cycle:
         workers = sorted((w for w in t.workers if w.name in alive), key=lambda w: w.name)
         stale = self.stale_names()
         held_by_stale = sum(w.leases_held for w in t.workers if w.name in stale)
-        self.update(progress=Progress(
-            step=t.step, steps=t.steps, policy_version=t.version, reward=rounded(t.reward_last, 4),
-            recent_reward=rounded(t.reward_mean_10, 4),
-            tokens_per_second=rounded(t.tokens_per_second, 1), payload_bytes=t.last_payload_bytes,
-            changed_fraction=rounded(t.last_changed_fraction, 5), commits_verified=t.commits_verified,
-            commits_mismatched=t.commits_mismatched,
-            workers=[WorkerProgress(name=w.name, region=w.region, committed_version=w.committed_version,
-                                    verification=w.last_verification) for w in workers[:MAX_LISTED]]),
-            leases=LeaseHealth(active=t.leases_active, healthy=max(t.leases_active - held_by_stale, 0),
-                               expired=t.leases_expired, requeued=t.prompt_groups_requeued,
-                               stale_workers=sorted(stale)[:MAX_LISTED],
-                               oldest_heartbeat_seconds=rounded(max((w.seconds_since_seen for w in workers),
-                                                                    default=None), 1)))
+        self.update(
+            progress=Progress(
+                step=t.step,
+                steps=t.steps,
+                policy_version=t.version,
+                reward=rounded(t.reward_last, 4),
+                recent_reward=rounded(t.reward_mean_10, 4),
+                tokens_per_second=rounded(t.tokens_per_second, 1),
+                payload_bytes=t.last_payload_bytes,
+                changed_fraction=rounded(t.last_changed_fraction, 5),
+                commits_verified=t.commits_verified,
+                commits_mismatched=t.commits_mismatched,
+                workers=[
+                    WorkerProgress(
+                        name=w.name,
+                        region=w.region,
+                        committed_version=w.committed_version,
+                        verification=w.last_verification,
+                    )
+                    for w in workers[:MAX_LISTED]
+                ],
+            ),
+            leases=LeaseHealth(
+                active=t.leases_active,
+                healthy=max(t.leases_active - held_by_stale, 0),
+                expired=t.leases_expired,
+                requeued=t.prompt_groups_requeued,
+                stale_workers=sorted(stale)[:MAX_LISTED],
+                oldest_heartbeat_seconds=rounded(max((w.seconds_since_seen for w in workers), default=None), 1),
+            ),
+        )
 
     def health(self) -> None:
         t = self.obs.trainer
@@ -506,39 +615,68 @@ class _Cycle:
             names = ", ".join(f"{n} ({s:.0f} s)" for n, s in sorted(stale.items())[:8])
             self.transition("LeasesHealthy", False, "StaleWorkers", f"not heard from: {names}", warning=True)
             for n in sorted(stale):
-                self.event(STALE, f"worker {n} not heard from for {stale[n]:.0f} s; health.onStale is "
-                                  f"{self.spec.health.on_stale}", warning=True)
+                self.event(
+                    STALE,
+                    f"worker {n} not heard from for {stale[n]:.0f} s; health.onStale is {self.spec.health.on_stale}",
+                    warning=True,
+                )
             if self.spec.health.on_stale == "FailJob":
                 self.fail("StaleWorkers", f"not heard from: {names}; health.onStale is FailJob")
                 self.finish()
         else:
-            self.condition("LeasesHealthy", True, "AllWorkersReporting",
-                           f"{t.leases_active} leases active, {t.leases_expired} expired")
+            self.condition(
+                "LeasesHealthy",
+                True,
+                "AllWorkersReporting",
+                f"{t.leases_active} leases active, {t.leases_expired} expired",
+            )
         alive = {w.name for w in self.status.progress.workers}
         reported = [w for w in t.workers if w.name in alive and w.committed_version is not None]
         bad = [w.name for w in reported if w.last_verification == "mismatch"]
         behind = [w.name for w in reported if (w.staleness or 0) > self.spec.sync.staleness]
         if bad:
-            self.transition("WeightsInSync", False, "HashMismatch", f"committed weights differ from the trainer's: "
-                            f"{', '.join(bad[:8])}", warning=True)
+            self.transition(
+                "WeightsInSync",
+                False,
+                "HashMismatch",
+                f"committed weights differ from the trainer's: {', '.join(bad[:8])}",
+                warning=True,
+            )
         elif behind:
-            self.condition("WeightsInSync", False, "Behind", f"beyond sync.staleness ({self.spec.sync.staleness}): "
-                           f"{', '.join(behind[:8])}")
+            self.condition(
+                "WeightsInSync",
+                False,
+                "Behind",
+                f"beyond sync.staleness ({self.spec.sync.staleness}): {', '.join(behind[:8])}",
+            )
         elif reported:
-            self.condition("WeightsInSync", True, "Verified", f"{len(reported)} workers within "
-                           f"{self.spec.sync.staleness} version(s) of v{t.version}, each commit hash-verified")
+            self.condition(
+                "WeightsInSync",
+                True,
+                "Verified",
+                f"{len(reported)} workers within "
+                f"{self.spec.sync.staleness} version(s) of v{t.version}, each commit hash-verified",
+            )
 
     def display(self) -> None:
         s, p = self.status, self.status.progress
         placements = s.placements
         reachable, used = self.clusters
-        payload = "" if p.payload_bytes is None else human_bytes(p.payload_bytes) + (
-            f" ({p.changed_fraction:.2%})" if p.changed_fraction is not None else "")
-        self.update(display=Display(
-            step=f"{p.step}/{p.steps or self.spec.steps}",
-            rollout=f"{sum(x.ready for x in placements)}/{sum(x.desired for x in placements)}",
-            leases=f"{s.leases.healthy}/{s.leases.active}",
-            clusters=f"{reachable}/{used}" if used else "", payload=payload))
+        payload = (
+            ""
+            if p.payload_bytes is None
+            else human_bytes(p.payload_bytes)
+            + (f" ({p.changed_fraction:.2%})" if p.changed_fraction is not None else "")
+        )
+        self.update(
+            display=Display(
+                step=f"{p.step}/{p.steps or self.spec.steps}",
+                rollout=f"{sum(x.ready for x in placements)}/{sum(x.desired for x in placements)}",
+                leases=f"{s.leases.healthy}/{s.leases.active}",
+                clusters=f"{reachable}/{used}" if used else "",
+                payload=payload,
+            )
+        )
 
 
 def reconcile(body: dict, observed: Observed, image: str, backoff: Backoff = Backoff()) -> Plan:

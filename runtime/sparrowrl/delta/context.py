@@ -23,8 +23,13 @@ import numpy as np
 import torch
 
 # dtype -> (shift, mask) of its exponent field in the bit pattern
-FIELDS: dict[str, tuple[int, int]] = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF),
-                                      "F8_E4M3": (3, 0xF), "F8_E5M2": (2, 0x1F)}
+FIELDS: dict[str, tuple[int, int]] = {
+    "BF16": (7, 0xFF),
+    "F16": (10, 0x1F),
+    "F32": (23, 0xFF),
+    "F8_E4M3": (3, 0xF),
+    "F8_E5M2": (2, 0x1F),
+}
 
 
 def field(dtype: str) -> tuple[int, int]:
@@ -58,8 +63,9 @@ def ranks_on_device(base: torch.Tensor, fld: tuple[int, int], positions: np.ndar
         return cls.to(torch.uint8).cpu().numpy(), (inverse[at] - (torch.cumsum(sizes, 0) - sizes)[cls]).cpu().numpy()
 
 
-def locate_on_device(base: torch.Tensor, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray,
-                     gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+def locate_on_device(
+    base: torch.Tensor, fld: tuple[int, int], classes: np.ndarray, counts: np.ndarray, gaps: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, bool]:
     """kernels.class_locate for a segment of a tensor on an accelerator: the same three results."""
     run = np.cumsum(gaps + 1)
     ends = np.cumsum(counts)

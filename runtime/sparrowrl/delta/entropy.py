@@ -40,7 +40,9 @@ class Cursor:
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
-            raise CorruptError(f"{self.what}: truncated (needs {n} bytes at offset {self.pos}, has {len(self.buf) - self.pos})")
+            raise CorruptError(
+                f"{self.what}: truncated (needs {n} bytes at offset {self.pos}, has {len(self.buf) - self.pos})"
+            )
         out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -75,6 +77,7 @@ class Cursor:
 
 # ---- shuffled zstd -------------------------------------------------------------------------
 
+
 def _shuffle(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.dtype.itemsize).T).tobytes()
 
@@ -99,6 +102,7 @@ def zstd_unpack(buf: bytes | memoryview, dtype: np.dtype, count: int, what: str)
 
 
 # ---- ANS ---------------------------------------------------------------------------------
+
 
 def _cdfs(weights: list[np.ndarray]) -> np.ndarray:
     return np.stack([kernels.ans_cdf(w) for w in weights])
@@ -127,7 +131,7 @@ def _trim(counts: np.ndarray) -> np.ndarray:
     """The model's table: up to the last used symbol, at least 2 long (constriction's minimum).
     The decoder rebuilds exactly this array from the sparse table, so both build the same model."""
     used = np.flatnonzero(counts)
-    return counts[:max(int(used[-1]) + 1 if len(used) else 0, 2)]
+    return counts[: max(int(used[-1]) + 1 if len(used) else 0, 2)]
 
 
 def _write_counts(counts: np.ndarray) -> bytes:
@@ -180,8 +184,15 @@ def _read_count(cur: Cursor) -> int:
 def _pack(sym: np.ndarray, counts: np.ndarray, esc: np.ndarray, esc_dtype: str, middle: bytes = b"") -> bytes:
     """table | u32 n_esc | escapes | middle | ANS words of the symbols."""
     counts = _trim(counts)
-    return b"".join([_write_counts(counts), struct.pack("<I", len(esc)), esc.astype(esc_dtype).tobytes(), middle,
-                     _encode_runs(sym, np.array([len(sym)], np.int64), [counts])])
+    return b"".join(
+        [
+            _write_counts(counts),
+            struct.pack("<I", len(esc)),
+            esc.astype(esc_dtype).tobytes(),
+            middle,
+            _encode_runs(sym, np.array([len(sym)], np.int64), [counts]),
+        ]
+    )
 
 
 def _unpack(cur: Cursor, count: int, esc_dtype: str, middle_len: int, out_dtype: str) -> tuple[np.ndarray, memoryview]:
@@ -261,7 +272,7 @@ def _gap_weights(t: int) -> np.ndarray:
 
 def _value_weights(t: int, e: int) -> np.ndarray:
     w = np.zeros(_ALPHABET, np.int64)
-    w[1:_ALPHABET - 1] = _GEOMETRIC[t, _STEP]
+    w[1 : _ALPHABET - 1] = _GEOMETRIC[t, _STEP]
     w[_ALPHABET - 1] = int(w.sum()) * e >> 8
     return w
 
@@ -309,16 +320,28 @@ def context_streams(classes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> tu
         write_varint(head, c)
     qsym, zsym = np.minimum(q, _ALPHABET - 1).astype(np.int32), np.minimum(z, _ALPHABET - 1).astype(np.int32)
     qesc, zesc = q[q >= _ALPHABET - 1], z[esc]
-    pos = b"".join([bytes(head), struct.pack("<I", len(qesc)), qesc.astype("<u4").tobytes(),
-                    kernels.pack_bits(r, k_sym).tobytes(),
-                    _encode_runs(qsym, counts, [_gap_weights(t) for t in t_q.tolist()])])
-    val = b"".join([struct.pack("<I", len(zesc)), zesc.astype(z.dtype.newbyteorder("<")).tobytes(),
-                    _encode_runs(zsym, counts, [_value_weights(t, x) for t, x in zip(t_v.tolist(), e.tolist())])])
+    pos = b"".join(
+        [
+            bytes(head),
+            struct.pack("<I", len(qesc)),
+            qesc.astype("<u4").tobytes(),
+            kernels.pack_bits(r, k_sym).tobytes(),
+            _encode_runs(qsym, counts, [_gap_weights(t) for t in t_q.tolist()]),
+        ]
+    )
+    val = b"".join(
+        [
+            struct.pack("<I", len(zesc)),
+            zesc.astype(z.dtype.newbyteorder("<")).tobytes(),
+            _encode_runs(zsym, counts, [_value_weights(t, x) for t, x in zip(t_v.tolist(), e.tolist())]),
+        ]
+    )
     return pos, val
 
 
-def context_decode(pos_buf: memoryview, val_buf: memoryview, dtype: np.dtype, count: int, length: int,
-                   what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def context_decode(
+    pos_buf: memoryview, val_buf: memoryview, dtype: np.dtype, count: int, length: int, what: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Inverse of context_streams, up to the base: the classes present, their counts, the gaps
     (in class order: how many of the class's elements to pass before each change) and the
     differences in class order. Every field is checked; a gap past its class's elements is
@@ -356,8 +379,12 @@ def context_decode(pos_buf: memoryview, val_buf: memoryview, dtype: np.dtype, co
     if n_vesc > count:
         raise CorruptError(f"{what}: {n_vesc} value escapes for {count} changes")
     vesc = vcur.array(le, n_vesc)
-    z = _decode_runs(vcur.take(len(vcur.buf) - vcur.pos),
-                     counts, [_value_weights(t, x) for t, x in zip(t_v.tolist(), e.tolist())], vcur.what)
+    z = _decode_runs(
+        vcur.take(len(vcur.buf) - vcur.pos),
+        counts,
+        [_value_weights(t, x) for t, x in zip(t_v.tolist(), e.tolist())],
+        vcur.what,
+    )
     return cls, counts, gaps, _substitute(z, vesc, vcur.what).astype(le)
 
 

@@ -24,12 +24,12 @@ import json
 import os
 import struct
 from collections import deque
-from itertools import chain
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import BinaryIO
-from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -39,8 +39,15 @@ from sparrowrl.delta import context, schema
 from sparrowrl.delta.bitview import bits, dtype_name, itemsize
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
-from sparrowrl.delta.records import (MAX_SEGMENT, Changes, Locate, decode_record, encode_changes,
-                                     extract_segment, next_record)
+from sparrowrl.delta.records import (
+    MAX_SEGMENT,
+    Changes,
+    Locate,
+    decode_record,
+    encode_changes,
+    extract_segment,
+    next_record,
+)
 from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
 from sparrowrl.spec.limits import memory_available, read_bounded
 
@@ -83,8 +90,10 @@ def unpack_json(stored: bytes | memoryview, version: int) -> bytes:
     except (zstandard.ZstdError, ValueError) as e:
         raise CorruptError(f"does not unpack: {e}") from None
     if not one.eof or one.unused_data:
-        raise CorruptError("does not unpack: its zstd frame " + ("is cut short" if not one.eof else
-                                                                  f"is followed by {len(one.unused_data)} bytes"))
+        raise CorruptError(
+            "does not unpack: its zstd frame "
+            + ("is cut short" if not one.eof else f"is followed by {len(one.unused_data)} bytes")
+        )
     return raw
 
 
@@ -147,12 +156,16 @@ class Encoder:
             if new.is_cuda:
                 from sparrowrl.delta import gpu
 
-                jobs = [(self._encode, tid, ch)
-                        for ch in gpu.extract_tensor(old, new, self.segment, self.fields[tid], start)]
+                jobs = [
+                    (self._encode, tid, ch)
+                    for ch in gpu.extract_tensor(old, new, self.segment, self.fields[tid], start)
+                ]
             else:
                 a, b = bits(old), bits(new)
-                jobs = [(self._extract_encode, tid, start + s, a[s:s + self.segment], b[s:s + self.segment])
-                        for s in range(0, a.shape[0], self.segment)]
+                jobs = [
+                    (self._extract_encode, tid, start + s, a[s : s + self.segment], b[s : s + self.segment])
+                    for s in range(0, a.shape[0], self.segment)
+                ]
             for fn, *args in jobs:
                 pending.append(self.pool.submit(fn, *args))
                 while len(pending) > limit:
@@ -167,8 +180,9 @@ class Encoder:
         data = encode_changes(tid, ch, self.version)
         if not data:
             return Encoded(tid, data, 0, 0, self.version)
-        return Encoded(tid, data, len(ch.positions), self.keys[tid].change(ch.positions + ch.start, ch.old, ch.new),
-                       self.version)
+        return Encoded(
+            tid, data, len(ch.positions), self.keys[tid].change(ch.positions + ch.start, ch.old, ch.new), self.version
+        )
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -182,9 +196,18 @@ class DeltaWriter:
     writer never hashes the whole model.
     """
 
-    def __init__(self, out: BinaryIO, tensors: list[TensorSpec], *, base_version: int, base_hash: str,
-                 target_version: int, chunk_bytes: int = CHUNK_BYTES, segment: int = SEGMENT,
-                 version: int = FORMAT_VERSION):
+    def __init__(
+        self,
+        out: BinaryIO,
+        tensors: list[TensorSpec],
+        *,
+        base_version: int,
+        base_hash: str,
+        target_version: int,
+        chunk_bytes: int = CHUNK_BYTES,
+        segment: int = SEGMENT,
+        version: int = FORMAT_VERSION,
+    ):
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise MismatchError("tensor table lists a name twice")
@@ -203,11 +226,17 @@ class DeltaWriter:
         self.buf_records = 0
         self.base_hash, self.base_version, self.target_version = base_hash, base_version, target_version
         self.offset = 0
-        header = pack_json({
-            "format": version, "base_version": base_version, "base_hash": base_hash,
-            "target_version": target_version, "segment_elements": segment,
-            "tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors],
-        }, version)
+        header = pack_json(
+            {
+                "format": version,
+                "base_version": base_version,
+                "base_hash": base_hash,
+                "target_version": target_version,
+                "segment_elements": segment,
+                "tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors],
+            },
+            version,
+        )
         self.header_sha = hashlib.sha256(header).digest()
         self._write(HEAD.pack(MAGIC, version, len(header)) + header + self.header_sha)
 
@@ -225,7 +254,10 @@ class DeltaWriter:
         spec = self.tensors[tid]
         for label, t in (("old", old), ("new", new)):
             if tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype:
-                raise MismatchError(f"tensor '{name}': {label} is {dtype_name(t.dtype)}{list(t.shape)}, table says {spec.dtype}{list(spec.shape)}")
+                raise MismatchError(
+                    f"tensor '{name}': {label} is {dtype_name(t.dtype)}{list(t.shape)}, "
+                    f"table says {spec.dtype}{list(spec.shape)}"
+                )
         if self.done[tid]:
             raise MismatchError(f"tensor '{name}' added twice")
         if old.device != new.device:
@@ -250,8 +282,10 @@ class DeltaWriter:
                 raise MismatchError(f"tensor '{name}': a range of {n} elements at {start}, where it goes on at {at}")
             at += n
         if at != spec.numel:
-            raise MismatchError(f"tensor '{name}': its ranges cover {at} elements, the table's "
-                                f"{spec.dtype}{list(spec.shape)} has {spec.numel}")
+            raise MismatchError(
+                f"tensor '{name}': its ranges cover {at} elements, the table's "
+                f"{spec.dtype}{list(spec.shape)} has {spec.numel}"
+            )
         self.done[tid] = True
         for e in records:
             if e.tensor_id != tid:
@@ -282,8 +316,14 @@ class DeltaWriter:
         index = len(self.chunks)
         digest = hashlib.sha256(struct.pack("<II", index, len(body)) + body).digest()
         chunk = CHUNK.pack(CHUNK_MAGIC, index, len(body), digest) + body
-        self.chunks.append({"offset": self.offset, "length": len(chunk),
-                            "sha256": hashlib.sha256(chunk).hexdigest(), "records": self.buf_records})
+        self.chunks.append(
+            {
+                "offset": self.offset,
+                "length": len(chunk),
+                "sha256": hashlib.sha256(chunk).hexdigest(),
+                "records": self.buf_records,
+            }
+        )
         self._write(chunk)
         self.out.flush()
         self.buf, self.buf_len, self.buf_records = [], 0, 0
@@ -298,14 +338,18 @@ class DeltaWriter:
         target = (parse_hash(self.base_hash) + sum(self.hash_delta)) & _M64
         manifest = {
             "format": self.version,
-            "base_version": self.base_version, "base_hash": self.base_hash,
-            "target_version": self.target_version, "target_hash": format_hash(target),
+            "base_version": self.base_version,
+            "base_hash": self.base_hash,
+            "target_version": self.target_version,
+            "target_hash": format_hash(target),
             "header_sha256": self.header_sha.hex(),
             "elements": sum(t.numel for t in self.tensors),
             "changed": sum(self.changed),
             "dense_bytes": sum(t.numel * itemsize(t.dtype) for t in self.tensors),
-            "tensors": [{"changed": c, "hash_delta": format_hash(h), "chunks": span}
-                        for c, h, span in zip(self.changed, self.hash_delta, self.span)],
+            "tensors": [
+                {"changed": c, "hash_delta": format_hash(h), "chunks": span}
+                for c, h, span in zip(self.changed, self.hash_delta, self.span)
+            ],
             "chunks": self.chunks,
         }
         data = pack_json(manifest, self.version)
@@ -316,13 +360,27 @@ class DeltaWriter:
         return manifest
 
 
-def write_delta(out: BinaryIO, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, base_version: int,
-                base_hash: str, target_version: int, **kw) -> dict:
+def write_delta(
+    out: BinaryIO,
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    *,
+    base_version: int,
+    base_hash: str,
+    target_version: int,
+    **kw,
+) -> dict:
     """Diff two in-memory states with the same tensor table into `out`; returns the manifest."""
     if set(old) != set(new):
         raise MismatchError(f"old and new states hold different tensors: '{sorted(set(old) ^ set(new))[0]}'")
-    w = DeltaWriter(out, [TensorSpec.of(n, t) for n, t in new.items()], base_version=base_version,
-                    base_hash=base_hash, target_version=target_version, **kw)
+    w = DeltaWriter(
+        out,
+        [TensorSpec.of(n, t) for n, t in new.items()],
+        base_version=base_version,
+        base_hash=base_hash,
+        target_version=target_version,
+        **kw,
+    )
     try:
         w.add((n, old[n], new[n]) for n in new)
     finally:
@@ -359,16 +417,20 @@ class DeltaFile:
             self._fail(FormatError, "not a sparrowrl delta (bad magic)")
         _, version, n = HEAD.unpack_from(d)
         if version not in READS:
-            self._fail(FormatError, f"unsupported format version {version} (this sparrowrl reads "
-                                    f"{', '.join(map(str, READS))})")
+            self._fail(
+                FormatError, f"unsupported format version {version} (this sparrowrl reads {', '.join(map(str, READS))})"
+            )
         self.version = version
         end = HEAD.size + n
         if len(d) < end + 32 + TRAILER.size:
             self._fail(FormatError, f"truncated: {len(d)} bytes is shorter than header and trailer")
-        raw, digest = d[HEAD.size:end], d[end:end + 32]
+        raw, digest = d[HEAD.size : end], d[end : end + 32]
         if hashlib.sha256(raw).digest() != digest:
-            self._fail(CorruptError, f"header checksum mismatch: expected {digest.hex()[:16]}, "
-                                     f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
+            self._fail(
+                CorruptError,
+                f"header checksum mismatch: expected {digest.hex()[:16]}, "
+                f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}",
+            )
         self.header_end, self.header_sha = end + 32, digest
         try:
             header = schema.parse(schema.Header, unpack_json(raw, version))
@@ -385,10 +447,13 @@ class DeltaFile:
             self._fail(FormatError, "truncated: end marker missing (incomplete download?)")
         if not self.header_end <= offset <= offset + length == len(d) - TRAILER.size:
             self._fail(CorruptError, f"manifest location {offset}+{length} does not fit the file")
-        raw = d[offset:offset + length]
+        raw = d[offset : offset + length]
         if hashlib.sha256(raw).digest() != digest:
-            self._fail(CorruptError, f"manifest checksum mismatch: expected {digest.hex()[:16]}, "
-                                     f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}")
+            self._fail(
+                CorruptError,
+                f"manifest checksum mismatch: expected {digest.hex()[:16]}, "
+                f"bytes hash to {hashlib.sha256(raw).hexdigest()[:16]}",
+            )
         try:
             m = schema.parse(schema.Manifest, unpack_json(raw, self.version)).model_dump()
         except (ValueError, CorruptError) as e:
@@ -406,12 +471,16 @@ class DeltaFile:
             self._fail(CorruptError, "manifest and header list different numbers of tensors")
         for spec, t in zip(self.tensors, self.manifest["tensors"]):
             if t["changed"] > spec.numel:
-                self._fail(CorruptError, f"manifest: tensor '{spec.name}' claims {t['changed']} changes "
-                                         f"of {spec.numel} elements")
+                self._fail(
+                    CorruptError,
+                    f"manifest: tensor '{spec.name}' claims {t['changed']} changes of {spec.numel} elements",
+                )
         pos = self.header_end
         for i, c in enumerate(self.manifest["chunks"]):
             if c["offset"] != pos or c["length"] < CHUNK.size:
-                self._fail(CorruptError, f"chunk {i}: offset/length {c['offset']}+{c['length']} not contiguous at {pos}")
+                self._fail(
+                    CorruptError, f"chunk {i}: offset/length {c['offset']}+{c['length']} not contiguous at {pos}"
+                )
             pos += c["length"]
         if pos != self.manifest_offset:
             self._fail(CorruptError, f"chunks end at {pos} but the manifest starts at {self.manifest_offset}")
@@ -420,19 +489,25 @@ class DeltaFile:
         """Chunk i's records, after checking its header and digest against the manifest."""
         c = self.manifest["chunks"][i]
         magic, index, n, digest = CHUNK.unpack_from(self.data, c["offset"])
-        body = memoryview(self.data)[c["offset"] + CHUNK.size:c["offset"] + c["length"]]
+        body = memoryview(self.data)[c["offset"] + CHUNK.size : c["offset"] + c["length"]]
         if magic != CHUNK_MAGIC or index != i or n != len(body):
             self._fail(CorruptError, f"chunk {i}: bad chunk header")
-        found = hashlib.sha256(memoryview(self.data)[c["offset"]:c["offset"] + c["length"]]).hexdigest()
+        found = hashlib.sha256(memoryview(self.data)[c["offset"] : c["offset"] + c["length"]]).hexdigest()
         if found != c["sha256"]:
-            self._fail(CorruptError, f"chunk {i}: checksum mismatch: manifest says sha256 {c['sha256'][:16]}, "
-                                     f"bytes hash to {found[:16]}")
+            self._fail(
+                CorruptError,
+                f"chunk {i}: checksum mismatch: manifest says sha256 {c['sha256'][:16]}, bytes hash to {found[:16]}",
+            )
         if hashlib.sha256(struct.pack("<II", index, n) + body).digest() != digest:
             self._fail(CorruptError, f"chunk {i}: body does not match the chunk's own digest")
         return body
 
-    def records(self, pool: ThreadPoolExecutor | None = None, then: Callable = lambda record: record,
-                locate: Locate | None = None) -> Iterator:
+    def records(
+        self,
+        pool: ThreadPoolExecutor | None = None,
+        then: Callable = lambda record: record,
+        locate: Locate | None = None,
+    ) -> Iterator:
         """Every record, in file order, or `then(record)` of each; with `pool`, chunks are checked
         and their records decoded and passed to `then` in parallel (the kernels release the GIL),
         and the first failing one's error is raised. Context records find their positions in the
@@ -472,11 +547,18 @@ class DeltaFile:
         m = self.manifest
         changed = m["changed"]
         return {
-            "format": m["format"], "base_version": m["base_version"], "base_hash": m["base_hash"],
-            "target_version": m["target_version"], "target_hash": m["target_hash"],
-            "tensors": len(m["tensors"]), "elements": m["elements"], "changed": changed,
+            "format": m["format"],
+            "base_version": m["base_version"],
+            "base_hash": m["base_hash"],
+            "target_version": m["target_version"],
+            "target_hash": m["target_hash"],
+            "tensors": len(m["tensors"]),
+            "elements": m["elements"],
+            "changed": changed,
             "changed_fraction": changed / m["elements"] if m["elements"] else 0.0,
-            "chunks": len(m["chunks"]), "payload_bytes": len(self.data), "dense_bytes": m["dense_bytes"],
+            "chunks": len(m["chunks"]),
+            "payload_bytes": len(self.data),
+            "dense_bytes": m["dense_bytes"],
             "bytes_per_changed": len(self.data) / changed if changed else None,
             "ratio_vs_dense": len(self.data) / m["dense_bytes"] if m["dense_bytes"] else None,
         }

@@ -18,6 +18,7 @@ from sparrowrl.delta.extract import changed_positions, zigzag
 from sparrowrl.delta.records import Changes
 from sparrowrl.delta.statehash import TensorKey
 
+
 def device_bits(t: torch.Tensor) -> cupy.ndarray:
     """Flat unsigned bit-pattern view of a contiguous CUDA tensor, sharing its memory."""
     flat = t.detach().contiguous().reshape(-1)
@@ -27,8 +28,9 @@ def device_bits(t: torch.Tensor) -> cupy.ndarray:
     return cupy.from_dlpack(flat.view(TORCH_SINT[size])).view(UINT[size])
 
 
-def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int, fld: tuple[int, int],
-                   start: int = 0) -> list[Changes]:
+def extract_tensor(
+    old: torch.Tensor, new: torch.Tensor, segment: int, fld: tuple[int, int], start: int = 0
+) -> list[Changes]:
     """Changes per segment of `old` and `new`, which hold a tensor's flat elements from `start` on;
     each change's class and rank in the base (`context`) are found on the device too."""
     dev = new.device.index
@@ -53,8 +55,11 @@ def extract_tensor(old: torch.Tensor, new: torch.Tensor, segment: int, fld: tupl
         e = min(s + segment, n)
         positions = host_idx[lo:hi] - s
         cls, rank = ranks_on_device(flat[s:e], fld, positions)
-        out.append(Changes(start + s, e - s, positions, host_old[lo:hi], host_new[lo:hi], cls, rank,
-                           lambda s=s, e=e: dense(s, e)))
+        out.append(
+            Changes(
+                start + s, e - s, positions, host_old[lo:hi], host_new[lo:hi], cls, rank, lambda s=s, e=e: dense(s, e)
+            )
+        )
     return out
 
 
@@ -85,8 +90,13 @@ def span_hash(key: TensorKey, start: int, flat: cupy.ndarray, block: int = 1 << 
     total = 0
     with cupy.cuda.Device(flat.device.id):
         for s in range(0, flat.shape[0], block):
-            h = _ELEMENT_HASH(flat[s:s + block], np.uint64(key.salt), np.uint64(start + s), np.int32(key.width),
-                              np.int32(key.compact))
+            h = _ELEMENT_HASH(
+                flat[s : s + block],
+                np.uint64(key.salt),
+                np.uint64(start + s),
+                np.int32(key.width),
+                np.int32(key.compact),
+            )
             total += int(h.sum(dtype=cupy.uint64))
     return total % (1 << 64)
 

@@ -16,8 +16,8 @@ difference of every element.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -116,7 +116,7 @@ def next_record(cur: entropy.Cursor, version: int) -> entropy.Cursor:
     start = cur.pos
     *_, pos_len, val_len = _read_head(cur, version)
     cur.take(pos_len + val_len)
-    one = entropy.Cursor(cur.buf[:cur.pos], cur.what)
+    one = entropy.Cursor(cur.buf[: cur.pos], cur.what)
     one.pos = start
     return one
 
@@ -124,8 +124,9 @@ def next_record(cur: entropy.Cursor, version: int) -> entropy.Cursor:
 Locate = Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, bool]]
 
 
-def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int], version: int,
-                  locate: Locate | None = None) -> Record:
+def decode_record(
+    cur: entropy.Cursor, itemsizes: list[int], numels: list[int], version: int, locate: Locate | None = None
+) -> Record:
     """Decode the next record; every field is checked against the tensor table it claims.
     A context record's positions are found in the base: `locate(tensor id, start, length,
     classes, counts, gaps)` is kernels.class_locate over that segment of the receiver's tensor."""
@@ -134,7 +135,9 @@ def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int], 
     if tid >= len(numels):
         raise CorruptError(f"{where}: tensor id {tid} not in the tensor table ({len(numels)} tensors)")
     if not (0 < length <= MAX_SEGMENT and start + length <= numels[tid]):
-        raise CorruptError(f"{where}: segment [{start}, {start + length}) outside tensor {tid} of {numels[tid]} elements")
+        raise CorruptError(
+            f"{where}: segment [{start}, {start + length}) outside tensor {tid} of {numels[tid]} elements"
+        )
     if not 0 < count <= length:
         raise CorruptError(f"{where}: {count} changes in a segment of {length} elements")
     dtype = np.dtype(UINT[itemsizes[tid]]).newbyteorder("<")
@@ -157,8 +160,10 @@ def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int], 
         classes, counts, gaps, in_class = entropy.context_decode(pos_buf, val_buf, dtype, count, length, where)
         positions, src, found = locate(tid, start, length, classes, counts, gaps)
         if not found:
-            raise CorruptError(f"{where}: a change lies beyond its class's elements in this base (not the base the "
-                               f"delta was made from?)")
+            raise CorruptError(
+                f"{where}: a change lies beyond its class's elements in this base (not the base the "
+                f"delta was made from?)"
+            )
         diffs = in_class[src]
     elif kind == DENSE:
         if pos_len or pos_codec:
@@ -176,5 +181,7 @@ def decode_record(cur: entropy.Cursor, itemsizes: list[int], numels: list[int], 
     if positions is not None and not diffs.all():
         raise CorruptError(f"{where}: a listed change has a zero difference")
     if positions is None and int(np.count_nonzero(diffs)) != count:
-        raise CorruptError(f"{where}: dense record changes {int(np.count_nonzero(diffs))} elements, header says {count}")
+        raise CorruptError(
+            f"{where}: dense record changes {int(np.count_nonzero(diffs))} elements, header says {count}"
+        )
     return Record(tid, start, length, count, positions, diffs)

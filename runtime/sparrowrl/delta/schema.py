@@ -30,9 +30,10 @@ class Header(_Strict):
     base_hash: Hash
     target_version: Count
     segment_elements: Annotated[int, Field(ge=1, le=1 << 24)]
-    tensors: Annotated[list[tuple[Name, Dtype, Annotated[list[Annotated[int, Field(ge=0, le=MAX_NUMEL)]],
-                                                        Field(max_length=64)]]],
-                       Field(max_length=MAX_TENSORS)]
+    tensors: Annotated[
+        list[tuple[Name, Dtype, Annotated[list[Annotated[int, Field(ge=0, le=MAX_NUMEL)]], Field(max_length=64)]]],
+        Field(max_length=MAX_TENSORS),
+    ]
 
     @model_validator(mode="after")
     def _table(self) -> "Header":

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from sparrowrl.delta import kernels
-
 from sparrowrl.delta.bitview import bits, dtype_name
 
 _BLOCK = 1 << 22
@@ -68,7 +67,7 @@ def span_hash(key: TensorKey, start: int, flat_bits: np.ndarray, pool: ThreadPoo
     n = flat_bits.shape[0]
 
     def block(s: int) -> int:
-        return key.range_sum(start + s, flat_bits[s:s + _BLOCK])
+        return key.range_sum(start + s, flat_bits[s : s + _BLOCK])
 
     parts = pool.map(block, range(0, n, _BLOCK)) if pool is not None else map(block, range(0, n, _BLOCK))
     return sum(parts) % (1 << 64)
@@ -87,6 +86,7 @@ def state_hash(state: Mapping[str, torch.Tensor]) -> str:
         for name, t in state.items():
             if t.device.type == "cuda":
                 from sparrowrl.delta import gpu
+
                 total += gpu.tensor_hash(tensor_key(name, t), gpu.device_bits(t))
             else:
                 total += tensor_hash(tensor_key(name, t), bits(t), pool)

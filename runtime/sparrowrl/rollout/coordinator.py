@@ -68,8 +68,16 @@ class Counts:
 
 
 class Coordinator:
-    def __init__(self, prompts_per_step: int, groups_per_lease: int, lease_seconds: float, staleness: int,
-                 steps: int, split: Split, clock=time.monotonic):
+    def __init__(
+        self,
+        prompts_per_step: int,
+        groups_per_lease: int,
+        lease_seconds: float,
+        staleness: int,
+        steps: int,
+        split: Split,
+        clock=time.monotonic,
+    ):
         self.per_step, self.per_lease, self.lease_seconds = prompts_per_step, groups_per_lease, lease_seconds
         self.staleness, self.steps, self.split, self.clock = staleness, steps, split, clock
         self.hashes: dict[int, str] = {}  # published version → state hash
@@ -108,8 +116,9 @@ class Coordinator:
     def _open_batches(self) -> list[int]:
         """Batches whose oldest allowed version is published and that still need groups."""
         first = min((b for b, x in self.batches.items() if not x.complete), default=self.taken)
-        open_ = [b for b in range(first, min(self.steps, self.published + self.staleness + 1))
-                 if not self._batch(b).complete]
+        open_ = [
+            b for b in range(first, min(self.steps, self.published + self.staleness + 1)) if not self._batch(b).complete
+        ]
         for b in open_:
             if self.batches[b].opened is None:
                 self.batches[b].opened = self.published_at.get(self.min_version(b), self.clock())
@@ -188,16 +197,25 @@ class Coordinator:
         speed = self.speeds[worker]
         if speed.tokens_per_s is None or self.tokens_per_group is None:
             return min(schedule.PROBE, pending)
-        seats = {w: Seat(self._ready(w, batch.index), self.speeds[w].tokens_per_s) for w in live
-                 if self.speeds[w].tokens_per_s is not None}
+        seats = {
+            w: Seat(self._ready(w, batch.index), self.speeds[w].tokens_per_s)
+            for w in live
+            if self.speeds[w].tokens_per_s is not None
+        }
         share = schedule.split(pending, self.tokens_per_group, seats)[worker]
         return min(share, speed.cap, self.per_lease)
 
     def _ready(self, worker: str, b: int) -> float:
         """Seconds until `worker` can start on batch b: its leases done, the batch's version fetched."""
         now, speed, tpg = self.clock(), self.speeds[worker], self.tokens_per_group
-        busy = max([0.0] + [len(x.groups) * tpg / speed.tokens_per_s - (now - x.start)
-                            for x in self.leases.values() if x.worker == worker])
+        busy = max(
+            [0.0]
+            + [
+                len(x.groups) * tpg / speed.tokens_per_s - (now - x.start)
+                for x in self.leases.values()
+                if x.worker == worker
+            ]
+        )
         need = self.min_version(b)
         fetch = 0.0
         if self.commits.get(worker, (-1,))[0] < need and need in self.published_at:
@@ -209,12 +227,22 @@ class Coordinator:
         if generate_s is None or not results or not tokens:
             return
         per_group = tokens / len(results)
-        self.tokens_per_group = per_group if self.tokens_per_group is None else \
-            (1 - schedule.EMA) * self.tokens_per_group + schedule.EMA * per_group
+        self.tokens_per_group = (
+            per_group
+            if self.tokens_per_group is None
+            else (1 - schedule.EMA) * self.tokens_per_group + schedule.EMA * per_group
+        )
         self.speeds[worker].generated(tokens, generate_s, len(results))
 
-    def submit(self, lease_id: int, worker: str, version: int, state_hash: str, results: dict[int, dict],
-               generate_s: float | None = None) -> dict:
+    def submit(
+        self,
+        lease_id: int,
+        worker: str,
+        version: int,
+        state_hash: str,
+        results: dict[int, dict],
+        generate_s: float | None = None,
+    ) -> dict:
         """Admit a lease's results, or refuse them all with the reason. `generate_s`, the seconds
         the worker took, measures its speed."""
         self.expire()
@@ -229,8 +257,11 @@ class Coordinator:
         b = lease.batch
         if version < self.min_version(b) or self.hashes.get(version) != state_hash:
             self._drop(lease, refused=True)
-            why = (f"version {version} is older than batch {b} allows ({self.min_version(b)})"
-                   if version < self.min_version(b) else f"state hash {state_hash[:16]} is not the trainer's v{version}")
+            why = (
+                f"version {version} is older than batch {b} allows ({self.min_version(b)})"
+                if version < self.min_version(b)
+                else f"state hash {state_hash[:16]} is not the trainer's v{version}"
+            )
             return {"admitted": 0, "refused": why}
         if sorted(results) != sorted(lease.groups):
             self._drop(lease, refused=True)
@@ -319,10 +350,13 @@ class Coordinator:
     def state(self) -> dict:
         """Everything but the admitted results (the trainer journals those as they come) and the
         hashes (the store holds them), as JSON: what `restore` takes, and `replay` updates."""
-        return {"next_lease": self.next_lease, "counts": asdict(self.counts),
-                "commits": {w: list(c) for w, c in self.commits.items()},
-                "leases": {str(x.id): [x.worker, x.batch, x.groups] for x in self.leases.values()},
-                "delivered": {str(k): list(d) for k, d in self.delivered.items()}}
+        return {
+            "next_lease": self.next_lease,
+            "counts": asdict(self.counts),
+            "commits": {w: list(c) for w, c in self.commits.items()},
+            "leases": {str(x.id): [x.worker, x.batch, x.groups] for x in self.leases.values()},
+            "delivered": {str(k): list(d) for k, d in self.delivered.items()},
+        }
 
     def changes(self) -> list[list]:
         """What changed since the last call, as events `replay` applies to a `state`: a few

@@ -29,6 +29,7 @@ EMA = 0.5  # weight of a new measurement that is faster than the estimate
 @dataclass
 class Speed:
     """What has been measured of one worker."""
+
     tokens_per_s: float | None = None  # generation rate; None: not measured (yet, or since it came back)
     bytes_per_s: float | None = None  # goodput of its version fetches
     last_lease: int = 0  # groups in its last delivered lease
@@ -60,6 +61,7 @@ class Speed:
 @dataclass(frozen=True)
 class Seat:
     """One worker as a split sees it: when it can start (seconds from now) and how fast it generates."""
+
     ready_s: float
     tokens_per_s: float
 
@@ -88,8 +90,9 @@ def split(groups: int, tokens_per_group: float, seats: dict[str, Seat]) -> dict[
     if groups <= 0 or not seats:
         return {w: 0 for w in seats}
     t = finish_time(groups, tokens_per_group, seats)
-    shares = {w: max(0, math.floor(s.tokens_per_s * (t - s.ready_s) / tokens_per_group + 1e-9))
-              for w, s in seats.items()}
+    shares = {
+        w: max(0, math.floor(s.tokens_per_s * (t - s.ready_s) / tokens_per_group + 1e-9)) for w, s in seats.items()
+    }
 
     def finish_with_one_more(w: str) -> tuple[float, float, str]:
         s = seats[w]

@@ -27,27 +27,44 @@ REWARD = re.compile(r"exact|numeric|char_match|[A-Za-z_][A-Za-z0-9_]*:[A-Za-z_][
 
 def _reward(name: str) -> str:
     if not REWARD.fullmatch(name):
-        raise ValueError(f"{name!r} is not exact, numeric, char_match, module:function (module.py beside the "
-                         f"job file) or FILE.py:function")
+        raise ValueError(
+            f"{name!r} is not exact, numeric, char_match, module:function (module.py beside the "
+            f"job file) or FILE.py:function"
+        )
     return name
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, allow_inf_nan=False
+    )
 
 
 class TinyModel(_Spec):
     """A Qwen3 made from config, with the built-in character tokenizer."""
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "!has(self.hidden) || !has(self.heads) || self.hidden % self.heads == 0",
-         "message": "hidden must be a multiple of heads"}]})
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.hidden) || !has(self.heads) || self.hidden % self.heads == 0",
+                    "message": "hidden must be a multiple of heads",
+                }
+            ]
+        }
+    )
     hidden: int = Field(128, ge=16, le=4096)
     layers: int = Field(2, ge=1, le=64)
     heads: int = Field(4, ge=1, le=64)
-    warmup_steps: int = Field(0, ge=0, le=100_000, description=(
-        "Supervised steps on the task before RL, half of them with a wrong answer: a model that knows the task "
-        "but often samples wrongly, where RL post-training starts."))
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description=(
+            "Supervised steps on the task before RL, half of them with a wrong answer: a model that knows the task "
+            "but often samples wrongly, where RL post-training starts."
+        ),
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModel:
@@ -57,10 +74,20 @@ class TinyModel(_Spec):
 
 
 class ModelSpec(_Spec):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "has(self.path) != has(self.tiny)", "message": "give exactly one of model.path and model.tiny"},
-        {"rule": "!has(self.tiny) || !has(self.tokenizer)",
-         "message": "model.tiny uses the built-in character tokenizer; drop model.tokenizer"}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.path) != has(self.tiny)",
+                    "message": "give exactly one of model.path and model.tiny",
+                },
+                {
+                    "rule": "!has(self.tiny) || !has(self.tokenizer)",
+                    "message": "model.tiny uses the built-in character tokenizer; drop model.tokenizer",
+                },
+            ]
+        }
+    )
     path: Text | None = Field(None, description="A local Hugging Face model folder.")
     tiny: TinyModel | None = None
     tokenizer: Text | None = Field(None, description="A tokenizer folder; default: the model folder's.")
@@ -75,14 +102,26 @@ class ModelSpec(_Spec):
 
 
 class TaskSpec(_Spec):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "has(self.builtin) != has(self.jsonl)", "message": "give exactly one of task.builtin and task.jsonl"}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.builtin) != has(self.jsonl)",
+                    "message": "give exactly one of task.builtin and task.jsonl",
+                }
+            ]
+        }
+    )
     builtin: Literal["add", "reverse"] | None = None
-    jsonl: Text | None = Field(None, description="A file of {\"prompt\", \"answer\"} lines.")
-    reward: Annotated[Text, AfterValidator(_reward)] | None = Field(None, description=(
-        "exact | numeric | char_match | module:function, where module.py is a file beside the job file "
-        "(or FILE.py:function, relative to it): code the trainer runs. Default: the built-in task's own, "
-        "exact for JSONL."))
+    jsonl: Text | None = Field(None, description='A file of {"prompt", "answer"} lines.')
+    reward: Annotated[Text, AfterValidator(_reward)] | None = Field(
+        None,
+        description=(
+            "exact | numeric | char_match | module:function, where module.py is a file beside the job file "
+            "(or FILE.py:function, relative to it): code the trainer runs. Default: the built-in task's own, "
+            "exact for JSONL."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
@@ -106,23 +145,33 @@ class GrpoSpec(_Spec):
 class RolloutSpec(Scheduling):
     engine: Literal["hf", "vllm"] = "hf"
     groups_per_lease: int = Field(2, ge=1, le=4096, description="The most prompt groups a worker takes at once.")
-    split: Literal["balanced", "pull", "even"] = Field("balanced", description=(
-        "How a batch is shared: balanced sizes each lease by the worker's measured generation rate and link, so "
-        "that all finish together; pull gives groupsPerLease to whoever asks; even gives each worker an equal "
-        "quota."))
-    lease_seconds: float = Field(120.0, ge=1, le=86_400,
-                                 description="A lease not returned by then is handed to another worker.")
+    split: Literal["balanced", "pull", "even"] = Field(
+        "balanced",
+        description=(
+            "How a batch is shared: balanced sizes each lease by the worker's measured generation rate and link, so "
+            "that all finish together; pull gives groupsPerLease to whoever asks; even gives each worker an equal "
+            "quota."
+        ),
+    )
+    lease_seconds: float = Field(
+        120.0, ge=1, le=86_400, description="A lease not returned by then is handed to another worker."
+    )
 
 
 class SyncSpec(_Spec):
     mode: Literal["sparse", "full"] = "sparse"
     streams: int = Field(4, ge=1, le=64)
     staleness: int = Field(1, ge=0, le=8, description="Versions a rollout's policy may lag the trainer's.")
-    base_every: int = Field(10, ge=1, le=1_000_000,
-                            description="A full snapshot every this many versions (sparse mode).")
-    cut_through: bool = Field(True, description=(
-        "Serve each delta while it is being written; false: only once it is sealed (store-and-forward, "
-        "for comparison)."))
+    base_every: int = Field(
+        10, ge=1, le=1_000_000, description="A full snapshot every this many versions (sparse mode)."
+    )
+    cut_through: bool = Field(
+        True,
+        description=(
+            "Serve each delta while it is being written; false: only once it is sealed (store-and-forward, "
+            "for comparison)."
+        ),
+    )
 
 
 class RegionSpec(_Spec):
@@ -134,6 +183,7 @@ class RegionSpec(_Spec):
 
 class TopologySpec(_Spec):
     """Regions for `sparrowrl run`; in a cluster, `placements` say where each region runs."""
+
     regions: list[RegionSpec] = Field(default_factory=lambda: [RegionSpec(name="local")], min_length=1, max_length=64)
 
     @model_validator(mode="after")
@@ -147,21 +197,41 @@ class TopologySpec(_Spec):
 
 
 class JobSpec(_Spec):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "!has(self.topology) || !has(self.placements)",
-         "message": "give topology (regions for sparrowrl run) or placements (regions in clusters), not both"},
-        {"rule": "has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || "
-                 "self.managedBy == oldSelf.managedBy)", "message": "managedBy is immutable"},
-        {"rule": "self.steps == oldSelf.steps && self.seed == oldSelf.seed && self.model == oldSelf.model && "
-                 "self.task == oldSelf.task && has(self.grpo) == has(oldSelf.grpo) && (!has(self.grpo) || "
-                 "self.grpo == oldSelf.grpo) && has(self.sync) == has(oldSelf.sync) && (!has(self.sync) || "
-                 "self.sync == oldSelf.sync)",
-         "message": "steps, seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"},
-        {"rule": "!has(self.placements) || !self.placements.exists(p, has(p.cluster)) || (has(self.trainer) && "
-                 "has(self.trainer.service) && (has(self.trainer.service.url) || (has(self.trainer.service.type) && "
-                 "self.trainer.service.type != 'ClusterIP')))",
-         "message": "workers in a member cluster cannot reach a ClusterIP trainer; set trainer.service.type to "
-                    "LoadBalancer or NodePort, or trainer.service.url"}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.topology) || !has(self.placements)",
+                    "message": "give topology (regions for sparrowrl run) or placements (regions in clusters), "
+                    "not both",
+                },
+                {
+                    "rule": "has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || "
+                    "self.managedBy == oldSelf.managedBy)",
+                    "message": "managedBy is immutable",
+                },
+                {
+                    "rule": (
+                        "self.steps == oldSelf.steps && self.seed == oldSelf.seed && self.model == oldSelf.model && "
+                        "self.task == oldSelf.task && has(self.grpo) == has(oldSelf.grpo) && (!has(self.grpo) || "
+                        "self.grpo == oldSelf.grpo) && has(self.sync) == has(oldSelf.sync) && (!has(self.sync) || "
+                        "self.sync == oldSelf.sync)"
+                    ),
+                    "message": "steps, seed, model, task, grpo and sync are immutable: the trainer's state "
+                    "belongs to them",
+                },
+                {
+                    "rule": (
+                        "!has(self.placements) || !self.placements.exists(p, has(p.cluster)) || (has(self.trainer) && "
+                        "has(self.trainer.service) && (has(self.trainer.service.url) || "
+                        "(has(self.trainer.service.type) && self.trainer.service.type != 'ClusterIP')))"
+                    ),
+                    "message": "workers in a member cluster cannot reach a ClusterIP trainer; set "
+                    "trainer.service.type to LoadBalancer or NodePort, or trainer.service.url",
+                },
+            ]
+        }
+    )
     steps: int = Field(50, ge=1, le=10_000_000)  # version numbers are 8 digits in file names
     seed: int = Field(0, ge=0, le=2**63 - 1)
     model: ModelSpec
@@ -170,11 +240,21 @@ class JobSpec(_Spec):
     rollout: RolloutSpec = RolloutSpec()
     sync: SyncSpec = SyncSpec()
     topology: TopologySpec = TopologySpec()
-    image: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")] | None = Field(None, description=(
-        "The runtime image of the job's pods; default: the operator's."))
+    image: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")] | None = Field(
+        None, description=("The runtime image of the job's pods; default: the operator's.")
+    )
     trainer: TrainerSpec = TrainerSpec()
-    placements: Annotated[list[Placement], Field(min_length=1, max_length=64, json_schema_extra={
-        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["region"]})] | None = None
+    placements: (
+        Annotated[
+            list[Placement],
+            Field(
+                min_length=1,
+                max_length=64,
+                json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["region"]},
+            ),
+        ]
+        | None
+    ) = None
     run_policy: RunPolicy = RunPolicy()
     health: Health = Health()
     managed_by: ManagedBy | None = None
@@ -215,27 +295,35 @@ class JobSpec(_Spec):
             raise ValueError("placements: at least one needs replicas")
         remote = [p for p in self.placements if p.cluster]
         if remote and self.trainer.service.type == "ClusterIP" and not self.trainer.service.url:
-            raise ValueError(f"placements: region {remote[0].region} runs in cluster {remote[0].cluster}, which cannot "
-                             f"reach a ClusterIP trainer; set trainer.service.type to LoadBalancer or NodePort, or "
-                             f"trainer.service.url")
+            raise ValueError(
+                f"placements: region {remote[0].region} runs in cluster {remote[0].cluster}, which cannot "
+                f"reach a ClusterIP trainer; set trainer.service.type to LoadBalancer or NodePort, or "
+                f"trainer.service.url"
+            )
         return self
 
     @model_validator(mode="after")
     def _ranks_have_work(self) -> JobSpec:
         if self.trainer.ranks > self.grpo.prompts_per_step:
-            raise ValueError(f"trainer.ranks ({self.trainer.ranks}) must not exceed grpo.promptsPerStep "
-                             f"({self.grpo.prompts_per_step}): each rank trains on its share of a step's groups")
+            raise ValueError(
+                f"trainer.ranks ({self.trainer.ranks}) must not exceed grpo.promptsPerStep "
+                f"({self.grpo.prompts_per_step}): each rank trains on its share of a step's groups"
+            )
         gpus = self.trainer.resources.limits.get("nvidia.com/gpu")
         if gpus is not None and (not gpus.isdigit() or int(gpus) < self.trainer.ranks):
-            raise ValueError(f"trainer.resources.limits: nvidia.com/gpu is {gpus}, fewer than trainer.ranks "
-                             f"({self.trainer.ranks}): each rank takes a GPU of its own")
+            raise ValueError(
+                f"trainer.resources.limits: nvidia.com/gpu is {gpus}, fewer than trainer.ranks "
+                f"({self.trainer.ranks}): each rank takes a GPU of its own"
+            )
         return self
 
     @model_validator(mode="after")
     def _lease_fits_a_request(self) -> JobSpec:
         if self.lease_tokens > MAX_LEASE_TOKENS:
-            raise ValueError(f"grpo.groupSize x rollout.groupsPerLease x grpo.maxNewTokens is {self.lease_tokens:,} "
-                             f"tokens per lease (limit {MAX_LEASE_TOKENS:,}): a lease's results travel in one request")
+            raise ValueError(
+                f"grpo.groupSize x rollout.groupsPerLease x grpo.maxNewTokens is {self.lease_tokens:,} "
+                f"tokens per lease (limit {MAX_LEASE_TOKENS:,}): a lease's results travel in one request"
+            )
         return self
 
 
@@ -283,6 +371,7 @@ class Metadata(_Spec):
     """Kubernetes' ObjectMeta, with Kubernetes' own limits: what a job file or an object read
     back from a cluster (`kubectl get -o yaml`) carries. The server-set fields are accepted and
     not used; `managedFields` is opaque, bounded by the job file's own limits."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
     name: DnsLabel
     namespace: DnsLabel | None = None

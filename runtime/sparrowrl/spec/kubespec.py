@@ -15,25 +15,34 @@ from pydantic.alias_generators import to_camel
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 QUANTITY = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|([eE][-+]?[0-9]+))?$"
-LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"  # resource names too
+LABEL_KEY = (
+    r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"  # resource names too
+)
 LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 MAX_TEMPLATE_BYTES = 64 << 10
 DAY = 86_400
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, allow_inf_nan=False
+    )
 
 
 Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]
 ResourceName = Annotated[str, Field(pattern=LABEL_KEY, max_length=317)]
-LabelMap = Annotated[dict[Annotated[str, Field(pattern=LABEL_KEY, max_length=317)],
-                          Annotated[str, Field(pattern=LABEL_VALUE, max_length=63)]], Field(max_length=64)]
+LabelMap = Annotated[
+    dict[
+        Annotated[str, Field(pattern=LABEL_KEY, max_length=317)],
+        Annotated[str, Field(pattern=LABEL_VALUE, max_length=63)],
+    ],
+    Field(max_length=64),
+]
 
 
 class Resources(_Spec):
     """A container's requests and limits, as in a Pod (`nvidia.com/gpu: 1` asks for a GPU)."""
+
     requests: Annotated[dict[ResourceName, Quantity], Field(max_length=32)] = {}
     limits: Annotated[dict[ResourceName, Quantity], Field(max_length=32)] = {}
 
@@ -55,33 +64,46 @@ class Scheduling(_Spec):
 class StateVolume(_Spec):
     """The trainer's PersistentVolumeClaim: its checkpoints, store and journal, so a restarted
     trainer resumes instead of starting over."""
+
     size: Quantity = "10Gi"
     storage_class_name: Annotated[str, Field(max_length=253)] | None = None
-    access_modes: Annotated[list[Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]],
-                            Field(min_length=1, max_length=3)] = ["ReadWriteOnce"]
+    access_modes: Annotated[
+        list[Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]], Field(min_length=1, max_length=3)
+    ] = ["ReadWriteOnce"]
 
 
 class TrainerService(_Spec):
     """How workers reach the trainer. Inside its own cluster, a ClusterIP Service; workers in a
     member cluster need an address from outside: a LoadBalancer's or a NodePort's, which the
     operator reads back, or `url` (an ingress, a VPN address)."""
+
     type: Literal["ClusterIP", "LoadBalancer", "NodePort"] = "ClusterIP"
     url: Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(:[0-9]{1,5})?/?$", max_length=253)] | None = None
-    annotations: Annotated[dict[Annotated[str, Field(pattern=LABEL_KEY, max_length=317)],
-                                Annotated[str, Field(max_length=4096)]], Field(max_length=64)] = {}
+    annotations: Annotated[
+        dict[Annotated[str, Field(pattern=LABEL_KEY, max_length=317)], Annotated[str, Field(max_length=4096)]],
+        Field(max_length=64),
+    ] = {}
 
 
 class TrainerSpec(Scheduling):
-    ranks: int = Field(1, ge=1, le=64, description=(
-        "Processes the trainer shards its model over (FSDP2), one per GPU where there are GPUs (give the pod "
-        "as many in resources); each diffs and publishes its own shard of every version."))
+    ranks: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Processes the trainer shards its model over (FSDP2), one per GPU where there are GPUs (give the pod "
+            "as many in resources); each diffs and publishes its own shard of every version."
+        ),
+    )
     state: StateVolume = StateVolume()
     service: TrainerService = TrainerService()
 
 
 def _template(patch: dict[str, Any]) -> dict[str, Any]:
     if set(patch) - {"metadata", "spec"}:
-        raise ValueError(f"a pod template patch holds metadata and spec only, not {sorted(set(patch) - {'metadata', 'spec'})}")
+        raise ValueError(
+            f"a pod template patch holds metadata and spec only, not {sorted(set(patch) - {'metadata', 'spec'})}"
+        )
     size = len(json.dumps(patch))
     if size > MAX_TEMPLATE_BYTES:
         raise ValueError(f"a pod template patch of {size:,} bytes (limit {MAX_TEMPLATE_BYTES:,})")
@@ -91,16 +113,28 @@ def _template(patch: dict[str, Any]) -> dict[str, Any]:
 class Placement(_Spec):
     """One region of rollout workers (and its relay) in one cluster: a `SparrowCluster`, or the
     operator's own cluster when `cluster` is absent."""
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "!has(self.minReplicas) || !has(self.replicas) || self.minReplicas <= self.replicas",
-         "message": "minReplicas must not exceed replicas"}]})
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.minReplicas) || !has(self.replicas) || self.minReplicas <= self.replicas",
+                    "message": "minReplicas must not exceed replicas",
+                }
+            ]
+        }
+    )
     region: str = Field(pattern=DNS_LABEL.replace("{0,61}", "{0,30}"), max_length=32)
     cluster: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", max_length=253)] | None = None
     replicas: int = Field(1, ge=0, le=64)
     min_replicas: int = Field(1, ge=0, le=64, description="Workers that must be up before rollouts start.")
     relay: bool = True
-    template: Annotated[dict[str, Any], AfterValidator(_template)] = Field({}, description=(
-        "Merged into each pod of this placement (a JSON merge patch of {metadata, spec}; containers merge by name)."))
+    template: Annotated[dict[str, Any], AfterValidator(_template)] = Field(
+        {},
+        description=(
+            "Merged into each pod of this placement (a JSON merge patch of {metadata, spec}; containers merge by name)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _min(self) -> Placement:
@@ -111,22 +145,37 @@ class Placement(_Spec):
 
 class RunPolicy(_Spec):
     """As a Kubernetes Job's: suspend, deadlines, retries, clean-up."""
+
     suspend: bool = False
-    active_deadline_seconds: int | None = Field(None, ge=1, le=365 * DAY, description=(
-        "Running time before the job fails; it starts again when a suspended job resumes."))
-    startup_deadline_seconds: int | None = Field(None, ge=1, le=7 * DAY, description=(
-        "Time from start to the first rollout before the job fails."))
+    active_deadline_seconds: int | None = Field(
+        None,
+        ge=1,
+        le=365 * DAY,
+        description=("Running time before the job fails; it starts again when a suspended job resumes."),
+    )
+    startup_deadline_seconds: int | None = Field(
+        None, ge=1, le=7 * DAY, description=("Time from start to the first rollout before the job fails.")
+    )
     backoff_limit: int = Field(3, ge=0, le=100, description="Trainer failures restarted before the job fails.")
     ttl_seconds_after_finished: int | None = Field(None, ge=0, le=365 * DAY)
 
 
 class Health(_Spec):
-    stale_after_seconds: int = Field(300, ge=10, le=DAY, description=(
-        "A worker the trainer has not heard from for this long is stale."))
+    stale_after_seconds: int = Field(
+        300, ge=10, le=DAY, description=("A worker the trainer has not heard from for this long is stale.")
+    )
     on_stale: Literal["Replace", "Ignore", "FailJob"] = "Replace"
 
 
 MANAGED_BY = "sparrowrl.dev/operator"
-ManagedBy = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?/[-A-Za-z0-9_.]{1,63}$", max_length=127,
-                                 description=(f"The controller that reconciles this job: {MANAGED_BY} (default) or "
-                                              "another, e.g. kueue.x-k8s.io/multikueue. Immutable."))]
+ManagedBy = Annotated[
+    str,
+    Field(
+        pattern=r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?/[-A-Za-z0-9_.]{1,63}$",
+        max_length=127,
+        description=(
+            f"The controller that reconciles this job: {MANAGED_BY} (default) or "
+            "another, e.g. kueue.x-k8s.io/multikueue. Immutable."
+        ),
+    ),
+]

@@ -33,6 +33,8 @@ def roles(spec: JobSpec, url: Callable[[str, str], str]) -> list[Role]:
         if region.relay:
             out.append(Role("relay", f"relay-{region.name}", region.name, trainer, rate_mbit=rate))
             relay, rate = url(f"relay-{region.name}", region.name), None  # inside a region the network is not capped
-        out += [Role("worker", f"worker-{region.name}-{i}", region.name, trainer, relay, rate)
-                for i in range(region.workers)]
+        out += [
+            Role("worker", f"worker-{region.name}-{i}", region.name, trainer, relay, rate)
+            for i in range(region.workers)
+        ]
     return out

@@ -26,8 +26,11 @@ def _cgroup_room() -> int | None:
         if controllers == "":  # v2
             where, limit, usage = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "memory.current"
         elif "memory" in controllers.split(","):  # v1
-            where, limit, usage = Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes", \
-                "memory.usage_in_bytes"
+            where, limit, usage = (
+                Path("/sys/fs/cgroup/memory") / path.lstrip("/"),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
         else:
             continue
         try:

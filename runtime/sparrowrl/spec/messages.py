@@ -64,6 +64,7 @@ def max_body(lease_tokens: int) -> int:
 
 class LeaseOf(BaseModel):
     """The lease a results body names, when the rest of it is malformed: refused, and requeued."""
+
     lease: LeaseId
     worker: Name
 

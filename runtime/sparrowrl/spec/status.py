@@ -56,6 +56,7 @@ class JobStatus(_Status):
 
 def table(s: JobStatus, url: str) -> Table:
     """`sparrowrl status`: the job, then one row per worker."""
+
     def num(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
@@ -64,21 +65,30 @@ def table(s: JobStatus, url: str) -> Table:
     t.add_column(justify="right")
     t.add_row("reward last / mean of last 10", f"{num(s.reward_last, '.3f')} / {num(s.reward_mean_10, '.3f')}")
     t.add_row("tokens per second", num(s.tokens_per_second, ".0f"))
-    t.add_row("last step: payload, changed", f"{num(s.last_payload_bytes, ',')} B, "
-                                             f"{num(s.last_changed_fraction, '.2%')}")
+    t.add_row(
+        "last step: payload, changed", f"{num(s.last_payload_bytes, ',')} B, {num(s.last_changed_fraction, '.2%')}"
+    )
     t.add_row("leases active / expired", f"{s.leases_active} / {s.leases_expired}")
-    t.add_row("groups admitted / requeued / lost / duplicated",
-              f"{s.prompt_groups_admitted} / {s.prompt_groups_requeued} / {s.prompt_groups_lost} / "
-              f"{s.prompt_groups_duplicated}")
+    t.add_row(
+        "groups admitted / requeued / lost / duplicated",
+        f"{s.prompt_groups_admitted} / {s.prompt_groups_requeued} / {s.prompt_groups_lost} / "
+        f"{s.prompt_groups_duplicated}",
+    )
     t.add_row("commits verified / mismatched", f"{s.commits_verified} / {s.commits_mismatched}")
     t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")
     t.add_row("trainer restarts", str(s.trainer_restarts))
-    w = Table("worker", "region", "committed", "behind", "verified", "last heard", "leases", "refused",
-              title="workers")
+    w = Table("worker", "region", "committed", "behind", "verified", "last heard", "leases", "refused", title="workers")
     for x in s.workers:
-        w.add_row(x.name + (" (stale)" if x.stale else ""), x.region or "-", num(x.committed_version, "d"),
-                  num(x.staleness, "d"), x.last_verification or "-", f"{x.seconds_since_seen:.1f} s ago",
-                  str(x.leases_held), str(x.refused_answers))
+        w.add_row(
+            x.name + (" (stale)" if x.stale else ""),
+            x.region or "-",
+            num(x.committed_version, "d"),
+            num(x.staleness, "d"),
+            x.last_verification or "-",
+            f"{x.seconds_since_seen:.1f} s ago",
+            str(x.leases_held),
+            str(x.refused_answers),
+        )
     grid = Table.grid()
     grid.add_row(t)
     grid.add_row(w)

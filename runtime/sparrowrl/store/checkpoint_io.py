@@ -10,17 +10,17 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sparrowrl.delta.bitview import DTYPES, bits, itemsize
-from sparrowrl.spec.limits import memory_available
 from sparrowrl.delta.frame import TensorSpec
+from sparrowrl.spec.limits import memory_available
 
 
 class CheckpointError(Exception):
@@ -42,8 +42,11 @@ class Checkpoint:
         elif self.path.is_file():
             self.files = [self.path]
         else:
-            raise CheckpointError(f"{self.path}: no such file or folder" if not self.path.exists()
-                                  else f"{self.path}: not a regular file or a folder")
+            raise CheckpointError(
+                f"{self.path}: no such file or folder"
+                if not self.path.exists()
+                else f"{self.path}: not a regular file or a folder"
+            )
         self._stack = ExitStack()
         self.where: dict[str, object] = {}
         self.shard_of: dict[str, str] = {}
@@ -80,8 +83,9 @@ class Checkpoint:
         """Every tensor in memory: refused before reading if that is more than is free now."""
         need, free = sum(t.numel * itemsize(t.dtype) for t in self.specs), memory_available()
         if need > free:
-            raise CheckpointError(f"{self.path}: {need:,} bytes of tensors, more than the {free:,} bytes of memory "
-                                  f"free here")
+            raise CheckpointError(
+                f"{self.path}: {need:,} bytes of tensors, more than the {free:,} bytes of memory free here"
+            )
         return dict(self.tensors())
 
     def close(self) -> None:
@@ -113,8 +117,10 @@ def check_output(out: Path, names: frozenset[str] | None = None) -> None:
             raise CheckpointError(f"{out}: exists and is not a folder; not replaced")
         other = sorted(e.name for e in out.iterdir() if e.name not in names or not e.is_file())
         if other:
-            raise CheckpointError(f"{out}: holds '{other[0]}', which this checkpoint does not; not replaced "
-                                  f"(a folder is replaced only by a checkpoint of the same files)")
+            raise CheckpointError(
+                f"{out}: holds '{other[0]}', which this checkpoint does not; not replaced "
+                f"(a folder is replaced only by a checkpoint of the same files)"
+            )
     elif not out.is_file():
         kind = "a folder" if out.is_dir() else "not a regular file (a device, FIFO or socket)"
         raise CheckpointError(f"{out}: {kind}; not replaced")
@@ -154,8 +160,11 @@ def save_like(state: dict[str, torch.Tensor], source: Checkpoint, out: str | Pat
                 save_file(part, str(tmp / f.name), metadata=source.metadata[f.name] or None)
     else:
         with atomic_path(out) as tmp:
-            save_file({n: t.contiguous() for n, t in state.items()}, str(tmp),
-                      metadata=source.metadata[source.files[0].name] or None)
+            save_file(
+                {n: t.contiguous() for n, t in state.items()},
+                str(tmp),
+                metadata=source.metadata[source.files[0].name] or None,
+            )
 
 
 MAX_HEADER = 100 << 20  # the safetensors format's own bound on its JSON header
@@ -173,7 +182,7 @@ def tensors_in(buf) -> dict[str, torch.Tensor]:
     if n > min(MAX_HEADER, len(buf) - 8):
         raise CheckpointError(f"header of {n:,} bytes in a file of {len(buf):,}")
     try:
-        header = json.loads(bytes(buf[8:8 + n]))
+        header = json.loads(bytes(buf[8 : 8 + n]))
     except ValueError as e:
         raise CheckpointError(f"header is not JSON ({e})") from None
     if not isinstance(header, dict):
@@ -209,8 +218,12 @@ def save_state(state: dict[str, torch.Tensor], out: str | Path) -> None:
         save_file({n: t.contiguous() for n, t in state.items()}, str(tmp))
 
 
-def save_stream(specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]], out: str | Path,
-                verify: Callable[[], None] = lambda: None) -> None:
+def save_stream(
+    specs: list[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out: str | Path,
+    verify: Callable[[], None] = lambda: None,
+) -> None:
     """A safetensors file written one tensor at a time, in the order of `specs` (which `tensors`
     follows): a sharded trainer gathers one full tensor at a time, never the model. The header
     is the safetensors format's (JSON with each tensor's byte range, padded to 8 bytes); the

@@ -15,20 +15,20 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_stream
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
 from sparrowrl.delta.bitview import bits
-from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
-from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.delta.errors import DeltaError
+from sparrowrl.delta.frame import TensorSpec
+from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
+from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_stream
 
 FORMAT = 1
 BASE_PART = 8 << 20  # bases are verified (and fetched, and resumed) in parts of this size at most
@@ -122,8 +122,11 @@ class Store:
         written, and must be `expect` when given (else it becomes `v`'s)."""
         v.base = f"v{version:08d}.safetensors"
         f = path / "bases" / v.base
-        specs, tensors = (state.specs, state.tensors) if isinstance(state, Stream) else \
-            ([TensorSpec.of(n, t) for n, t in state.items()], state.items())
+        specs, tensors = (
+            (state.specs, state.tensors)
+            if isinstance(state, Stream)
+            else ([TensorSpec.of(n, t) for n, t in state.items()], state.items())
+        )
         total = 0
 
         def hashed():
@@ -142,8 +145,9 @@ class Store:
         v.base_bytes = f.stat().st_size
         v.base_part_bytes = part_bytes(v.base_bytes)
         with open(f, "rb") as fh:
-            v.base_parts = [hashlib.sha256(block).hexdigest()
-                            for block in iter(lambda: fh.read(v.base_part_bytes), b"")]
+            v.base_parts = [
+                hashlib.sha256(block).hexdigest() for block in iter(lambda: fh.read(v.base_part_bytes), b"")
+            ]
 
     @classmethod
     def mirror(cls, path: str | Path, base_every: int, version: int, state_hash: str) -> Store:
@@ -175,8 +179,7 @@ class Store:
 
     @staticmethod
     def _write_index(path: Path, base_every: int, versions: dict[int, Version]) -> None:
-        data = {"format": FORMAT, "base_every": base_every,
-                "versions": [asdict(versions[k]) for k in sorted(versions)]}
+        data = {"format": FORMAT, "base_every": base_every, "versions": [asdict(versions[k]) for k in sorted(versions)]}
         with atomic_path(path / "store.json") as tmp:
             tmp.write_text(json.dumps(data, indent=1))
 
@@ -221,8 +224,11 @@ class Store:
 
     def producing(self) -> list[int]:
         """Versions whose delta is being written right now."""
-        return sorted(v for v in (int(p.name[2:10]) for p in (self.path / "deltas").glob(".v*.partial")
-                                  if p.name[2:10].isdigit()) if v > self.newest)
+        return sorted(
+            v
+            for v in (int(p.name[2:10]) for p in (self.path / "deltas").glob(".v*.partial") if p.name[2:10].isdigit())
+            if v > self.newest
+        )
 
     def add(self, new: dict[str, torch.Tensor]) -> Version:
         """Append `new` as the next version, diffed against the newest (materialized and verified)."""
@@ -257,8 +263,9 @@ class Store:
         tmp_path = self.partial_path(version) if cut_through else self.path / "deltas" / f".v{version:08d}.sealing"
         try:
             with open(tmp_path, "wb") as f:
-                w = DeltaWriter(f, tensors, base_version=prev.version, base_hash=prev.state_hash,
-                                target_version=version)
+                w = DeltaWriter(
+                    f, tensors, base_version=prev.version, base_hash=prev.state_hash, target_version=version
+                )
                 try:
                     yield w
                 finally:
@@ -306,12 +313,16 @@ class Store:
         for b, vb in self.versions.items():
             if vb.base and b <= target and self._chain_ok(b, target):
                 ds = list(range(b + 1, target + 1))
-                options.append(Plan(have, target, "base", b, ds, vb.base_bytes + sum(self.versions[d].delta_bytes for d in ds)))
+                options.append(
+                    Plan(have, target, "base", b, ds, vb.base_bytes + sum(self.versions[d].delta_bytes for d in ds))
+                )
         if not options:
             raise StoreError(f"no route to version {target}: no base at or before it with a full delta chain")
         return min(options, key=lambda p: (p.bytes, p.route != "chain"))
 
-    def materialize(self, target: int, have: tuple[int, dict[str, torch.Tensor], str] | None = None) -> dict[str, torch.Tensor]:
+    def materialize(
+        self, target: int, have: tuple[int, dict[str, torch.Tensor], str] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Version `target` in memory, every step hash-checked; the base is verified in full."""
         p = self.plan(have[0] if have else None, target)
         if p.route == "none":
@@ -369,14 +380,19 @@ def _same_tensors(have: dict[str, TensorSpec], new: dict[str, TensorSpec], v: in
     for name in sorted(have.keys() | new.keys()):
         a, b = have.get(name), new.get(name)
         if a is None:
-            raise StoreError(f"the new version has tensor '{name}', which v{v} does not (a new version must have "
-                             f"exactly the same tensors)")
+            raise StoreError(
+                f"the new version has tensor '{name}', which v{v} does not (a new version must have "
+                f"exactly the same tensors)"
+            )
         if b is None:
-            raise StoreError(f"the new version lacks tensor '{name}', which v{v} has (a new version must have "
-                             f"exactly the same tensors)")
+            raise StoreError(
+                f"the new version lacks tensor '{name}', which v{v} has (a new version must have "
+                f"exactly the same tensors)"
+            )
         if a != b:
-            raise StoreError(f"tensor '{name}' is {b.dtype}{list(b.shape)} in the new version, "
-                             f"{a.dtype}{list(a.shape)} in v{v}")
+            raise StoreError(
+                f"tensor '{name}' is {b.dtype}{list(b.shape)} in the new version, {a.dtype}{list(a.shape)} in v{v}"
+            )
 
 
 def _check_index(base_every: object, versions: dict, listed: int) -> None:
@@ -395,17 +411,28 @@ def _check_index(base_every: object, versions: dict, listed: int) -> None:
         for n in ("delta_bytes", "base_bytes", "changed"):
             if type(getattr(v, n)) is not int or not 0 <= getattr(v, n) < 1 << 62:
                 raise ValueError(f"{where}: {n} {getattr(v, n)!r} is not a count")
-        if v.delta is not None and (not isinstance(v.delta_sha256, str) or not _HEX64.fullmatch(v.delta_sha256)
-                                    or v.delta != f"v{k:08d}-{v.delta_sha256[:16]}.spd"):
+        if v.delta is not None and (
+            not isinstance(v.delta_sha256, str)
+            or not _HEX64.fullmatch(v.delta_sha256)
+            or v.delta != f"v{k:08d}-{v.delta_sha256[:16]}.spd"
+        ):
             raise ValueError(f"{where}: delta {v.delta!r} is not the store's name for its content hash")
-        if v.base is not None and (v.base != f"v{k:08d}.safetensors" or not isinstance(v.base_parts, list)
-                                   or not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in v.base_parts)
-                                   or not _part_size(v.base_part_bytes)
-                                   or len(v.base_parts) != -(-v.base_bytes // v.base_part_bytes)):
+        if v.base is not None and (
+            v.base != f"v{k:08d}.safetensors"
+            or not isinstance(v.base_parts, list)
+            or not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in v.base_parts)
+            or not _part_size(v.base_part_bytes)
+            or len(v.base_parts) != -(-v.base_bytes // v.base_part_bytes)
+        ):
             raise ValueError(f"{where}: base {v.base!r} is not the store's name, or its parts do not fit its size")
-        if not (isinstance(v.base_sig, str) and _SIG.fullmatch(v.base_sig) and isinstance(v.delta_sigs, list)
-                and isinstance(v.delta_table_sig, str) and _SIG.fullmatch(v.delta_table_sig)
-                and all(isinstance(x, str) and _SIG.fullmatch(x) for x in v.delta_sigs)):
+        if not (
+            isinstance(v.base_sig, str)
+            and _SIG.fullmatch(v.base_sig)
+            and isinstance(v.delta_sigs, list)
+            and isinstance(v.delta_table_sig, str)
+            and _SIG.fullmatch(v.delta_table_sig)
+            and all(isinstance(x, str) and _SIG.fullmatch(x) for x in v.delta_sigs)
+        ):
             raise ValueError(f"{where}: a signature is not base64url of 64 bytes")
 
 

@@ -19,12 +19,12 @@ from typing import Callable
 
 from aiohttp import web
 
-from sparrowrl.spec import messages
-from sparrowrl.trainer import models
-from sparrowrl.rollout.coordinator import Coordinator
-from sparrowrl.spec.job import JobSpec
-from sparrowrl.trainer.learner import Learner
 from sparrowrl.auth.tokens import acts_as
+from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.spec import messages
+from sparrowrl.spec.job import JobSpec
+from sparrowrl.trainer import models
+from sparrowrl.trainer.learner import Learner
 from sparrowrl.transport.server import PRINCIPAL
 
 MAX_WORKERS = 1 << 16  # distinct worker names the trainer keeps track of (a job has 4096 at most at once;
@@ -51,8 +51,10 @@ def once(model: type[messages.Body]):
 
             def as_who(worker: str) -> None:
                 if not acts_as(who, worker):
-                    raise web.HTTPForbidden(text=f"{request.path}: this token is worker {who.name!r}'s, "
-                                                 f"not {worker!r}'s")
+                    raise web.HTTPForbidden(
+                        text=f"{request.path}: this token is worker {who.name!r}'s, not {worker!r}'s"
+                    )
+
             try:
                 raw = await request.json()
                 body = messages.parse(model, raw).model_dump()
@@ -66,8 +68,10 @@ def once(model: type[messages.Body]):
                 raise web.HTTPBadRequest(text=reason) from None
             as_who(body["worker"])
             if body["worker"] not in self.seen and len(self.seen) >= MAX_WORKERS:
-                raise web.HTTPServiceUnavailable(text=f"{request.path}: the trainer tracks {MAX_WORKERS} workers "
-                                                      f"already; {body['worker']!r} is not one of them")
+                raise web.HTTPServiceUnavailable(
+                    text=f"{request.path}: the trainer tracks {MAX_WORKERS} workers "
+                    f"already; {body['worker']!r} is not one of them"
+                )
             key = request.headers.get("Idempotency-Key")
             slot = (request.path, body["worker"])  # each worker's latest request per route
             last = self.answers.get(slot)
@@ -91,8 +95,13 @@ class Control:
     """The routes workers call, and what the trainer knows of its workers. `journal(admitted)`
     records a change (with the (batch, groups) just admitted) before it is answered."""
 
-    def __init__(self, spec: JobSpec, learner: Learner, coord: Coordinator,
-                 journal: Callable[[tuple[int, list[int]] | None], None]):
+    def __init__(
+        self,
+        spec: JobSpec,
+        learner: Learner,
+        coord: Coordinator,
+        journal: Callable[[tuple[int, list[int]] | None], None],
+    ):
         self.spec, self.learner, self.coord, self.journal = spec, learner, coord, journal
         self.regions: dict[str, str] = {}  # worker → the region it says it is in
         self.first: dict[str, int] = {}  # worker → the first version it committed
@@ -106,10 +115,14 @@ class Control:
         self._events: list[list] = []  # changes since `changes()` was last called
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.get("/v1/job", self.h_job), web.get("/v1/model", self.h_model),
-                web.get(r"/v1/model/{name:[A-Za-z0-9][-A-Za-z0-9_.]{0,127}}", self.h_model_file),
-                web.post("/v1/work", self.h_work), web.post("/v1/results", self.h_results),
-                web.post("/v1/commit", self.h_commit)]
+        return [
+            web.get("/v1/job", self.h_job),
+            web.get("/v1/model", self.h_model),
+            web.get(r"/v1/model/{name:[A-Za-z0-9][-A-Za-z0-9_.]{0,127}}", self.h_model_file),
+            web.post("/v1/work", self.h_work),
+            web.post("/v1/results", self.h_results),
+            web.post("/v1/commit", self.h_commit),
+        ]
 
     # ---- across a restart ----
     def state(self) -> dict:
@@ -175,9 +188,16 @@ class Control:
     # ---- the routes ----
     async def h_job(self, request: web.Request) -> web.Response:
         g = self.spec.grpo
-        return web.json_response({"group_size": g.group_size, "temperature": g.temperature,
-                                  "max_new_tokens": g.max_new_tokens, "mode": self.spec.sync.mode,
-                                  "engine": self.spec.rollout.engine, "streams": self.spec.sync.streams})
+        return web.json_response(
+            {
+                "group_size": g.group_size,
+                "temperature": g.temperature,
+                "max_new_tokens": g.max_new_tokens,
+                "mode": self.spec.sync.mode,
+                "engine": self.spec.rollout.engine,
+                "streams": self.spec.sync.streams,
+            }
+        )
 
     async def h_model(self, request: web.Request) -> web.Response:
         """The files a worker builds its engine from (the config and the tokenizer, no weights:
@@ -205,8 +225,14 @@ class Control:
         if "lease" in ans:
             self.touch()  # journaled before it is answered: a restarted trainer knows the lease
             tok = self.learner.tok
-            ans["lease"]["prompts"] = [{"group": g, "ids": models.prompt_ids(tok, self.learner.prompt(g).prompt),
-                                        "seed": group_seed(self.spec.seed, g)} for g in ans["lease"]["groups"]]
+            ans["lease"]["prompts"] = [
+                {
+                    "group": g,
+                    "ids": models.prompt_ids(tok, self.learner.prompt(g).prompt),
+                    "seed": group_seed(self.spec.seed, g),
+                }
+                for g in ans["lease"]["groups"]
+            ]
         return ans
 
     @once(messages.Results)
@@ -217,8 +243,9 @@ class Control:
             self.coord.refuse(body["lease"], body["worker"])
             self.touch()
             return {"admitted": 0, "refused": bad}
-        ans = self.coord.submit(body["lease"], body["worker"], body["version"], body["state_hash"], results,
-                                body["generate_s"])
+        ans = self.coord.submit(
+            body["lease"], body["worker"], body["version"], body["state_hash"], results, body["generate_s"]
+        )
         if ans["admitted"] and ans["groups"]:  # not a repeated delivery
             self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
             self._events.append(["gen", ans["batch"], self.gen[ans["batch"]]])
@@ -253,8 +280,11 @@ class Control:
         ok = self.coord.commit(body["worker"], body["version"], body["state_hash"], body.get("fetch_s"))
         if body["refused"] > self.refused.get(body["worker"], 0):
             self.refused[body["worker"]] = body["refused"]
-            print(f"trainer: worker {body['worker']} has refused {body['refused']} answers from its servers "
-                  f"(its log names them)", flush=True)
+            print(
+                f"trainer: worker {body['worker']} has refused {body['refused']} answers from its servers "
+                f"(its log names them)",
+                flush=True,
+            )
         if body.get("fetch_s") is not None:
             self.fetch.setdefault(body["version"], {})[body["worker"]] = body["fetch_s"]
         self.touch()
@@ -263,5 +293,7 @@ class Control:
     def staged(self, version: int) -> bool:
         """Whether every live worker has staged `version` (or started past it)."""
         staged = self.fetch.get(version, {})
-        return all(w in staged or self.first.get(w, -1) >= version or self.coord.commits.get(w, (-1,))[0] >= version
-                   for w in self.workers)
+        return all(
+            w in staged or self.first.get(w, -1) >= version or self.coord.commits.get(w, (-1,))[0] >= version
+            for w in self.workers
+        )

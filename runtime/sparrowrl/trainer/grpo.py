@@ -14,18 +14,31 @@ def advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
-def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, n_prompt: int,
-                   temperature: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+def token_logprobs(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    n_prompt: int,
+    temperature: float,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Log-probs of ids[:, n_prompt:] under `model` at `temperature`: [batch, completion_len].
     With left padding, `positions` must count from each row's first real token, as in generation."""
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions)
-    logits = out.logits[:, n_prompt - 1:-1].float() / temperature
+    logits = out.logits[:, n_prompt - 1 : -1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, n_prompt:, None]).squeeze(-1)
 
 
-def loss(logp: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-         clip: float, logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
-         tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+def loss(
+    logp: torch.Tensor,
+    logp_behaviour: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    logp_ref: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    tokens: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """Clipped-ratio policy loss per token (against the policy that generated the samples, which
     may be one version stale), plus kl_coef · k3(ref ‖ policy); the mean over all completion
     tokens of the batch, so long and short completions weigh per token. `tokens`: what to divide
@@ -54,10 +67,10 @@ def pad(rows: list[tuple[list[int], list[int], list[float]]], pad_id: int):
     mask = torch.zeros(len(rows), n_comp)
     behaviour = torch.zeros(len(rows), n_comp)
     for i, (p, c, lp) in enumerate(rows):
-        ids[i, n_prompt - len(p):n_prompt] = torch.tensor(p)
-        ids[i, n_prompt:n_prompt + len(c)] = torch.tensor(c, dtype=torch.long)
-        attention[i, n_prompt - len(p):n_prompt + len(c)] = 1
-        mask[i, :len(c)] = 1
-        behaviour[i, :len(c)] = torch.tensor(lp)
+        ids[i, n_prompt - len(p) : n_prompt] = torch.tensor(p)
+        ids[i, n_prompt : n_prompt + len(c)] = torch.tensor(c, dtype=torch.long)
+        attention[i, n_prompt - len(p) : n_prompt + len(c)] = 1
+        mask[i, : len(c)] = 1
+        behaviour[i, : len(c)] = torch.tensor(lp)
     positions = (attention.cumsum(1) - 1).clamp(min=0)
     return ids, attention, positions, mask, behaviour

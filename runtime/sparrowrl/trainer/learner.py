@@ -16,15 +16,14 @@ import time
 from pathlib import Path
 
 import torch
-
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from sparrowrl.trainer import grpo, models, ranks, resume, shard, tasks
-from sparrowrl.store.checkpoint_io import save_stream
 from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
+from sparrowrl.store.checkpoint_io import save_stream
 from sparrowrl.store.store import Store
+from sparrowrl.trainer import grpo, models, ranks, resume, shard, tasks
 
 
 class Learner:
@@ -45,8 +44,11 @@ class Learner:
         self.device = shard.device() if self.world > 1 else torch.device("cpu")
         torch.manual_seed(spec.seed)
         self.task, self.reward = tasks.for_job(spec)
-        self.saved = resume.Checkpoints(state_dir / "trainer") if self.world == 1 else \
-            resume.ShardedCheckpoints(state_dir / "trainer", rank)
+        self.saved = (
+            resume.Checkpoints(state_dir / "trainer")
+            if self.world == 1
+            else resume.ShardedCheckpoints(state_dir / "trainer", rank)
+        )
         newest = self.saved.newest() if self.restarts else None
         self.model, self.tok, self.ref = self._models(warm=newest is None)
         g = spec.grpo
@@ -69,9 +71,11 @@ class Learner:
         if rank == 0:  # workers build the architecture from this folder; the weights come from the store
             self.model.config.save_pretrained(self.model_dir)
             self.tok.save_pretrained(self.model_dir)
-            self.model_files = [{"name": f.name, "bytes": f.stat().st_size,
-                                 "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
-                                for f in sorted(self.model_dir.iterdir()) if f.is_file()]
+            self.model_files = [
+                {"name": f.name, "bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+                for f in sorted(self.model_dir.iterdir())
+                if f.is_file()
+            ]
         self.store, self.extract_s = self._open_store()
 
     def _models(self, warm: bool):
@@ -87,15 +91,20 @@ class Learner:
                 full = models.tiny_qwen3(len(tok), t.hidden, t.layers, t.heads, spec.seed)
                 if warm and t.warmup_steps:
                     models.warm_up(full, tok, self.task, t.warmup_steps)
-            model = full if self.world == 1 else \
-                shard.build(models.tiny_config(len(tok), t.hidden, t.layers, t.heads), shard.from_rank0(full))
+            model = (
+                full
+                if self.world == 1
+                else shard.build(models.tiny_config(len(tok), t.hidden, t.layers, t.heads), shard.from_rank0(full))
+            )
         else:
             tok = models.load_tokenizer(spec.model.tokenizer or spec.model.path)
             if self.world == 1:
                 model = models.load(spec.model.path, spec.model.tokenizer)[0]
             else:
-                model = shard.build(AutoConfig.from_pretrained(spec.model.path, local_files_only=True),
-                                    shard.from_files(spec.model.path))
+                model = shard.build(
+                    AutoConfig.from_pretrained(spec.model.path, local_files_only=True),
+                    shard.from_files(spec.model.path),
+                )
         ref = None
         if spec.grpo.kl_coef > 0:  # KL's anchor
             ref = copy.deepcopy(model) if self.world == 1 else shard.build(model.config, shard.from_model(model))
@@ -138,8 +147,9 @@ class Learner:
             self.policy = shard.policy(self.model)
         held = shard.state_hash(self.table, self.policy)
         if store is not None and (store.newest != self.version or store.versions[store.newest].state_hash != held):
-            raise resume.ResumeError(f"{path}: its newest version v{store.newest} is not the checkpoint's "
-                                     f"v{self.version}")
+            raise resume.ResumeError(
+                f"{path}: its newest version v{store.newest} is not the checkpoint's v{self.version}"
+            )
         if self._agree(store is not None and store.base_due(self.version) and not store.versions[self.version].base):
             shard.snapshot(store, self.version, self.model)  # killed before its snapshot
         return store, extract_s
@@ -171,8 +181,9 @@ class Learner:
         for i, group in enumerate(batch.groups):
             ex, res = self.prompt(group), batch.results[group]
             p = models.prompt_ids(self.tok, ex.prompt)
-            rs = [self.reward(ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer)
-                  for s in res["samples"]]
+            rs = [
+                self.reward(ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer) for s in res["samples"]
+            ]
             rewards.append(rs)
             for j, s in enumerate(res["samples"]):
                 if i % self.world == self.rank:
@@ -196,11 +207,16 @@ class Learner:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm)
         self.opt.step()
-        return {"reward_mean": float(r.mean()), "reward_exact": float((r == 1).float().mean()),
-                "loss": float(self._sum(loss.detach())) / self.world,
-                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-                "tokens": tokens, "train_s": time.perf_counter() - t0, **stats,
-                "behaviour_versions": sorted({res["version"] for res in batch.results.values()})}
+        return {
+            "reward_mean": float(r.mean()),
+            "reward_exact": float((r == 1).float().mean()),
+            "loss": float(self._sum(loss.detach())) / self.world,
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "tokens": tokens,
+            "train_s": time.perf_counter() - t0,
+            **stats,
+            "behaviour_versions": sorted({res["version"] for res in batch.results.values()}),
+        }
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the ranks."""
@@ -234,10 +250,13 @@ class Learner:
     def published(self, version: int) -> dict:
         """What version `version` shipped, from the store's index."""
         v = self.store.versions[version]
-        return {"version": version, "state_hash": v.state_hash,
-                "changed_fraction": v.changed / sum(t.numel for t in self.table),
-                "payload_bytes": v.base_bytes if self.spec.sync.mode == "full" else v.delta_bytes,
-                "dense_bytes": self.dense_bytes}
+        return {
+            "version": version,
+            "state_hash": v.state_hash,
+            "changed_fraction": v.changed / sum(t.numel for t in self.table),
+            "payload_bytes": v.base_bytes if self.spec.sync.mode == "full" else v.delta_bytes,
+            "dense_bytes": self.dense_bytes,
+        }
 
     def save(self, out: Path) -> None:
         """The trained model (fp32, as trained) and its tokenizer: a Hugging Face folder. A
@@ -246,8 +265,11 @@ class Learner:
         if self.world == 1:
             self.model.save_pretrained(out)
         else:
-            shard.stream(self.model, None if self.rank else
-                         lambda s: save_stream(s.specs, s.tensors, out / "model.safetensors"), torch.float32)
+            shard.stream(
+                self.model,
+                None if self.rank else lambda s: save_stream(s.specs, s.tensors, out / "model.safetensors"),
+                torch.float32,
+            )
             if self.rank:
                 return
             self.model.config.save_pretrained(out)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from sparrowrl.spec.job import JobSpec
+from sparrowrl.spec.status import JobStatus, WorkerStatus
 from sparrowrl.trainer import resume
 from sparrowrl.trainer.control import Control
-from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.transport.metrics import family
-from sparrowrl.spec.status import JobStatus, WorkerStatus
 
 PHASES = ("generate", "train", "extract", "transfer", "wait")
 
@@ -46,8 +46,11 @@ class Ledger:
 
     # ---- across a restart ----
     def state(self) -> dict:
-        return {"seconds": self.seconds(), "sent": dict(self.sent),
-                "rows": {v: r for v, r in self.rows.items() if v > self.written}}
+        return {
+            "seconds": self.seconds(),
+            "sent": dict(self.sent),
+            "rows": {v: r for v, r in self.rows.items() if v > self.written},
+        }
 
     def restore(self, state: dict) -> None:
         self.seconds_before, self.sent = state["seconds"], state["sent"]
@@ -65,9 +68,14 @@ class Ledger:
     def record(self, partial: dict, extract_s: float | None, step_s: float | None) -> None:
         """A published version's row: the step's metrics, and what the store says it shipped."""
         p = self.learner.published(partial["version"])
-        self.rows[partial["version"]] = {**partial, "extract_s": extract_s, "payload_bytes": p["payload_bytes"],
-                                         "dense_bytes": p["dense_bytes"], "changed_fraction": p["changed_fraction"],
-                                         "step_s": step_s}
+        self.rows[partial["version"]] = {
+            **partial,
+            "extract_s": extract_s,
+            "payload_bytes": p["payload_bytes"],
+            "dense_bytes": p["dense_bytes"],
+            "changed_fraction": p["changed_fraction"],
+            "step_s": step_s,
+        }
 
     def flush(self, final: bool = False) -> None:
         """Write rows in order once every worker has staged their version (or at the end)."""
@@ -97,25 +105,44 @@ class Ledger:
         for w in sorted(control.seen):
             version, h = self.coord.commits.get(w, (None, None))
             verified = None if version is None else "ok" if self.coord.hashes.get(version) == h else "mismatch"
-            workers.append(WorkerStatus(
-                name=w, region=control.regions.get(w), committed_version=version,
-                staleness=None if version is None else max(0, newest - version), last_verification=verified,
-                seconds_since_seen=now - control.seen[w], leases_held=held.get(w, 0), stale=w not in live,
-                refused_answers=control.refused.get(w, 0)))
+            workers.append(
+                WorkerStatus(
+                    name=w,
+                    region=control.regions.get(w),
+                    committed_version=version,
+                    staleness=None if version is None else max(0, newest - version),
+                    last_verification=verified,
+                    seconds_since_seen=now - control.seen[w],
+                    leases_held=held.get(w, 0),
+                    stale=w not in live,
+                    refused_answers=control.refused.get(w, 0),
+                )
+            )
         running = self.seconds()
         return JobStatus(
             phase="Succeeded" if self.finished else "Running" if control.started() else "Pending",
-            step=len(rows), steps=self.spec.steps, version=newest,
+            step=len(rows),
+            steps=self.spec.steps,
+            version=newest,
             reward_last=rows[-1]["reward_mean"] if rows else None,
             reward_mean_10=sum(r["reward_mean"] for r in rows[-10:]) / len(rows[-10:]) if rows else None,
             tokens_per_second=sum(r["tokens"] for r in rows) / running if rows and running else None,
             last_payload_bytes=rows[-1]["payload_bytes"] if rows else None,
             last_changed_fraction=rows[-1]["changed_fraction"] if rows else None,
-            leases_active=len(self.coord.leases), leases_expired=c.leases_expired,
-            prompt_groups_admitted=c.admitted, prompt_groups_requeued=c.requeued, prompt_groups_lost=self.coord.lost,
-            prompt_groups_duplicated=c.duplicated, commits_verified=c.verified, commits_mismatched=c.mismatched,
-            origin_sent_delta_bytes=self.sent["delta"], origin_sent_base_bytes=self.sent["base"],
-            trainer_restarts=self.restarts, workers=workers, stale_workers=[w.name for w in workers if w.stale])
+            leases_active=len(self.coord.leases),
+            leases_expired=c.leases_expired,
+            prompt_groups_admitted=c.admitted,
+            prompt_groups_requeued=c.requeued,
+            prompt_groups_lost=self.coord.lost,
+            prompt_groups_duplicated=c.duplicated,
+            commits_verified=c.verified,
+            commits_mismatched=c.mismatched,
+            origin_sent_delta_bytes=self.sent["delta"],
+            origin_sent_base_bytes=self.sent["base"],
+            trainer_restarts=self.restarts,
+            workers=workers,
+            stale_workers=[w.name for w in workers if w.stale],
+        )
 
     def metrics(self) -> list:
         """/metrics: the status's counts, and the last step's phases."""
@@ -126,38 +153,77 @@ class Ledger:
             family("counter", "steps", "Optimizer steps taken", s.step),
             family("gauge", "leases_active", "Leases out now", s.leases_active),
             family("counter", "leases_expired", "Leases whose deadline passed before their results", s.leases_expired),
-            family("counter", "prompt_groups", "Prompt groups by what became of them",
-                   by=("state", {"admitted": c.admitted, "refused": c.refused, "requeued": c.requeued,
-                                 "duplicated": c.duplicated, "lost": s.prompt_groups_lost})),
-            family("counter", "commit_verifications", "Worker commits, by whether their state hash was the trainer's",
-                   by=("result", {"ok": c.verified, "mismatch": c.mismatched})),
-            family("counter", "sent_bytes", "Bytes the origin sent, by kind",
-                   by=("kind", {"delta": s.origin_sent_delta_bytes, "base": s.origin_sent_base_bytes})),
-            family("counter", "trainer_restarts", "Trainer processes before this one on its state dir",
-                   s.trainer_restarts),
-            family("gauge", "step_seconds", "The last step's time, by phase",
-                   by=("phase", {p: last[f"{p}_s"] for p in PHASES if last.get(f"{p}_s") is not None})),
+            family(
+                "counter",
+                "prompt_groups",
+                "Prompt groups by what became of them",
+                by=(
+                    "state",
+                    {
+                        "admitted": c.admitted,
+                        "refused": c.refused,
+                        "requeued": c.requeued,
+                        "duplicated": c.duplicated,
+                        "lost": s.prompt_groups_lost,
+                    },
+                ),
+            ),
+            family(
+                "counter",
+                "commit_verifications",
+                "Worker commits, by whether their state hash was the trainer's",
+                by=("result", {"ok": c.verified, "mismatch": c.mismatched}),
+            ),
+            family(
+                "counter",
+                "sent_bytes",
+                "Bytes the origin sent, by kind",
+                by=("kind", {"delta": s.origin_sent_delta_bytes, "base": s.origin_sent_base_bytes}),
+            ),
+            family(
+                "counter", "trainer_restarts", "Trainer processes before this one on its state dir", s.trainer_restarts
+            ),
+            family(
+                "gauge",
+                "step_seconds",
+                "The last step's time, by phase",
+                by=("phase", {p: last[f"{p}_s"] for p in PHASES if last.get(f"{p}_s") is not None}),
+            ),
             family("gauge", "changed_fraction", "Share of elements the last step changed", s.last_changed_fraction),
             family("gauge", "payload_bytes", "Bytes the last step shipped", s.last_payload_bytes),
-            family("gauge", "worker_staleness", "Versions a worker's committed weights lag the newest",
-                   by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None})),
+            family(
+                "gauge",
+                "worker_staleness",
+                "Versions a worker's committed weights lag the newest",
+                by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None}),
+            ),
         ]
 
     def summary(self) -> dict:
         rows = [json.loads(x) for x in self.path.read_text().splitlines()]
         tenth, seconds = max(1, len(rows) // 10), self.seconds()
         c = self.coord.counts
-        s = {"steps": len(rows), "reward_first": sum(r["reward_mean"] for r in rows[:tenth]) / tenth,
-             "reward_last": sum(r["reward_mean"] for r in rows[-tenth:]) / tenth,
-             "weights_verified": c.verified, "weights_mismatch": c.mismatched,
-             "payload_bytes_total": sum(r["payload_bytes"] for r in rows),
-             "dense_bytes_total": sum(r["dense_bytes"] for r in rows),
-             "origin_sent_delta_bytes": self.sent["delta"], "origin_sent_base_bytes": self.sent["base"],
-             "prompt_groups_admitted": c.admitted, "prompt_groups_lost": self.coord.lost,
-             "prompt_groups_duplicated": c.duplicated, "prompt_groups_requeued": c.requeued,
-             "leases_expired": c.leases_expired, "trainer_restarts": self.restarts,
-             "tokens_per_second": sum(r["tokens"] for r in rows) / seconds, "seconds": seconds,
-             "mode": self.spec.sync.mode, "final_version": self.coord.published,
-             "final_state_hash": self.coord.hashes[self.coord.published]}
+        s = {
+            "steps": len(rows),
+            "reward_first": sum(r["reward_mean"] for r in rows[:tenth]) / tenth,
+            "reward_last": sum(r["reward_mean"] for r in rows[-tenth:]) / tenth,
+            "weights_verified": c.verified,
+            "weights_mismatch": c.mismatched,
+            "payload_bytes_total": sum(r["payload_bytes"] for r in rows),
+            "dense_bytes_total": sum(r["dense_bytes"] for r in rows),
+            "origin_sent_delta_bytes": self.sent["delta"],
+            "origin_sent_base_bytes": self.sent["base"],
+            "prompt_groups_admitted": c.admitted,
+            "prompt_groups_lost": self.coord.lost,
+            "prompt_groups_duplicated": c.duplicated,
+            "prompt_groups_requeued": c.requeued,
+            "leases_expired": c.leases_expired,
+            "trainer_restarts": self.restarts,
+            "tokens_per_second": sum(r["tokens"] for r in rows) / seconds,
+            "seconds": seconds,
+            "mode": self.spec.sync.mode,
+            "final_version": self.coord.published,
+            "final_state_hash": self.coord.hashes[self.coord.published],
+        }
         (self.path.parent / "summary.json").write_text(json.dumps(s, indent=1))
         return s

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from sparrowrl.trainer.tasks import Task
 
@@ -27,10 +33,20 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(vocab_size: int, hidden: int, layers: int, heads: int) -> Qwen3Config:
-    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
-                       max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
-                       eos_token_id=2)
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=hidden // heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def tiny_qwen3(vocab_size: int, hidden: int, layers: int, heads: int, seed: int) -> Qwen3ForCausalLM:
@@ -40,8 +56,10 @@ def tiny_qwen3(vocab_size: int, hidden: int, layers: int, heads: int, seed: int)
 
 def load(path: str | Path, tokenizer: str | Path | None = None, dtype: torch.dtype = torch.float32):
     """A local Hugging Face folder: (model, tokenizer), the tokenizer from its own folder if given."""
-    return (AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True),
-            load_tokenizer(tokenizer or path))
+    return (
+        AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True),
+        load_tokenizer(tokenizer or path),
+    )
 
 
 def check(path: str | Path, tokenizer: str | Path | None = None) -> None:
@@ -86,7 +104,7 @@ def prompt_ids(tok, text: str) -> list[int]:
 def completion_text(tok, ids: list[int]) -> str:
     """The text of a completion up to (not including) its end-of-sequence token."""
     if tok.eos_token_id in ids:
-        ids = ids[:ids.index(tok.eos_token_id)]
+        ids = ids[: ids.index(tok.eos_token_id)]
     return tok.decode(ids, skip_special_tokens=True)
 
 
@@ -98,8 +116,10 @@ def warm_up(model: torch.nn.Module, tok, task: Task, steps: int, batch: int = 64
     for s in range(steps):
         exs = [task.example(10**9 + s * batch + i) for i in range(batch)]  # far beyond any RL prompt
         answers = [e.answer if i % 2 else f"{e.answer}={e.answer}" for i, e in enumerate(exs)]
-        ids = [prompt_ids(tok, e.prompt) + tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id]
-               for e, a in zip(exs, answers)]
+        ids = [
+            prompt_ids(tok, e.prompt) + tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            for e, a in zip(exs, answers)
+        ]
         n = max(map(len, ids))
         x = torch.tensor([i + [tok.pad_token_id] * (n - len(i)) for i in ids])
         labels = torch.tensor([i + [-100] * (n - len(i)) for i in ids])

@@ -41,8 +41,12 @@ class Ranks:
             return
         p = next(p for p in self.procs if p.sentinel in ready)
         p.join()
-        print(f"trainer: rank {self.procs.index(p) + 1} exited (code {p.exitcode}); the trainer stops as a whole "
-              f"and resumes from its checkpoint when started again", file=sys.stderr, flush=True)
+        print(
+            f"trainer: rank {self.procs.index(p) + 1} exited (code {p.exitcode}); the trainer stops as a whole "
+            f"and resumes from its checkpoint when started again",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     def stop(self, tell: Callable[[], None], timeout: float = 60.0) -> None:
@@ -67,8 +71,10 @@ def start(world: int, follower: Callable[..., None], *args) -> Ranks:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, port, os.getpid(), follower, args), name=f"rank{r}")
-             for r in range(1, world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, port, os.getpid(), follower, args), name=f"rank{r}")
+        for r in range(1, world)
+    ]
     for p in procs:
         p.start()
     ranks = Ranks(procs)
@@ -78,8 +84,9 @@ def start(world: int, follower: Callable[..., None], *args) -> Ranks:
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share this machine's cores

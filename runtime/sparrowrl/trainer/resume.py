@@ -35,12 +35,25 @@ from safetensors.torch import save_file
 from sparrowrl.store.checkpoint_io import atomic_path
 
 # what a trainer writes in its state dir; a folder holding any of them without job.json is not ours
-OWNED = ("job.json", ".trainer.lock", "starts", "trainer", "journal.jsonl", "store", "model", "metrics.jsonl",
-         "summary.json", "final")
+OWNED = (
+    "job.json",
+    ".trainer.lock",
+    "starts",
+    "trainer",
+    "journal.jsonl",
+    "store",
+    "model",
+    "metrics.jsonl",
+    "summary.json",
+    "final",
+)
 # the folders `atomic_path` writes in before its rename, which a kill leaves behind: (where, whose name)
-_TEMPORARY = (("", r"job\.json|starts|journal\.jsonl|metrics\.jsonl"),
-              ("trainer", r"v\d{8}\.safetensors|ref\.safetensors"),
-              ("store", r"store\.json"), ("store/bases", r"v\d{8}\.safetensors"))
+_TEMPORARY = (
+    ("", r"job\.json|starts|journal\.jsonl|metrics\.jsonl"),
+    ("trainer", r"v\d{8}\.safetensors|ref\.safetensors"),
+    ("store", r"store\.json"),
+    ("store/bases", r"v\d{8}\.safetensors"),
+)
 
 
 class ResumeError(Exception):
@@ -56,8 +69,10 @@ def claim(state_dir: Path, spec: dict) -> tuple[int, IO]:
     mark = state_dir / "job.json"
     if not mark.exists():
         if ours := [n for n in OWNED if (state_dir / n).exists()]:
-            raise ResumeError(f"--state-dir {state_dir} holds '{ours[0]}' but no job.json: not a trainer's state; "
-                              f"give a new or empty folder")
+            raise ResumeError(
+                f"--state-dir {state_dir} holds '{ours[0]}' but no job.json: not a trainer's state; "
+                f"give a new or empty folder"
+            )
         state_dir.mkdir(parents=True, exist_ok=True)
         held = _hold(state_dir)
         with atomic_path(mark) as tmp:
@@ -69,10 +84,15 @@ def claim(state_dir: Path, spec: dict) -> tuple[int, IO]:
     except (OSError, ValueError) as e:
         raise ResumeError(f"{mark}: unreadable ({e})") from None
     if saved != spec:
-        field = next((k for k in sorted(set(saved) | set(spec)) if saved.get(k) != spec.get(k)), "?") \
-            if isinstance(saved, dict) else "?"
-        raise ResumeError(f"--state-dir {state_dir} holds the state of another job (spec.{field} differs); "
-                          f"give a new folder, or the job it was made with")
+        field = (
+            next((k for k in sorted(set(saved) | set(spec)) if saved.get(k) != spec.get(k)), "?")
+            if isinstance(saved, dict)
+            else "?"
+        )
+        raise ResumeError(
+            f"--state-dir {state_dir} holds the state of another job (spec.{field} differs); "
+            f"give a new folder, or the job it was made with"
+        )
     held = _hold(state_dir)
     _sweep(state_dir)
     try:
@@ -191,8 +211,15 @@ class ShardedCheckpoints:
         return self.folder / f"v{version:08d}"
 
     def newest(self) -> int | None:
-        found = [int(p.name[1:]) for p in self.folder.glob("v*") if re.fullmatch(r"v\d{8}", p.name)
-                 and (p / "row.json").is_file()] if self.folder.is_dir() else []
+        found = (
+            [
+                int(p.name[1:])
+                for p in self.folder.glob("v*")
+                if re.fullmatch(r"v\d{8}", p.name) and (p / "row.json").is_file()
+            ]
+            if self.folder.is_dir()
+            else []
+        )
         return max(found, default=None)
 
     def clear_partial(self) -> None:
@@ -221,10 +248,14 @@ class ShardedCheckpoints:
             os.replace(tmp, out)
         dist.barrier()
 
-    def save(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict,
-             row: dict | None) -> None:
-        self._write(self._state(model, opt, policy), self._path(version),
-                    lambda tmp: (tmp / "row.json").write_text(json.dumps({"version": version, "row": row})))
+    def save(
+        self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict, row: dict | None
+    ) -> None:
+        self._write(
+            self._state(model, opt, policy),
+            self._path(version),
+            lambda tmp: (tmp / "row.json").write_text(json.dumps({"version": version, "row": row})),
+        )
         if self.rank == 0:
             for p in self.folder.glob("v*"):
                 if p.name != self._path(version).name and re.fullmatch(r"v\d{8}", p.name):

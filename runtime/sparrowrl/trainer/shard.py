@@ -49,8 +49,10 @@ def span(name: str, p: torch.Tensor) -> tuple[int, torch.Tensor]:
     first, end = rows(p.shape[0], mesh.get_local_rank(), mesh.size())
     local = p.to_local()
     if tuple(local.shape) != (end - first, *p.shape[1:]):
-        raise RuntimeError(f"parameter '{name}': this rank holds {list(local.shape)}, where rows {first}..{end} "
-                           f"of {list(p.shape)} were expected (FSDP's layout changed?)")
+        raise RuntimeError(
+            f"parameter '{name}': this rank holds {list(local.shape)}, where rows {first}..{end} "
+            f"of {list(p.shape)} were expected (FSDP's layout changed?)"
+        )
     return first * math.prod(p.shape[1:]), local.detach().reshape(-1)
 
 
@@ -89,6 +91,7 @@ def state_hash(table: list[TensorSpec], shards: Shards) -> str | None:
         first, flat = shards[t.name]
         if flat.is_cuda:
             from sparrowrl.delta import gpu
+
             part += gpu.span_hash(t.key(), first, gpu.device_bits(flat))
         else:
             part += span_hash(t.key(), first, bits(flat))
@@ -122,8 +125,9 @@ def publish(store: Store | None, table: list[TensorSpec], old: Shards, new: Shar
                 if w is not None:
                     for k, tid in enumerate(group):
                         ranks = [p[k] for p in parts]
-                        w.add_encoded(table[tid].name, [(first, n) for first, n, _ in ranks],
-                                      (e for *_, es in ranks for e in es))
+                        w.add_encoded(
+                            table[tid].name, [(first, n) for first, n, _ in ranks], (e for *_, es in ranks for e in es)
+                        )
                     took["write_s"] += time.perf_counter() - t2
         return took
     finally:
@@ -151,8 +155,9 @@ def _records(enc: Encoder, table: list[TensorSpec], old: Shards, new: Shards) ->
     for tid, t in enumerate(table):
         (first, a), (_, b) = old[t.name], new[t.name]
         if dtype_name(a.dtype) != "BF16" or a.shape != b.shape:
-            raise RuntimeError(f"tensor '{t.name}': the shards to diff are {a.dtype}{list(a.shape)} and "
-                               f"{b.dtype}{list(b.shape)}")
+            raise RuntimeError(
+                f"tensor '{t.name}': the shards to diff are {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}"
+            )
         spans.append((tid, first, a, b))
     encoded = enc.encode(spans)
     for _, first, a, _ in spans:
@@ -242,13 +247,18 @@ def _params_on_meta() -> Iterator[None]:
 def from_rank0(full: torch.nn.Module | None):
     """Fill from a whole model that rank 0 holds (a tiny model made from config): each tensor is
     broadcast, and each rank keeps its rows."""
+
     def fill(model: torch.nn.Module) -> None:
         for n, p in model.named_parameters():
             first, flat = span(n, p)
-            buf = full.get_parameter(n).detach().to(flat.device) if full is not None else \
-                torch.empty(p.shape, dtype=flat.dtype, device=flat.device)
+            buf = (
+                full.get_parameter(n).detach().to(flat.device)
+                if full is not None
+                else torch.empty(p.shape, dtype=flat.dtype, device=flat.device)
+            )
             dist.broadcast(buf, src=0)
-            flat.copy_(buf.reshape(-1)[first:first + flat.numel()])
+            flat.copy_(buf.reshape(-1)[first : first + flat.numel()])
+
     return fill
 
 
@@ -263,16 +273,19 @@ def from_files(path) -> Callable[[torch.nn.Module], None]:
                     raise CheckpointError(f"{path}: no tensor '{n}', which the model's config has")
                 first, flat = span(n, p)
                 row = math.prod(p.shape[1:])
-                part = ck.where[n].get_slice(n)[first // row:(first + flat.numel()) // row]
+                part = ck.where[n].get_slice(n)[first // row : (first + flat.numel()) // row]
                 flat.copy_(part.reshape(-1))
+
     return fill
 
 
 def from_model(other: torch.nn.Module) -> Callable[[torch.nn.Module], None]:
     """Fill from another model sharded the same way (the frozen reference, a copy of the policy)."""
+
     def fill(model: torch.nn.Module) -> None:
         for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters(), strict=True):
             span(n, p)[1].copy_(span(n, q)[1])
+
     return fill
 
 
@@ -283,6 +296,7 @@ def as_dtensors(model: torch.nn.Module, shards: Shards) -> dict[str, torch.Tenso
     for n, p in model.named_parameters():
         _, flat = shards[n]
         local = flat.view(-1, *p.shape[1:]) if p.dim() > 1 else flat
-        out[n] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                    stride=p.stride())
+        out[n] = DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
     return out

@@ -102,6 +102,7 @@ class Task:
 
 N = 10  # operands below N
 
+
 class Add(Task):
     """Sum of two digits: `7+8=` → `15`."""
 
@@ -141,7 +142,9 @@ class Jsonl(Task):
                 row = json.loads(line)
                 self.rows.append(Example(str(row["prompt"]), str(row["answer"])))
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: each line must be a JSON object with 'prompt' and 'answer' ({e})") from None
+                raise ValueError(
+                    f"{path}:{n}: each line must be a JSON object with 'prompt' and 'answer' ({e})"
+                ) from None
         if not self.rows:
             raise ValueError(f"{path}: no examples")
         self.order = list(range(len(self.rows)))

@@ -13,15 +13,15 @@ from pathlib import Path
 
 from aiohttp import web
 
+from sparrowrl.auth.signing import Signer
+from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.spec import messages
+from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer import resume
 from sparrowrl.trainer.control import Control
-from sparrowrl.rollout.coordinator import Coordinator
-from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.ledger import Ledger
 from sparrowrl.transport.metrics import add_metrics
-from sparrowrl.auth.signing import Signer
 from sparrowrl.transport.server import SERVED, add_health, listen, make_app
 
 
@@ -32,8 +32,9 @@ class Run:
         self.spec, self.state_dir, self.token = spec, state_dir, token
         self.learner = Learner(spec, state_dir)
         s = spec.rollout
-        self.coord = Coordinator(spec.grpo.prompts_per_step, s.groups_per_lease, s.lease_seconds, spec.sync.staleness,
-                                 spec.steps, s.split)
+        self.coord = Coordinator(
+            spec.grpo.prompts_per_step, s.groups_per_lease, s.lease_seconds, spec.sync.staleness, spec.steps, s.split
+        )
         for v, entry in self.learner.store.versions.items():
             self.coord.publish(v, entry.state_hash, self.learner.published(v)["payload_bytes"])
         self.control = Control(spec, self.learner, self.coord, self._journal)
@@ -54,9 +55,11 @@ class Run:
         self.coord.restore(state["coordinator"], taken=version, results=results)
         self.control.restore(state["control"], taken=version)
         self.ledger.restore(state["ledger"])
-        print(f"trainer: resumed at v{version} (restart {self.ledger.restarts}), {len(self.coord.leases)} leases "
-              f"live, {sum(len(b.results) for b in self.coord.batches.values())} groups admitted for coming steps",
-              flush=True)
+        print(
+            f"trainer: resumed at v{version} (restart {self.ledger.restarts}), {len(self.coord.leases)} leases "
+            f"live, {sum(len(b.results) for b in self.coord.batches.values())} groups admitted for coming steps",
+            flush=True,
+        )
 
     def _state(self) -> dict:
         """What the journal's snapshot keeps besides admitted results (see resume.py)."""
@@ -84,12 +87,18 @@ class Run:
     def _journal(self, admitted: tuple[int, list[int]] | None) -> None:
         """Every change, before the request that made it is answered."""
         self.ledger.flush()
-        self.journal.append({"coordinator": self.coord.changes(), "control": self.control.changes(),
-                             "ledger": self.ledger.state()}, self._results(admitted))
+        self.journal.append(
+            {"coordinator": self.coord.changes(), "control": self.control.changes(), "ledger": self.ledger.state()},
+            self._results(admitted),
+        )
 
     def app(self, metrics_port: int | None = None, host: str = "127.0.0.1") -> web.Application:
-        app = make_app(self.learner.store.path, self.token, max_body=messages.max_body(self.spec.lease_tokens),
-                       signer=Signer(self.token) if self.token else None)  # the trainer vouches for its versions
+        app = make_app(
+            self.learner.store.path,
+            self.token,
+            max_body=messages.max_body(self.spec.lease_tokens),
+            signer=Signer(self.token) if self.token else None,
+        )  # the trainer vouches for its versions
         app[SERVED].update(self.ledger.sent)  # counted on from a previous process's
         self.ledger.sent = app[SERVED]
         app.add_routes([*self.control.routes(), web.get("/v1/status", self.ledger.h_status)])
@@ -111,18 +120,27 @@ class Run:
             wait = time.perf_counter() - t0
             m = await asyncio.to_thread(learner.train, batch)
             generate_s = control.gen.pop(b, 0.0) / max(1, len(control.workers))
-            partial = {"version": b + 1, "step": b, **m, "generate_s": generate_s, "wait_s": wait,
-                       "rollout_s": batch.done - (batch.opened or batch.done)}
+            partial = {
+                "version": b + 1,
+                "step": b,
+                **m,
+                "generate_s": generate_s,
+                "wait_s": wait,
+                "rollout_s": batch.done - (batch.opened or batch.done),
+            }
             await asyncio.to_thread(learner.checkpoint, partial)
             self._compact()  # batch b's results are in the checkpoint now
             extract_s = await asyncio.to_thread(learner.publish)
-            self.coord.publish(b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"])
+            self.coord.publish(
+                b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
+            )
             ledger.record(partial, extract_s, time.perf_counter() - t0)
             control.touch()
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and \
-                any(self.coord.commits.get(w, (-1,))[0] < self.spec.steps for w in control.workers):
+        while time.monotonic() < deadline and any(
+            self.coord.commits.get(w, (-1,))[0] < self.spec.steps for w in control.workers
+        ):
             await control.until_changed(deadline - time.monotonic())
         ledger.flush(final=True)
         learner.save(self.state_dir / "final")
@@ -132,8 +150,9 @@ class Run:
         control.touch()
 
 
-async def serve(spec: JobSpec, state_dir: Path, host: str, port: int, token: str,
-                metrics_port: int | None = None) -> None:
+async def serve(
+    spec: JobSpec, state_dir: Path, host: str, port: int, token: str, metrics_port: int | None = None
+) -> None:
     run = Run(spec, state_dir, token)
     runner = web.AppRunner(run.app(metrics_port, host))
     await runner.setup()

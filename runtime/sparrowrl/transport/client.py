@@ -35,12 +35,12 @@ import aiohttp
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from sparrowrl.store.checkpoint_io import CheckpointError, tensors_in
+from sparrowrl.auth.signing import Verifier, base_statement, piece_statement, table_statement
+from sparrowrl.auth.signing import trust as trust_of
 from sparrowrl.delta import DeltaError, DeltaFile, apply_delta, state_hash
 from sparrowrl.spec.limits import first_problem, memory_available
-from sparrowrl.auth.signing import Verifier, base_statement, piece_statement, table_statement, trust as trust_of
+from sparrowrl.store.checkpoint_io import CheckpointError, tensors_in
 from sparrowrl.store.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
-
 
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
 REFUSED_S = 300.0  # how long a server whose answer did not verify is left alone
@@ -88,6 +88,7 @@ def _retry_after(value: str | None) -> float | None:
 
 class _Answer(BaseModel):
     """A server's listing, checked before its numbers size a buffer or a loop here."""
+
     model_config = ConfigDict(strict=True)
 
 
@@ -121,6 +122,7 @@ class _Entry(_Answer):
 
 class _Listing(_Answer):
     """GET /v1/versions"""
+
     newest: Index
     base_every: Annotated[int, Field(ge=1, le=MAX_BASE_EVERY)]
     producing: Annotated[list[Index], Field(max_length=MAX_ITEMS)]
@@ -129,6 +131,7 @@ class _Listing(_Answer):
 
 class _Plan(_Answer):
     """GET /v1/plan"""
+
     route: Literal["none", "chain", "base"]
     base: Index | None
     deltas: Annotated[list[Index], Field(max_length=MAX_ITEMS)]
@@ -136,6 +139,7 @@ class _Plan(_Answer):
 
 class _Pieces(_Answer):
     """GET /v1/versions/V/pieces and /v1/versions/V/base/pieces"""
+
     pieces: Annotated[list[tuple[Bytes, PieceBytes, Sha256, bool, Sig]], Field(max_length=MAX_ITEMS)]
     complete: bool
     bytes: Bytes | None
@@ -161,8 +165,10 @@ async def _leads(plan: dict, have: tuple | None, target: int) -> None:
         raise _Refused(f"route {route!r} to v{target} for a client that holds nothing")
     start = {"none": target, "chain": have[0] if have else None, "base": base}[route]
     if start is None or start > target or len(deltas) != target - start or deltas != list(range(start + 1, target + 1)):
-        raise _Refused(f"route {route!r} (base {base}, {len(deltas)} deltas) does not lead from "
-                       f"{'nothing' if have is None else f'v{have[0]}'} to v{target}")
+        raise _Refused(
+            f"route {route!r} (base {base}, {len(deltas)} deltas) does not lead from "
+            f"{'nothing' if have is None else f'v{have[0]}'} to v{target}"
+        )
 
 
 @dataclass(frozen=True)
@@ -231,8 +237,11 @@ class _Queue:
                 return None
             share = max(1, min(self.group_bytes, -(-sum(p.length for p in self.pieces) // self.streams)))
             run = [self.pieces.pop(0)]
-            while self.pieces and self.pieces[0].offset == run[-1].offset + run[-1].length and \
-                    sum(p.length for p in run) + self.pieces[0].length <= share:
+            while (
+                self.pieces
+                and self.pieces[0].offset == run[-1].offset + run[-1].length
+                and sum(p.length for p in run) + self.pieces[0].length <= share
+            ):
                 run.append(self.pieces.pop(0))
             return run
 
@@ -251,7 +260,7 @@ async def _read_into(content: aiohttp.StreamReader, view: memoryview) -> None:
         chunk = await content.read(n - got)
         if not chunk:
             raise asyncio.IncompleteReadError(b"", n)
-        view[got:got + len(chunk)] = chunk
+        view[got : got + len(chunk)] = chunk
         got += len(chunk)
 
 
@@ -275,10 +284,21 @@ def _reusable(addr_info) -> socket.socket:
 class Client:
     """A connection pool over an ordered list of equivalent servers (relays first, origin last)."""
 
-    def __init__(self, urls: list[str] | str, token: str | None = None, streams: int = 4, attempts: int = 8,
-                 backoff: float = 0.2, group_bytes: int = 64 << 20, ssl_context: ssl.SSLContext | None = None,
-                 read_timeout: float = 30.0, local_ports: list[int] | None = None, rate_mbit: float | None = None,
-                 port_wait: float = PORT_WAIT_S, trust: Verifier | None | str = "env"):
+    def __init__(
+        self,
+        urls: list[str] | str,
+        token: str | None = None,
+        streams: int = 4,
+        attempts: int = 8,
+        backoff: float = 0.2,
+        group_bytes: int = 64 << 20,
+        ssl_context: ssl.SSLContext | None = None,
+        read_timeout: float = 30.0,
+        local_ports: list[int] | None = None,
+        rate_mbit: float | None = None,
+        port_wait: float = PORT_WAIT_S,
+        trust: Verifier | None | str = "env",
+    ):
         """`local_ports`: bind download stream i to local port local_ports[i] (one connection each),
         for networks that shape per flow (hack/wan classifies flows by port). A stream whose port
         is taken (another process's connection, or its own not yet closed) waits for it, up to
@@ -304,13 +324,19 @@ class Client:
         self._refused: dict[int, float] = {}  # server → until when it is not asked (time.monotonic)
 
     def _new_session(self, **connector_kw) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(headers=self.headers, timeout=self.timeout, read_bufsize=READ_BUFFER,
-                                     connector=aiohttp.TCPConnector(ssl=self.ssl, **connector_kw))
+        return aiohttp.ClientSession(
+            headers=self.headers,
+            timeout=self.timeout,
+            read_bufsize=READ_BUFFER,
+            connector=aiohttp.TCPConnector(ssl=self.ssl, **connector_kw),
+        )
 
     async def __aenter__(self) -> "Client":
         self._session = self._new_session(limit=0)
-        self._stream_sessions = [self._new_session(limit=1, local_addr=("0.0.0.0", p), socket_factory=_reusable)
-                                 for p in self.local_ports or []]
+        self._stream_sessions = [
+            self._new_session(limit=1, local_addr=("0.0.0.0", p), socket_factory=_reusable)
+            for p in self.local_ports or []
+        ]
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -364,11 +390,18 @@ class Client:
                     await asyncio.sleep(pause)
                     continue
                 else:
-                    raise FetchError(f"{path}: local port {port} stayed taken for {self.port_wait:.0f} s "
-                                     f"({e.os_error.strerror}): another process holds it; give the streams "
-                                     f"other --local-ports") from None
-            except (aiohttp.ClientError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
-                    _Transient) as e:
+                    raise FetchError(
+                        f"{path}: local port {port} stayed taken for {self.port_wait:.0f} s "
+                        f"({e.os_error.strerror}): another process holds it; give the streams "
+                        f"other --local-ports"
+                    ) from None
+            except (
+                aiohttp.ClientError,
+                asyncio.TimeoutError,
+                asyncio.IncompleteReadError,
+                ConnectionError,
+                _Transient,
+            ) as e:
                 last = f"{type(e).__name__}: {e}"
             self.stats.retries += 1
             if attempt % 2 == 1 and len(self.urls) > 1 and self._server == server:  # not if another request just did
@@ -415,6 +448,7 @@ class Client:
         """The JSON answer at `path` (an unreadable body is retried). With `model`, checked
         against it first: an answer with a field out of type or bounds refuses its server (see
         `_refuse`). Then `await check(doc)`, which raises _Refused for what does not verify."""
+
         async def request(url: str):
             async with self._session.get(url, **kw) as r:
                 await self._check(r, url)
@@ -431,11 +465,13 @@ class Client:
             if check is not None:
                 await check(doc)
             return doc
+
         return await self._attempts(path, request)
 
     async def content(self, path: str, limit: int) -> bytes:
         """The body at `path`, at most `limit` bytes (FetchError beyond: the server is not trusted
         to end it)."""
+
         async def request(url: str) -> bytes:
             async with self._session.get(url) as r:
                 await self._check(r, url)
@@ -445,6 +481,7 @@ class Client:
                     if len(data) > limit:
                         raise FetchError(f"{url}: more than {limit:,} bytes")
                 return bytes(data)
+
         return await self._attempts(path, request)
 
     async def post_json(self, path: str, body: dict) -> dict:
@@ -460,10 +497,12 @@ class Client:
                     return await r.json()
                 except ValueError as e:
                     raise _Transient(f"unreadable response: {e}") from None
+
         return await self._attempts(path, request)
 
-    async def versions(self, after: int | None = None, wait: float = 0.0, base: int | None = None,
-                       delta: int | None = None) -> dict:
+    async def versions(
+        self, after: int | None = None, wait: float = 0.0, base: int | None = None, delta: int | None = None
+    ) -> dict:
         """The version list; with `after`, returns once a newer version exists or `wait` passes;
         with `base`, once that version's base snapshot is listed; with `delta`, once that version
         is stored (its delta hashed and indexed)."""
@@ -472,8 +511,9 @@ class Client:
             return await self.json("/v1/versions", _Listing, check=self._bases_signed)
         # the server may hold the answer for `wait` seconds: that is not a stalled read
         timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.timeout.sock_read + wait)
-        return await self.json("/v1/versions", _Listing, check=self._bases_signed, params={**params, "wait": wait},
-                               timeout=timeout)
+        return await self.json(
+            "/v1/versions", _Listing, check=self._bases_signed, params={**params, "wait": wait}, timeout=timeout
+        )
 
     async def _bases_signed(self, listing: dict) -> None:
         """Every base a listing offers carries the trainer's signature of its parts and state hash."""
@@ -487,6 +527,7 @@ class Client:
                 if not self.trust.ok(base_statement(v, h, b["bytes"], b["part_bytes"], b["parts"]), sig):
                     return f"base v{v}: " + ("unsigned" if not sig else "its signature is not the trainer's")
             return None
+
         if why := await asyncio.to_thread(bad):
             raise _Refused(why)
 
@@ -498,7 +539,7 @@ class Client:
         async def source():
             yield pieces
 
-        await self._pull(path, source(), lambda p: view[p.offset:p.offset + p.length], lambda p, data: None)
+        await self._pull(path, source(), lambda p: view[p.offset : p.offset + p.length], lambda p, data: None)
         return buf
 
     async def _pull(self, path: str, source, place, keep) -> None:
@@ -515,8 +556,9 @@ class Client:
             finally:
                 await queue.listed()
 
-        tasks = [asyncio.create_task(lister())] + [asyncio.create_task(self._stream(i, path, kind, queue, place, keep))
-                                                   for i in range(max(1, self.streams))]
+        tasks = [asyncio.create_task(lister())] + [
+            asyncio.create_task(self._stream(i, path, kind, queue, place, keep)) for i in range(max(1, self.streams))
+        ]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -532,6 +574,7 @@ class Client:
         session = self._stream_sessions[i % len(self._stream_sessions)] if self._stream_sessions else self._session
         port = self.local_ports[i % len(self.local_ports)] if self.local_ports else None
         while (run := await queue.take()) is not None:
+
             async def request(url: str) -> None:
                 if not run:  # its last piece was refused, and went back to the queue
                     return
@@ -548,14 +591,15 @@ class Client:
                         run.pop(0)
                         if await _sha256(data) == p.sha256:
                             keep(p, data)
-                            self.stats.count(kind, url[:len(url) - len(path)], i, p.length)
+                            self.stats.count(kind, url[: len(url) - len(path)], i, p.length)
                             continue
                         self.stats.refetched += 1
                         if queue.failed(p) >= self.attempts:
-                            raise FetchError(f"{path}: bytes {p.offset}+{p.length} failed their checksum "
-                                             f"{self.attempts} times")
+                            raise FetchError(
+                                f"{path}: bytes {p.offset}+{p.length} failed their checksum {self.attempts} times"
+                            )
                         await queue.add([p])  # asked for again later, maybe from another server
-                        at = self.urls.index(url[:len(url) - len(path)])
+                        at = self.urls.index(url[: len(url) - len(path)])
                         if self.trust is not None and at < len(self.urls) - 1 and self._next(at) != at:
                             # a relay's bytes that fail a digest the trainer signed: altered (or damaged),
                             # and another server has them right. The origin's (last) are fetched again
@@ -567,8 +611,7 @@ class Client:
                 await queue.add(run)
                 raise
 
-    async def _listed(self, path: str, done: dict, version: int | None = None,
-                      expect: dict[int, Piece] | None = None):
+    async def _listed(self, path: str, done: dict, version: int | None = None, expect: dict[int, Piece] | None = None):
         """The pieces that `path` (a pieces endpoint) lists as ready, batch by batch, each once,
         until it says the file is complete; `done["bytes"]` is then the file's size. Long-polls
         while the file grows. A list in another order (another server, or a relay's list in
@@ -584,8 +627,11 @@ class Client:
             if expect is not None:
                 if any(expect.get(p[0]) != Piece(p[0], p[1], p[2], p[3]) for p in t["pieces"]):
                     raise _Refused(f"{path}: parts that the version listing does not list")
-                if t["complete"] and (t["epoch"] == epoch or after == 0) and \
-                        len({*listed, *(p[0] for p in t["pieces"])}) != len(expect):  # (another order: read anew)
+                if (
+                    t["complete"]
+                    and (t["epoch"] == epoch or after == 0)
+                    and len({*listed, *(p[0] for p in t["pieces"])}) != len(expect)
+                ):  # (another order: read anew)
                     raise _Refused(f"{path}: complete without every part the version listing lists")
             if version is not None and self.trust is not None:  # a list in another order is read anew below
                 whole = t["epoch"] == epoch or after == 0
@@ -619,8 +665,10 @@ class Client:
                 raise _Refused(f"delta v{version}: its piece table's signature is not the trainer's for this version")
         for offset, length, sha256, final, sig in [] if table else t["pieces"]:
             if not self.trust.ok(piece_statement(version, offset, length, sha256, final), sig):
-                raise _Refused(f"delta v{version}: piece at {offset}: " +
-                               ("unsigned" if not sig else "its signature is not the trainer's for this version"))
+                raise _Refused(
+                    f"delta v{version}: piece at {offset}: "
+                    + ("unsigned" if not sig else "its signature is not the trainer's for this version")
+                )
         if t["complete"] and whole:
             pieces = {**covered, **{p[0]: (p[1], p[3]) for p in t["pieces"]}}
             ends = [o + n for o, (n, final) in pieces.items() if final]
@@ -628,8 +676,10 @@ class Client:
             while pos in pieces:
                 pos += pieces[pos][0]
             if ends != [t["bytes"]] or pos != t["bytes"]:
-                raise _Refused(f"delta v{version}: the list says complete at {t['bytes']} bytes, but its pieces "
-                               f"reach {pos} and end {ends or 'nowhere'}")
+                raise _Refused(
+                    f"delta v{version}: the list says complete at {t['bytes']} bytes, but its pieces "
+                    f"reach {pos} and end {ends or 'nowhere'}"
+                )
 
     async def table_sig(self, version: int) -> str:
         """The trainer's signature of stored delta `version`'s whole piece table, checked where
@@ -665,13 +715,17 @@ class Client:
             got.clear()
             room = memory_available() // 2  # pieces, then joined: a server that lists pieces without end must
             # not grow us until we are killed
-            await self._pull(f"/v1/versions/{version}/delta",
-                             self._listed(f"/v1/versions/{version}/pieces", info, version),
-                             lambda p: memoryview(bytearray(p.length)), keep)
+            await self._pull(
+                f"/v1/versions/{version}/delta",
+                self._listed(f"/v1/versions/{version}/pieces", info, version),
+                lambda p: memoryview(bytearray(p.length)),
+                keep,
+            )
             data = b"".join(got[k] for k in sorted(got))
             if len(data) != info.get("bytes"):
-                raise FetchError(f"delta v{version}: pieces cover {len(data)} bytes, the server listed "
-                                 f"{info.get('bytes')}")
+                raise FetchError(
+                    f"delta v{version}: pieces cover {len(data)} bytes, the server listed {info.get('bytes')}"
+                )
             try:
                 return DeltaFile(data, f"delta v{version}")
             except DeltaError as e:
@@ -686,12 +740,18 @@ class Client:
         itself: parts are asked for only once the server lists them as ready."""
         size, step = entry["base"]["bytes"], entry["base"]["part_bytes"]
         n = len(entry["base"]["parts"])
-        parts = {i * step: Piece(i * step, min(step, size - i * step), h, i == n - 1, "")
-                 for i, h in enumerate(entry["base"]["parts"])}
+        parts = {
+            i * step: Piece(i * step, min(step, size - i * step), h, i == n - 1, "")
+            for i, h in enumerate(entry["base"]["parts"])
+        }
         place = place or (lambda p: memoryview(bytearray(p.length)))
 
-        await self._pull(f"/v1/versions/{version}/base", self._listed(f"/v1/versions/{version}/base/pieces", {},
-                                                                      expect=parts), place, keep)
+        await self._pull(
+            f"/v1/versions/{version}/base",
+            self._listed(f"/v1/versions/{version}/base/pieces", {}, expect=parts),
+            place,
+            keep,
+        )
 
     async def base(self, version: int, listing: dict) -> tuple[dict[str, torch.Tensor], str]:
         """A base snapshot, verified part by part and then by its full state hash."""
@@ -703,8 +763,9 @@ class Client:
             raise FetchError(f"base v{version} is {size:,} bytes, more than the {free:,} bytes of memory free here")
         buf, got = bytearray(size), set()
         view = memoryview(buf)
-        await self.base_parts(version, entry, lambda p, data: got.add(p.offset),
-                              lambda p: view[p.offset:p.offset + p.length])
+        await self.base_parts(
+            version, entry, lambda p, data: got.add(p.offset), lambda p: view[p.offset : p.offset + p.length]
+        )
         if len(got) != len(entry["base"]["parts"]):
             raise FetchError(f"base v{version}: {len(got)} of {len(entry['base']['parts'])} parts arrived")
         try:
@@ -716,8 +777,9 @@ class Client:
             raise FetchError(f"base v{version} hashes to {h}, the listing says {entry['state_hash']}")
         return state, h
 
-    async def advance(self, target: int, have: tuple[int, dict[str, torch.Tensor], str] | None = None
-                      ) -> tuple[dict[str, torch.Tensor], str]:
+    async def advance(
+        self, target: int, have: tuple[int, dict[str, torch.Tensor], str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], str]:
         """Reach `target` by the server's cheapest plan; returns (state, state hash).
 
         `have` is (version, state, state hash) of what the caller holds; on the chain route its
@@ -737,4 +799,3 @@ class Client:
         if h != want and self.trust is None:  # with the key, the signed chain is what decides
             raise FetchError(f"v{target} hashes to {h}, the listing says {want}")
         return state, h
-

@@ -23,8 +23,9 @@ class _Read(Collector):
         return self.read()
 
 
-def add_metrics(app: web.Application, read: Callable[[], Iterable[Metric]],
-                open_at: tuple[str, int] | None = None) -> None:
+def add_metrics(
+    app: web.Application, read: Callable[[], Iterable[Metric]], open_at: tuple[str, int] | None = None
+) -> None:
     """GET /metrics: what `read()` yields, in Prometheus' text format, behind the app's token.
     `open_at` (host, port): also there without the token, for a scraper that has none, on a
     port of its own that serves nothing else."""
@@ -56,8 +57,9 @@ def add_metrics(app: web.Application, read: Callable[[], Iterable[Metric]],
     app.cleanup_ctx.append(open_port)
 
 
-def family(kind: str, name: str, doc: str, value: float | None = None,
-           by: tuple[str | tuple[str, ...], dict] | None = None) -> Metric:
+def family(
+    kind: str, name: str, doc: str, value: float | None = None, by: tuple[str | tuple[str, ...], dict] | None = None
+) -> Metric:
     """A `counter` (exposed as sparrowrl_NAME_total) or `gauge` family: one value, or one per
     label value, `by` = (label, {label value: value}); with several labels, (labels, {values: value})."""
     cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily

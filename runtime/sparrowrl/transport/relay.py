@@ -30,12 +30,11 @@ from pathlib import Path
 
 from aiohttp import hdrs, web
 
+from sparrowrl.auth.signing import trust
 from sparrowrl.store.store import Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
 from sparrowrl.transport.metrics import add_metrics, family
-from sparrowrl.auth.signing import trust
 from sparrowrl.transport.server import SERVED, add_health, listing_json, make_app, over
-
 
 MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
 FAILED_S = 30.0  # how long a failed base fetch is answered with its error before a new one starts
@@ -56,7 +55,9 @@ def _own_cache(folder: Path) -> bool:
         return True
     return names <= {"store.json", ".lock", "deltas", "bases"} and all(
         sub.is_dir() and all(_CACHED.fullmatch(f.name) for f in sub.iterdir())
-        for sub in (folder / "deltas", folder / "bases") if sub.exists())
+        for sub in (folder / "deltas", folder / "bases")
+        if sub.exists()
+    )
 
 
 class Table:
@@ -82,9 +83,11 @@ class Table:
     def writer(self, fd: int):
         """`keep(piece, bytes)` for the client: each verified piece written at its offset into
         `fd` (this table's file), then listed."""
+
         def keep(p: Piece, data: bytes) -> None:
             os.pwrite(fd, data, p.offset)
             self.add(p.entry())  # with the trainer's signature, untouched
+
         return keep
 
     def close(self, error: str | None = None) -> None:
@@ -123,17 +126,25 @@ class Table:
         except ValueError:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"}) from None
         if size is None and (r.start is None or r.start < 0 or r.stop is None):
-            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
-                f"delta v{v} is still reaching this relay: its size is not known yet, so ask for a range "
-                f"with both ends (/v1/versions/{v}/pieces lists those that are here)"))
+            raise web.HTTPServiceUnavailable(
+                headers={"Retry-After": "1"},
+                text=(
+                    f"delta v{v} is still reaching this relay: its size is not known yet, so ask for a range "
+                    f"with both ends (/v1/versions/{v}/pieces lists those that are here)"
+                ),
+            )
         start = 0 if r.start is None else max(0, size + r.start) if r.start < 0 else r.start
         stop = r.stop if size is None else size if r.stop is None else min(r.stop, size)
         if start >= stop:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"})
         if not _covered(self.pieces, start, stop):
-            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
-                f"{self.what} v{v}: bytes {start}-{stop - 1} have not reached this relay yet "
-                f"(/v1/versions/{v}/{listing} lists the pieces that have)"))
+            raise web.HTTPServiceUnavailable(
+                headers={"Retry-After": "1"},
+                text=(
+                    f"{self.what} v{v}: bytes {start}-{stop - 1} have not reached this relay yet "
+                    f"(/v1/versions/{v}/{listing} lists the pieces that have)"
+                ),
+            )
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
@@ -141,9 +152,14 @@ class Table:
             return None
         with f:
             ranged = hdrs.RANGE in request.headers
-            resp = web.StreamResponse(status=206 if ranged else 200, headers={
-                hdrs.ACCEPT_RANGES: "bytes", hdrs.CONTENT_TYPE: "application/octet-stream",
-                **({hdrs.CONTENT_RANGE: f"bytes {start}-{stop - 1}/{total}"} if ranged else {})})
+            resp = web.StreamResponse(
+                status=206 if ranged else 200,
+                headers={
+                    hdrs.ACCEPT_RANGES: "bytes",
+                    hdrs.CONTENT_TYPE: "application/octet-stream",
+                    **({hdrs.CONTENT_RANGE: f"bytes {start}-{stop - 1}/{total}"} if ranged else {}),
+                },
+            )
             resp.content_length = stop - start
             try:
                 await resp.prepare(request)
@@ -175,8 +191,10 @@ class Relay:
         self.bases: dict[int, tuple[Table, asyncio.Task]] = {}  # base being fetched on request → its parts so far
         self.client: Client | None = None  # the one upstream client: deltas and bases share its streams and cap
         if not _own_cache(self.mirror):
-            raise ValueError(f"--cache {self.mirror}: not empty, and not a relay's cache: a relay deletes old "
-                             f"versions in its cache, so it takes only a new or empty folder, or its own")
+            raise ValueError(
+                f"--cache {self.mirror}: not empty, and not a relay's cache: a relay deletes old "
+                f"versions in its cache, so it takes only a new or empty folder, or its own"
+            )
         try:
             (self.mirror / "deltas").mkdir(parents=True, exist_ok=True)
             (self.mirror / "bases").mkdir(exist_ok=True)
@@ -216,8 +234,9 @@ class Relay:
         entries = {v["version"]: v for v in listing["versions"]}
         every = listing["base_every"]
         store = self._store()
-        wanted = sorted(v for v in set(entries) | set(listing.get("producing", []))
-                        if store is None or v > store.newest)
+        wanted = sorted(
+            v for v in set(entries) | set(listing.get("producing", [])) if store is None or v > store.newest
+        )
         if store is None or (wanted and wanted[0] != store.newest + 1):  # new, or fell behind the origin's window
             start = max((v for v, e in entries.items() if e["base"]), default=None)
             if start is None:
@@ -236,16 +255,21 @@ class Relay:
                     table_sig = await c.table_sig(v)  # before it is stored: its readers never find it missing
                 except FetchError:
                     table_sig = ""  # its workers check each piece's instead
-                print(f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
-                      f" ({c.stats.retries - retries} retries)", flush=True)
+                print(
+                    f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
+                    f" ({c.stats.retries - retries} retries)",
+                    flush=True,
+                )
                 entry = entries.get(v)
                 if entry is None or entry["delta"] is None:  # still being produced when listed
                     entry = await self._listed(c, v, "delta")
                     if entry is None:
                         raise FetchError(f"upstream did not list delta v{v} as stored")
                 if entry["delta"]["sha256"] != digest:
-                    raise FetchError(f"delta v{v} from upstream hashes to {digest[:16]}, listing says "
-                                     f"{entry['delta']['sha256'][:16]}")
+                    raise FetchError(
+                        f"delta v{v} from upstream hashes to {digest[:16]}, listing says "
+                        f"{entry['delta']['sha256'][:16]}"
+                    )
             except BaseException:
                 partial.unlink(missing_ok=True)
                 self.tables.pop(v).close()
@@ -254,8 +278,18 @@ class Relay:
             name = f"v{v:08d}-{digest[:16]}.spd"
             os.replace(partial, self.mirror / "deltas" / name)
             sigs = [p[4] for p in sorted(self.tables[v].pieces)]  # served with the stored file
-            store.record(Version(v, entry["state_hash"], name, digest, size, changed=entry["changed"],
-                                 delta_sigs=sigs if all(sigs) else [], delta_table_sig=table_sig))
+            store.record(
+                Version(
+                    v,
+                    entry["state_hash"],
+                    name,
+                    digest,
+                    size,
+                    changed=entry["changed"],
+                    delta_sigs=sigs if all(sigs) else [],
+                    delta_table_sig=table_sig,
+                )
+            )
             self.tables.pop(v).close()
             if store.base_due(v) and not entry["base"]:  # its snapshot is written after its delta
                 entry = await self._listed(c, v, "base")
@@ -277,13 +311,28 @@ class Relay:
         store = self._store()
         if store is None:
             return
-        new = [e for e in entries if e["base"] and e["version"] in store.versions
-               and not store.versions[e["version"]].base and e["state_hash"] == store.versions[e["version"]].state_hash]
+        new = [
+            e
+            for e in entries
+            if e["base"]
+            and e["version"] in store.versions
+            and not store.versions[e["version"]].base
+            and e["state_hash"] == store.versions[e["version"]].state_hash
+        ]
         if new:
-            store.record(*(dataclasses.replace(store.versions[e["version"]], base=f"v{e['version']:08d}.safetensors",
-                                               base_bytes=e["base"]["bytes"], base_parts=list(e["base"]["parts"]),
-                                               base_part_bytes=e["base"]["part_bytes"], base_sig=e["base"]["sig"])
-                           for e in new))
+            store.record(
+                *(
+                    dataclasses.replace(
+                        store.versions[e["version"]],
+                        base=f"v{e['version']:08d}.safetensors",
+                        base_bytes=e["base"]["bytes"],
+                        base_parts=list(e["base"]["parts"]),
+                        base_part_bytes=e["base"]["part_bytes"],
+                        base_sig=e["base"]["sig"],
+                    )
+                    for e in new
+                )
+            )
 
     async def _mirror_delta(self, c: Client, v: int) -> tuple[Path, str, int]:
         """Fetch delta v (also while upstream still writes it) into the mirror's partial file,
@@ -316,8 +365,13 @@ class Relay:
             entry = next((e for e in listing["versions"] if e["version"] == v), None)
             if entry is not None and entry[what] is not None:
                 return entry
-            if entry is None and v <= listing["newest"] and v not in listing["producing"] or \
-                    entry is not None and what == "delta":  # stored without a delta: it will never have one
+            if (
+                entry is None
+                and v <= listing["newest"]
+                and v not in listing["producing"]
+                or entry is not None
+                and what == "delta"
+            ):  # stored without a delta: it will never have one
                 return None
         return None
 
@@ -335,11 +389,11 @@ class Relay:
             return self.bases.get(v, (None,))[0]
         store = self._store()
         info = store.versions.get(v) if store else None
-        if info is None or not info.base or (self.mirror / "bases" / info.base).exists() \
-                or self.client is None:
+        if info is None or not info.base or (self.mirror / "bases" / info.base).exists() or self.client is None:
             return None
-        table = Table("base", v, self.mirror / "bases" / f".{info.base}.{uuid.uuid4().hex[:12]}.partial",
-                      info.base_bytes)
+        table = Table(
+            "base", v, self.mirror / "bases" / f".{info.base}.{uuid.uuid4().hex[:12]}.partial", info.base_bytes
+        )
         self.bases[v] = table, asyncio.create_task(self._fetch_base(self.client, info, table))
         return table
 
@@ -357,8 +411,10 @@ class Relay:
             if kept is None or kept.base != info.base:
                 raise FetchError("pruned while it was being fetched")
             os.replace(table.path, self.mirror / "bases" / info.base)  # before close(): no reader finds neither
-            print(f"relay: v{v} base fetched on request, {info.base_bytes:,} bytes in "
-                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+            print(
+                f"relay: v{v} base fetched on request, {info.base_bytes:,} bytes in {time.perf_counter() - t0:.2f} s",
+                flush=True,
+            )
         except asyncio.CancelledError:
             error = table.error or "cancelled"
             raise
@@ -403,8 +459,9 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
         """Before its first sync a relay asks its workers to come back, rather than sending them to
         the origin: each would pull a whole base across the WAN."""
         if not relay.synced.is_set() and request.path.startswith("/v1/"):
-            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"},
-                                             text="relay: not synced with its upstream yet")
+            raise web.HTTPServiceUnavailable(
+                headers={"Retry-After": "1"}, text="relay: not synced with its upstream yet"
+            )
         return await handler(request)
 
     app.middlewares.append(until_synced)  # after auth: a request without the token is still a 401
@@ -412,13 +469,25 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
     def metrics() -> list:
         store = relay._store()
         return [
-            family("counter", "received_bytes", "Verified bytes fetched from upstream, by kind",
-                   by=("kind", relay.client.stats.kinds if relay.client else {"delta": 0, "base": 0})),
-            family("counter", "received_stream_bytes", "Verified bytes fetched from upstream, by kind, server and "
-                   "stream", by=(("kind", "server", "stream"), relay.client.stats.sources if relay.client else {})),
+            family(
+                "counter",
+                "received_bytes",
+                "Verified bytes fetched from upstream, by kind",
+                by=("kind", relay.client.stats.kinds if relay.client else {"delta": 0, "base": 0}),
+            ),
+            family(
+                "counter",
+                "received_stream_bytes",
+                "Verified bytes fetched from upstream, by kind, server and stream",
+                by=(("kind", "server", "stream"), relay.client.stats.sources if relay.client else {}),
+            ),
             family("counter", "sent_bytes", "Bytes sent to this region's workers, by kind", by=("kind", app[SERVED])),
-            family("gauge", "newest_version", "The newest version this relay holds",
-                   None if store is None else store.newest),
+            family(
+                "gauge",
+                "newest_version",
+                "The newest version this relay holds",
+                None if store is None else store.newest,
+            ),
         ]
 
     add_metrics(app, metrics, metrics_at)

@@ -32,18 +32,18 @@ import ipaddress
 import math
 import os
 import ssl
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Callable, Protocol
 
 from aiohttp import web
 
+from sparrowrl.auth.signing import Signer, Verifier, base_statement, piece_statement, table_statement
+from sparrowrl.auth.tokens import ADMIN, Gate, Principal, allowed
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import Pieces
 from sparrowrl.spec.limits import open_regular
-from sparrowrl.auth.signing import Signer, Verifier, base_statement, piece_statement, table_statement
 from sparrowrl.store.store import Store, StoreError, Version
-from sparrowrl.auth.tokens import ADMIN, Gate, Principal, allowed
 
 MAX_WAIT = 60.0
 OPEN = frozenset({"/healthz", "/readyz"})  # probes (a kubelet's) carry no token, and these say nothing else
@@ -138,8 +138,9 @@ async def auth(request: web.Request, handler):
         return await handler(request)
     who = gate.principal(request.headers.get("Authorization", ""))  # non-UTF-8 bytes arrive surrogate-escaped
     if who is None:
-        raise web.HTTPUnauthorized(text="missing or wrong bearer token",
-                                   headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'})
+        raise web.HTTPUnauthorized(
+            text="missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'}
+        )
     if (why := allowed(who, request.method, request.path)) is not None:
         raise web.HTTPForbidden(text=why)
     request[PRINCIPAL] = who
@@ -154,12 +155,28 @@ def base_sig(signer: Signer | None, v: Version) -> str:
 
 
 def _listing(store: Store, signer: Signer | None) -> dict:
-    return {"newest": store.newest, "base_every": store.base_every, "producing": store.producing(), "versions": [
-        {"version": v.version, "state_hash": v.state_hash, "changed": v.changed,
-         "delta": {"bytes": v.delta_bytes, "sha256": v.delta_sha256} if v.delta else None,
-         "base": {"bytes": v.base_bytes, "part_bytes": v.base_part_bytes, "parts": v.base_parts,
-                  "sig": base_sig(signer, v)} if v.base else None}
-        for v in (store.versions[k] for k in sorted(store.versions))]}
+    return {
+        "newest": store.newest,
+        "base_every": store.base_every,
+        "producing": store.producing(),
+        "versions": [
+            {
+                "version": v.version,
+                "state_hash": v.state_hash,
+                "changed": v.changed,
+                "delta": {"bytes": v.delta_bytes, "sha256": v.delta_sha256} if v.delta else None,
+                "base": {
+                    "bytes": v.base_bytes,
+                    "part_bytes": v.base_part_bytes,
+                    "parts": v.base_parts,
+                    "sig": base_sig(signer, v),
+                }
+                if v.base
+                else None,
+            }
+            for v in (store.versions[k] for k in sorted(store.versions))
+        ],
+    }
 
 
 def _int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
@@ -202,11 +219,15 @@ async def versions(request: web.Request) -> web.Response:
     deadline = loop.time() + _wait(request)
 
     def waiting(store: Store) -> bool:  # with several, for all
-        gone = base is not None and base not in store.versions and base <= store.newest \
-            and base not in store.producing()  # pruned: its snapshot will never come
-        return (after is not None and max([store.newest, *store.producing()]) <= after) or \
-            (base is not None and not gone and not getattr(store.versions.get(base), "base", None)) or \
-            (delta is not None and delta > store.newest)  # versions are indexed in order, once stored
+        gone = (
+            base is not None and base not in store.versions and base <= store.newest and base not in store.producing()
+        )  # pruned: its snapshot will never come
+        return (
+            (after is not None and max([store.newest, *store.producing()]) <= after)
+            or (base is not None and not gone and not getattr(store.versions.get(base), "base", None))
+            or (delta is not None and delta > store.newest)
+        )  # versions are indexed in order, once stored
+
     store = _store(request)
     while waiting(store) and loop.time() < deadline and not over(request):
         await request.app[WATCH].changed(min(1.0, deadline - loop.time()))  # 1 s: see over
@@ -237,8 +258,13 @@ async def manifest(request: web.Request) -> web.Response:
             d = store.delta(v)
         except (StoreError, DeltaError) as e:
             raise web.HTTPInternalServerError(text=f"stored delta v{v} is damaged: {e}") from None
-        cache[info.delta_sha256] = {"version": v, "bytes": len(d.data), "sha256": info.delta_sha256,
-                                    "header": d.header, "manifest": d.manifest}
+        cache[info.delta_sha256] = {
+            "version": v,
+            "bytes": len(d.data),
+            "sha256": info.delta_sha256,
+            "header": d.header,
+            "manifest": d.manifest,
+        }
     return web.json_response(cache[info.delta_sha256])
 
 
@@ -259,11 +285,19 @@ class Served(Protocol):
     async def send(self, request: web.Request) -> web.StreamResponse | None: ...
 
 
-def listing_json(pieces: list[list], after: int, complete: bool, size: int | None, epoch: str,
-                 table_sig: str = "") -> web.Response:
+def listing_json(
+    pieces: list[list], after: int, complete: bool, size: int | None, epoch: str, table_sig: str = ""
+) -> web.Response:
     """`table_sig`: the trainer's signature of the whole table, sent with a complete one from its start."""
-    return web.json_response({"pieces": pieces[after:], "complete": complete, "bytes": size, "epoch": epoch,
-                              **({"table_sig": table_sig} if table_sig and complete and after == 0 else {})})
+    return web.json_response(
+        {
+            "pieces": pieces[after:],
+            "complete": complete,
+            "bytes": size,
+            "epoch": epoch,
+            **({"table_sig": table_sig} if table_sig and complete and after == 0 else {}),
+        }
+    )
 
 
 class StoredDelta:
@@ -333,8 +367,10 @@ class StoredBase:
 
     def _here(self) -> None:
         if not (self.store.path / "bases" / self.info.base).exists():
-            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
-                f"base v{self.v} is not at this relay yet (/v1/versions/{self.v}/base/pieces fetches it)"))
+            raise web.HTTPServiceUnavailable(
+                headers={"Retry-After": "1"},
+                text=(f"base v{self.v} is not at this relay yet (/v1/versions/{self.v}/base/pieces fetches it)"),
+            )
 
     async def listing(self, request: web.Request, after: int, deadline: float) -> web.Response:
         self._here()
@@ -405,9 +441,14 @@ async def base(request: web.Request) -> web.StreamResponse:
             return resp
 
 
-def make_app(store: str | Path, token: str = "", arriving=lambda kind, v, start: None,
-             max_body: int = 1 << 20, signer: Signer | None = None, trust: Verifier | None = None
-             ) -> web.Application:
+def make_app(
+    store: str | Path,
+    token: str = "",
+    arriving=lambda kind, v, start: None,
+    max_body: int = 1 << 20,
+    signer: Signer | None = None,
+    trust: Verifier | None = None,
+) -> web.Application:
     """`token`: this server's own (see `tokens.Gate.of`; `trust` checks role tokens where it is
     not the job's secret). `signer`: the trainer's, which signs what this server lists.
     `arriving(kind, v, start)`: the `Served` for file `kind` ("delta" or "base") of version v
@@ -433,15 +474,17 @@ def make_app(store: str | Path, token: str = "", arriving=lambda kind, v, start:
 
     app.on_shutdown.append(stop_long_polls)
     app.on_response_prepare.append(count)
-    app.add_routes([
-        web.get("/v1/versions", versions),
-        web.get("/v1/plan", plan),
-        web.get(r"/v1/versions/{version:\d{1,12}}/manifest", manifest),
-        web.get(r"/v1/versions/{version:\d{1,12}}/delta", delta),
-        web.get(r"/v1/versions/{version:\d{1,12}}/pieces", pieces),
-        web.get(r"/v1/versions/{version:\d{1,12}}/base/pieces", base_pieces),
-        web.get(r"/v1/versions/{version:\d{1,12}}/base", base),
-    ])
+    app.add_routes(
+        [
+            web.get("/v1/versions", versions),
+            web.get("/v1/plan", plan),
+            web.get(r"/v1/versions/{version:\d{1,12}}/manifest", manifest),
+            web.get(r"/v1/versions/{version:\d{1,12}}/delta", delta),
+            web.get(r"/v1/versions/{version:\d{1,12}}/pieces", pieces),
+            web.get(r"/v1/versions/{version:\d{1,12}}/base/pieces", base_pieces),
+            web.get(r"/v1/versions/{version:\d{1,12}}/base", base),
+        ]
+    )
     return app
 
 
@@ -464,6 +507,7 @@ async def listen(runner: web.AppRunner, host: str, port: int) -> None:
 
 def add_health(app: web.Application, ready: Callable[[], bool]) -> None:
     """/healthz: the process serves; /readyz: it does its job (`ready()`), 503 until then."""
+
     async def healthz(_request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -496,6 +540,7 @@ def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
     try:
         ctx.load_cert_chain(cert, key)
     except ssl.SSLError as e:
-        raise ValueError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key "
-                         f"({e})") from None
+        raise ValueError(
+            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key ({e})"
+        ) from None
     return ctx

@@ -21,13 +21,13 @@ import torch
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.worker.engines import Engine, make_engine
-from sparrowrl.transport.client import Client, FetchError
-from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
+from sparrowrl.delta import apply_delta, state_hash
+from sparrowrl.transport.client import Client, FetchError
+from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.transport.server import GATE, add_health, auth, listen
+from sparrowrl.worker.engines import Engine, make_engine
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
 ATTEMPTS = 40  # about four minutes of backoff per request: a trainer pod restarting, pulled, rescheduled
@@ -36,8 +36,17 @@ ATTEMPTS = 40  # about four minutes of backoff per request: a trainer pod restar
 class Worker:
     """`data` fetches versions (relays first, the origin last); `control` talks to the trainer."""
 
-    def __init__(self, name: str, data: Client, control: Client, engine: Engine, mode: str,
-                 on_engine: ThreadPoolExecutor, region: str | None = None, pace: float | None = None):
+    def __init__(
+        self,
+        name: str,
+        data: Client,
+        control: Client,
+        engine: Engine,
+        mode: str,
+        on_engine: ThreadPoolExecutor,
+        region: str | None = None,
+        pace: float | None = None,
+    ):
         self.name, self.c, self.control, self.engine, self.mode = name, data, control, engine, mode
         self.region = region
         self.pace = pace  # tokens/s this worker's generation is held to (benchmarks: a dedicated accelerator)
@@ -53,15 +62,27 @@ class Worker:
     def metrics(self) -> list:
         """/metrics: this worker's commits and what it has fetched."""
         return [
-            family("counter", "commit_verifications", "This worker's commits, by whether the trainer confirmed them",
-                   by=("result", self.commits)),
+            family(
+                "counter",
+                "commit_verifications",
+                "This worker's commits, by whether the trainer confirmed them",
+                by=("result", self.commits),
+            ),
             family("gauge", "committed_version", "The version this worker generates with", self.version),
             family("gauge", "staleness", "Versions fetched but not yet committed", max(0, self.known - self.version)),
             family("counter", "received_bytes", "Verified bytes fetched, by kind", by=("kind", self.c.stats.kinds)),
-            family("counter", "received_stream_bytes", "Verified bytes fetched, by kind, server (relay or origin) "
-                   "and download stream", by=(("kind", "server", "stream"), self.c.stats.sources)),
-            family("counter", "refused_answers", "Answers that did not verify (a forged or altered list or piece, "
-                   "a malformed answer), by server", by=("server", self.c.stats.refused)),
+            family(
+                "counter",
+                "received_stream_bytes",
+                "Verified bytes fetched, by kind, server (relay or origin) and download stream",
+                by=(("kind", "server", "stream"), self.c.stats.sources),
+            ),
+            family(
+                "counter",
+                "refused_answers",
+                "Answers that did not verify (a forged or altered list or piece, a malformed answer), by server",
+                by=("server", self.c.stats.refused),
+            ),
         ]
 
     async def start(self) -> None:
@@ -92,9 +113,18 @@ class Worker:
         """Hash the weights the engine computes with, in full, and report them; a mismatch stops the worker."""
         h = await self._run(lambda: state_hash(self.engine.readback()))
         self.version, self.hash = version, h
-        ok = (await self.control.post_json("/v1/commit", {"worker": self.name, "version": version, "state_hash": h,
-                                                          "fetch_s": fetch_s,
-                                                          "refused": sum(self.c.stats.refused.values())}))["verified"]
+        ok = (
+            await self.control.post_json(
+                "/v1/commit",
+                {
+                    "worker": self.name,
+                    "version": version,
+                    "state_hash": h,
+                    "fetch_s": fetch_s,
+                    "refused": sum(self.c.stats.refused.values()),
+                },
+            )
+        )["verified"]
         self.commits["ok" if ok else "mismatch"] += 1
         if ok:
             self.verified = version
@@ -115,8 +145,10 @@ class Worker:
                 else:
                     item = await self.c.delta(v)
                 self.staged[v] = (item, time.perf_counter() - t0)
-                print(f"{self.name}: v{v} staged from {self.c.urls[self.c._server]} in {self.staged[v][1]:.2f} s",
-                      flush=True)
+                print(
+                    f"{self.name}: v{v} staged from {self.c.urls[self.c._server]} in {self.staged[v][1]:.2f} s",
+                    flush=True,
+                )
                 self.known = v
                 self.arrived.set()
 
@@ -145,8 +177,9 @@ class Worker:
                 if self.fetch.done():
                     self.fetch.result()  # a fetch that gave up ends the worker with its error
                 await self.commit_staged()
-                ans = await self.control.post_json("/v1/work", {"worker": self.name, "version": self.version,
-                                                                 "region": self.region})
+                ans = await self.control.post_json(
+                    "/v1/work", {"worker": self.name, "version": self.version, "region": self.region}
+                )
                 if "done" in ans:
                     await self.commit_staged(at_least=ans["done"])
                     return
@@ -162,19 +195,31 @@ class Worker:
         t0 = time.perf_counter()
         results = {}
         for p in lease["prompts"]:
-            samples = await self._run(self.engine.generate, p["ids"], job["group_size"], p["seed"],
-                                              job["max_new_tokens"], job["temperature"])
+            samples = await self._run(
+                self.engine.generate, p["ids"], job["group_size"], p["seed"], job["max_new_tokens"], job["temperature"]
+            )
             results[p["group"]] = {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs} for s in samples]}
         if self.pace:
             tokens = sum(len(s["tokens"]) for r in results.values() for s in r["samples"])
             left = tokens / self.pace - (time.perf_counter() - t0)
             if left < 0:
-                print(f"{self.name}: pace missed: {tokens} tokens took {time.perf_counter() - t0:.2f} s, the pace "
-                      f"allows {tokens / self.pace:.2f} s", flush=True)
+                print(
+                    f"{self.name}: pace missed: {tokens} tokens took {time.perf_counter() - t0:.2f} s, the pace "
+                    f"allows {tokens / self.pace:.2f} s",
+                    flush=True,
+                )
             await asyncio.sleep(left)
-        await self.control.post_json("/v1/results", {"lease": lease["id"], "worker": self.name, "version": self.version,
-                                        "state_hash": self.hash, "results": results,
-                                        "generate_s": time.perf_counter() - t0})
+        await self.control.post_json(
+            "/v1/results",
+            {
+                "lease": lease["id"],
+                "worker": self.name,
+                "version": self.version,
+                "state_hash": self.hash,
+                "results": results,
+                "generate_s": time.perf_counter() - t0,
+            },
+        )
 
 
 class ModelFile(BaseModel):
@@ -197,9 +242,18 @@ async def fetch_model(control: Client, dest: Path) -> None:
         (dest / f["name"]).write_bytes(data)
 
 
-async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
-               rate_mbit: float | None = None, region: str | None = None, metrics_port: int | None = None,
-               local_ports: list[int] | None = None, pace: float | None = None) -> None:
+async def main(
+    trainer: str,
+    relay: str | None,
+    name: str,
+    host: str,
+    port: int,
+    rate_mbit: float | None = None,
+    region: str | None = None,
+    metrics_port: int | None = None,
+    local_ports: list[int] | None = None,
+    pace: float | None = None,
+) -> None:
     """A worker needs only the network: the job, the model's config and tokenizer, and the
     weights come from the trainer (versions from its region's relay first). /healthz and
     /readyz (once a verified version is committed) on host:port, from the start. `local_ports`
@@ -211,8 +265,9 @@ async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
     token = os.environ.get("SPARROWRL_TOKEN", "")
     app[GATE] = Gate.of(token, trust(token))
     add_health(app, lambda: worker is not None and worker.verified >= 0)
-    add_metrics(app, lambda: [] if worker is None else worker.metrics(),
-                None if metrics_port is None else (host, metrics_port))
+    add_metrics(
+        app, lambda: [] if worker is None else worker.metrics(), None if metrics_port is None else (host, metrics_port)
+    )
     probes = web.AppRunner(app)
     await probes.setup()
     await listen(probes, host, port)
@@ -221,13 +276,20 @@ async def main(trainer: str, relay: str | None, name: str, host: str, port: int,
             job = await control.json("/v1/job")
             with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
                 await fetch_model(control, Path(model_dir))
-                async with Client([u for u in (relay, trainer) if u], streams=job["streams"], attempts=ATTEMPTS,
-                                  rate_mbit=rate_mbit, local_ports=local_ports) as data:
+                async with Client(
+                    [u for u in (relay, trainer) if u],
+                    streams=job["streams"],
+                    attempts=ATTEMPTS,
+                    rate_mbit=rate_mbit,
+                    local_ports=local_ports,
+                ) as data:
                     t0 = time.perf_counter()
-                    on_engine = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
-                                                   initargs=(1,))
-                    built = await asyncio.get_running_loop().run_in_executor(on_engine, make_engine, job["engine"],
-                                                                             model_dir)
+                    on_engine = ThreadPoolExecutor(
+                        1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(1,)
+                    )
+                    built = await asyncio.get_running_loop().run_in_executor(
+                        on_engine, make_engine, job["engine"], model_dir
+                    )
                     print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
                     worker = Worker(name, data, control, built, job["mode"], on_engine, region, pace)
                     await worker.run()

@@ -26,16 +26,17 @@ class Engine(Protocol):
     def readback(self) -> dict[str, torch.Tensor]:
         """The weights `generate` computes with, mapped back to the trainer's names (for the hash)."""
 
-    def generate(self, prompt: list[int], n: int, seed: int, max_new_tokens: int,
-                 temperature: float) -> list[Sample]:
+    def generate(self, prompt: list[int], n: int, seed: int, max_new_tokens: int, temperature: float) -> list[Sample]:
         """n samples of one prompt, reproducible from `seed` and the weights."""
 
 
 def make_engine(kind: str, model_dir: str) -> Engine:
     if kind == "hf":
         from sparrowrl.worker.engines.hf import HFEngine
+
         return HFEngine(model_dir)
     if kind == "vllm":
         from sparrowrl.worker.engines.vllm import VLLMEngine
+
         return VLLMEngine(model_dir)
     raise ValueError(f"unknown engine {kind!r}")

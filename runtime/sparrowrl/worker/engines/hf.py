@@ -29,10 +29,20 @@ class HFEngine:
     def generate(self, prompt: list[int], n: int, seed: int, max_new_tokens: int, temperature: float) -> list[Sample]:
         ids = torch.tensor([prompt] * n)
         torch.manual_seed(seed)  # one group, one seed: the same weights give the same samples
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
-                                  top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, output_logits=True,
-                                  return_dict_in_generate=True, pad_token_id=self.pad, eos_token_id=sorted(self.eos))
-        seq = out.sequences[:, len(prompt):]
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=self.pad,
+            eos_token_id=sorted(self.eos),
+        )
+        seq = out.sequences[:, len(prompt) :]
         logp = torch.log_softmax(torch.stack(out.logits, 1).float() / temperature, -1)
         logp = logp.gather(-1, seq[..., None]).squeeze(-1)
         samples = []

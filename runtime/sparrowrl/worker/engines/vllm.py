@@ -20,9 +20,11 @@ import os
 import sys
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its model is reachable
-for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; rollouts here are short
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer and other workers
-               "HF_HUB_OFFLINE": "1"}.items():
+for _k, _v in {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; rollouts here are short
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer and other workers
+    "HF_HUB_OFFLINE": "1",
+}.items():
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
@@ -47,6 +49,7 @@ def _vec_attention(isa):
 
 if current_platform.is_cpu():
     from vllm.v1.attention.backends import cpu_attn
+
     cpu_attn._get_attn_isa = _vec_attention(cpu_attn._get_attn_isa)
 
 
@@ -70,25 +73,40 @@ class VLLMEngine:
         self.eos = sorted(set(eos) if isinstance(eos, list) else {eos})
         self.on_cpu = current_platform.is_cpu()
         _shield_llvmlite()
-        self.llm = LLM(model=model_dir, load_format="dummy",  # the weights come from the store
-                       hf_overrides={"architectures": [type(hf).__name__]},  # a config alone may not name it
-                       dtype="bfloat16", enforce_eager=self.on_cpu, seed=0, skip_tokenizer_init=True,
-                       generation_config="vllm", logprobs_mode="processed_logprobs",
-                       max_model_len=min(2048, config.max_position_embeddings))  # CPU KV space is 1 GiB
+        self.llm = LLM(
+            model=model_dir,
+            load_format="dummy",  # the weights come from the store
+            hf_overrides={"architectures": [type(hf).__name__]},  # a config alone may not name it
+            dtype="bfloat16",
+            enforce_eager=self.on_cpu,
+            seed=0,
+            skip_tokenizer_init=True,
+            generation_config="vllm",
+            logprobs_mode="processed_logprobs",
+            max_model_len=min(2048, config.max_position_embeddings),
+        )  # CPU KV space is 1 GiB
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         self.packed: dict[str, list[str]] = getattr(self.model, "packed_modules_mapping", {})
         self.owner: dict[int, str] = {}  # a parameter → its name where first defined (tied ones are shared)
         for name, param in self.model.named_parameters(remove_duplicate=False):
             self.owner.setdefault(id(param), name)
-        self.tied = [m for name, m in self.model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
-                     and hasattr(m, "quant_method") and self.owner[id(m.weight)] != f"{name}.weight"]
+        self.tied = [
+            m
+            for name, m in self.model.named_modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor)
+            and hasattr(m, "quant_method")
+            and self.owner[id(m.weight)] != f"{name}.weight"
+        ]
         if self.on_cpu:
             self.state = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in self.shapes.items()}
             # Each commit logs four lines, two of them warnings about the layers that have no
             # checkpoint weights (rotary embedding, a tied head), as expected. Set after start,
             # since vLLM configures its logging then.
-            for name in ("model_executor.model_loader.reload.layerwise", "model_executor.model_loader.reload.inplace",
-                         "v1.core.block_pool"):
+            for name in (
+                "model_executor.model_loader.reload.layerwise",
+                "model_executor.model_loader.reload.inplace",
+                "v1.core.block_pool",
+            ):
                 logging.getLogger(f"vllm.{name}").setLevel(logging.ERROR)
         else:
             self.state = self._live()
@@ -118,8 +136,12 @@ class VLLMEngine:
                 out.update({n: t.to(self.state[n].dtype) for n, t in self._parts(name, param.detach()).items()})
         for name, module in self.model.named_modules():
             weight = getattr(module, "weight", None)
-            if (not hasattr(module, "cpu_linear") or weight is None
-                    or isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)):
+            if (
+                not hasattr(module, "cpu_linear")
+                or weight is None
+                or isinstance(module, VocabParallelEmbedding)
+                and not isinstance(module, ParallelLMHead)
+            ):
                 continue  # an embedding's kernel copy computes nothing
             k = weight.shape[1] if weight.numel() else module.input_size_per_partition
             for n, t in self._parts(self.owner[id(weight)], _unpack(module, k)).items():
@@ -157,14 +179,21 @@ class VLLMEngine:
         padded = len(parts) == 1 and rows[0] == self.vocab and live.shape[0] >= self.vocab
         if live.shape[0] != sum(rows) and not padded or live[0].numel() != self.shapes[parts[0]][1:].numel():
             raise RuntimeError(f"vLLM parameter '{name}' is {list(live.shape)}, not the rows of {parts}")
-        return {p: t.view(self.shapes[p]) for p, t in zip(parts, live[:sum(rows)].split(rows))}
+        return {p: t.view(self.shapes[p]) for p, t in zip(parts, live[: sum(rows)].split(rows))}
 
     def generate(self, prompt: list[int], n: int, seed: int, max_new_tokens: int, temperature: float) -> list[Sample]:
-        params = SamplingParams(n=n, seed=seed, temperature=temperature, top_k=0, top_p=1.0,
-                                max_tokens=max_new_tokens, stop_token_ids=self.eos, logprobs=0)
+        params = SamplingParams(
+            n=n,
+            seed=seed,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_tokens=max_new_tokens,
+            stop_token_ids=self.eos,
+            logprobs=0,
+        )
         outputs = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs
-        return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
-                for o in outputs]
+        return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in outputs]
 
 
 def _unpack(module: torch.nn.Module, k: int) -> torch.Tensor:

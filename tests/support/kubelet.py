@@ -1,4 +1,4 @@
-"""A stand-in for the node side of an emulated cluster (tests/kube.py): the kubelet, kube-proxy,
+"""A stand-in for the node side of an emulated cluster (tests/support/kube.py): the kubelet, kube-proxy,
 cluster DNS and a cloud load balancer controller, so that the Pods an operator creates really run,
 as local processes from this venv, and reach each other through Services.
 
@@ -54,7 +54,7 @@ from typing import Any, Self
 
 import aiohttp
 
-from kube import ApiError, Cluster, Gate, now, path
+from support.kube import ApiError, Cluster, Gate, now, path
 
 PROBE_EVERY = 0.25
 GRACE_CAP = 2.0
@@ -75,8 +75,9 @@ class Waiting(Exception):
 
 def expand(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes' $(VAR) expansion: defined names are replaced, $$ is a $, the rest stays."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)",
-                  lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), text)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), text
+    )
 
 
 def _decoded(data: Mapping[str, str] | None) -> dict[str, str]:
@@ -86,6 +87,7 @@ def _decoded(data: Mapping[str, str] | None) -> dict[str, str]:
 @dataclass
 class Run:
     """One pod as this kubelet runs it."""
+
     pod: dict[str, Any]
     ip: str
     root: Path
@@ -164,8 +166,10 @@ class Kubelet:
 
     def dump(self) -> str:
         """Every pod's log and every error, for a failed test's output."""
-        parts = ["\n".join([f"--- {p.name} ---", *self._commands.get(p.name, []), "---", p.read_text(errors="replace")])
-                 for p in sorted(self.logs.glob("*.log"))]
+        parts = [
+            "\n".join([f"--- {p.name} ---", *self._commands.get(p.name, []), "---", p.read_text(errors="replace")])
+            for p in sorted(self.logs.glob("*.log"))
+        ]
         parts += [f"--- kubelet error ---\n{e}" for e in self.errors]
         return f"=== kubelet of {self.cluster.name} ===\n" + "\n".join(parts)
 
@@ -187,11 +191,25 @@ class Kubelet:
 
     async def _start(self) -> None:
         self._session = aiohttp.ClientSession(self.cluster.internal_url, timeout=aiohttp.ClientTimeout(total=30))
-        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node, "labels": {"kubernetes.io/hostname": self.node}}}
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": self.node, "labels": {"kubernetes.io/hostname": self.node}},
+        }
         await self._api("POST", "/api/v1/nodes", node)
-        await self._api("PATCH", f"/api/v1/nodes/{self.node}/status", {"status": {
-            "addresses": [{"type": "InternalIP", "address": self.cluster.node_ip}, {"type": "Hostname", "address": self.node}],
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}})
+        await self._api(
+            "PATCH",
+            f"/api/v1/nodes/{self.node}/status",
+            {
+                "status": {
+                    "addresses": [
+                        {"type": "InternalIP", "address": self.cluster.node_ip},
+                        {"type": "Hostname", "address": self.node},
+                    ],
+                    "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
+                }
+            },
+        )
         for watched in ("/api/v1/pods", "/api/v1/services"):
             self._spawn(self._watch(watched))
         self._spawn(self._loop())
@@ -219,6 +237,7 @@ class Kubelet:
             self._tasks.discard(task)
             if not task.cancelled() and task.exception() is not None:
                 self.errors.append("".join(traceback.format_exception(task.exception())))
+
         task.add_done_callback(done)
 
     async def _api(self, method: str, url_path: str, body: Any = None) -> Any:
@@ -238,7 +257,9 @@ class Kubelet:
         while True:
             try:
                 assert self._session is not None
-                async with self._session.get(url_path, params={"watch": "true"}, timeout=aiohttp.ClientTimeout()) as resp:
+                async with self._session.get(
+                    url_path, params={"watch": "true"}, timeout=aiohttp.ClientTimeout()
+                ) as resp:
                     async for _ in resp.content:
                         self._wake.set()
             except aiohttp.ClientError:
@@ -281,11 +302,20 @@ class Kubelet:
                 self._spawn(self._terminate(run, delete=True))
             return
         if run is None:
-            if pod.get("status", {}).get("phase") not in (None, "Pending") or pod["spec"].get("nodeName") not in (None, self.node):
+            if pod.get("status", {}).get("phase") not in (None, "Pending") or pod["spec"].get("nodeName") not in (
+                None,
+                self.node,
+            ):
                 return
-            run = self._runs[uid] = Run(pod, next(self._pod_ips), self.root / "pods" / uid,
-                                        self.logs / f"{meta['namespace']}.{meta['name']}.{uid[:8]}.log")
-            await self._api("PATCH", path("v1/pods", meta["namespace"], meta["name"]), {"spec": {"nodeName": self.node}})
+            run = self._runs[uid] = Run(
+                pod,
+                next(self._pod_ips),
+                self.root / "pods" / uid,
+                self.logs / f"{meta['namespace']}.{meta['name']}.{uid[:8]}.log",
+            )
+            await self._api(
+                "PATCH", path("v1/pods", meta["namespace"], meta["name"]), {"spec": {"nodeName": self.node}}
+            )
             self._spawn(self._probe(run))
         run.pod = pod
         if run.final is None and run.process is not None and run.process.returncode is not None:
@@ -317,9 +347,22 @@ class Kubelet:
         with run.log.open("ab") as log:
             try:
                 run.process = await asyncio.create_subprocess_exec(
-                    "unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script), "sh", *argv,
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
-                    env=environ, cwd=workdir, start_new_session=True)
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    "\n".join(script),
+                    "sh",
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=environ,
+                    cwd=workdir,
+                    start_new_session=True,
+                )
             except OSError as e:
                 self._fail(run, f"cannot start: {e}")
                 return
@@ -343,8 +386,12 @@ class Kubelet:
         """The container ended: restart it (restartPolicy), or the pod is over."""
         assert run.process is not None and run.process.returncode is not None
         code = run.process.returncode
-        end = {"exitCode": 128 - code if code < 0 else code, "reason": "Completed" if code == 0 else "Error",
-               "startedAt": run.running_since, "finishedAt": now()}
+        end = {
+            "exitCode": 128 - code if code < 0 else code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": run.running_since,
+            "finishedAt": now(),
+        }
         if code < 0:
             end["signal"] = -code
         run.process, run.ready = None, False
@@ -352,7 +399,10 @@ class Kubelet:
         if policy == "Always" or (policy == "OnFailure" and code != 0):
             run.last, run.restarts = end, run.restarts + 1
             run.restart_at = time.monotonic() + min(0.25 * 2 ** (run.restarts - 1), 2.0)
-            run.waiting = {"reason": "CrashLoopBackOff", "message": f"back-off restarting after exit code {end['exitCode']}"}
+            run.waiting = {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off restarting after exit code {end['exitCode']}",
+            }
         else:
             run.final = end
 
@@ -361,7 +411,9 @@ class Kubelet:
         run.stopping = True
         if run.alive:
             assert run.process is not None
-            spec_grace = run.pod["metadata"].get("deletionGracePeriodSeconds", run.pod["spec"].get("terminationGracePeriodSeconds", 30))
+            spec_grace = run.pod["metadata"].get(
+                "deletionGracePeriodSeconds", run.pod["spec"].get("terminationGracePeriodSeconds", 30)
+            )
             _signal_group(run.process, signal.SIGCONT)
             _signal_group(run.process, signal.SIGTERM)
             try:
@@ -403,11 +455,15 @@ class Kubelet:
         try:
             if get := probe.get("httpGet"):
                 url = f"http://{get.get('host', run.ip)}:{self._port(run, get['port'])}{get.get('path', '/')}"
-                async with aiohttp.ClientSession() as session, \
-                        session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
+                ):
                     return 200 <= resp.status < 400
             if tcp := probe.get("tcpSocket"):
-                _, writer = await asyncio.wait_for(asyncio.open_connection(run.ip, self._port(run, tcp["port"])), timeout)
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(run.ip, self._port(run, tcp["port"])), timeout
+                )
                 writer.close()
                 return True
         except (OSError, TimeoutError, aiohttp.ClientError):
@@ -431,14 +487,35 @@ class Kubelet:
             state = {"waiting": run.waiting or {"reason": "ContainerCreating"}}
         ready = run.ready and run.alive
         status = {
-            "phase": ("Succeeded" if run.final["exitCode"] == 0 else "Failed") if run.final is not None
-                     else "Running" if run.alive or run.restarts else "Pending",
-            "hostIP": self.cluster.node_ip, "podIP": run.ip, "podIPs": [{"ip": run.ip}], "startTime": run.started,
-            "conditions": [{"type": t, "status": str(v)} for t, v in
-                           (("PodScheduled", True), ("Initialized", True), ("ContainersReady", ready), ("Ready", ready))],
-            "containerStatuses": [{"name": c["name"], "image": c.get("image", ""), "ready": ready, "started": run.alive,
-                                   "restartCount": run.restarts, "state": state,
-                                   "lastState": {"terminated": run.last} if run.last else {}}],
+            "phase": ("Succeeded" if run.final["exitCode"] == 0 else "Failed")
+            if run.final is not None
+            else "Running"
+            if run.alive or run.restarts
+            else "Pending",
+            "hostIP": self.cluster.node_ip,
+            "podIP": run.ip,
+            "podIPs": [{"ip": run.ip}],
+            "startTime": run.started,
+            "conditions": [
+                {"type": t, "status": str(v)}
+                for t, v in (
+                    ("PodScheduled", True),
+                    ("Initialized", True),
+                    ("ContainersReady", ready),
+                    ("Ready", ready),
+                )
+            ],
+            "containerStatuses": [
+                {
+                    "name": c["name"],
+                    "image": c.get("image", ""),
+                    "ready": ready,
+                    "started": run.alive,
+                    "restartCount": run.restarts,
+                    "state": state,
+                    "lastState": {"terminated": run.last} if run.last else {},
+                }
+            ],
         }
         if run.failure:
             status |= {"reason": "Unsupported", "message": run.failure}
@@ -467,7 +544,9 @@ class Kubelet:
         workdir = PurePosixPath(c.get("workingDir", "/nonexistent"))
         for text in c.get("command", []) + c.get("args", []) + list(env.values()):
             if re.search(rf"(^|[\s=:,]){re.escape(str(workdir))}(/|$|[\s:,])", expand(text, env)):
-                raise Unsupported(f"{text!r} names a path under workingDir {workdir}: it is not mapped here, pass it relative")
+                raise Unsupported(
+                    f"{text!r} names a path under workingDir {workdir}: it is not mapped here, pass it relative"
+                )
         (run.root / "work").mkdir(parents=True, exist_ok=True)
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         mounts = []
@@ -475,7 +554,9 @@ class Kubelet:
             try:
                 relative = PurePosixPath(mount["mountPath"]).relative_to(workdir)
             except ValueError:
-                raise Unsupported(f"volume mount {mount['mountPath']} is not under workingDir {c.get('workingDir')}") from None
+                raise Unsupported(
+                    f"volume mount {mount['mountPath']} is not under workingDir {c.get('workingDir')}"
+                ) from None
             volume = volumes[mount["name"]]
             source, read_only = await self._volume(run, volume)
             source = source / mount.get("subPath", "")
@@ -496,9 +577,15 @@ class Kubelet:
                 raise Waiting("CreateContainerConfigError", f"couldn't find key {ref['key']} in {ref['name']}")
             return data.get(ref["key"])
         if ref := source.get("fieldRef"):
-            fields = {"metadata.name": run.key[1], "metadata.namespace": namespace, "metadata.uid": run.pod["metadata"]["uid"],
-                      "spec.nodeName": self.node, "spec.serviceAccountName": run.pod["spec"].get("serviceAccountName", "default"),
-                      "status.podIP": run.ip, "status.hostIP": self.cluster.node_ip}
+            fields = {
+                "metadata.name": run.key[1],
+                "metadata.namespace": namespace,
+                "metadata.uid": run.pod["metadata"]["uid"],
+                "spec.nodeName": self.node,
+                "spec.serviceAccountName": run.pod["spec"].get("serviceAccountName", "default"),
+                "status.podIP": run.ip,
+                "status.hostIP": self.cluster.node_ip,
+            }
             if m := re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", ref["fieldPath"]):
                 return run.pod["metadata"].get(m[1], {}).get(m[2], "")
             if ref["fieldPath"] in fields:
@@ -514,7 +601,9 @@ class Kubelet:
         if obj is None:
             if ref.get("optional"):
                 return {}
-            raise Waiting("CreateContainerConfigError", f'{"secret" if secret else "configmap"} "{ref["name"]}" not found')
+            raise Waiting(
+                "CreateContainerConfigError", f'{"secret" if secret else "configmap"} "{ref["name"]}" not found'
+            )
         return _decoded(obj.get("data")) if secret else {**obj.get("data", {}), **_decoded(obj.get("binaryData"))}
 
     async def _volume(self, run: Run, volume: dict[str, Any]) -> tuple[Path, bool]:
@@ -529,16 +618,31 @@ class Kubelet:
             if pvc is None:
                 raise Waiting("ContainerCreating", f'persistentvolumeclaim "{claim["claimName"]}" not found')
             if pvc.get("status", {}).get("phase") != "Bound":
-                await self._api("PATCH", path("v1/persistentvolumeclaims", namespace, claim["claimName"], "status"), {"status": {
-                    "phase": "Bound", "accessModes": pvc["spec"].get("accessModes", []),
-                    "capacity": pvc["spec"].get("resources", {}).get("requests", {})}})
+                await self._api(
+                    "PATCH",
+                    path("v1/persistentvolumeclaims", namespace, claim["claimName"], "status"),
+                    {
+                        "status": {
+                            "phase": "Bound",
+                            "accessModes": pvc["spec"].get("accessModes", []),
+                            "capacity": pvc["spec"].get("resources", {}).get("requests", {}),
+                        }
+                    },
+                )
             directory = self.root / "volumes" / namespace / claim["claimName"]
             directory.mkdir(parents=True, exist_ok=True)
             return directory, claim.get("readOnly", False)
         for kind, ref_key in (("secret", "secretName"), ("configMap", "name")):
             if source := volume.get(kind):
-                data = await self._data(namespace, {"secretRef" if kind == "secret" else "configMapRef":
-                                                    {"name": source[ref_key], "optional": source.get("optional")}})
+                data = await self._data(
+                    namespace,
+                    {
+                        "secretRef" if kind == "secret" else "configMapRef": {
+                            "name": source[ref_key],
+                            "optional": source.get("optional"),
+                        }
+                    },
+                )
                 items = source.get("items") or [{"key": k, "path": k} for k in data]
                 directory.mkdir(parents=True, exist_ok=True)
                 for item in items:
@@ -567,7 +671,9 @@ class Kubelet:
                     self._load_balancers[meta["uid"]] = next(self._lb_ips)
                 ingress = [{"ip": self._load_balancers[meta["uid"]]}]
                 if svc.get("status", {}).get("loadBalancer", {}).get("ingress") != ingress:
-                    await self._api("PATCH", path("v1/services", *key, "status"), {"status": {"loadBalancer": {"ingress": ingress}}})
+                    await self._api(
+                        "PATCH", path("v1/services", *key, "status"), {"status": {"loadBalancer": {"ingress": ingress}}}
+                    )
             for port in spec.get("ports", []):
                 if port.get("protocol", "TCP") != "TCP":
                     continue
@@ -595,10 +701,17 @@ class Kubelet:
             return None
         spec_port = next((p for p in svc["spec"].get("ports", []) if p["port"] == port), None)
         selector = svc["spec"]["selector"].items()
-        targets = [(run.ip, target) for run in self._runs.values()
-                   if run.key[0] == key[0] and run.ready and run.alive and not run.stopping
-                   and selector <= (run.pod["metadata"].get("labels") or {}).items()
-                   and spec_port is not None and (target := self._port(run, spec_port.get("targetPort", port)))]
+        targets = [
+            (run.ip, target)
+            for run in self._runs.values()
+            if run.key[0] == key[0]
+            and run.ready
+            and run.alive
+            and not run.stopping
+            and selector <= (run.pod["metadata"].get("labels") or {}).items()
+            and spec_port is not None
+            and (target := self._port(run, spec_port.get("targetPort", port)))
+        ]
         return targets[next(self._round_robin) % len(targets)] if targets else None
 
     def _hosts(self, namespace: str) -> Path:
@@ -611,8 +724,10 @@ class Kubelet:
     def _hosts_for(self, namespace: str) -> str:
         lines = [self._etc_hosts.rstrip("\n")]
         for (ns, name), svc in sorted(self._services.items()):
-            lines.append(f"{svc['spec']['clusterIP']} {name}.{ns}.svc.cluster.local {name}.{ns}.svc {name}.{ns}"
-                         + (f" {name}" if ns == namespace else ""))
+            lines.append(
+                f"{svc['spec']['clusterIP']} {name}.{ns}.svc.cluster.local {name}.{ns}.svc {name}.{ns}"
+                + (f" {name}" if ns == namespace else "")
+            )
         return "\n".join(lines) + "\n"
 
     async def _write_hosts(self) -> None:

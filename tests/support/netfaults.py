@@ -75,15 +75,22 @@ class FaultyProxy:
                                 head += bytes(out[i:])
                                 break
                             consumed = j + 4 - len(head)
-                            block = (head + bytes(out[i:i + consumed])).decode("latin-1").lower()
+                            block = (head + bytes(out[i : i + consumed])).decode("latin-1").lower()
                             head, i = b"", i + consumed
-                            body_left = int(block.split("content-length:")[1].split("\r\n")[0]) \
-                                if "content-length:" in block else 0
+                            body_left = (
+                                int(block.split("content-length:")[1].split("\r\n")[0])
+                                if "content-length:" in block
+                                else 0
+                            )
                             ranged, body_pos = "content-range:" in block and " 206 " in block.split("\r\n")[0], 0
                             continue
                         take = min(body_left, len(out) - i)
-                        if ranged and f.corruptions and f.corrupt_at is not None and \
-                                body_pos <= f.corrupt_at < body_pos + take:
+                        if (
+                            ranged
+                            and f.corruptions
+                            and f.corrupt_at is not None
+                            and body_pos <= f.corrupt_at < body_pos + take
+                        ):
                             out[i + f.corrupt_at - body_pos] ^= 0xFF
                             f.corruptions -= 1
                         body_pos += take
@@ -91,7 +98,7 @@ class FaultyProxy:
                         i += take
                     data = bytes(out)
                     if f.cuts and f.cut_after is not None and sent + len(data) > f.cut_after:
-                        writer.write(data[:max(0, f.cut_after - sent)])
+                        writer.write(data[: max(0, f.cut_after - sent)])
                         f.cuts -= 1
                         writer.transport.abort()
                         return

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from sparrowrl.delta.bitview import bits
 from sparrowrl.auth.signing import Signer
+from sparrowrl.delta.bitview import bits
 from sparrowrl.transport.server import make_app
 
 TOKEN = "t0ken-for-tests"
@@ -69,8 +69,13 @@ def free_port() -> int:
 
 def start_server(store, port, *extra, token=TOKEN):
     env = dict(os.environ, SPARROWRL_TOKEN=token)
-    p = subprocess.Popen([str(EXE), "serve", str(store), "--port", str(port), *extra], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [str(EXE), "serve", str(store), "--port", str(port), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -85,6 +90,7 @@ def start_server(store, port, *extra, token=TOKEN):
 def next_version(history, tmp_path, rng) -> tuple:
     """A private copy of the history store, its newest version and state, and a next state."""
     from conftest import mutate
+
     from sparrowrl.store.store import Store
 
     path = tmp_path / "s"

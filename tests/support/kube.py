@@ -8,7 +8,7 @@ the cluster unreachable; `clusters()` starts several; `until()` waits with a dea
 Addresses: every 127/8 address is loopback, so each cluster owns a /16, 127.A.0.0, with A unique
 in this process and claimed against other processes (a socket bound to 127.A.254.254:65535):
 127.A.0.x Services' cluster IPs, 127.A.1-253.x pods, 127.A.254.1 the node, 127.A.255.x load
-balancers (the last three are tests/kubelet.py's).
+balancers (the last three are tests/support/kubelet.py's).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import yaml
 
 T = TypeVar("T")
 
-CHART_CRDS = sorted((Path(__file__).parent.parent / "charts" / "sparrowrl-operator" / "crds").glob("*.yaml"))
+CHART_CRDS = sorted((Path(__file__).resolve().parents[2] / "charts" / "sparrowrl-operator" / "crds").glob("*.yaml"))
 NAMESPACES = kmock.resource("v1/namespaces")
 PODS = kmock.resource("v1/pods")
 SERVICES = kmock.resource("v1/services")
@@ -54,7 +54,15 @@ SECRETS = kmock.resource("v1/secrets")
 _NAMESPACE_URL = re.compile(r"/api/v1/namespaces(/[^/]+)?(/status|/finalize)?/?")
 _NAMESPACES_ALIAS = kmock.resource(group="", version="v1", plural="namespaces.emulated")
 _WRITES = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
-_IMMUTABLE = ("name", "namespace", "uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation")
+_IMMUTABLE = (
+    "name",
+    "namespace",
+    "uid",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+)
 
 
 def now() -> str:
@@ -129,12 +137,12 @@ class Emulator(kmock.KubernetesEmulator):
       resourceVersion each time; a stale resourceVersion in a merge patch is a 409, a failed
       `test` a 422; generation counts changes outside metadata and status; `status` changes only
       through /status, and /status changes only `status`;
-    - delete: a pod bound to a node (tests/kubelet.py binds them) gets a deletionTimestamp and
+    - delete: a pod bound to a node (tests/support/kubelet.py binds them) gets a deletionTimestamp and
       stays until its kubelet has killed it and deletes it with gracePeriodSeconds=0;
     - list and watch: labelSelector and fieldSelector; a watch from a resourceVersion sends the
       objects changed since (as ADDED), then every change; it ends after timeoutSeconds;
     - Namespaces over HTTP and core discovery as kubectl reads it (kmock gets both URLs wrong);
-      GET pods/NAME/log asks `pod_logs` (tests/kubelet.py sets it).
+      GET pods/NAME/log asks `pod_logs` (tests/support/kubelet.py sets it).
 
     Still not emulated: PUT (replace) and deletecollection (404), strategic merge patch (read as
     a JSON merge patch: lists are replaced), schema validation and other admission, garbage
@@ -195,7 +203,9 @@ class Emulator(kmock.KubernetesEmulator):
         if info.namespaced:
             namespace = request.namespace or meta.get("namespace")
             if not namespace or meta.get("namespace", namespace) != namespace:
-                raise error(400, "BadRequest", f"the namespace of the object ({meta.get('namespace')}) does not match the URL's")
+                raise error(
+                    400, "BadRequest", f"the namespace of the object ({meta.get('namespace')}) does not match the URL's"
+                )
             if self._live(NAMESPACES, None, namespace) is None:
                 raise error(404, "NotFound", f'namespaces "{namespace}" not found')
             meta["namespace"] = namespace
@@ -243,7 +253,11 @@ class Emulator(kmock.KubernetesEmulator):
         patch = request.data
         wanted = patch.get("metadata", {}).get("resourceVersion") if isinstance(patch, Mapping) else None
         if wanted not in (None, old["metadata"]["resourceVersion"]):
-            raise error(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again")
+            raise error(
+                409,
+                "Conflict",
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
         try:
             new = jsonpatch.apply_patch(old, patch) if isinstance(patch, list) else _merge(old, patch)
         except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException, TypeError) as e:
@@ -251,12 +265,20 @@ class Emulator(kmock.KubernetesEmulator):
         if request.resource == SECRETS:
             _encode(new)
         if request.subresource == "status":
-            new = {**{k: v for k, v in old.items() if k != "status"}, **({"status": new["status"]} if "status" in new else {})}
+            new = {
+                **{k: v for k, v in old.items() if k != "status"},
+                **({"status": new["status"]} if "status" in new else {}),
+            }
         elif "status" in info.subresources:
-            new = {**{k: v for k, v in new.items() if k != "status"}, **({"status": old["status"]} if "status" in old else {})}
+            new = {
+                **{k: v for k, v in new.items() if k != "status"},
+                **({"status": old["status"]} if "status" in old else {}),
+            }
         kept = {k: v for k, v in old["metadata"].items() if k in _IMMUTABLE}
         meta = new["metadata"] = kept | {k: v for k, v in (new.get("metadata") or {}).items() if k not in _IMMUTABLE}
-        if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {k: v for k, v in old.items() if k not in ("metadata", "status")}:
+        if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
+            k: v for k, v in old.items() if k not in ("metadata", "status")
+        }:
             meta["generation"] = meta.get("generation", 0) + 1
         meta["resourceVersion"] = self._next_rv()
         gone = meta.get("deletionTimestamp") and not meta.get("finalizers")
@@ -272,12 +294,25 @@ class Emulator(kmock.KubernetesEmulator):
         pod = self._live(request.resource, request.namespace, request.name) if request.resource == PODS else None
         options = request.data if isinstance(request.data, Mapping) else {}
         grace = request.params.get("gracePeriodSeconds", options.get("gracePeriodSeconds"))
-        if pod is None or not pod.get("spec", {}).get("nodeName") or pod["metadata"].get("deletionTimestamp") or str(grace) == "0":
+        if (
+            pod is None
+            or not pod.get("spec", {}).get("nodeName")
+            or pod["metadata"].get("deletionTimestamp")
+            or str(grace) == "0"
+        ):
             return False
         grace = int(grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30))
         async with self._lock:
             obj = self._objects[request.resource, request.namespace, request.name]
-            obj.patch({"metadata": {"deletionTimestamp": now(), "deletionGracePeriodSeconds": grace, "resourceVersion": self._next_rv()}})
+            obj.patch(
+                {
+                    "metadata": {
+                        "deletionTimestamp": now(),
+                        "deletionGracePeriodSeconds": grace,
+                        "resourceVersion": self._next_rv(),
+                    }
+                }
+            )
             await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
         return True
 
@@ -289,14 +324,17 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _selected(self, request: kmock.Request, obj: Mapping[str, Any]) -> bool:
         try:
-            return (selects(request.params.get("labelSelector"), obj.get("metadata", {}).get("labels") or {})
-                    and selects(request.params.get("fieldSelector"), _fields(obj)))
+            return selects(
+                request.params.get("labelSelector"), obj.get("metadata", {}).get("labels") or {}
+            ) and selects(request.params.get("fieldSelector"), _fields(obj))
         except ValueError as e:
             raise error(400, "BadRequest", str(e))
 
     async def _serve_version(self, request: kmock.Request) -> kmock.Payload:
         found = await super()._serve_version(request)
-        found["groupVersion"] = found["groupVersion"].lstrip("/")  # kmock says "/v1": kubectl then finds no core resource
+        found["groupVersion"] = found["groupVersion"].lstrip(
+            "/"
+        )  # kmock says "/v1": kubectl then finds no core resource
         return found
 
     async def _serve_list(self, request: kmock.Request) -> kmock.Payload:
@@ -321,7 +359,11 @@ class Emulator(kmock.KubernetesEmulator):
         bus = self._buses[request.resource]
         async with self._lock:
             mark = await bus.mark()
-            objs = [obj.raw for (resource, _, _), obj in self._objects.items() if resource == request.resource and not obj.deleted]
+            objs = [
+                obj.raw
+                for (resource, _, _), obj in self._objects.items()
+                if resource == request.resource and not obj.deleted
+            ]
         try:
             for obj in objs:
                 if int(obj["metadata"].get("resourceVersion", 0)) > since and self._watched(request, obj):
@@ -340,8 +382,11 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _watched(self, request: kmock.Request, obj: Mapping[str, Any]) -> bool:
         meta = obj.get("metadata", {})
-        return (request.namespace in (None, meta.get("namespace")) and request.name in (None, meta.get("name"))
-                and self._selected(request, obj))
+        return (
+            request.namespace in (None, meta.get("namespace"))
+            and request.name in (None, meta.get("name"))
+            and self._selected(request, obj)
+        )
 
 
 class ApiError(Exception):
@@ -369,7 +414,7 @@ class Gate:
     the connection is reset, as kube-proxy rejects one to a Service without ready endpoints).
 
     A cluster's edge is one (its API endpoint here, its load balancers and node ports in
-    tests/kubelet.py): `cut` makes it refuse connections and resets the open ones, or (hang=True)
+    tests/support/kubelet.py): `cut` makes it refuse connections and resets the open ones, or (hang=True)
     a black hole: connections are accepted and open ones stay open, but nothing flows until
     `heal`, which then delivers what was held, as TCP would after a partition heals."""
 
@@ -412,7 +457,9 @@ class Gate:
         if self._refusing:
             self._refusing = False
             for (host, port), upstream in self._routes.items():
-                self._servers[host, port] = await asyncio.start_server(functools.partial(self._forward, upstream), host, port)
+                self._servers[host, port] = await asyncio.start_server(
+                    functools.partial(self._forward, upstream), host, port
+                )
         self._flowing.set()
 
     async def close(self) -> None:
@@ -438,7 +485,9 @@ class Gate:
                     self._connections.discard(w)
                     w.close()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, other: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, other: asyncio.StreamWriter
+    ) -> None:
         try:
             while data := await reader.read(1 << 16):
                 await self._flowing.wait()
@@ -467,7 +516,7 @@ class Cluster:
     on a loopback port through `edge` (a Gate), on an event loop in a thread of its own.
 
     `url` is what an operator (and kubectl) uses; `internal_url` is the emulator itself, which
-    components inside the cluster (tests/kubelet.py) and this class's own helpers use, so a test
+    components inside the cluster (tests/support/kubelet.py) and this class's own helpers use, so a test
     can still look into a cluster it made unreachable."""
 
     def __init__(self, name: str = "cluster", crds: Sequence[Path] = CHART_CRDS) -> None:
@@ -504,9 +553,11 @@ class Cluster:
         spec = crd["spec"]
         for version in spec["versions"]:
             self.emulator.resources[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = {
-                "kind": spec["names"]["kind"], "namespaced": spec["scope"] == "Namespaced",
+                "kind": spec["names"]["kind"],
+                "namespaced": spec["scope"] == "Namespaced",
                 "singular": spec["names"].get("singular", spec["names"]["kind"].lower()),
-                "shortnames": spec["names"].get("shortNames", []), "categories": spec["names"].get("categories", []),
+                "shortnames": spec["names"].get("shortNames", []),
+                "categories": spec["names"].get("categories", []),
                 "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"],
                 "subresources": list(version.get("subresources", {})),
             }
@@ -569,21 +620,30 @@ class Cluster:
 
     def kubeconfig(self, token: str = "emulated") -> dict[str, Any]:
         return {
-            "apiVersion": "v1", "kind": "Config",
+            "apiVersion": "v1",
+            "kind": "Config",
             "clusters": [{"name": self.name, "cluster": {"server": self.url}}],
             "users": [{"name": self.name, "user": {"token": token}}],
-            "contexts": [{"name": self.name, "context": {"cluster": self.name, "user": self.name, "namespace": "default"}}],
+            "contexts": [
+                {"name": self.name, "context": {"cluster": self.name, "user": self.name, "namespace": "default"}}
+            ],
             "current-context": self.name,
         }
 
     def api(self) -> kubernetes.client.ApiClient:
         return kubernetes.config.new_client_from_config_dict(self.kubeconfig())
 
-    def request(self, method: str, url_path: str, body: Any = None, content_type: str = "application/merge-patch+json") -> Any:
+    def request(
+        self, method: str, url_path: str, body: Any = None, content_type: str = "application/merge-patch+json"
+    ) -> Any:
         """An HTTP request to the emulator itself (not through the edge); the JSON it answers."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.internal_url + url_path, data=data, method=method,
-                                     headers={"Content-Type": content_type, "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.internal_url + url_path,
+            data=data,
+            method=method,
+            headers={"Content-Type": content_type, "Accept": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 text = resp.read().decode()
@@ -592,7 +652,7 @@ class Cluster:
         return json.loads(text) if text.startswith(("{", "[")) else text
 
     def plural(self, api_version: str, kind: str) -> str:
-        """"v1", "Pod" -> "v1/pods", from the resources this cluster serves."""
+        """ "v1", "Pod" -> "v1/pods", from the resources this cluster serves."""
         for resource in self.emulator.resources:
             group_version = f"{resource.group}/{resource.version}" if resource.group else resource.version
             if group_version == api_version and self.emulator.resources[resource].kind == kind:
@@ -620,7 +680,9 @@ class Cluster:
         query = "?" + urllib.parse.urlencode({"labelSelector": labels}) if labels else ""
         return self.request("GET", path(resource, namespace) + query)["items"]
 
-    def patch(self, resource: str, namespace: str | None, name: str, patch: Any, subresource: str | None = None) -> dict[str, Any]:
+    def patch(
+        self, resource: str, namespace: str | None, name: str, patch: Any, subresource: str | None = None
+    ) -> dict[str, Any]:
         kind = "application/json-patch+json" if isinstance(patch, list) else "application/merge-patch+json"
         return self.request("PATCH", path(resource, namespace, name, subresource), patch, content_type=kind)
 

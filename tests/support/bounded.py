@@ -35,11 +35,20 @@ def limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (BASELINE + MEMORY, BASELINE + MEMORY))
 
 
-def sparrowrl(*args, timeout: float = 120, env: dict | None = None, cwd=None, input: str | None = None
-              ) -> subprocess.CompletedProcess:
+def sparrowrl(
+    *args, timeout: float = 120, env: dict | None = None, cwd=None, input: str | None = None
+) -> subprocess.CompletedProcess:
     """The CLI as a bounded child; a run past `timeout` fails the test (TimeoutExpired)."""
-    return subprocess.run([str(EXE), *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          input=input, env=dict(os.environ, **(env or {})), preexec_fn=limit_memory)
+    return subprocess.run(
+        [str(EXE), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        input=input,
+        env=dict(os.environ, **(env or {})),
+        preexec_fn=limit_memory,
+    )
 
 
 def refused(p: subprocess.CompletedProcess, *words: str) -> str:
@@ -62,8 +71,14 @@ def free_port() -> int:
 def serving(*args, token: str = TOKEN):
     """`sparrowrl ARGS --port P` (serve or relay) as a bounded child; yields (process, port)."""
     port = free_port()
-    p = subprocess.Popen([str(EXE), *map(str, args), "--port", str(port)], env=dict(os.environ, SPARROWRL_TOKEN=token),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=limit_memory)
+    p = subprocess.Popen(
+        [str(EXE), *map(str, args), "--port", str(port)],
+        env=dict(os.environ, SPARROWRL_TOKEN=token),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=limit_memory,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -1,5 +1,5 @@
 """The operator as `kopf run` runs it, in a thread of the test, against emulated clusters
-(tests/kube.py): a registry of its own, logged in to the home cluster's emulator."""
+(tests/support/kube.py): a registry of its own, logged in to the home cluster's emulator."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import kopf
 import yaml
 
-from kube import Cluster
 from sparrowrl_operator.clusters import Kube
 from sparrowrl_operator.handlers import Config, Operator, register
 from sparrowrl_operator.reconcile import Backoff
+from support.kube import Cluster
 
 FAST = Config(image="sparrowrl-runtime:test", interval=1.0, probe_interval=1.0, backoff=Backoff(base=1.0, cap=4.0))
 
@@ -36,8 +36,9 @@ def operator(home: Cluster, cfg: Config = FAST) -> Iterator[Operator]:
 
     def main() -> None:
         try:
-            asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop,
-                                      ready_flag=ready))
+            asyncio.run(
+                kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready)
+            )
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
 
@@ -53,20 +54,35 @@ def operator(home: Cluster, cfg: Config = FAST) -> Iterator[Operator]:
         assert not errors, errors
 
 
-def add_member(home: Cluster, member: Cluster, name: str, namespace: str = "sparrowrl",
-               kubeconfig: dict | None = None) -> None:
+def add_member(
+    home: Cluster, member: Cluster, name: str, namespace: str = "sparrowrl", kubeconfig: dict | None = None
+) -> None:
     """A SparrowCluster for `member`, its kubeconfig in a Secret of the home cluster."""
     with contextlib.suppress(Exception):
         home.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "sparrowrl-system"}})
     with contextlib.suppress(Exception):
         member.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
     text = yaml.safe_dump(kubeconfig or member.kubeconfig())
-    home.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-kubeconfig",
-                                                                   "namespace": "sparrowrl-system"},
-                 "data": {"kubeconfig": base64.b64encode(text.encode()).decode()}})
-    home.create({"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowCluster", "metadata": {"name": name},
-                 "spec": {"kubeconfig": {"secretRef": {"name": f"{name}-kubeconfig", "namespace": "sparrowrl-system"}},
-                          "region": name, "namespace": namespace}})
+    home.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": f"{name}-kubeconfig", "namespace": "sparrowrl-system"},
+            "data": {"kubeconfig": base64.b64encode(text.encode()).decode()},
+        }
+    )
+    home.create(
+        {
+            "apiVersion": "sparrowrl.dev/v1alpha1",
+            "kind": "SparrowCluster",
+            "metadata": {"name": name},
+            "spec": {
+                "kubeconfig": {"secretRef": {"name": f"{name}-kubeconfig", "namespace": "sparrowrl-system"}},
+                "region": name,
+                "namespace": namespace,
+            },
+        }
+    )
 
 
 def columns(crd: dict, obj: dict, wide: bool = False) -> dict[str, str]:
