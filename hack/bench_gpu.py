@@ -17,8 +17,8 @@ import torch
 
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, gpu, state_hash
 from sparrowrl.delta.context import field
-from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.delta.statehash import TensorKey
+from sparrowrl.delta.tensors import TensorSpec
 
 
 def timed(fn, reps: int = 5) -> float:

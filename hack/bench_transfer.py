@@ -251,7 +251,7 @@ def decode_vs_pull(elements: int, rounds: int) -> dict:
     decode + verified apply of the same deltas into the state; a base's pull beside its load +
     full state hash."""
     from sparrowrl.delta import apply_delta, state_hash
-    from sparrowrl.delta.frame import TensorSpec
+    from sparrowrl.delta.tensors import TensorSpec
     from sparrowrl.store.checkpoint_io import tensors_in
     from sparrowrl.store.store import Store
     from sparrowrl.transport.client import Client
@@ -436,7 +436,7 @@ def _base_pieces(listing: dict, version: int) -> tuple[int, list]:
 def wan_benchmarks(store_dir: Path, states: list, link: float, workers: int, repeat: int) -> dict:
     from wan import ORIGIN, Wan, flow_port
 
-    from sparrowrl.delta.frame import TensorSpec
+    from sparrowrl.delta.tensors import TensorSpec
     from sparrowrl.store.store import Store
 
     me, wanpy = str(Path(__file__).resolve()), str(HERE / "wan" / "wan.py")

@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel
 
 from sparrowrl.spec.job import API_VERSION, JobSpec
-from sparrowrl_operator.model import ClusterSpec, ClusterStatus, JobStatus
+from sparrowrl_operator.model import ClusterSpec, ClusterStatus, SparrowRLJobStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = [ROOT / "crds", ROOT / "charts" / "sparrowrl-operator" / "crds"]
@@ -170,7 +170,7 @@ def crds() -> dict[str, str]:
         "sparrowrljobs",
         "Namespaced",
         schema_of(JobSpec),
-        schema_of(JobStatus),
+        schema_of(SparrowRLJobStatus),
         [
             col(
                 "Phase",

@@ -15,10 +15,12 @@ from safetensors.torch import load_file
 from sparrowrl.delta import DeltaFile, apply_delta, kernels, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.context import FIELDS, field, locate_on_device, ranks_on_device
+from sparrowrl.delta.encoder import Encoder
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import CorruptError, DeltaError, MismatchError
-from sparrowrl.delta.frame import DeltaWriter, Encoder, TensorSpec
+from sparrowrl.delta.frame import DeltaWriter
 from sparrowrl.delta.records import decode_record, encode_changes, extract_segment
+from sparrowrl.delta.tensors import TensorSpec
 
 FORMAT1 = Path(__file__).parent / "data" / "format1"
 

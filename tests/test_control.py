@@ -8,7 +8,7 @@ from aiohttp import web
 from support.netfaults import Faults, FaultyProxy
 
 from sparrowrl.spec.job import parse
-from sparrowrl.trainer.trainer import Run
+from sparrowrl.trainer.trainer import Trainer
 from sparrowrl.transport.client import Client
 
 SPEC = {
@@ -28,10 +28,10 @@ SPEC = {
 
 @pytest.fixture
 def trainer(tmp_path):
-    return Run(parse(SPEC).spec, tmp_path, token="")
+    return Trainer(parse(SPEC).spec, tmp_path, token="")
 
 
-async def serve(run: Run) -> tuple[web.AppRunner, int]:
+async def serve(run: Trainer) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(run.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -87,7 +87,7 @@ def test_a_lease_whose_answer_was_lost_is_not_handed_out_twice(trainer):
             async with lossy(port) as proxy, Client(proxy.url, attempts=3, backoff=0.01) as c:
                 assert (await c.post_json("/v1/results", body))["admitted"] == 1
                 assert proxy.connections == 2
-            assert (trainer.coord.counts.admitted, trainer.coord.counts.duplicated) == (1, 0)
+            assert (trainer.coord.counts.admitted, trainer.coord.counts.discarded_late) == (1, 0)
         finally:
             await runner.cleanup()
 

@@ -58,7 +58,7 @@ def test_an_expired_lease_is_reassigned_and_a_late_duplicate_is_dropped():
     assert fast["groups"] == slow["groups"] and c.counts.requeued == 2 and c.counts.leases_expired == 1
     assert c.submit(fast["id"], "fast", 0, "h0", result(fast))["admitted"] == 2
     late = c.submit(slow["id"], "slow", 0, "h0", result(slow))
-    assert late["admitted"] == 0 and c.counts.duplicated == 2 and c.counts.admitted == 2
+    assert late["admitted"] == 0 and c.counts.discarded_late == 2 and c.counts.admitted == 2
 
 
 def test_a_late_result_still_counts_for_groups_nobody_delivered():
@@ -99,7 +99,7 @@ def test_a_live_lease_whose_groups_a_late_result_delivered_counts_them_once():
     fast = c.work("fast", 0)["lease"]
     assert c.submit(slow["id"], "slow", 0, "h0", result(slow))["admitted"] == 2  # late, nobody had delivered
     assert c.submit(fast["id"], "fast", 0, "h0", result(fast))["admitted"] == 0
-    assert (c.counts.admitted, c.counts.duplicated) == (2, 2)
+    assert (c.counts.admitted, c.counts.discarded_late) == (2, 2)
 
 
 def test_state_and_restore_carry_leases_counts_and_ids_across_a_restart():
@@ -132,4 +132,18 @@ def test_changes_replayed_onto_a_snapshot_give_the_state():
     c.submit(b["id"], "w2", 0, "h0", result(b))  # the same delivery again: the same answer, counted once
     Coordinator.replay(snapshot, json.loads(json.dumps(c.changes())))
     assert snapshot == json.loads(json.dumps(c.state()))
-    assert again["groups"] == b["groups"] and (c.counts.admitted, c.counts.duplicated) == (4, 0)
+    assert again["groups"] == b["groups"] and (c.counts.admitted, c.counts.discarded_late) == (4, 0)
+
+
+def test_the_quorum_wait_counts_from_the_first_call_not_the_trainers_start():
+    """Workers that take minutes to load their model still start together: the lease period
+    that rollouts wait for the rest of the quorum begins when the first worker calls in."""
+    c, clock = coord()
+    clock.t = 1000.0  # the trainer has been up a long while: nobody has called yet
+    assert not c.waited_a_lease()
+    c.heard("w1")
+    clock.t = 1010.0  # exactly a lease period (10 s) later: still waiting for the others
+    assert not c.waited_a_lease()
+    c.heard("w2")  # a later call does not restart the wait
+    clock.t = 1010.5
+    assert c.waited_a_lease()

@@ -17,7 +17,7 @@ import yaml
 from kubernetes_validate.utils import latest_version
 
 from sparrowrl.spec.job import JobError, load, parse
-from sparrowrl_operator.model import ClusterSpec, JobStatus
+from sparrowrl_operator.model import ClusterSpec, SparrowRLJobStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = {p.name: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "crds").glob("*.yaml"))}
@@ -210,7 +210,7 @@ def test_training_fields_are_immutable():
 
 def test_full_status_fits_the_schema():
     """Every field the operator can write survives a real API server (which drops unknown ones)."""
-    status = JobStatus.model_validate(
+    status = SparrowRLJobStatus.model_validate(
         {
             "observedGeneration": 3,
             "phase": "Running",

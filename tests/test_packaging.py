@@ -32,11 +32,11 @@ def test_the_base_install_has_the_job_spec_and_status_without_torch(base):
     code = (
         "import sys; from sparrowrl.spec.job import parse; from sparrowrl.spec.status import JobStatus; "
         "import sparrowrl.cli.main; "
-        "from sparrowrl.spec.layout import roles; "
+        "from sparrowrl.spec.layout import processes; "
         "j = parse({'apiVersion': 'sparrowrl.dev/v1alpha1', 'kind': 'SparrowRLJob', 'metadata': {'name': 'x'}, "
         "'spec': {'model': {'tiny': {}}, 'task': {'builtin': 'add'}}}); "
         "JobStatus(phase='Pending', step=0, steps=j.spec.steps, version=0); "
-        "assert [r.kind for r in roles(j.spec, lambda n, r: n)][0] == 'trainer'; "
+        "assert [r.kind for r in processes(j.spec, lambda n, r: n)][0] == 'trainer'; "
         "print(sorted(m for m in ('torch', 'numpy', 'aiohttp') if m in sys.modules))"
     )
     p = subprocess.run([str(base / "python"), "-c", code], capture_output=True, text=True, timeout=120)

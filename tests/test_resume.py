@@ -68,7 +68,7 @@ def step(run: Run) -> dict:
 
     asyncio.run(over_http(run, calls))
     batch = run.coord.take(0)
-    run.control.touch()
+    run.control.changed()
     partial = {"version": 1, "step": 0, **run.learner.train(batch), "generate_s": 0.2, "wait_s": 0.0}
     run.learner.checkpoint(partial)
     return partial
@@ -124,7 +124,7 @@ def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
     (got_b, got_a), nxt = asyncio.run(over_http(again, after))
     assert got_b["admitted"] == 1 and got_a == {"admitted": 1, "batch": 0}
     c = again.coord.counts
-    assert (c.admitted, c.duplicated) == (2, 0)
+    assert (c.admitted, c.discarded_late) == (2, 0)
     assert again.coord.batches[0].results[a["groups"][0]]["samples"][0]["tokens"] == [3]  # the first delivery stays
     assert nxt["lease"]["id"] > b["id"] and nxt["lease"]["batch"] == 1
 
@@ -151,7 +151,7 @@ def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):
     sizes = []
     for n in range(2000):
         run.coord.commit(f"w{n}", 0, h0)
-        run.control.touch()
+        run.control.changed()
         sizes.append(len((tmp_path / "journal.jsonl").read_text().splitlines()[-1]))
     assert sizes[-1] < 1000 and sizes[-1] - sizes[0] < 20, (sizes[0], sizes[-1])
     again = restart(run)  # and every commit is still there after a restart

@@ -1,4 +1,4 @@
-"""Which processes a job runs (layout.roles), called directly as the runner and the operator do;
+"""Which processes a job runs (layout.processes), called directly as the runner and the operator do;
 and the role commands, started by hand."""
 
 import json
@@ -13,7 +13,7 @@ import yaml
 from support.bounded import EXE, free_port
 
 from sparrowrl.spec.job import parse
-from sparrowrl.spec.layout import Role, roles
+from sparrowrl.spec.layout import Process, processes
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ def url(name: str, region: str) -> str:
 
 
 def test_a_relay_per_region_with_workers_and_workers_that_prefer_it():
-    got = roles(
+    got = processes(
         spec(
             {"name": "us", "workers": 2, "bandwidthMbit": 100},
             {"name": "eu", "workers": 0},
@@ -44,11 +44,11 @@ def test_a_relay_per_region_with_workers_and_workers_that_prefer_it():
     )
     t, r = "http://trainer.svc", "http://relay-us.svc"
     assert got == [
-        Role("trainer", "trainer"),
-        Role("relay", "relay-us", "us", t, rate_mbit=100),  # the cap is on the region's WAN link
-        Role("worker", "worker-us-0", "us", t, r),  # versions from the relay first; work from the trainer
-        Role("worker", "worker-us-1", "us", t, r),
-        Role("worker", "worker-ap-0", "ap", "http://lb-for-ap", None, 50),  # no relay: each worker's link is capped
+        Process("trainer", "trainer"),
+        Process("relay", "relay-us", "us", t, rate_mbit=100),  # the cap is on the region's WAN link
+        Process("worker", "worker-us-0", "us", t, r),  # versions from the relay first; work from the trainer
+        Process("worker", "worker-us-1", "us", t, r),
+        Process("worker", "worker-ap-0", "ap", "http://lb-for-ap", None, 50),  # no relay: each worker's link is capped
     ]  # ap reaches the trainer by another address (in a cluster: a member cluster's, through a load balancer)
 
 
@@ -69,7 +69,7 @@ def test_placements_are_the_regions_in_a_cluster():
             },
         }
     )
-    assert [(r.kind, r.name, r.trainer, r.relay) for r in roles(j.spec, url)] == [
+    assert [(r.kind, r.name, r.trainer, r.relay) for r in processes(j.spec, url)] == [
         ("trainer", "trainer", None, None),
         ("relay", "relay-us", "http://trainer.svc", None),
         ("worker", "worker-us-0", "http://trainer.svc", "http://relay-us.svc"),
@@ -80,7 +80,7 @@ def test_placements_are_the_regions_in_a_cluster():
 
 
 def test_names_are_unique_dns_labels():
-    many = roles(spec(*({"name": f"r{i}", "workers": 64} for i in range(64))), url)
+    many = processes(spec(*({"name": f"r{i}", "workers": 64} for i in range(64))), url)
     names = [r.name for r in many]
     assert len(names) == len(set(names)) == 1 + 64 + 64 * 64
     assert all(len(n) <= 63 and n.replace("-", "").isalnum() and n == n.lower() for n in names)
@@ -218,7 +218,7 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
             time.sleep(0.5)
         s = json.loads(summary.read_text())
         assert s["steps"] == 3 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 4  # v0..v3, 2 workers
-        assert s["prompt_groups_lost"] == 0 and s["prompt_groups_duplicated"] == 0 and s["trainer_restarts"] == 0
+        assert s["prompt_groups_lost"] == 0 and s["prompt_groups_discarded_late"] == 0 and s["trainer_restarts"] == 0
         assert sorted(p.name for p in (tmp_path / "w0").iterdir()) == []  # a worker writes nothing to disk
     finally:
         for p in procs.values():

@@ -28,7 +28,7 @@ from sparrowrl.auth.tokens import Gate, Principal, acts_as, allowed, mint
 from sparrowrl.delta import state_hash
 from sparrowrl.spec.job import parse
 from sparrowrl.store.store import Store
-from sparrowrl.trainer.trainer import Run
+from sparrowrl.trainer.trainer import Trainer
 from sparrowrl.transport.client import Client, FetchError
 
 OTHER = "another-job's-secret"
@@ -349,7 +349,7 @@ SPEC = {
 def test_per_role_tokens_over_http(tmp_path):
     """A worker's token leases, submits and commits under its own name only; a relay's reads
     versions and nothing else; neither reads the job's status."""
-    run = Run(parse(SPEC).spec, tmp_path, token=TOKEN)
+    run = Trainer(parse(SPEC).spec, tmp_path, token=TOKEN)
     w2 = mint(SIGNER, "worker", "w2")
 
     async def go():

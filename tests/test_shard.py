@@ -15,8 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparrowrl.delta import state_hash
+from sparrowrl.delta.encoder import Encoder
 from sparrowrl.delta.errors import MismatchError
-from sparrowrl.delta.frame import DeltaWriter, Encoder, TensorSpec
+from sparrowrl.delta.frame import DeltaWriter
+from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.store.store import Store
 from sparrowrl.trainer import models, ranks, shard
 

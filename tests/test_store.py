@@ -1,7 +1,9 @@
 """The checkpoint store: bases every K versions, content-hashed deltas, cheapest plans, pruning."""
 
+import asyncio
 import hashlib
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -9,7 +11,8 @@ from conftest import mutate, random_tensor
 
 from sparrowrl.delta import state_hash
 from sparrowrl.delta.bitview import bits
-from sparrowrl.store.store import Store, StoreError
+from sparrowrl.store.store import Store, StoreError, listen
+from sparrowrl.transport.server import Watch
 
 
 @pytest.fixture
@@ -113,7 +116,7 @@ def test_a_small_base_is_cut_into_parts_for_every_stream_and_an_older_index_stil
 def test_store_and_forward_publishes_a_delta_no_reader_sees_until_sealed(chain):
     """`cut_through=False` (what the benchmarks compare against): nothing is listed as being
     written, and a writer's leftover is removed like a partial delta."""
-    from sparrowrl.delta.frame import TensorSpec
+    from sparrowrl.delta.tensors import TensorSpec
 
     store, states = chain
     new = {k: mutate(np.random.default_rng(1), v, 0.01) for k, v in states[-1].items()}
@@ -125,3 +128,25 @@ def test_store_and_forward_publishes_a_delta_no_reader_sees_until_sealed(chain):
     (store.path / "deltas" / f".v{store.newest + 1:08d}.sealing").write_bytes(b"half")
     store.drop_partial()
     assert not list((store.path / "deltas").glob(".v*"))
+
+
+def test_a_store_written_in_this_process_tells_its_server(tmp_path):
+    """The trainer's server does not poll its store: the store it writes tells it of a new
+    version (here from a worker thread, as the learner publishes). Were the tell lost, the wait
+    would run its full 30 s and the test's deadline would fail it."""
+    rng = np.random.default_rng(5)
+    state = {"w": random_tensor(rng, "BF16", (64, 32))}
+    store = Store.init(tmp_path / "s", state, base_every=4)
+
+    async def wait_for_the_tell() -> None:
+        watch = Watch(store.path, polled=False)
+        undo = listen(store.path, watch.poke)
+        watch.start(asyncio.get_running_loop())
+        waiting = asyncio.create_task(watch.changed(30))
+        await asyncio.sleep(0)
+        threading.Thread(target=store.add, args=({"w": mutate(rng, state["w"], 0.1)},)).start()
+        await asyncio.wait_for(waiting, 20)
+        undo()
+
+    asyncio.run(wait_for_the_tell())
+    assert Store(store.path).newest == 1

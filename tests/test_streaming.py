@@ -7,7 +7,8 @@ import struct
 from conftest import mutate, random_tensor
 
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
-from sparrowrl.delta.frame import CHUNK, HEAD, TensorSpec
+from sparrowrl.delta.frame import CHUNK, HEAD
+from sparrowrl.delta.tensors import TensorSpec
 
 
 class Tap(io.BytesIO):

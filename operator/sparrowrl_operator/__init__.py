@@ -1,2 +1,2 @@
 """The SparrowRL operator: SparrowRLJob and SparrowCluster custom resources reconciled into the
-trainer, relays and rollout workers of `sparrowrl.layout.roles`, spread over member clusters."""
+trainer, relays and rollout workers of `sparrowrl.layout.processes`, spread over member clusters."""

@@ -1,5 +1,5 @@
 """Manifests from the job: pure functions with deterministic names and labels. Pods run the
-roles of `sparrowrl.layout.roles`, the commands the local runner starts, with Kubernetes' own
+roles of `sparrowrl.layout.processes`, the commands the local runner starts, with Kubernetes' own
 ways of handing them the rest: credentials from Secrets (the job's secret to the trainer alone; to
 each relay and worker slot its own token and the trainer's public key), the job from a ConfigMap,
 the trainer's state on a PersistentVolumeClaim, the pod's name and IP from the downward API."""
@@ -16,7 +16,7 @@ from sparrowrl.auth.signing import Signer, public_text
 from sparrowrl.auth.tokens import mint
 from sparrowrl.spec.job import API_VERSION, JobSpec
 from sparrowrl.spec.kubespec import Scheduling
-from sparrowrl.spec.layout import Role
+from sparrowrl.spec.layout import Process
 from sparrowrl_operator.constants import (
     ATTEMPT_LABEL,
     JOB_LABEL,
@@ -97,7 +97,7 @@ def relay_name(job: JobRef, region: str) -> str:
     return f"{job.base}-relay-{region}"
 
 
-def pod_name(job: JobRef, role: Role, attempt: int) -> str:
+def pod_name(job: JobRef, role: Process, attempt: int) -> str:
     """`{job}-trainer-0`, `{job}-relay-eu-0`, `{job}-worker-eu-1-0`: the role's name, then the attempt
     (in a member, `{job}-{uid[:5]}-…`)."""
     return f"{job.base}-{role.name}-{attempt}"
@@ -121,12 +121,12 @@ def token_secret(job: JobRef, token: str, namespace: str, home: bool) -> dict:
     }
 
 
-def credentials_name(job: JobRef, role: Role) -> str:
+def credentials_name(job: JobRef, role: Process) -> str:
     """A relay's Secret, or a worker slot's (every attempt of the slot uses it)."""
     return f"{job.base}-{role.name}-token"
 
 
-def credentials_secret(job: JobRef, role: Role, secret: str, namespace: str, home: bool) -> dict:
+def credentials_secret(job: JobRef, role: Process, secret: str, namespace: str, home: bool) -> dict:
     """What a relay or a worker slot's pods get instead of the job's secret: a token for their role,
     signed with the job's key (a worker's names its slot's pods, `{job}-worker-R-I-*`), and the
     trainer's public key, to check what the relay serves and who asks."""
@@ -204,7 +204,7 @@ def relay_url(job: JobRef, region: str, namespace: str) -> str:
     return f"http://{relay_name(job, region)}.{namespace}.svc:{RELAY_PORT}"
 
 
-def _args(role: Role, spec: JobSpec) -> list[str]:
+def _args(role: Process, spec: JobSpec) -> list[str]:
     """As `sparrowrl run` starts each role (runner.argv), inside a pod: listening on the pod's IP."""
     serve = ["--host", "$(POD_IP)", "--port", str(PORTS[role.kind]), "--metrics-port", str(METRICS_PORT)]
     serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
@@ -230,7 +230,7 @@ def _resources(s: Scheduling) -> dict:
 
 def pod(
     job: JobRef,
-    role: Role,
+    role: Process,
     spec: JobSpec,
     *,
     namespace: str,

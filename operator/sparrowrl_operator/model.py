@@ -95,7 +95,7 @@ class Display(_Model):
 Phase = Literal["Pending", "Starting", "Running", "Suspended", "Restarting", "Succeeded", "Failed"]
 
 
-class JobStatus(_Model):
+class SparrowRLJobStatus(_Model):
     observed_generation: Count | None = None
     phase: Phase = "Pending"
     conditions: Conditions = []

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from sparrowrl.spec import layout
 from sparrowrl.spec.job import JobError, parse
 from sparrowrl.spec.kubespec import MANAGED_BY
-from sparrowrl.spec.layout import Role
+from sparrowrl.spec.layout import Process
 from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
@@ -39,10 +39,10 @@ from sparrowrl_operator.constants import (
 from sparrowrl_operator.model import (
     MAX_LISTED,
     Display,
-    JobStatus,
     LeaseHealth,
     PlacementStatus,
     Progress,
+    SparrowRLJobStatus,
     WorkerProgress,
 )
 
@@ -83,7 +83,7 @@ class Observed:
 class Plan:
     create: list[tuple[Cluster, dict]] = field(default_factory=list)
     delete: list[tuple[Cluster, str, str, str]] = field(default_factory=list)  # cluster, kind, namespace, name
-    status: JobStatus | None = None  # None: leave the status alone (another controller manages the job)
+    status: SparrowRLJobStatus | None = None  # None: leave the status alone (another controller manages the job)
     events: list[tuple[Literal["Normal", "Warning"], str, str]] = field(default_factory=list)
     delete_job: bool = False  # its ttlSecondsAfterFinished ran out
 
@@ -98,12 +98,12 @@ def since(t: str | None, now: datetime.datetime) -> float:
     return (now - datetime.datetime.fromisoformat(t.replace("Z", "+00:00"))).total_seconds()
 
 
-def previous(body: dict) -> JobStatus:
+def previous(body: dict) -> SparrowRLJobStatus:
     """The status as last written; one that does not parse (edited by hand) starts afresh."""
     try:
-        return JobStatus.model_validate(body.get("status") or {})
+        return SparrowRLJobStatus.model_validate(body.get("status") or {})
     except ValidationError:
-        return JobStatus()
+        return SparrowRLJobStatus()
 
 
 def phase_of(pod: dict) -> str:
@@ -324,7 +324,7 @@ class _Cycle:
     def trainer(self) -> None:
         """The trainer pod: created, and restarted after a failure up to backoffLimit; the job
         succeeds when it exits 0 (it has trained every step)."""
-        role = Role("trainer", "trainer")
+        role = Process("trainer", "trainer")
         pod, older = self.current(None, ("trainer", None, None))
         for p in older:
             self.remove(None, p)
@@ -415,7 +415,7 @@ class _Cycle:
                 job.in_member() if remote else job, name.removeprefix("relay-"), namespace(region)
             )
 
-        roles = [r for r in layout.roles(spec, url) if r.kind != "trainer"]
+        roles = [r for r in layout.processes(spec, url) if r.kind != "trainer"]
         statuses, unreachable, connecting, total, reachable = [], [], [], set(), set()
         for region in spec.regions:
             p = where.get(region.name)
@@ -466,7 +466,7 @@ class _Cycle:
             + (f" (connecting to {', '.join(connecting)})" if connecting else ""),
         )
 
-    def placement(self, cluster: Cluster, namespace: str, region: str, roles: list[Role], p) -> PlacementStatus:
+    def placement(self, cluster: Cluster, namespace: str, region: str, roles: list[Process], p) -> PlacementStatus:
         home = cluster is None
         job = self.job if home else self.job.in_member()
         secret_kept = ("Secret", builders.token_name(self.job)) in self.obs.objects.get(None, ())
@@ -512,7 +512,7 @@ class _Cycle:
     def create_pod(
         self,
         cluster: Cluster,
-        role: Role,
+        role: Process,
         n: int,
         slot: int | None,
         namespace: str | None = None,
@@ -539,7 +539,7 @@ class _Cycle:
         self,
         cluster: Cluster,
         pod: dict,
-        role: Role,
+        role: Process,
         n: int,
         slot: int | None,
         namespace: str,

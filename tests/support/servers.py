@@ -104,7 +104,7 @@ def next_version(history, tmp_path, rng) -> tuple:
 def paused_publish(store, old: dict, new: dict, resume, done) -> threading.Thread:
     """A trainer that publishes `new` tensor by tensor and, after the largest tensor's chunks are
     out, waits for `resume` (set by a reader that got a chunk) before encoding the rest."""
-    from sparrowrl.delta.frame import TensorSpec
+    from sparrowrl.delta.tensors import TensorSpec
 
     def trainer() -> None:
         with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:

@@ -304,7 +304,7 @@ def _server_token(host: str, port: int) -> str:
     import os
 
     from sparrowrl.auth.signing import trust
-    from sparrowrl.transport.server import is_loopback
+    from sparrowrl.transport.http import is_loopback
 
     _in_range("--port", port, 1, 65535)
     token = os.environ.get("SPARROWRL_TOKEN", "")
@@ -331,7 +331,7 @@ def _listen(app, host: str, port: int, banner: str, ssl_context=None) -> None:
     """Serve `app` until stopped; an address that cannot be bound is one line."""
     from aiohttp import web
 
-    from sparrowrl.transport.server import ListenError
+    from sparrowrl.transport.http import ListenError
 
     try:
         web.run_app(
@@ -360,7 +360,8 @@ def serve(
     admits clients, and signs every version served (clients check with the public key it derives,
     which `sparrowrl keys` prints)."""
     from sparrowrl.auth.signing import TOKEN_PREFIX, Signer
-    from sparrowrl.transport.server import make_app, tls_context
+    from sparrowrl.transport.http import tls_context
+    from sparrowrl.transport.server import make_app
 
     token = _server_token(host, port)
     if token.startswith(TOKEN_PREFIX):
@@ -676,7 +677,7 @@ def trainer(
         _fail(e)
     import socket
 
-    from sparrowrl.transport.server import ListenError
+    from sparrowrl.transport.http import ListenError
 
     try:
         with socket.create_server((host, port)):  # before the state dir is written: the address is free
@@ -752,7 +753,7 @@ def worker(
 
     from sparrowrl.auth.signing import trust
     from sparrowrl.transport.client import FetchError
-    from sparrowrl.transport.server import ListenError
+    from sparrowrl.transport.http import ListenError
 
     try:
         trust(os.environ.get("SPARROWRL_TOKEN", ""))  # a role token comes with the trainer's public key

@@ -91,8 +91,8 @@ def summary_table(s: dict) -> Table:
         "origin sent: deltas + bases", f"{_mb(s['origin_sent_delta_bytes'])} + {_mb(s['origin_sent_base_bytes'])}"
     )
     t.add_row(
-        "prompt groups admitted / lost / duplicated",
-        f"{s['prompt_groups_admitted']} / {s['prompt_groups_lost']} / {s['prompt_groups_duplicated']}",
+        "prompt groups admitted / lost / discarded late",
+        f"{s['prompt_groups_admitted']} / {s['prompt_groups_lost']} / {s['prompt_groups_discarded_late']}",
     )
     t.add_row("leases expired / groups requeued", f"{s['leases_expired']} / {s['prompt_groups_requeued']}")
     t.add_row("trainer restarts", str(s["trainer_restarts"]))

@@ -28,7 +28,7 @@ from sparrowrl.auth.signing import KEY_ENV
 from sparrowrl.cli import report
 from sparrowrl.spec import layout
 from sparrowrl.spec.job import JobSpec, SparrowRLJob
-from sparrowrl.spec.layout import Role
+from sparrowrl.spec.layout import Process
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
 OUTPUTS = (
@@ -182,7 +182,7 @@ def claim_run_dir(run_dir: Path, job: SparrowRLJob, overwrite: bool) -> None:
         raise RunError(f"--run-dir {run_dir}: {e.strerror} ({e.filename})") from None
 
 
-def argv(role: Role, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
+def argv(role: Process, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
     """The role's command line, as a user would type it in a shell of its own (README)."""
     rate = ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []
     if role.kind == "trainer":
@@ -230,7 +230,7 @@ def _ready(url: str, procs: Processes) -> None:
 
 
 def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = False) -> dict:
-    """Run `job` in `run_dir` (see `check_run_dir`): the roles of `layout.roles`, each a process
+    """Run `job` in `run_dir` (see `check_run_dir`): the roles of `layout.processes`, each a process
     on its own loopback port, started with the same commands a user types by hand."""
     spec = job.spec
     claim_run_dir(run_dir, job, overwrite)
@@ -246,7 +246,7 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     def url(name: str, _region: str | None = None) -> str:  # one machine: the same address from everywhere
         return f"http://127.0.0.1:{ports[name]}"
 
-    everyone = layout.roles(spec, url)
+    everyone = layout.processes(spec, url)
     origin = url("trainer")
     pids: dict = {"trainer": None, "relays": {}, "workers": {}, "urls": {r.name: url(r.name) for r in everyone}}
     signal.signal(signal.SIGTERM, _exit)  # a terminated run stops its children too (the finally below)

@@ -20,9 +20,10 @@ from sparrowrl.delta import context, kernels
 from sparrowrl.delta.bitview import SINT, TORCH_SINT, UINT, bits, dtype_name, itemsize
 from sparrowrl.delta.errors import MismatchError, VerifyError
 from sparrowrl.delta.extract import unzigzag
-from sparrowrl.delta.frame import DeltaFile, TensorSpec
+from sparrowrl.delta.frame import DeltaFile
 from sparrowrl.delta.records import Record
 from sparrowrl.delta.statehash import format_hash, parse_hash, tensor_hash
+from sparrowrl.delta.tensors import TensorSpec
 
 _M64 = (1 << 64) - 1
 

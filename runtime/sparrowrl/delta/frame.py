@@ -26,40 +26,35 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
 import torch
 import zstandard
 
-from sparrowrl.delta import context, schema
-from sparrowrl.delta.bitview import bits, dtype_name, itemsize
+from sparrowrl.delta import schema
+from sparrowrl.delta.bitview import dtype_name, itemsize
+from sparrowrl.delta.encoder import Encoded, Encoder
 from sparrowrl.delta.entropy import Cursor
 from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
 from sparrowrl.delta.records import (
-    MAX_SEGMENT,
-    Changes,
+    SEGMENT,
     Locate,
     decode_record,
-    encode_changes,
-    extract_segment,
     next_record,
 )
-from sparrowrl.delta.statehash import TensorKey, format_hash, parse_hash
+from sparrowrl.delta.schema import FORMAT_VERSION, READS
+from sparrowrl.delta.statehash import format_hash, parse_hash
+from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.spec.limits import memory_available, read_bounded
 
-FORMAT_VERSION = 3  # written; 2 (JSON and record headers uncompressed) and 1 (no context records) are still read
-READS = (1, 2, 3)
 MAGIC = b"SPRWDLTA"
 END = b"SPRWEND1"
 CHUNK_MAGIC = b"SPCK"
 HEAD = struct.Struct("<8sII")
 CHUNK = struct.Struct("<4sII32s")
 TRAILER = struct.Struct("<QQ32s8s")
-SEGMENT = 1 << 22
 CHUNK_BYTES = 1 << 20  # the unit of cut-through and of parallel streams: small enough to pipeline a small delta
 _M64 = (1 << 64) - 1
 MAX_JSON = 1 << 26  # a header or manifest, unpacked: 64 MiB is a table of about a million tensors
@@ -95,97 +90,6 @@ def unpack_json(stored: bytes | memoryview, version: int) -> bytes:
             + ("is cut short" if not one.eof else f"is followed by {len(one.unused_data)} bytes")
         )
     return raw
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    def key(self) -> TensorKey:
-        return TensorKey(self.name, self.dtype, self.shape, itemsize(self.dtype))
-
-    @staticmethod
-    def of(name: str, t: torch.Tensor) -> TensorSpec:
-        return TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One segment's record as it goes into a delta: its bytes (b"" when nothing changed), its
-    changed count, and what it moves the state hash by. A sharded trainer's ranks make these
-    for their own element ranges and hand them to the one writer."""
-
-    tensor_id: int
-    data: bytes
-    changed: int
-    hash_delta: int
-    version: int  # the format its record is in: a writer takes only its own
-
-
-class Encoder:
-    """Diff and entropy-code element ranges of tensors on a thread pool (the numba kernels
-    release the GIL), at most 2 segments per core in flight, results in order. Records never
-    cross a range's ends: a range that starts mid-segment is cut on the segment grid from there."""
-
-    def __init__(self, tensors: list[TensorSpec], segment: int = SEGMENT, version: int = FORMAT_VERSION):
-        if not 1 <= segment <= MAX_SEGMENT:
-            raise ValueError(f"segment must be 1..{MAX_SEGMENT} elements, got {segment}")
-        if version not in READS:
-            raise ValueError(f"format version must be one of {READS}, got {version}")
-        self.tensors, self.segment, self.version = tensors, segment, version
-        self.keys = [t.key() for t in tensors]
-        self.fields = [context.field(t.dtype) for t in tensors]
-        self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
-
-    def encode(self, spans: Iterable[tuple[int, int, torch.Tensor, torch.Tensor]]) -> Iterator[Encoded]:
-        """(tensor id, first element, old, new): `old` and `new` hold that many elements of the
-        tensor's flat form from there. CUDA ranges are diffed on the GPU (the whole range at
-        once), then entropy-coded here; the bytes are the same as from the CPU path."""
-        pending: deque = deque()
-        limit = 2 * (os.cpu_count() or 1)
-        for tid, start, old, new in spans:
-            if new.is_cuda:
-                from sparrowrl.delta import gpu
-
-                jobs = [
-                    (self._encode, tid, ch)
-                    for ch in gpu.extract_tensor(old, new, self.segment, self.fields[tid], start)
-                ]
-            else:
-                a, b = bits(old), bits(new)
-                jobs = [
-                    (self._extract_encode, tid, start + s, a[s : s + self.segment], b[s : s + self.segment])
-                    for s in range(0, a.shape[0], self.segment)
-                ]
-            for fn, *args in jobs:
-                pending.append(self.pool.submit(fn, *args))
-                while len(pending) > limit:
-                    yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-
-    def _extract_encode(self, tid: int, start: int, old: np.ndarray, new: np.ndarray) -> Encoded:
-        return self._encode(tid, extract_segment(start, old, new, self.fields[tid]))
-
-    def _encode(self, tid: int, ch: Changes) -> Encoded:
-        data = encode_changes(tid, ch, self.version)
-        if not data:
-            return Encoded(tid, data, 0, 0, self.version)
-        return Encoded(
-            tid, data, len(ch.positions), self.keys[tid].change(ch.positions + ch.start, ch.old, ch.new), self.version
-        )
-
-    def close(self) -> None:
-        self.pool.shutdown()
 
 
 class DeltaWriter:
@@ -562,47 +466,3 @@ class DeltaFile:
             "bytes_per_changed": len(self.data) / changed if changed else None,
             "ratio_vs_dense": len(self.data) / m["dense_bytes"] if m["dense_bytes"] else None,
         }
-
-
-class Pieces:
-    """The pieces of a delta file that a reader can fetch and check on their own, also while it
-    is being written: the header, each whole chunk, and once the file ends in its trailer, the
-    tail (manifest and trailer), each with the sha256 of its bytes. `scan` reads what the file
-    has grown by since the last call; what was hashed once is not read again."""
-
-    def __init__(self) -> None:
-        self.pieces: list[list] = []  # [offset, length, sha256, whether it ends the file]
-        self.next: int | None = None  # where the next chunk starts, once the header is in
-        self.complete, self.bytes = False, None
-
-    def scan(self, fd: int, size: int) -> None:
-        if self.next is None and size >= HEAD.size:
-            _, _, n = HEAD.unpack(os.pread(fd, HEAD.size, 0))
-            end = HEAD.size + n + 32
-            if size >= end:
-                self._add(fd, 0, end)
-        while self.next is not None and not self.complete:
-            pos = self.next
-            head = os.pread(fd, CHUNK.size, pos)
-            if len(head) == CHUNK.size and head[:4] == CHUNK_MAGIC:
-                end = pos + CHUNK.size + CHUNK.unpack(head)[2]
-                if end > size:
-                    return
-                self._add(fd, pos, end)
-            elif _ends(fd, size):
-                self._add(fd, pos, size, final=True)
-                self.complete, self.bytes = True, size
-            else:
-                return
-
-    def _add(self, fd: int, start: int, end: int, final: bool = False) -> None:
-        self.pieces.append([start, end - start, hashlib.sha256(os.pread(fd, end - start, start)).hexdigest(), final])
-        self.next = end
-
-
-def _ends(fd: int, size: int) -> bool:
-    """Whether `size` bytes of a delta end in a consistent trailer (the writer has finished)."""
-    if size < TRAILER.size:
-        return False
-    offset, length, _, end = TRAILER.unpack(os.pread(fd, TRAILER.size, size - TRAILER.size))
-    return end == END and offset + length + TRAILER.size == size

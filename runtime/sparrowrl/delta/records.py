@@ -33,6 +33,7 @@ ANS = 1  # stream codecs
 ZSTD = 2
 RAW = 3
 _HEAD = struct.Struct("<IBBBxQQQII")  # formats 1 and 2
+SEGMENT = 1 << 22  # elements a record covers, written
 MAX_SEGMENT = 1 << 24
 
 

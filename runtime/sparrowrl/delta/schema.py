@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from sparrowrl.delta.bitview import DTYPES
 from sparrowrl.spec.limits import first_problem
 
+FORMAT_VERSION = 3  # written; 2 (JSON and record headers uncompressed) and 1 (no context records) are still read
+READS = (1, 2, 3)
 MAX_NUMEL = 1 << 48  # per tensor; far beyond any model, small enough that offsets stay exact
 MAX_TENSORS = 1 << 20  # entries a header or manifest may list: far beyond any model, and each is parsed
 MAX_CHUNKS = 1 << 24

@@ -62,7 +62,7 @@ class Counts:
     requeued: int = 0  # leased groups that went back to the queue: their lease expired or was refused
     refused: int = 0  # groups whose results were refused (a stale version, a wrong hash, malformed)
     leases_expired: int = 0  # leases whose deadline passed before their results came
-    duplicated: int = 0  # results for groups already admitted (a reassigned lease came back twice)
+    discarded_late: int = 0  # results for groups already admitted, dropped (a reassigned lease came back too)
     verified: int = 0  # worker commits whose state hash matched the trainer's
     mismatched: int = 0
 
@@ -85,6 +85,7 @@ class Coordinator:
         self.payload: dict[int, int] = {}  # published version → bytes a worker fetches for it
         self.speeds: dict[str, Speed] = {}  # measured afresh by each trainer process
         self.seen: dict[str, float] = {}  # worker → when it last called
+        self.first_call: float | None = None  # when the first worker called
         self.tokens_per_group: float | None = None
         self.batches: dict[int, Batch] = {}
         self.leases: dict[int, Lease] = {}
@@ -173,9 +174,16 @@ class Coordinator:
         """A worker called (for work, with results, with a commit). One silent for a lease period
         comes back unmeasured: it may be another machine now."""
         now = self.clock()
+        if self.first_call is None:
+            self.first_call = now
         if now - self.seen.get(worker, -float("inf")) >= self.lease_seconds:
             self.speeds[worker] = Speed()
         self.seen[worker] = now
+
+    def waited_a_lease(self) -> bool:
+        """Whether a lease period has passed since the first worker called: rollouts then start
+        with the workers that have (see `Control.started`)."""
+        return self.first_call is not None and self.clock() - self.first_call > self.lease_seconds
 
     def live(self) -> list[str]:
         """Workers heard from within a lease period: a lost one stops counting."""
@@ -272,11 +280,11 @@ class Coordinator:
         return self._admit(lease_id, worker, b, version, results)
 
     def _admit(self, lease_id: int, worker: str, b: int, version: int, results: dict[int, dict]) -> dict:
-        """Keep the results of groups not yet admitted; count the others as duplicated (another
+        """Keep the results of groups not yet admitted; count the others as discarded late (another
         worker's late results for the same groups came first, or the batch is trained)."""
         batch = self.batches.get(b) if b >= self.taken else None
         new = {g: r for g, r in results.items() if batch is not None and g not in batch.results}
-        self.counts.duplicated += len(results) - len(new)
+        self.counts.discarded_late += len(results) - len(new)
         for g, r in new.items():
             batch.results[g] = {**r, "version": version}
         if new:
@@ -386,7 +394,10 @@ class Coordinator:
         (batch → group → result). Leases stay live, with a full period from now: their workers
         could not deliver while the trainer was away. Lease ids are never reused."""
         self.taken, self.next_lease = taken, state["next_lease"]
-        self.counts = Counts(**state["counts"])
+        counts = state["counts"]
+        if "duplicated" in counts:  # a journal written before the count was named for what it is
+            counts["discarded_late"] = counts.pop("duplicated")
+        self.counts = Counts(**counts)
         self.counts.batches_trained, self.counts.trained = taken, taken * self.per_step
         self.commits = {w: (c[0], c[1]) for w, c in state["commits"].items()}
         self.delivered = {int(k): (d[0], d[1], d[2]) for k, d in state["delivered"].items() if d[2] >= taken}

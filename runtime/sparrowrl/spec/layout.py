@@ -12,7 +12,9 @@ from sparrowrl.spec.job import JobSpec
 
 
 @dataclass(frozen=True)
-class Role:
+class Process:
+    """One process a job runs: its role, its name, its region, and where it fetches from."""
+
     kind: Literal["trainer", "relay", "worker"]
     name: str  # unique in the job, a DNS label: trainer, relay-REGION, worker-REGION-I
     region: str | None = None
@@ -21,20 +23,20 @@ class Role:
     rate_mbit: float | None = None  # cap on this role's downloads: the region's link to the trainer
 
 
-def roles(spec: JobSpec, url: Callable[[str, str], str]) -> list[Role]:
+def processes(spec: JobSpec, url: Callable[[str, str], str]) -> list[Process]:
     """The trainer; per region with workers, its relay (unless `relay: false`) and its workers.
     A region's link cap applies where its traffic crosses the link: to its relay's upstream, or
     to each worker when it has no relay."""
-    out = [Role("trainer", "trainer")]
+    out = [Process("trainer", "trainer")]
     for region in spec.regions:
         if not region.workers:
             continue
         trainer, relay, rate = url("trainer", region.name), None, region.bandwidth_mbit
         if region.relay:
-            out.append(Role("relay", f"relay-{region.name}", region.name, trainer, rate_mbit=rate))
+            out.append(Process("relay", f"relay-{region.name}", region.name, trainer, rate_mbit=rate))
             relay, rate = url(f"relay-{region.name}", region.name), None  # inside a region the network is not capped
         out += [
-            Role("worker", f"worker-{region.name}-{i}", region.name, trainer, relay, rate)
+            Process("worker", f"worker-{region.name}-{i}", region.name, trainer, relay, rate)
             for i in range(region.workers)
         ]
     return out

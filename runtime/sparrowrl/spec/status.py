@@ -44,7 +44,7 @@ class JobStatus(_Status):
     prompt_groups_admitted: Count = 0
     prompt_groups_requeued: Count = 0  # went back to the queue: their lease expired or was refused
     prompt_groups_lost: Count = 0  # never trained on: 0 once the job has succeeded
-    prompt_groups_duplicated: Count = 0
+    prompt_groups_discarded_late: Count = 0
     commits_verified: Count = 0
     commits_mismatched: Count = 0
     origin_sent_delta_bytes: Count = 0
@@ -70,9 +70,9 @@ def table(s: JobStatus, url: str) -> Table:
     )
     t.add_row("leases active / expired", f"{s.leases_active} / {s.leases_expired}")
     t.add_row(
-        "groups admitted / requeued / lost / duplicated",
+        "groups admitted / requeued / lost / late",
         f"{s.prompt_groups_admitted} / {s.prompt_groups_requeued} / {s.prompt_groups_lost} / "
-        f"{s.prompt_groups_duplicated}",
+        f"{s.prompt_groups_discarded_late}",
     )
     t.add_row("commits verified / mismatched", f"{s.commits_verified} / {s.commits_mismatched}")
     t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sparrowrl.delta.bitview import DTYPES, bits, itemsize
-from sparrowrl.delta.frame import TensorSpec
+from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.spec.limits import memory_available
 
 

@@ -15,19 +15,20 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
 from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import DeltaError
-from sparrowrl.delta.frame import TensorSpec
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
+from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_stream
 
 FORMAT = 1
@@ -74,7 +75,7 @@ class Version:
 
 
 @dataclass
-class Plan:
+class Route:
     """How to reach `target` from `have` (None: from nothing)."""
 
     have: int | None
@@ -85,9 +86,39 @@ class Plan:
     bytes: int = 0
 
 
+_listeners: dict[Path, list[Callable[[], None]]] = {}  # store folder → who this process tells of its changes
+
+
+def listen(path: str | Path, tell: Callable[[], None]) -> Callable[[], None]:
+    """Call `tell()` after every change that a `Store` of this process makes to the store at
+    `path` (its index, a delta growing): how a server in the writer's own process learns of a
+    new version without polling. `tell` may be called from any thread. Returns the undo."""
+    key = Path(path).resolve()
+    _listeners.setdefault(key, []).append(tell)
+    return lambda: _listeners[key].remove(tell)
+
+
+class _Telling:
+    """A delta file being written: each flush (a whole chunk, the tail) is a change to tell of."""
+
+    def __init__(self, f: BinaryIO, tell: Callable[[], None]):
+        self.f, self.tell = f, tell
+
+    def write(self, data: bytes) -> int:
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+        self.tell()
+
+
 class Store:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._load()
+
+    def _load(self) -> None:
+        """Read the index (again: another writer may have changed it)."""
         index = self.path / "store.json"
         if not index.is_file():
             raise StoreError(f"{self.path}: not a sparrowrl store (no store.json)")
@@ -173,9 +204,17 @@ class Store:
             try:
                 _check_index(self.base_every, self.versions, len(self.versions))
             except ValueError as e:
-                self.__init__(self.path)  # the index on disk is untouched
+                self._load()  # the index on disk is untouched
                 raise StoreError(f"refused index entry: {e}") from None
-            self._write_index(self.path, self.base_every, self.versions)
+            self._save_index()
+
+    def _save_index(self) -> None:
+        self._write_index(self.path, self.base_every, self.versions)
+        self._tell()
+
+    def _tell(self) -> None:
+        for tell in list(_listeners.get(self.path.resolve(), ())):
+            tell()
 
     @staticmethod
     def _write_index(path: Path, base_every: int, versions: dict[int, Version]) -> None:
@@ -188,7 +227,7 @@ class Store:
         """One writer at a time; the index is re-read under the lock."""
         with open(self.path / ".lock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
-            self.__init__(self.path)
+            self._load()
             yield
 
     @property
@@ -207,6 +246,7 @@ class Store:
                 self.partial_path(v).unlink(missing_ok=True)
             for p in (self.path / "deltas").glob(".v*.sealing"):
                 p.unlink()
+        self._tell()
 
     def partial_path(self, version: int) -> Path:
         """Where the delta of `version` grows while it is being written (cut-through source)."""
@@ -241,7 +281,7 @@ class Store:
             v = self.versions[self.newest]
             if self.base_due(v.version):
                 self._write_base(self.path, v.version, new, v, v.state_hash)
-                self._write_index(self.path, self.base_every, self.versions)
+                self._save_index()
             return v
 
     @contextmanager
@@ -264,7 +304,11 @@ class Store:
         try:
             with open(tmp_path, "wb") as f:
                 w = DeltaWriter(
-                    f, tensors, base_version=prev.version, base_hash=prev.state_hash, target_version=version
+                    _Telling(f, self._tell) if cut_through else f,
+                    tensors,
+                    base_version=prev.version,
+                    base_hash=prev.state_hash,
+                    target_version=version,
                 )
                 try:
                     yield w
@@ -277,14 +321,14 @@ class Store:
         finally:
             tmp_path.unlink(missing_ok=True)
         self.versions[version] = Version(version, m["target_hash"], name, digest, m["file_bytes"], changed=m["changed"])
-        self._write_index(self.path, self.base_every, self.versions)
+        self._save_index()
 
     def snapshot(self, version: int, state: State) -> None:
         """Write a base snapshot of `version` (whose state is `state`), checked against its hash."""
         with self._locked():
             v = self.versions[version]
             self._write_base(self.path, version, state, v, v.state_hash)
-            self._write_index(self.path, self.base_every, self.versions)
+            self._save_index()
 
     # ---- reading ----
     def delta(self, version: int) -> DeltaFile:
@@ -300,21 +344,21 @@ class Store:
     def _chain_ok(self, start: int, end: int) -> bool:
         return all(self.versions.get(x) is not None and self.versions[x].delta for x in range(start + 1, end + 1))
 
-    def plan(self, have: int | None, target: int) -> Plan:
+    def plan(self, have: int | None, target: int) -> Route:
         """The cheapest route, in bytes, from version `have` to `target`."""
         if target not in self.versions:
             raise StoreError(f"version {target} is not in the store (has {self._span()})")
         if have == target:
-            return Plan(have, target, "none", None)
-        options: list[Plan] = []
+            return Route(have, target, "none", None)
+        options: list[Route] = []
         if have is not None and have in self.versions and have < target and self._chain_ok(have, target):
             ds = list(range(have + 1, target + 1))
-            options.append(Plan(have, target, "chain", None, ds, sum(self.versions[d].delta_bytes for d in ds)))
+            options.append(Route(have, target, "chain", None, ds, sum(self.versions[d].delta_bytes for d in ds)))
         for b, vb in self.versions.items():
             if vb.base and b <= target and self._chain_ok(b, target):
                 ds = list(range(b + 1, target + 1))
                 options.append(
-                    Plan(have, target, "base", b, ds, vb.base_bytes + sum(self.versions[d].delta_bytes for d in ds))
+                    Route(have, target, "base", b, ds, vb.base_bytes + sum(self.versions[d].delta_bytes for d in ds))
                 )
         if not options:
             raise StoreError(f"no route to version {target}: no base at or before it with a full delta chain")
@@ -365,7 +409,7 @@ class Store:
                 elif x == floor and v.delta:
                     doomed.append(self.path / "deltas" / v.delta)
                     v.delta, v.delta_sha256, v.delta_bytes = None, None, 0
-            self._write_index(self.path, self.base_every, self.versions)  # index first: never names a missing file
+            self._save_index()  # index first: never names a missing file
             for f in doomed:
                 f.unlink(missing_ok=True)
             return removed

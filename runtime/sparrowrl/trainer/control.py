@@ -6,8 +6,8 @@ coordinator's decisions (coordinator.py):
     POST /v1/results                 a lease's samples, admitted or refused
     POST /v1/commit                  the version a worker now holds and its hash, checked
 
-Each POST acts once per idempotency key (`once`). Every change to the coordinator goes through
-`touch`: the trainer journals it before the request is answered, and whoever waits wakes.
+Each POST acts once per idempotency key (`idempotent`). Every change to the coordinator goes through
+`changed`: the trainer journals it before the request is answered, and whoever waits wakes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer import models
 from sparrowrl.trainer.learner import Learner
-from sparrowrl.transport.server import PRINCIPAL
+from sparrowrl.transport.http import PRINCIPAL
 
 MAX_WORKERS = 1 << 16  # distinct worker names the trainer keeps track of (a job has 4096 at most at once;
 # replaced pods come back under new names)
@@ -36,7 +36,7 @@ def group_seed(job_seed: int, group: int) -> int:
     return (job_seed * 1_000_003 + group) % 2**63
 
 
-def once(model: type[messages.Body]):
+def idempotent(model: type[messages.Body]):
     """A control POST whose body is a valid `model` acts once per idempotency key
     (`Client.post_json` sends the same key on every retry). A retry after a lost answer, or
     while the first is still being answered, gets the first answer: not a second lease, a
@@ -63,7 +63,7 @@ def once(model: type[messages.Body]):
                 if model is messages.Results and (lease := _lease_of(raw)):
                     as_who(lease.worker)  # another worker's lease is not this token's to refuse
                     self.coord.refuse(lease.lease, lease.worker)
-                    self.touch()
+                    self.changed()
                     return web.json_response({"admitted": 0, "refused": reason})
                 raise web.HTTPBadRequest(text=reason) from None
             as_who(body["worker"])
@@ -108,9 +108,8 @@ class Control:
         self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
         self.fetch: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
         self.refused: dict[str, int] = {}  # worker → answers from its servers that did not verify (it says)
-        self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `once`
+        self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `idempotent`
         self.begun = False  # rollouts have started (see `started`)
-        self.t_start = time.time()
         self._changed = asyncio.Event()
         self._events: list[list] = []  # changes since `changes()` was last called
 
@@ -151,7 +150,7 @@ class Control:
             self.coord.heard(w)
 
     # ---- one way to wait for a change ----
-    def touch(self, admitted: tuple[int, list[int]] | None = None) -> None:
+    def changed(self, admitted: tuple[int, list[int]] | None = None) -> None:
         """The coordinator's state changed: journal it, then wake whoever waits for a change."""
         self.journal(admitted)
         self._changed.set()
@@ -167,10 +166,10 @@ class Control:
     def started(self) -> bool:
         """Rollouts start once the job's quorum of workers has called in (every worker of the
         topology, so all of them share the first batch; in a cluster, each placement's
-        minReplicas), or after one lease period with those that have."""
-        expected = self.spec.quorum
-        waited = time.time() - self.t_start > self.spec.rollout.lease_seconds
-        if not self.begun and (len(self.seen) >= expected or waited):
+        minReplicas), or one lease period after the first called in, with those that have. The
+        wait counts from the first call, not from the trainer's start: workers that take long to
+        load their model still start together."""
+        if not self.begun and (len(self.seen) >= self.spec.quorum or self.coord.waited_a_lease()):
             self.begun = True
             self._events.append(["begun"])
         return self.begun
@@ -210,7 +209,7 @@ class Control:
             raise web.HTTPNotFound(text=f"no model file {name!r}")
         return web.FileResponse(self.learner.model_dir / name)
 
-    @once(messages.Work)
+    @idempotent(messages.Work)
     async def h_work(self, body: dict) -> dict:
         self.coord.heard(body["worker"])
         if body["region"] and self.regions.get(body["worker"]) != body["region"]:
@@ -223,7 +222,7 @@ class Control:
                 break
             await self.until_changed(1.0)
         if "lease" in ans:
-            self.touch()  # journaled before it is answered: a restarted trainer knows the lease
+            self.changed()  # journaled before it is answered: a restarted trainer knows the lease
             tok = self.learner.tok
             ans["lease"]["prompts"] = [
                 {
@@ -235,13 +234,13 @@ class Control:
             ]
         return ans
 
-    @once(messages.Results)
+    @idempotent(messages.Results)
     async def h_results(self, body: dict) -> dict:
         self.coord.heard(body["worker"])
         results = body["results"]
         if bad := self._malformed(results):
             self.coord.refuse(body["lease"], body["worker"])
-            self.touch()
+            self.changed()
             return {"admitted": 0, "refused": bad}
         ans = self.coord.submit(
             body["lease"], body["worker"], body["version"], body["state_hash"], results, body["generate_s"]
@@ -249,7 +248,7 @@ class Control:
         if ans["admitted"] and ans["groups"]:  # not a repeated delivery
             self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
             self._events.append(["gen", ans["batch"], self.gen[ans["batch"]]])
-        self.touch((ans["batch"], ans.pop("groups")) if ans["admitted"] else None)  # admitted: journaled first
+        self.changed((ans["batch"], ans.pop("groups")) if ans["admitted"] else None)  # admitted: journaled first
         return ans
 
     def _malformed(self, results: dict[int, dict]) -> str | None:
@@ -267,7 +266,7 @@ class Control:
                     return f"group {group}: a token id outside the vocabulary (0..{vocab - 1})"
         return None
 
-    @once(messages.Commit)
+    @idempotent(messages.Commit)
     async def h_commit(self, body: dict) -> dict:
         self.coord.heard(body["worker"])
         deadline = time.monotonic() + 30
@@ -287,7 +286,7 @@ class Control:
             )
         if body.get("fetch_s") is not None:
             self.fetch.setdefault(body["version"], {})[body["worker"]] = body["fetch_s"]
-        self.touch()
+        self.changed()
         return {"verified": ok}
 
     def staged(self, version: int) -> bool:

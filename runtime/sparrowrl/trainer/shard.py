@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from sparrowrl.delta.bitview import bits, dtype_name
-from sparrowrl.delta.frame import Encoder, TensorSpec
+from sparrowrl.delta.encoder import Encoder
 from sparrowrl.delta.statehash import format_hash, span_hash
+from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.store.store import Store, Stream
 
 Shards = dict[str, tuple[int, torch.Tensor]]  # tensor → (its first element here, this rank's flat elements)

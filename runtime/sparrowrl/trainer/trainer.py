@@ -21,11 +21,12 @@ from sparrowrl.trainer import resume
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.ledger import Ledger
+from sparrowrl.transport.http import add_health, listen
 from sparrowrl.transport.metrics import add_metrics
-from sparrowrl.transport.server import SERVED, add_health, listen, make_app
+from sparrowrl.transport.server import SERVED, make_app
 
 
-class Run:
+class Trainer:
     """One trainer process on its state dir: a fresh one, or the next after a kill."""
 
     def __init__(self, spec: JobSpec, state_dir: Path, token: str):
@@ -97,8 +98,9 @@ class Run:
             self.learner.store.path,
             self.token,
             max_body=messages.max_body(self.spec.lease_tokens),
-            signer=Signer(self.token) if self.token else None,
-        )  # the trainer vouches for its versions
+            signer=Signer(self.token) if self.token else None,  # the trainer vouches for its versions
+            written_here=True,  # the learner's store tells the server of each new version
+        )
         app[SERVED].update(self.ledger.sent)  # counted on from a previous process's
         self.ledger.sent = app[SERVED]
         app.add_routes([*self.control.routes(), web.get("/v1/status", self.ledger.h_status)])
@@ -116,7 +118,7 @@ class Run:
             while (batch := self.coord.take(b)) is None:
                 self.coord.expire()
                 await control.until_changed(0.2)  # a result admitted, or time to expire leases
-            control.touch()
+            control.changed()
             wait = time.perf_counter() - t0
             m = await asyncio.to_thread(learner.train, batch)
             generate_s = control.gen.pop(b, 0.0) / max(1, len(control.workers))
@@ -135,7 +137,7 @@ class Run:
                 b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
             )
             ledger.record(partial, extract_s, time.perf_counter() - t0)
-            control.touch()
+            control.changed()
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(
@@ -147,13 +149,13 @@ class Run:
         learner.stop()
         ledger.summary()
         ledger.finished = True
-        control.touch()
+        control.changed()
 
 
 async def serve(
     spec: JobSpec, state_dir: Path, host: str, port: int, token: str, metrics_port: int | None = None
 ) -> None:
-    run = Run(spec, state_dir, token)
+    run = Trainer(spec, state_dir, token)
     runner = web.AppRunner(run.app(metrics_port, host))
     await runner.setup()
     await listen(runner, host, port)

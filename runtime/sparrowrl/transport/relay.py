@@ -5,7 +5,7 @@ The relay mirrors the origin's store into a local directory: it starts at the ne
 version, then follows the origin's versions by long-poll. A delta that the origin is still
 writing is fetched cut-through over parallel streams (one TCP flow is often capped on a WAN):
 each piece as soon as the origin lists it, written at its offset in the mirror's `.partial`
-file once it verifies, and listed to the relay's own workers at once (`Table`, in arrival
+file once it verifies, and listed to the relay's own workers at once (`Mirror`, in arrival
 order), so a worker's first chunk does not wait for the relay's last. Finished deltas take the same
 path. Only the newest `keep` versions are kept.
 
@@ -33,8 +33,9 @@ from aiohttp import hdrs, web
 from sparrowrl.auth.signing import trust
 from sparrowrl.store.store import Store, StoreError, Version
 from sparrowrl.transport.client import Client, FetchError, Piece
+from sparrowrl.transport.http import add_health
 from sparrowrl.transport.metrics import add_metrics, family
-from sparrowrl.transport.server import SERVED, add_health, listing_json, make_app, over
+from sparrowrl.transport.server import SERVED, listing_json, make_app, over
 
 MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
 FAILED_S = 30.0  # how long a failed base fetch is answered with its error before a new one starts
@@ -60,7 +61,7 @@ def _own_cache(folder: Path) -> bool:
     )
 
 
-class Table:
+class Mirror:
     """A file being mirrored (a delta, or a base): the pieces that have verified so far, in
     arrival order, as the relay's workers see them. A `server.Served`: it lists them (long-polled)
     and sends only their bytes, until it closes: stored (the store answers from then on), or
@@ -187,8 +188,8 @@ def _covered(pieces: list[list], start: int, stop: int) -> bool:
 class Relay:
     def __init__(self, upstream: list[str], mirror: Path, keep: int = 8, **client_kw):
         self.upstream, self.mirror, self.keep, self.client_kw = upstream, Path(mirror), keep, client_kw
-        self.tables: dict[int, Table] = {}  # version being mirrored → its verified pieces so far
-        self.bases: dict[int, tuple[Table, asyncio.Task]] = {}  # base being fetched on request → its parts so far
+        self.tables: dict[int, Mirror] = {}  # version being mirrored → its verified pieces so far
+        self.bases: dict[int, tuple[Mirror, asyncio.Task]] = {}  # base being fetched on request → its parts so far
         self.client: Client | None = None  # the one upstream client: deltas and bases share its streams and cap
         if not _own_cache(self.mirror):
             raise ValueError(
@@ -340,7 +341,7 @@ class Relay:
         in whatever order the streams deliver: one slow piece holds back only itself. The
         piece table stays listed until the caller has stored the file."""
         partial = self.mirror / "deltas" / f".v{v:08d}.partial"
-        table = self.tables[v] = Table("delta", v, partial)
+        table = self.tables[v] = Mirror("delta", v, partial)
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
@@ -375,11 +376,11 @@ class Relay:
                 return None
         return None
 
-    def arriving(self, what: str, v: int, start: bool) -> Table | None:
+    def arriving(self, what: str, v: int, start: bool) -> Mirror | None:
         """What the relay's server answers from while it is still arriving (`server.Served`)."""
         return self.tables.get(v) if what == "delta" else self.base_table(v, start)
 
-    def base_table(self, v: int, start: bool = True) -> Table | None:
+    def base_table(self, v: int, start: bool = True) -> Mirror | None:
         """The parts of v's base snapshot that have arrived, where the mirror lists the base but
         does not hold its file: the first request (`start`) starts the one fetch, later ones
         share it. A fetch that failed stays here, failed, for FAILED_S: its clients go to
@@ -391,13 +392,13 @@ class Relay:
         info = store.versions.get(v) if store else None
         if info is None or not info.base or (self.mirror / "bases" / info.base).exists() or self.client is None:
             return None
-        table = Table(
+        table = Mirror(
             "base", v, self.mirror / "bases" / f".{info.base}.{uuid.uuid4().hex[:12]}.partial", info.base_bytes
         )
         self.bases[v] = table, asyncio.create_task(self._fetch_base(self.client, info, table))
         return table
 
-    async def _fetch_base(self, c: Client, info: Version, table: Table) -> None:
+    async def _fetch_base(self, c: Client, info: Version, table: Mirror) -> None:
         v, t0, error = info.version, time.perf_counter(), None
         entry = {"base": {"bytes": info.base_bytes, "part_bytes": info.base_part_bytes, "parts": info.base_parts}}
         try:
@@ -434,7 +435,7 @@ class Relay:
                     asyncio.get_running_loop().call_later(FAILED_S, self._forget, v, table)
             table.close(error)
 
-    def _forget(self, v: int, table: Table) -> None:
+    def _forget(self, v: int, table: Mirror) -> None:
         if self.bases.get(v, (None,))[0] is table:
             del self.bases[v]
 
@@ -451,7 +452,7 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
     """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it."""
-    app = make_app(relay.mirror, token, arriving=relay.arriving, trust=trust(token))  # never a signer
+    app = make_app(relay.mirror, token, arriving=relay.arriving, trust=trust(token), written_here=True)  # no signer
     add_health(app, relay.synced.is_set)  # ready once it has listed upstream and mirrors its versions
 
     @web.middleware

@@ -28,10 +28,8 @@ Files are immutable and content-hashed, so responses carry strong ETags.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import math
 import os
-import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable, Protocol
@@ -39,19 +37,16 @@ from typing import Callable, Protocol
 from aiohttp import web
 
 from sparrowrl.auth.signing import Signer, Verifier, base_statement, piece_statement, table_statement
-from sparrowrl.auth.tokens import ADMIN, Gate, Principal, allowed
+from sparrowrl.auth.tokens import Gate
 from sparrowrl.delta.errors import DeltaError
-from sparrowrl.delta.frame import Pieces
-from sparrowrl.spec.limits import open_regular
-from sparrowrl.store.store import Store, StoreError, Version
+from sparrowrl.store.store import Store, StoreError, Version, listen
+from sparrowrl.transport.http import GATE, auth
+from sparrowrl.transport.pieces import Pieces
 
 MAX_WAIT = 60.0
-OPEN = frozenset({"/healthz", "/readyz"})  # probes (a kubelet's) carry no token, and these say nothing else
 MAX_INDEX = 1 << 62  # versions, piece indexes: far beyond any store, small enough to stay exact
 STORE = web.AppKey("store", Path)
-GATE = web.AppKey("gate", object)  # tokens.Gate, or None: no token, an open (loopback) server
 SIGNER = web.AppKey("signer", object)  # signing.Signer, or None: signatures come from the store
-PRINCIPAL = web.RequestKey("principal", Principal)  # who the request's token names
 MANIFESTS = web.AppKey("manifests", dict)
 CACHE = web.AppKey("cache", dict)
 STOPPING = web.AppKey("stopping", asyncio.Event)
@@ -59,21 +54,33 @@ PIECES = web.AppKey("pieces", dict)
 ARRIVING = web.AppKey("arriving", object)
 SERVED = web.AppKey("served", dict)
 WATCH = web.AppKey("watch", object)
-TICK = 0.01  # how often the one watcher of a store looks for a change, while someone waits for one
+TICK = 0.01  # how often a store written by another process is looked at, while someone waits for a change
 
 
 class Watch:
     """The one way a server waits for its store to change (a new version in the index, a delta
-    growing), however it changes: written by this process (the trainer, a relay) or another
-    (`sparrowrl store add`). One poller per store, running only while a request waits; the
-    long-polls wait on it."""
+    growing). A store written in this process (the trainer's, a relay's) tells it (`poke`, from
+    `store.listen`); one written by another process (`sparrowrl store add` beside `sparrowrl
+    serve`) is polled, by one poller per store that runs only while a request waits."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self._seen = self._look()
+    def __init__(self, path: Path, polled: bool):
+        self.path, self.polled = path, polled
+        self._seen = self._look() if polled else None
         self._event = asyncio.Event()
         self._waiters = 0
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def poke(self) -> None:
+        """The store changed (any thread may say so)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:  # on the loop: the event of whoever waits now
+        self._event.set()
 
     def _look(self) -> tuple:
         try:
@@ -89,7 +96,6 @@ class Watch:
             if (now := self._look()) != self._seen:
                 self._seen = now
                 self._event.set()
-                self._event = asyncio.Event()
             await asyncio.sleep(TICK)
         self._task = None
 
@@ -97,15 +103,18 @@ class Watch:
         """Until the store changes, or `seconds` pass. A change since the last waiter left wakes
         the next at once (a spurious wake at most: callers look again)."""
         event = self._event
-        self._waiters += 1
-        if self._task is None:
-            self._task = asyncio.create_task(self._poll())
-        try:
-            await asyncio.wait_for(event.wait(), max(0.0, seconds))
-        except TimeoutError:
-            pass
-        finally:
-            self._waiters -= 1
+        if not event.is_set():
+            self._waiters += 1
+            if self.polled and self._task is None:
+                self._task = asyncio.create_task(self._poll())
+            try:
+                await asyncio.wait_for(event.wait(), max(0.0, seconds))
+            except TimeoutError:
+                return
+            finally:
+                self._waiters -= 1
+        if event is self._event:  # the first to wake takes the change; the others woke with it
+            self._event = asyncio.Event()
 
 
 def _store(request: web.Request) -> Store:
@@ -127,24 +136,6 @@ def _version(request: web.Request, store: Store) -> int:
     if v not in store.versions:
         raise web.HTTPNotFound(text=f"version {v} is not in the store")
     return v
-
-
-@web.middleware
-async def auth(request: web.Request, handler):
-    """Who the bearer token names (`request[PRINCIPAL]`), and whether that role may do this."""
-    gate: Gate | None = request.app[GATE]
-    if gate is None or request.path in OPEN:
-        request[PRINCIPAL] = ADMIN
-        return await handler(request)
-    who = gate.principal(request.headers.get("Authorization", ""))  # non-UTF-8 bytes arrive surrogate-escaped
-    if who is None:
-        raise web.HTTPUnauthorized(
-            text="missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'}
-        )
-    if (why := allowed(who, request.method, request.path)) is not None:
-        raise web.HTTPForbidden(text=why)
-    request[PRINCIPAL] = who
-    return await handler(request)
 
 
 def base_sig(signer: Signer | None, v: Version) -> str:
@@ -448,18 +439,31 @@ def make_app(
     max_body: int = 1 << 20,
     signer: Signer | None = None,
     trust: Verifier | None = None,
+    written_here: bool = False,
 ) -> web.Application:
     """`token`: this server's own (see `tokens.Gate.of`; `trust` checks role tokens where it is
     not the job's secret). `signer`: the trainer's, which signs what this server lists.
     `arriving(kind, v, start)`: the `Served` for file `kind` ("delta" or "base") of version v
     while it is still arriving (a relay's mirror in flight; with `start`, a request that may
     start a base's fetch), else None: the store answers. `max_body`: the largest request body
-    taken (413 beyond)."""
+    taken (413 beyond). `written_here`: the store is written by this process only (the trainer's,
+    a relay's), which tells the server of each change; otherwise the server polls it."""
     app = web.Application(middlewares=[auth], client_max_size=max_body)
     app[ARRIVING] = arriving
     app[STORE], app[MANIFESTS], app[CACHE] = Path(store), {}, {}
     app[GATE], app[SIGNER] = Gate.of(token, trust), signer
-    app[WATCH] = Watch(Path(store))
+    app[WATCH] = watch = Watch(Path(store), polled=not written_here)
+    if written_here:
+        undo = listen(store, watch.poke)
+
+        async def tell_here(app: web.Application) -> None:
+            watch.start(asyncio.get_running_loop())
+
+        async def stop_telling(app: web.Application) -> None:
+            undo()
+
+        app.on_startup.append(tell_here)
+        app.on_cleanup.append(stop_telling)
     app[STOPPING] = asyncio.Event()
     app[PIECES] = {}
     app[SERVED] = {"delta": 0, "base": 0}
@@ -486,61 +490,3 @@ def make_app(
         ]
     )
     return app
-
-
-class ListenError(Exception):
-    """The address cannot be bound (in use, not this host's, a privileged port)."""
-
-    @classmethod
-    def of(cls, host: str, port: int, e: OSError) -> "ListenError":
-        # asyncio's message repeats the address; the errno says why
-        return cls(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if (e.errno or 0) > 0 else e.strerror}")
-
-
-async def listen(runner: web.AppRunner, host: str, port: int) -> None:
-    """Start `runner` on host:port; ListenError in one line if that address cannot be had."""
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except OSError as e:
-        raise ListenError.of(host, port, e) from None
-
-
-def add_health(app: web.Application, ready: Callable[[], bool]) -> None:
-    """/healthz: the process serves; /readyz: it does its job (`ready()`), 503 until then."""
-
-    async def healthz(_request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def readyz(_request: web.Request) -> web.Response:
-        return web.Response(text="ready") if ready() else web.Response(status=503, text="not ready")
-
-    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz)])
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
-    if cert is None and key is None:
-        return None
-    if cert is None or key is None:
-        raise ValueError("TLS needs both --tls-cert and --tls-key")
-    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):  # ssl's own error does not say which
-        try:
-            open_regular(path, "a PEM file").close()
-        except ValueError as e:
-            raise ValueError(f"{flag} {e}") from None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(cert, key)
-    except ssl.SSLError as e:
-        raise ValueError(
-            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key ({e})"
-        ) from None
-    return ctx

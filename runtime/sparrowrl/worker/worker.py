@@ -25,8 +25,8 @@ from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.transport.client import Client, FetchError
+from sparrowrl.transport.http import GATE, add_health, auth, listen
 from sparrowrl.transport.metrics import add_metrics, family
-from sparrowrl.transport.server import GATE, add_health, auth, listen
 from sparrowrl.worker.engines import Engine, make_engine
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
