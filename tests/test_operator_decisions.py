@@ -15,7 +15,8 @@ from sparrowrl.auth.signing import Verifier, parse_public
 from sparrowrl.auth.tokens import Gate, Principal
 from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl.spec.status import WorkerStatus
-from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile, stamp
+from sparrowrl_operator.conditions import set_condition
+from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, derive_phase, reconcile, stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc)
@@ -439,3 +440,24 @@ def test_how_members_reach_the_trainer(service, node, address):
     else:
         assert plan.status.trainer_address == address
         assert remote[0]["spec"]["containers"][0]["args"][1:3] == ["--upstream", address]  # the relay
+
+
+@pytest.mark.parametrize(
+    ("conditions", "serving", "want"),
+    [
+        ([], False, "Pending"),
+        ([("TrainerReady", False, "Creating")], False, "Pending"),
+        ([("TrainerReady", True, "Ready")], False, "Starting"),
+        ([("TrainerReady", True, "Ready")], True, "Running"),
+        ([("TrainerReady", False, "Restarting")], True, "Restarting"),
+        ([("TrainerReady", False, "Suspended"), ("Suspended", True, "Suspended")], False, "Suspended"),
+        ([("Suspended", False, "Resumed"), ("TrainerReady", True, "Ready")], True, "Running"),
+        ([("Succeeded", True, "Succeeded"), ("TrainerReady", False, "Finished")], False, "Succeeded"),
+        ([("Failed", True, "BackoffLimitExceeded"), ("Suspended", True, "Suspended")], False, "Failed"),
+    ],
+)
+def test_the_phase_is_derived_from_the_conditions_alone(conditions, serving, want):
+    conds = []
+    for type_, status, reason in conditions:
+        conds = set_condition(conds, type_, status, reason, "", "2026-12-02T00:00:00Z")
+    assert derive_phase(conds, serving) == want

@@ -151,6 +151,20 @@ def human_bytes(n: int) -> str:
     return ""
 
 
+def derive_phase(conditions: list, trainer_serving: bool) -> str:
+    """The phase `kubectl get` shows, from the conditions alone (as JobSet derives its terminal
+    state): terminal ones first, then suspension, then how the trainer's pod is."""
+    trainer = find(conditions, "TrainerReady")
+    for type_ in ("Failed", "Succeeded", "Suspended"):
+        if is_true(conditions, type_):
+            return type_
+    if trainer is not None and trainer.reason == "Restarting":
+        return "Restarting"
+    if trainer is not None and trainer.status == "True":
+        return "Running" if trainer_serving else "Starting"  # serving: its own status is past Pending
+    return "Pending"
+
+
 class _Cycle:
     """One reconcile: the plan and the status grow as each part of the job is looked at."""
 
@@ -184,7 +198,7 @@ class _Cycle:
 
     def fail(self, reason: str, message: str) -> None:
         self.transition("Failed", True, reason, message, warning=True)
-        self.update(phase="Failed", completion_time=self.status.completion_time or self.now)
+        self.update(completion_time=self.status.completion_time or self.now)
 
     # --- the parts of a cycle ---
 
@@ -212,13 +226,18 @@ class _Cycle:
         else:
             self.active()
         self.display()
-        self.plan.status = self.status
-        return self.plan
+        return self.done()
 
     def invalid(self, message: str) -> Plan:
         if not self.terminal():  # a finished job's spec no longer matters
             self.fail(INVALID, message)
         self.cleanup_running()
+        return self.done()
+
+    def done(self) -> Plan:
+        """The cycle's status, with its phase derived once, from the conditions."""
+        t = self.obs.trainer
+        self.update(phase=derive_phase(self.status.conditions, t is not None and t.phase != "Pending"))
         self.plan.status = self.status
         return self.plan
 
@@ -254,7 +273,7 @@ class _Cycle:
         self.condition("Suspended", True, "Suspended", "runPolicy.suspend is set")
         self.condition("TrainerReady", False, "Suspended")
         self.condition("RolloutReady", False, "Suspended")
-        self.update(phase="Suspended", active_since=None)
+        self.update(active_since=None)
 
     def active(self) -> None:
         if is_true(self.status.conditions, "Suspended"):
@@ -332,18 +351,15 @@ class _Cycle:
         if pod is None:
             self.create_pod(None, role, self.status.restarts, None)
             self.condition("TrainerReady", False, "Creating", "creating the trainer pod")
-            self.update(phase="Pending")
             return
         n, phase = attempt(pod), phase_of(pod)
         if terminating(pod):  # its successor is created once it is gone (the same name)
             self.condition("TrainerReady", False, "Terminating", f"pod {pod['metadata']['name']} is being deleted")
-            self.update(phase="Pending")
             return
         if phase == "Succeeded":
             self.condition("TrainerReady", False, "Finished", "the trainer finished the job")
             self.transition("Succeeded", True, SUCCEEDED, f"trained {self.spec.steps} steps")
             self.update(
-                phase="Succeeded",
                 completion_time=self.status.completion_time or self.now,
                 # it exits 0 only once every step is trained; its last /v1/status may have been missed
                 progress=self.status.progress.model_copy(
@@ -357,7 +373,6 @@ class _Cycle:
                     "BackoffLimitExceeded", f"the trainer failed {n + 1} times; runPolicy.backoffLimit is {limit}"
                 )
                 return
-            self.update(phase="Restarting")
             self.condition("TrainerReady", False, "Restarting", f"the trainer failed (pod {pod['metadata']['name']})")
             if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
                 self.create_pod(None, role, n + 1, None)
@@ -374,10 +389,6 @@ class _Cycle:
             up,
             "Ready" if up else "NotReady",
             f"pod {pod['metadata']['name']}" + ("" if up else f" is {phase}"),
-        )
-        t = self.obs.trainer
-        self.update(
-            phase="Running" if up and t is not None and t.phase != "Pending" else "Starting" if up else "Pending"
         )
 
     def trainer_address(self) -> str | None:
