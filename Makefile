@@ -16,10 +16,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two processes: most tests wait on processes and sockets of their own; on this workplace's 2-core
-# VM the suite takes 10-12 minutes instead of 18, and CI stays under its 20 (tests/kube.py claims
-# each emulated cluster's addresses against other processes).
+# VM the suite takes 10-12 minutes instead of 18 (tests/support/kube.py claims each emulated
+# cluster's addresses against other processes). Tests in one xdist_group run on one process, one
+# after another: the emulated clusters' end-to-end tests, which would starve each other.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 # The in-process tests only (marker unit: no child processes), about a minute here: the inner loop.
 test-unit: $(STAMP)

@@ -223,11 +223,11 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
     """A relay lists a delta's pieces as they verify, in any order; once stored it lists them in
     file order. A worker that switches lists midway (or servers) lists anew and loses nothing."""
     from sparrowrl.auth.signing import Signer
-    from sparrowrl.transport.relay import Table
+    from sparrowrl.transport.relay import Mirror
     from sparrowrl.transport.server import make_app
 
     path, states = history
-    table = Table("delta", 5, path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
+    table = Mirror("delta", 5, path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
     active = {"on": True}
     app = make_app(
         path,

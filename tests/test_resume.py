@@ -12,14 +12,14 @@ from sparrowrl.spec.job import parse
 from sparrowrl.store.store import Store
 from sparrowrl.trainer import models
 from sparrowrl.trainer.resume import Journal, ResumeError
-from sparrowrl.trainer.trainer import Run
+from sparrowrl.trainer.trainer import Trainer
 from sparrowrl.transport.client import Client
 
 pytestmark = pytest.mark.timeout(300)
 JOB = parse(SPEC).spec
 
 
-def died(run: Run) -> Run:
+def died(run: Trainer) -> Trainer:
     """What a process's death does to what it holds: the kernel closes its files, and its lock
     on the state dir goes (the objects are never used again)."""
     run.learner.held.close()
@@ -27,17 +27,17 @@ def died(run: Run) -> Run:
     return run
 
 
-def restart(run: Run) -> Run:
+def restart(run: Trainer) -> Trainer:
     """The same command again, on the state dir of a trainer that was killed."""
     died(run)
-    return Run(JOB, run.state_dir, token="")
+    return Trainer(JOB, run.state_dir, token="")
 
 
 def results(lease: dict, token: int = 3) -> dict:
     return {str(p["group"]): {"samples": [{"tokens": [token], "logprobs": [-1.0]}] * 2} for p in lease["prompts"]}
 
 
-def body(run: Run, lease: dict, token: int = 3) -> dict:
+def body(run: Trainer, lease: dict, token: int = 3) -> dict:
     return {
         "lease": lease["id"],
         "worker": "w",
@@ -48,7 +48,7 @@ def body(run: Run, lease: dict, token: int = 3) -> dict:
     }
 
 
-async def over_http(run: Run, calls):
+async def over_http(run: Trainer, calls):
     runner, port = await serve(run)
     try:
         async with Client(f"http://127.0.0.1:{port}", attempts=2, backoff=0.01) as c:
@@ -57,7 +57,7 @@ async def over_http(run: Run, calls):
         await runner.cleanup()
 
 
-def step(run: Run) -> dict:
+def step(run: Trainer) -> dict:
     """Batch 0 from two leases over HTTP, then the optimizer step and its checkpoint (not yet
     published): the moment a kill leaves the store one version behind the checkpoint."""
 
@@ -78,7 +78,7 @@ def test_killed_between_checkpoint_and_publish_it_publishes_the_same_bytes(tmp_p
     """The store is never ahead of the checkpoint; a trainer killed after its checkpoint
     publishes that version when it starts again: the weights an uninterrupted trainer
     publishes, bit for bit, under the same delta."""
-    whole, killed = Run(JOB, tmp_path / "whole", token=""), Run(JOB, tmp_path / "killed", token="")
+    whole, killed = Trainer(JOB, tmp_path / "whole", token=""), Trainer(JOB, tmp_path / "killed", token="")
     step(whole)
     whole.learner.publish()
     partial = step(killed)
@@ -100,7 +100,7 @@ def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
     restart the results are there (not generated again), a lease handed out before is still
     the worker's, a retried delivery (its answer lost in the kill) gets the first answer and
     counts once, and no lease id is handed out again."""
-    first = Run(JOB, tmp_path, token="")
+    first = Trainer(JOB, tmp_path, token="")
 
     async def before(c):
         a = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
@@ -130,23 +130,23 @@ def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
 
 
 def test_a_damaged_journal_line_is_refused_with_its_line(tmp_path):
-    died(Run(JOB, tmp_path, token=""))
+    died(Trainer(JOB, tmp_path, token=""))
     path = tmp_path / "journal.jsonl"
     snapshot = path.read_text()
     path.write_text("not json\n" + snapshot)
     with pytest.raises(ResumeError, match=r"journal.jsonl: line 1 is damaged \(not JSON\)"):
-        Journal.read(path, Run.replay)
+        Journal.read(path, Trainer.replay)
     path.write_text(snapshot + '{"events": {"coordinator": [["drop", 1]]}, "results": {}}\n' + snapshot)
     with pytest.raises(ResumeError, match=r"journal.jsonl: line 2 is damaged \(KeyError: 'control'\)"):
-        Journal.read(path, Run.replay)
+        Journal.read(path, Trainer.replay)
     (tmp_path / "journal.jsonl").unlink()
-    died(Run(JOB, tmp_path, token=""))  # killed before its first journal line: a start from v0 again
+    died(Trainer(JOB, tmp_path, token=""))  # killed before its first journal line: a start from v0 again
 
 
 def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):
     """Each request journals its own changes, not the whole state: with 2,000 workers known, a
     commit's line is as short as with one."""
-    run = Run(JOB, tmp_path, token="")
+    run = Trainer(JOB, tmp_path, token="")
     h0 = run.coord.hashes[0]
     sizes = []
     for n in range(2000):
@@ -163,38 +163,38 @@ def test_restarts_are_counted_and_cut_writes_swept(tmp_path):
     """Every process that started counts, also one killed before it journaled anything; the
     temporary folders of writes a kill cut short are removed (only ours, by their names)."""
     for _ in range(3):
-        run = died(Run(JOB, tmp_path, token=""))
+        run = died(Trainer(JOB, tmp_path, token=""))
     assert run.ledger.restarts == 2
     cut = tmp_path / "trainer" / ".v00000001.safetensors.k2x_9abc"  # as atomic_path names it
     stranger = tmp_path / "trainer" / ".notes.k2x_9abc"
     for d in (cut, stranger):
         d.mkdir()
         (d / "f").write_bytes(b"x" * 1000)
-    again = Run(JOB, tmp_path, token="")
+    again = Trainer(JOB, tmp_path, token="")
     assert again.ledger.restarts == 3 and not cut.exists() and (stranger / "f").exists()
 
 
 def test_a_stale_partial_delta_is_removed(tmp_path):
     """A delta a killed trainer was writing would keep its readers waiting: gone on restart."""
-    died(Run(JOB, tmp_path, token=""))
+    died(Trainer(JOB, tmp_path, token=""))
     partial = Store(tmp_path / "store").partial_path(1)
     partial.write_bytes(b"half a delta")
     assert Store(tmp_path / "store").producing() == [1]
-    again = Run(JOB, tmp_path, token="")
+    again = Trainer(JOB, tmp_path, token="")
     assert again.learner.store.producing() == [] and not partial.exists()
 
 
 def test_another_jobs_state_a_stranger_folder_or_a_second_trainer_is_refused(tmp_path):
-    running = Run(JOB, tmp_path / "a", token="")
+    running = Trainer(JOB, tmp_path / "a", token="")
     with pytest.raises(ResumeError, match=r"another trainer is running on it"):
-        Run(JOB, tmp_path / "a", token="")
+        Trainer(JOB, tmp_path / "a", token="")
     died(running)
     other = parse({**SPEC, "spec": {**SPEC["spec"], "steps": 3}}).spec
     with pytest.raises(ResumeError, match=r"holds the state of another job \(spec\.steps differs\)"):
-        Run(other, tmp_path / "a", token="")
+        Trainer(other, tmp_path / "a", token="")
     (tmp_path / "b" / "store").mkdir(parents=True)
     (tmp_path / "b" / "store" / "theirs.txt").write_text("not ours")
     with pytest.raises(ResumeError, match=r"holds 'store' but no job.json: not a trainer's state"):
-        Run(JOB, tmp_path / "b", token="")
+        Trainer(JOB, tmp_path / "b", token="")
     assert (tmp_path / "b" / "store" / "theirs.txt").read_text() == "not ours"
     assert json.loads((tmp_path / "a" / "job.json").read_text())["steps"] == 2

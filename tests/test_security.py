@@ -452,12 +452,12 @@ def test_a_base_listed_in_arrival_order_then_in_file_order_is_not_refused(histor
     """A relay lists a base's parts as they arrive, then (stored) in file order from the same
     index on: the client reads the new order anew, and checks that every part is listed only
     then, not on the answer it will read again."""
-    from sparrowrl.transport.relay import Table
+    from sparrowrl.transport.relay import Mirror
     from sparrowrl.transport.server import make_app
 
     path, states = history
     info = Store(path).versions[0]
-    table = Table("base", 0, path / "bases" / info.base, info.base_bytes)
+    table = Mirror("base", 0, path / "bases" / info.base, info.base_bytes)
     active = {"on": True}
     app = make_app(
         path,

@@ -144,9 +144,11 @@ def test_a_store_written_in_this_process_tells_its_server(tmp_path):
         watch.start(asyncio.get_running_loop())
         waiting = asyncio.create_task(watch.changed(30))
         await asyncio.sleep(0)
-        threading.Thread(target=store.add, args=({"w": mutate(rng, state["w"], 0.1)},)).start()
-        await asyncio.wait_for(waiting, 20)
+        adding = threading.Thread(target=store.add, args=({"w": mutate(rng, state["w"], 0.1)},))
+        adding.start()
+        await asyncio.wait_for(waiting, 20)  # the delta's first chunk, or the index: either tells
         undo()
+        adding.join()
 
     asyncio.run(wait_for_the_tell())
     assert Store(store.path).newest == 1

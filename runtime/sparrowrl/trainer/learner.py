@@ -242,7 +242,11 @@ class Learner:
 
     def _publish_into(self, store: Store | None) -> None:
         new = shard.policy(self.model)
-        shard.publish(store, self.table, self.policy, new, self.spec.sync.cut_through)
+        if self.world == 1:  # the whole policy is here: diff it straight into the store's writer
+            with store.publish(self.table, self.spec.sync.cut_through) as w:
+                w.add((t.name, self.policy[t.name][1].view(t.shape), new[t.name][1].view(t.shape)) for t in self.table)
+        else:  # each rank encodes its shards; rank 0 gathers their records and writes them
+            shard.publish(store, self.table, self.policy, new, self.spec.sync.cut_through)
         if self._agree(store is not None and store.base_due(store.newest)):
             shard.snapshot(store, store.newest if store is not None else 0, self.model)
         self.policy = new
