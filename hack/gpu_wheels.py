@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import zipfile
 from email.parser import Parser
 from pathlib import Path
@@ -146,26 +147,8 @@ def prepare(folder: Path) -> None:
     problems = unmet({f.name: requirements(f) for f in files}, carried, pins(IMAGE))
     if problems:
         raise WheelError("the carried wheels would not import on the GPU machine: " + "; ".join(problems))
-    # as the machine will install them: together, without an index or dependencies, into a folder
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as site:
-        run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--no-index",
-                "--no-deps",
-                "--no-compile",
-                *TARGET,
-                "--target",
-                site,
-                *map(str, files),
-            ]
-        )
+    with tempfile.TemporaryDirectory() as site:  # as the machine will install them
+        pip_install(files, Path(site), *TARGET)
     for f in files:
         print(f"  {f.name}  {f.stat().st_size / 1e6:.1f} MB")
     print(
@@ -182,6 +165,13 @@ def install(folder: Path, site: Path) -> None:
             f"{e}. Run `bash hack/gpu-check.sh --prepare` where there is a package index, and "
             f"carry {folder}/ with the checkout"
         ) from None
+    pip_install(files, site)
+    print(f"installed {len(files)} carried wheels into {site}", flush=True)
+
+
+def pip_install(files: list[Path], site: Path, *tags: str) -> None:
+    """The wheels together, without an index or their dependencies, into `site` (`tags`: for
+    another interpreter than this one)."""
     run(
         [
             sys.executable,
@@ -193,12 +183,12 @@ def install(folder: Path, site: Path) -> None:
             "--no-deps",
             "--no-compile",
             "--no-cache-dir",
+            *tags,
             "--target",
             str(site),
             *map(str, files),
         ]
     )
-    print(f"installed {len(files)} carried wheels into {site}", flush=True)
 
 
 def run(argv: list[str]) -> None:
