@@ -424,7 +424,7 @@ def _touch_floor(states: list[dict[str, torch.Tensor]]) -> float:
 
 def _base_pieces(listing: dict, version: int) -> tuple[int, list]:
     """The size and the parts of `version`'s base, as the version listing gives them."""
-    from sparrowrl.transport.client import Piece
+    from sparrowrl.transport.streams import Piece
 
     b = next(v for v in listing["versions"] if v["version"] == version)["base"]
     return b["bytes"], [

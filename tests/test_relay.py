@@ -74,7 +74,7 @@ def test_a_worker_that_starts_before_its_relay_has_synced_waits_for_it(history, 
                     state, _ = await asyncio.wait_for(fetch, 60)
                     assert same(state, states[6])
                     assert {server for _, server, _ in worker.stats.sources} == {url}  # nothing from the origin
-                    assert worker._server == 0
+                    assert worker.servers.server == 0
             finally:
                 await runner.cleanup()
 
@@ -200,18 +200,18 @@ def test_relay_killed_workers_fall_back(history, tmp_path):
             async with Client(urls, token=TOKEN, backoff=0.05) as c:
                 for _ in range(200):  # the relay has mirrored the newest version
                     try:
-                        if (await c.json("/v1/versions"))["newest"] == 6 and c._server == 0:
+                        if (await c.json("/v1/versions"))["newest"] == 6 and c.servers.server == 0:
                             break
                     except Exception:
                         pass
-                    c._server = 0
+                    c.servers.server = 0
                     await asyncio.sleep(0.1)
                 state, _ = await c.advance(6)
-                assert same(state, states[6]) and c._server == 0  # served by the relay
+                assert same(state, states[6]) and c.servers.server == 0  # served by the relay
                 relay.kill()
                 relay.wait()
                 state, _ = await c.advance(5)
-                assert same(state, states[5]) and c._server == 1  # fell back to the origin
+                assert same(state, states[5]) and c.servers.server == 1  # fell back to the origin
 
         asyncio.run(go())
     finally:
@@ -339,7 +339,7 @@ def test_a_base_the_relay_cannot_fetch_sends_workers_to_the_origin(history, tmp_
         ):
             wan.faults.cut_after, wan.faults.cuts = 0, 10**6  # the relay's link fails after it synced
             state, _ = await worker.advance(6)
-            assert same(state, states[6]) and worker._server == 1
+            assert same(state, states[6]) and worker.servers.server == 1
             failed = relay.relay.bases[4][0]
             assert failed.error
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as curl:
@@ -374,7 +374,7 @@ def test_a_base_pruned_while_fetched_is_dropped(history, tmp_path):
                 states.append({k: mutate(rng, t, 0.02) for k, t in states[-1].items()})
                 await asyncio.to_thread(store.add, states[-1])
             state, _ = await fetch
-            assert same(state, states[6]) and worker._server == 1
+            assert same(state, states[6]) and worker.servers.server == 1
             assert table.error and "dropped" in table.error
             assert 4 not in Store(tmp_path / "mirror").versions
             assert not list((tmp_path / "mirror" / "bases").iterdir())

@@ -29,7 +29,8 @@ from sparrowrl.delta import state_hash
 from sparrowrl.spec.job import parse
 from sparrowrl.store.store import Store
 from sparrowrl.trainer.trainer import Trainer
-from sparrowrl.transport.client import Client, FetchError
+from sparrowrl.transport.client import Client
+from sparrowrl.transport.failover import FetchError
 
 OTHER = "another-job's-secret"
 SIGNER = Signer(TOKEN)

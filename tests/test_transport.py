@@ -17,7 +17,8 @@ from support.servers import EXE, TOKEN, Server, free_port, next_version, paused_
 
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store.store import Store
-from sparrowrl.transport.client import Client, FetchError
+from sparrowrl.transport.client import Client
+from sparrowrl.transport.failover import FetchError
 
 
 def run(coro):
@@ -36,7 +37,7 @@ def test_every_endpoint_wants_the_token(history):
                 "/nowhere",
             ]:
                 for c in (anon, bad):
-                    async with c._session.get(s.url + path) as r:
+                    async with c.servers.session.get(s.url + path) as r:
                         assert r.status == 401, path
                         assert r.headers["WWW-Authenticate"].startswith("Bearer")
 
@@ -52,7 +53,7 @@ def test_ranges_and_bad_requests(history):
         async with Server(path) as s, Client(s.url, token=TOKEN) as c:
 
             def get(p, **h):
-                return c._session.get(s.url + p, headers=h)
+                return c.servers.session.get(s.url + p, headers=h)
 
             async with get("/v1/versions/3/delta", Range="bytes=10-99") as r:
                 assert r.status == 206 and await r.read() == raw[10:100]
@@ -116,7 +117,7 @@ def test_a_server_that_ignores_range_still_serves_each_piece():
     its piece (in bounded reads) and every piece still verifies in place."""
     from aiohttp import web
 
-    from sparrowrl.transport.client import Piece
+    from sparrowrl.transport.streams import Piece
 
     data = os.urandom(3 << 20)
     pieces = [

@@ -467,7 +467,8 @@ def fetch(
     from sparrowrl.delta import state_hash
     from sparrowrl.delta.errors import DeltaError
     from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, check_output, save_state
-    from sparrowrl.transport.client import Client, FetchError
+    from sparrowrl.transport.client import Client
+    from sparrowrl.transport.failover import FetchError
 
     if (base is None) != (base_version is None):
         _fail(ValueError("--base and --base-version go together"))
@@ -752,7 +753,7 @@ def worker(
     import os
 
     from sparrowrl.auth.signing import trust
-    from sparrowrl.transport.client import FetchError
+    from sparrowrl.transport.failover import FetchError
     from sparrowrl.transport.http import ListenError
 
     try:

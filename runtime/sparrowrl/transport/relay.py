@@ -32,10 +32,12 @@ from aiohttp import hdrs, web
 
 from sparrowrl.auth.signing import trust
 from sparrowrl.store.store import Store, StoreError, Version
-from sparrowrl.transport.client import Client, FetchError, Piece
+from sparrowrl.transport.client import Client
+from sparrowrl.transport.failover import FetchError
 from sparrowrl.transport.http import add_health
 from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.transport.server import SERVED, listing_json, make_app, over
+from sparrowrl.transport.streams import Piece
 
 MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
 FAILED_S = 30.0  # how long a failed base fetch is answered with its error before a new one starts

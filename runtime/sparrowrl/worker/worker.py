@@ -24,7 +24,8 @@ from pydantic import BaseModel, Field
 from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
 from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.transport.client import Client, FetchError
+from sparrowrl.transport.client import Client
+from sparrowrl.transport.failover import FetchError
 from sparrowrl.transport.http import GATE, add_health, auth, listen
 from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.worker.engines import Engine, make_engine
@@ -146,7 +147,7 @@ class Worker:
                     item = await self.c.delta(v)
                 self.staged[v] = (item, time.perf_counter() - t0)
                 print(
-                    f"{self.name}: v{v} staged from {self.c.urls[self.c._server]} in {self.staged[v][1]:.2f} s",
+                    f"{self.name}: v{v} staged from {self.c.server_url} in {self.staged[v][1]:.2f} s",
                     flush=True,
                 )
                 self.known = v
