@@ -153,7 +153,7 @@ def test_a_malformed_body_is_refused_with_its_field_before_anything_acts(trainer
 
     asyncio.run(go())
     c = trainer.coord.counts
-    assert (c.admitted, c.verified, list(trainer.coord.leases), trainer.control.seen) == (0, 0, [], {})
+    assert (c.admitted, c.verified, list(trainer.coord.leases), trainer.coord.seen) == (0, 0, [], {})
 
 
 @pytest.mark.usefixtures("address_space_limit")
@@ -240,4 +240,4 @@ def test_worker_names_are_bounded(trainer, monkeypatch):
             await runner.cleanup()
 
     asyncio.run(go())
-    assert sorted(trainer.control.seen) == ["a", "b"]
+    assert sorted(trainer.coord.seen) == ["a", "b"]

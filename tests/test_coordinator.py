@@ -13,9 +13,9 @@ class Clock:
         return self.t
 
 
-def coord(staleness=1, steps=3, per_step=4, per_lease=2):
+def coord(staleness=1, steps=3, per_step=4, per_lease=2, quorum=1):
     clock = Clock()
-    c = Coordinator(per_step, per_lease, lease_seconds=10, staleness=staleness, steps=steps, split="pull", clock=clock)
+    c = Coordinator(per_step, per_lease, 10, staleness=staleness, steps=steps, split="pull", quorum=quorum, clock=clock)
     c.publish(0, "h0")
     return c, clock
 
@@ -123,27 +123,59 @@ def test_changes_replayed_onto_a_snapshot_give_the_state():
     c, clock = coord()
     snapshot = json.loads(json.dumps(c.state()))
     c.changes()
-    a, b = c.work("w1", 0)["lease"], c.work("w2", 0)["lease"]
-    c.submit(a["id"], "w1", 0, "h0", result(a))
-    c.commit("w1", 0, "h0")
+    a, b = c.work("w1", 0, region="eu")["lease"], c.work("w2", 0, region="us")["lease"]
+    c.submit(a["id"], "w1", 0, "h0", result(a), generate_s=1.5)
+    c.commit("w1", 0, "h0", fetch_s=0.5)
     clock.t = 11  # b expires, its groups go to w3
     again = c.work("w3", 0)["lease"]
-    c.submit(b["id"], "w2", 0, "h0", result(b))  # late, nobody had delivered: admitted
+    c.submit(b["id"], "w2", 0, "h0", result(b), generate_s=2.0)  # late, nobody had delivered: admitted
     c.submit(b["id"], "w2", 0, "h0", result(b))  # the same delivery again: the same answer, counted once
     Coordinator.replay(snapshot, json.loads(json.dumps(c.changes())))
     assert snapshot == json.loads(json.dumps(c.state()))
     assert again["groups"] == b["groups"] and (c.counts.admitted, c.counts.discarded_late) == (4, 0)
+    assert snapshot["regions"] == {"w1": "eu", "w2": "us"} and snapshot["first"] == {"w1": 0}
+    assert snapshot["begun"] and snapshot["worker_seconds"] == {"0": 3.5}  # both deliveries' seconds
+    restored, _ = coord()
+    restored.restore(snapshot, taken=0, results={0: c.batches[0].results})
+    assert restored.take(0).worker_seconds == 3.5 and restored.regions == c.regions
+
+
+def test_the_view_reports_each_worker_from_the_coordinators_state():
+    c, clock = coord()
+    lease = c.work("w1", 0, region="eu")["lease"]
+    c.commit("w1", 0, "h0", fetch_s=0.25, refused=2)
+    c.commit("w2", 0, "forged")
+    clock.t = 5
+    c.publish(1, "h1")
+    v = c.view()
+    assert (v.published, v.state_hash, v.started, v.leases_active, v.counts.verified) == (1, "h1", True, 1, 1)
+    w1, w2 = v.workers
+    assert (w1.region, w1.committed, w1.verified, w1.leases, w1.refused, w1.live) == ("eu", (0, "h0"), True, 1, 2, True)
+    assert (w2.verified, w2.leases, w1.seconds_since_seen) == (False, 0, 5)
+    assert c.transfer_s(0) == 0.25 and c.staged(0) and not c.staged(1) and c.behind(1) == ["w1", "w2"]
+    c.counts.verified = 7
+    assert v.counts.verified == 1  # a copy: the report does not move under its reader
+    assert lease["batch"] == 0
 
 
 def test_the_quorum_wait_counts_from_the_first_call_not_the_trainers_start():
     """Workers that take minutes to load their model still start together: the lease period
     that rollouts wait for the rest of the quorum begins when the first worker calls in."""
-    c, clock = coord()
+    c, clock = coord(quorum=3)
     clock.t = 1000.0  # the trainer has been up a long while: nobody has called yet
-    assert not c.waited_a_lease()
-    c.heard("w1")
+    assert not c.started()
+    assert c.work("w1", 0) == {"wait": True}
     clock.t = 1010.0  # exactly a lease period (10 s) later: still waiting for the others
-    assert not c.waited_a_lease()
+    assert c.work("w1", 0) == {"wait": True} and not c.view().started
     c.heard("w2")  # a later call does not restart the wait
     clock.t = 1010.5
-    assert c.waited_a_lease()
+    assert c.view().started and not c.begun  # the view says so without changing anything
+    assert "lease" in c.work("w2", 0) and c.started()
+    assert c.changes()[0] == ["begun"]
+
+
+def test_rollouts_start_when_the_quorum_has_called_in():
+    c, _ = coord(quorum=2)
+    assert c.work("w1", 0) == {"wait": True}
+    assert "lease" in c.work("w2", 0)  # the second of two: everyone starts on batch 0
+    assert "lease" in c.work("w1", 0)

@@ -137,7 +137,7 @@ def test_a_damaged_journal_line_is_refused_with_its_line(tmp_path):
     with pytest.raises(ResumeError, match=r"journal.jsonl: line 1 is damaged \(not JSON\)"):
         Journal.read(path, Trainer.replay)
     path.write_text(snapshot + '{"events": {"coordinator": [["drop", 1]]}, "results": {}}\n' + snapshot)
-    with pytest.raises(ResumeError, match=r"journal.jsonl: line 2 is damaged \(KeyError: 'control'\)"):
+    with pytest.raises(ResumeError, match=r"journal.jsonl: line 2 is damaged \(KeyError: 'ledger'\)"):
         Journal.read(path, Trainer.replay)
     (tmp_path / "journal.jsonl").unlink()
     died(Trainer(JOB, tmp_path, token=""))  # killed before its first journal line: a start from v0 again
@@ -156,7 +156,7 @@ def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):
     assert sizes[-1] < 1000 and sizes[-1] - sizes[0] < 20, (sizes[0], sizes[-1])
     again = restart(run)  # and every commit is still there after a restart
     assert len(again.coord.commits) == 2000 and again.coord.counts.verified == 2000
-    assert len(again.control.workers) == 2000  # awaited, while they back off through the trainer's absence
+    assert len(again.coord.live()) == 2000  # awaited, while they back off through the trainer's absence
 
 
 def test_restarts_are_counted_and_cut_writes_swept(tmp_path):
@@ -198,3 +198,32 @@ def test_another_jobs_state_a_stranger_folder_or_a_second_trainer_is_refused(tmp
         Trainer(JOB, tmp_path / "b", token="")
     assert (tmp_path / "b" / "store" / "theirs.txt").read_text() == "not ours"
     assert json.loads((tmp_path / "a" / "job.json").read_text())["steps"] == 2
+
+
+def test_a_journal_written_when_the_control_plane_kept_the_workers_is_read(tmp_path):
+    """A trainer upgraded in the middle of a job reads its predecessor's journal, which kept
+    the workers' regions, first commits and generation seconds under "control"."""
+    run = Trainer(JOB, tmp_path, token="")
+
+    async def calls(c):
+        lease = (await c.post_json("/v1/work", {"worker": "w", "version": 0, "region": "eu"}))["lease"]
+        await c.post_json("/v1/results", body(run, lease))
+        await c.post_json("/v1/commit", {"worker": "w", "version": 0, "state_hash": run.coord.hashes[0]})
+
+    asyncio.run(over_http(run, calls))
+    path = tmp_path / "journal.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    keys = ("begun", "regions", "first", "worker_seconds")
+    old = {k: lines[0]["snapshot"]["coordinator"].pop(k) for k in keys}
+    old["gen"] = old.pop("worker_seconds")
+    lines[0]["snapshot"]["control"] = old
+    for line in lines[1:]:
+        events = line["events"]
+        moved = [e for e in events["coordinator"] if e[0] in keys]
+        events["coordinator"] = [e for e in events["coordinator"] if e[0] not in keys]
+        events["control"] = [["gen", *e[1:]] if e[0] == "worker_seconds" else e for e in moved]
+    assert any(line["events"]["control"] for line in lines[1:])  # the old journal has something to fold in
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    again = restart(run)
+    c = again.coord
+    assert (c.begun, c.regions, c.first, c.batches[0].worker_seconds) == (True, {"w": "eu"}, {"w": 0}, 0.1)

@@ -13,8 +13,12 @@ so that workers of unequal speed and links finish the batch together (schedule.p
 gives every ask the same `groups_per_lease`, `even` gives each live worker an equal quota of
 each batch. `groups_per_lease` bounds every lease (a lease's results travel in one request).
 
-Pure bookkeeping, no I/O: the trainer's HTTP routes call it, tests call it directly. `state()`
-and `restore()` carry it across a trainer restart (the trainer journals them, see `journal.py`).
+It owns the job's state: leases, admitted results, commits, what each worker said of itself
+(its region, its fetch times, the answers it refused) and when rollouts began, all on one
+injected clock. Everyone else reads it: the trainer's HTTP routes call one method per request
+(control.py), the ledger reports a `view()` of it. Pure bookkeeping, no I/O: tests call it
+directly. `state()` and `restore()` carry it across a trainer restart (the trainer journals
+them, see `resume.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Batch:
     results: dict[int, dict] = field(default_factory=dict)  # group → admitted result
     given: dict[str, int] = field(default_factory=dict)  # worker → groups leased to it
     done: float | None = None  # when its last group was admitted
+    worker_seconds: float = 0.0  # workers' time generating its admitted groups
 
     @property
     def complete(self) -> bool:
@@ -67,6 +72,31 @@ class Counts:
     mismatched: int = 0
 
 
+@dataclass(frozen=True)
+class WorkerView:
+    name: str
+    region: str | None
+    committed: tuple[int, str] | None  # the version it last committed, and its hash
+    verified: bool | None  # whether that hash was the trainer's
+    seconds_since_seen: float
+    leases: int
+    live: bool  # heard from within a lease period
+    refused: int  # answers from its servers that did not verify (it says)
+
+
+@dataclass(frozen=True)
+class View:
+    """The job's state at one moment, for reports: a copy, so readers cannot change it."""
+
+    published: int
+    state_hash: str | None  # the newest version's
+    started: bool
+    counts: Counts
+    lost: int
+    leases_active: int
+    workers: tuple[WorkerView, ...]
+
+
 class Coordinator:
     def __init__(
         self,
@@ -76,10 +106,12 @@ class Coordinator:
         staleness: int,
         steps: int,
         split: Split,
+        quorum: int = 1,
         clock=time.monotonic,
     ):
         self.per_step, self.per_lease, self.lease_seconds = prompts_per_step, groups_per_lease, lease_seconds
         self.staleness, self.steps, self.split, self.clock = staleness, steps, split, clock
+        self.quorum = quorum  # workers that start rollouts together (see `started`)
         self.hashes: dict[int, str] = {}  # published version → state hash
         self.published_at: dict[int, float] = {}
         self.payload: dict[int, int] = {}  # published version → bytes a worker fetches for it
@@ -94,6 +126,11 @@ class Coordinator:
         self.taken = 0  # batches handed to the trainer; their results are let go
         self.next_lease = 1
         self.delivered: dict[int, tuple[str, int, int]] = {}  # lease → (worker, groups admitted, batch), untrained
+        self.regions: dict[str, str] = {}  # worker → the region it says it is in
+        self.first: dict[str, int] = {}  # worker → the first version it committed
+        self.fetched: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
+        self.refused: dict[str, int] = {}  # worker → answers from its servers that did not verify (it says)
+        self.begun = False  # rollouts have started (see `started`)
         self._events: list[list] = []  # changes since `changes()` was last called (the trainer journals them)
 
     @property
@@ -142,12 +179,18 @@ class Coordinator:
         self.counts.requeued += len(back)
         batch.pending = sorted(batch.pending + back)
 
-    def work(self, worker: str, version: int) -> dict:
+    def work(self, worker: str, version: int, region: str | None = None) -> dict:
         """What `worker`, holding `version`, should do next: a lease, a version to reach first,
-        `wait` (everything is leased; ask again when something changes), or `done` with the
-        final version, which the worker should still commit and verify."""
+        `wait` (rollouts have not started, or everything is leased: ask again when something
+        changes), or `done` with the final version, which the worker should still commit and
+        verify."""
         self.expire()
         self.heard(worker)
+        if region and self.regions.get(worker) != region:
+            self.regions[worker] = region
+            self._events.append(["regions", worker, region])
+        if not self.started():
+            return {"wait": True}
         if all(self._batch(b).complete for b in range(self.taken, self.steps)):
             return {"done": self.steps}
         for b in self._open_batches():
@@ -180,10 +223,20 @@ class Coordinator:
             self.speeds[worker] = Speed()
         self.seen[worker] = now
 
-    def waited_a_lease(self) -> bool:
-        """Whether a lease period has passed since the first worker called: rollouts then start
-        with the workers that have (see `Control.started`)."""
-        return self.first_call is not None and self.clock() - self.first_call > self.lease_seconds
+    def _quorate(self) -> bool:
+        waited = self.first_call is not None and self.clock() - self.first_call > self.lease_seconds
+        return len(self.seen) >= self.quorum or waited
+
+    def started(self) -> bool:
+        """Rollouts start once the job's quorum of workers has called in (every worker of the
+        topology, so all of them share the first batch; in a cluster, each placement's
+        minReplicas), or one lease period after the first called in, with those that have. The
+        wait counts from the first call, not from the trainer's start: workers that take long to
+        load their model still start together."""
+        if not self.begun and self._quorate():
+            self.begun = True
+            self._events.append(["begun"])
+        return self.begun
 
     def live(self) -> list[str]:
         """Workers heard from within a lease period: a lost one stops counting."""
@@ -259,7 +312,7 @@ class Coordinator:
         if lease is None:
             if (d := self.delivered.get(lease_id)) and d[0] == worker:  # delivered again (a retry): the same answer
                 return {"admitted": d[1], "batch": d[2], "groups": []}
-            return self._late(lease_id, worker, version, state_hash, results)
+            return self._late(lease_id, worker, version, state_hash, results, generate_s)
         if lease.worker != worker:
             return {"admitted": 0, "refused": f"lease {lease_id} is not {worker}'s"}
         b = lease.batch
@@ -277,9 +330,11 @@ class Coordinator:
         del self.leases[lease_id]
         self._events.append(["drop", lease_id])
         self._measured(worker, results, generate_s)
-        return self._admit(lease_id, worker, b, version, results)
+        return self._admit(lease_id, worker, b, version, results, generate_s)
 
-    def _admit(self, lease_id: int, worker: str, b: int, version: int, results: dict[int, dict]) -> dict:
+    def _admit(
+        self, lease_id: int, worker: str, b: int, version: int, results: dict[int, dict], generate_s: float | None
+    ) -> dict:
         """Keep the results of groups not yet admitted; count the others as discarded late (another
         worker's late results for the same groups came first, or the batch is trained)."""
         batch = self.batches.get(b) if b >= self.taken else None
@@ -291,13 +346,23 @@ class Coordinator:
             batch.pending = [x for x in batch.pending if x not in new]
             if batch.complete:
                 batch.done = self.clock()
+            batch.worker_seconds += generate_s or 0.0
+            self._events.append(["worker_seconds", b, batch.worker_seconds])
         self.counts.admitted += len(new)
         if new:
             self.delivered[lease_id] = (worker, len(new), b)
             self._events.append(["delivered", lease_id, worker, len(new), b])
         return {"admitted": len(new), "batch": b, "groups": sorted(new)}
 
-    def _late(self, lease_id: int, worker: str, version: int, state_hash: str, results: dict[int, dict]) -> dict:
+    def _late(
+        self,
+        lease_id: int,
+        worker: str,
+        version: int,
+        state_hash: str,
+        results: dict[int, dict],
+        generate_s: float | None,
+    ) -> dict:
         """Results of a lease that expired (or that a previous trainer process handed out):
         still good for groups nobody has delivered yet (a slow worker is not wasted), dropped and
         counted for groups already admitted. One lease is one batch's groups."""
@@ -312,22 +377,31 @@ class Coordinator:
             if version < self.min_version(b) or self.hashes.get(version) != state_hash:
                 return not_live
             self._batch(b)
-        ans = self._admit(lease_id, worker, b, version, results)
+        ans = self._admit(lease_id, worker, b, version, results, generate_s)
         return ans if ans["admitted"] else not_live
 
     def refuse(self, lease_id: int, worker: str) -> None:
         """Drop a live lease whose results were refused: its groups go back to the queue."""
+        self.heard(worker)
         lease = self.leases.get(lease_id)
         if lease is not None and lease.worker == worker:
             self._drop(lease, refused=True)
 
-    def commit(self, worker: str, version: int, state_hash: str, fetch_s: float | None = None) -> bool:
-        """A worker reports the weights it now holds, and how long it took to fetch them; True if
-        they are the trainer's, bit for bit."""
+    def commit(
+        self, worker: str, version: int, state_hash: str, fetch_s: float | None = None, refused: int = 0
+    ) -> bool:
+        """A worker reports the weights it now holds, how long it took to fetch them, and how
+        many answers from its servers it has refused so far; True if the weights are the
+        trainer's, bit for bit."""
         ok = self.hashes.get(version) == state_hash
         self.heard(worker)
+        if worker not in self.first:
+            self.first[worker] = version
+            self._events.append(["first", worker, version])
         if fetch_s is not None:
             self.speeds[worker].fetched(self.payload.get(version, 0), fetch_s)
+            self.fetched.setdefault(version, {})[worker] = fetch_s
+        self.refused[worker] = max(self.refused.get(worker, 0), refused)
         if ok:
             self.counts.verified += 1
         else:
@@ -348,6 +422,51 @@ class Coordinator:
         self.counts.trained += len(batch.results)
         return batch
 
+    def staged(self, version: int) -> bool:
+        """Whether every live worker has staged `version` (or started past it)."""
+        staged = self.fetched.get(version, {})
+        return all(
+            w in staged or self.first.get(w, -1) >= version or self.commits.get(w, (-1,))[0] >= version
+            for w in self.live()
+        )
+
+    def transfer_s(self, version: int) -> float | None:
+        """The slowest worker's seconds to stage `version`."""
+        return max(self.fetched.get(version, {}).values(), default=None)
+
+    def behind(self, version: int) -> list[str]:
+        """Live workers that have not committed `version` yet."""
+        return [w for w in self.live() if self.commits.get(w, (-1,))[0] < version]
+
+    def view(self) -> View:
+        now, held, live = self.clock(), {}, set(self.live())
+        for lease in self.leases.values():
+            held[lease.worker] = held.get(lease.worker, 0) + 1
+        workers = []
+        for w in sorted(self.seen):
+            c = self.commits.get(w)
+            workers.append(
+                WorkerView(
+                    name=w,
+                    region=self.regions.get(w),
+                    committed=c,
+                    verified=None if c is None else self.hashes.get(c[0]) == c[1],
+                    seconds_since_seen=now - self.seen[w],
+                    leases=held.get(w, 0),
+                    live=w in live,
+                    refused=self.refused.get(w, 0),
+                )
+            )
+        return View(
+            published=self.published,
+            state_hash=self.hashes.get(self.published),
+            started=self.begun or self._quorate(),
+            counts=Counts(**asdict(self.counts)),
+            lost=self.lost,
+            leases_active=len(self.leases),
+            workers=tuple(workers),
+        )
+
     @property
     def lost(self) -> int:
         """Groups of the batches trained so far that the trainer did not train on: a batch is
@@ -364,6 +483,10 @@ class Coordinator:
             "commits": {w: list(c) for w, c in self.commits.items()},
             "leases": {str(x.id): [x.worker, x.batch, x.groups] for x in self.leases.values()},
             "delivered": {str(k): list(d) for k, d in self.delivered.items()},
+            "begun": self.begun,
+            "regions": dict(self.regions),
+            "first": dict(self.first),
+            "worker_seconds": {str(b): x.worker_seconds for b, x in self.batches.items() if x.worker_seconds},
         }
 
     def changes(self) -> list[list]:
@@ -385,6 +508,10 @@ class Coordinator:
                 state["delivered"][str(e[1])] = e[2:]
             elif kind == "commit":
                 state["commits"][e[1]] = e[2:]
+            elif kind == "begun":
+                state["begun"] = True
+            elif kind in ("regions", "first", "worker_seconds"):  # one key's new value
+                state[kind][str(e[1])] = e[2]
             else:  # counts, next_lease
                 state[kind] = e[1]
 
@@ -392,7 +519,9 @@ class Coordinator:
         """Pick up where a previous trainer process left off: `taken` batches are trained (the
         trainer's checkpoint says how many), `results` are the admitted results of the others
         (batch → group → result). Leases stay live, with a full period from now: their workers
-        could not deliver while the trainer was away. Lease ids are never reused."""
+        could not deliver while the trainer was away. Lease ids are never reused. The workers
+        that had committed count as heard from now: they wait out the trainer's absence (backing
+        off, some for seconds), and the trainer waits for them too, at every row and at the end."""
         self.taken, self.next_lease = taken, state["next_lease"]
         counts = state["counts"]
         if "duplicated" in counts:  # a journal written before the count was named for what it is
@@ -400,12 +529,16 @@ class Coordinator:
         self.counts = Counts(**counts)
         self.counts.batches_trained, self.counts.trained = taken, taken * self.per_step
         self.commits = {w: (c[0], c[1]) for w, c in state["commits"].items()}
+        self.begun, self.regions, self.first = state["begun"], state["regions"], state["first"]
         self.delivered = {int(k): (d[0], d[1], d[2]) for k, d in state["delivered"].items() if d[2] >= taken}
         for b, groups in results.items():
             if b >= taken:
                 batch = self._batch(b)
                 batch.results.update(groups)
                 batch.done = self.clock() if batch.complete else None
+        for b, seconds in state["worker_seconds"].items():
+            if int(b) >= taken:
+                self._batch(int(b)).worker_seconds = seconds
         now = self.clock()
         for k, (worker, b, groups) in state["leases"].items():
             if b >= taken:
@@ -414,3 +547,5 @@ class Coordinator:
             batch = self._batch(b)
             leased = {g for x in self.leases.values() if x.batch == b for g in x.groups}
             batch.pending = [g for g in batch.groups if g not in batch.results and g not in leased]
+        for w in self.commits:
+            self.heard(w)

@@ -6,8 +6,10 @@ coordinator's decisions (coordinator.py):
     POST /v1/results                 a lease's samples, admitted or refused
     POST /v1/commit                  the version a worker now holds and its hash, checked
 
-Each POST acts once per idempotency key (`idempotent`). Every change to the coordinator goes through
-`changed`: the trainer journals it before the request is answered, and whoever waits wakes.
+Each handler parses, calls the coordinator once, journals, answers; the coordinator holds the
+job's state. Each POST acts once per idempotency key (`idempotent`). Every change to the
+coordinator goes through `changed`: the trainer journals it before the request is answered, and
+whoever waits wakes.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def idempotent(model: type[messages.Body]):
                     return web.json_response({"admitted": 0, "refused": reason})
                 raise web.HTTPBadRequest(text=reason) from None
             as_who(body["worker"])
-            if body["worker"] not in self.seen and len(self.seen) >= MAX_WORKERS:
+            if body["worker"] not in self.coord.seen and len(self.coord.seen) >= MAX_WORKERS:
                 raise web.HTTPServiceUnavailable(
                     text=f"{request.path}: the trainer tracks {MAX_WORKERS} workers "
                     f"already; {body['worker']!r} is not one of them"
@@ -92,8 +94,8 @@ def _lease_of(raw: object) -> messages.LeaseOf | None:
 
 
 class Control:
-    """The routes workers call, and what the trainer knows of its workers. `journal(admitted)`
-    records a change (with the (batch, groups) just admitted) before it is answered."""
+    """The routes workers call. `journal(admitted)` records a change to the coordinator (with
+    the (batch, groups) just admitted) before it is answered."""
 
     def __init__(
         self,
@@ -103,15 +105,8 @@ class Control:
         journal: Callable[[tuple[int, list[int]] | None], None],
     ):
         self.spec, self.learner, self.coord, self.journal = spec, learner, coord, journal
-        self.regions: dict[str, str] = {}  # worker → the region it says it is in
-        self.first: dict[str, int] = {}  # worker → the first version it committed
-        self.gen: dict[int, float] = {}  # batch → worker-seconds generating it
-        self.fetch: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
-        self.refused: dict[str, int] = {}  # worker → answers from its servers that did not verify (it says)
         self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `idempotent`
-        self.begun = False  # rollouts have started (see `started`)
         self._changed = asyncio.Event()
-        self._events: list[list] = []  # changes since `changes()` was last called
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -122,32 +117,6 @@ class Control:
             web.post("/v1/results", self.h_results),
             web.post("/v1/commit", self.h_commit),
         ]
-
-    # ---- across a restart ----
-    def state(self) -> dict:
-        return {"begun": self.begun, "regions": self.regions, "first": self.first, "gen": self.gen}
-
-    def changes(self) -> list[list]:
-        """What changed since the last call, as events `replay` applies to a `state`."""
-        events, self._events = self._events, []
-        return events
-
-    @staticmethod
-    def replay(state: dict, events: list[list]) -> None:
-        for kind, *args in events:
-            if kind == "begun":
-                state["begun"] = True
-            else:  # regions, first, gen: one key's new value
-                state[kind][str(args[0])] = args[1]
-
-    def restore(self, state: dict, taken: int) -> None:
-        """After the coordinator's restore. The workers that had committed count as heard from
-        now: they wait out the trainer's absence (backing off, some for seconds), and the
-        trainer waits for them too, at every row and at the end."""
-        self.begun, self.regions, self.first = state["begun"], state["regions"], state["first"]
-        self.gen = {int(b): x for b, x in state["gen"].items() if int(b) >= taken}
-        for w in self.coord.commits:
-            self.coord.heard(w)
 
     # ---- one way to wait for a change ----
     def changed(self, admitted: tuple[int, list[int]] | None = None) -> None:
@@ -162,27 +131,6 @@ class Control:
             await asyncio.wait_for(self._changed.wait(), max(0.0, seconds))
         except TimeoutError:
             pass
-
-    def started(self) -> bool:
-        """Rollouts start once the job's quorum of workers has called in (every worker of the
-        topology, so all of them share the first batch; in a cluster, each placement's
-        minReplicas), or one lease period after the first called in, with those that have. The
-        wait counts from the first call, not from the trainer's start: workers that take long to
-        load their model still start together."""
-        if not self.begun and (len(self.seen) >= self.spec.quorum or self.coord.waited_a_lease()):
-            self.begun = True
-            self._events.append(["begun"])
-        return self.begun
-
-    @property
-    def seen(self) -> dict[str, float]:
-        """Worker → when it last called (the coordinator keeps it: its split counts live workers)."""
-        return self.coord.seen
-
-    @property
-    def workers(self) -> list[str]:
-        """Workers heard from within a lease period: a lost one stops counting."""
-        return self.coord.live()
 
     # ---- the routes ----
     async def h_job(self, request: web.Request) -> web.Response:
@@ -211,13 +159,9 @@ class Control:
 
     @idempotent(messages.Work)
     async def h_work(self, body: dict) -> dict:
-        self.coord.heard(body["worker"])
-        if body["region"] and self.regions.get(body["worker"]) != body["region"]:
-            self.regions[body["worker"]] = body["region"]
-            self._events.append(["regions", body["worker"], body["region"]])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10  # a long poll: wait here for work rather than be asked again
         while True:
-            ans = self.coord.work(body["worker"], body["version"]) if self.started() else {"wait": True}
+            ans = self.coord.work(body["worker"], body["version"], body["region"])
             if "wait" not in ans or time.monotonic() > deadline:
                 break
             await self.until_changed(1.0)
@@ -236,7 +180,6 @@ class Control:
 
     @idempotent(messages.Results)
     async def h_results(self, body: dict) -> dict:
-        self.coord.heard(body["worker"])
         results = body["results"]
         if bad := self._malformed(results):
             self.coord.refuse(body["lease"], body["worker"])
@@ -245,9 +188,6 @@ class Control:
         ans = self.coord.submit(
             body["lease"], body["worker"], body["version"], body["state_hash"], results, body["generate_s"]
         )
-        if ans["admitted"] and ans["groups"]:  # not a repeated delivery
-            self.gen[ans["batch"]] = self.gen.get(ans["batch"], 0.0) + body["generate_s"]
-            self._events.append(["gen", ans["batch"], self.gen[ans["batch"]]])
         self.changed((ans["batch"], ans.pop("groups")) if ans["admitted"] else None)  # admitted: journaled first
         return ans
 
@@ -273,26 +213,15 @@ class Control:
         while body["version"] > self.coord.published and time.monotonic() < deadline:
             # a worker can hold a delta before the trainer has finished storing it
             await self.until_changed(1.0)
-        if body["worker"] not in self.first:
-            self.first[body["worker"]] = body["version"]
-            self._events.append(["first", body["worker"], body["version"]])
-        ok = self.coord.commit(body["worker"], body["version"], body["state_hash"], body.get("fetch_s"))
-        if body["refused"] > self.refused.get(body["worker"], 0):
-            self.refused[body["worker"]] = body["refused"]
+        more_refused = body["refused"] > self.coord.refused.get(body["worker"], 0)
+        ok = self.coord.commit(
+            body["worker"], body["version"], body["state_hash"], body.get("fetch_s"), body["refused"]
+        )
+        if more_refused:
             print(
                 f"trainer: worker {body['worker']} has refused {body['refused']} answers from its servers "
                 f"(its log names them)",
                 flush=True,
             )
-        if body.get("fetch_s") is not None:
-            self.fetch.setdefault(body["version"], {})[body["worker"]] = body["fetch_s"]
         self.changed()
         return {"verified": ok}
-
-    def staged(self, version: int) -> bool:
-        """Whether every live worker has staged `version` (or started past it)."""
-        staged = self.fetch.get(version, {})
-        return all(
-            w in staged or self.first.get(w, -1) >= version or self.coord.commits.get(w, (-1,))[0] >= version
-            for w in self.workers
-        )

@@ -8,6 +8,7 @@ publish the version's delta into the store (served as it is written) → record 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -17,13 +18,20 @@ from sparrowrl.auth.signing import Signer
 from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
-from sparrowrl.trainer import resume
+from sparrowrl.trainer import ledger, resume
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
-from sparrowrl.trainer.ledger import Ledger
 from sparrowrl.transport.http import add_health, listen
 from sparrowrl.transport.metrics import add_metrics
 from sparrowrl.transport.server import SERVED, make_app
+
+
+def _fold_control(state: dict) -> None:
+    """A journal written before the coordinator kept what the control plane knew of workers
+    has that under "control": it goes to the coordinator's state."""
+    if (old := state.pop("control", None)) is not None:
+        old["worker_seconds"] = old.pop("gen")
+        state["coordinator"].update(old)
 
 
 class Trainer:
@@ -34,12 +42,19 @@ class Trainer:
         self.learner = Learner(spec, state_dir)
         s = spec.rollout
         self.coord = Coordinator(
-            spec.grpo.prompts_per_step, s.groups_per_lease, s.lease_seconds, spec.sync.staleness, spec.steps, s.split
+            spec.grpo.prompts_per_step,
+            s.groups_per_lease,
+            s.lease_seconds,
+            spec.sync.staleness,
+            spec.steps,
+            s.split,
+            quorum=spec.quorum,
         )
         for v, entry in self.learner.store.versions.items():
             self.coord.publish(v, entry.state_hash, self.learner.published(v)["payload_bytes"])
         self.control = Control(spec, self.learner, self.coord, self._journal)
-        self.ledger = Ledger(spec, state_dir, self.learner, self.control)
+        self.ledger = ledger.Ledger(state_dir, self.learner)
+        self.served = {"delta": 0, "base": 0}  # what this process's origin sent (its server counts)
         self._resume()
         self.journal = resume.Journal(state_dir / "journal.jsonl")
         self._compact()  # also drops a line a crash cut short
@@ -53,8 +68,8 @@ class Trainer:
             if version:
                 raise resume.ResumeError(f"{path}: missing, and the checkpoint is at v{version}")
             return
+        _fold_control(state)
         self.coord.restore(state["coordinator"], taken=version, results=results)
-        self.control.restore(state["control"], taken=version)
         self.ledger.restore(state["ledger"])
         print(
             f"trainer: resumed at v{version} (restart {self.ledger.restarts}), {len(self.coord.leases)} leases "
@@ -64,13 +79,16 @@ class Trainer:
 
     def _state(self) -> dict:
         """What the journal's snapshot keeps besides admitted results (see resume.py)."""
-        return {"coordinator": self.coord.state(), "control": self.control.state(), "ledger": self.ledger.state()}
+        return {"coordinator": self.coord.state(), "ledger": self.ledger.state(self.served)}
 
     @staticmethod
     def replay(state: dict, events: dict) -> None:
         """Apply one journal line's events to a snapshot (`resume.Journal.read`)."""
         Coordinator.replay(state["coordinator"], events["coordinator"])
-        Control.replay(state["control"], events["control"])
+        if "control" in events:  # see `_fold_control`
+            _fold_control(state)
+            old = [["worker_seconds", *e[1:]] if e[0] == "gen" else e for e in events["control"]]
+            Coordinator.replay(state["coordinator"], old)
         state["ledger"] = events["ledger"]
 
     def _results(self, groups: tuple[int, list[int]] | None = None) -> resume.Results:
@@ -82,16 +100,22 @@ class Trainer:
 
     def _compact(self) -> None:
         """A new journal from a snapshot: the changes so far are in it."""
-        self.coord.changes(), self.control.changes()
+        self.coord.changes()
         self.journal.compact(self._state(), self._results())
 
     def _journal(self, admitted: tuple[int, list[int]] | None) -> None:
         """Every change, before the request that made it is answered."""
-        self.ledger.flush()
+        self.ledger.flush(self.coord)
         self.journal.append(
-            {"coordinator": self.coord.changes(), "control": self.control.changes(), "ledger": self.ledger.state()},
+            {"coordinator": self.coord.changes(), "ledger": self.ledger.state(self.served)},
             self._results(admitted),
         )
+
+    def snapshot(self) -> ledger.Snapshot:
+        return self.ledger.snapshot(self.coord.view(), self.spec.steps, self.served)
+
+    async def h_status(self, request: web.Request) -> web.Response:
+        return web.json_response(ledger.status(self.snapshot()).model_dump())
 
     def app(self, metrics_port: int | None = None, host: str = "127.0.0.1") -> web.Application:
         app = make_app(
@@ -101,18 +125,19 @@ class Trainer:
             signer=Signer(self.token) if self.token else None,  # the trainer vouches for its versions
             written_here=True,  # the learner's store tells the server of each new version
         )
-        app[SERVED].update(self.ledger.sent)  # counted on from a previous process's
-        self.ledger.sent = app[SERVED]
-        app.add_routes([*self.control.routes(), web.get("/v1/status", self.ledger.h_status)])
+        self.served = app[SERVED]
+        app.add_routes([*self.control.routes(), web.get("/v1/status", self.h_status)])
         add_health(app, lambda: self.coord.published >= 0)  # serving version 0 and taking work
-        add_metrics(app, self.ledger.metrics, None if metrics_port is None else (host, metrics_port))
+        add_metrics(
+            app, lambda: ledger.metrics(self.snapshot()), None if metrics_port is None else (host, metrics_port)
+        )
         return app
 
     async def train_loop(self) -> None:
         """From the version the learner holds (0, or where a previous process stopped) to the last."""
-        control, learner, ledger = self.control, self.learner, self.ledger
-        ledger.t_loop = time.perf_counter()
-        ledger.flush()
+        control, learner, book = self.control, self.learner, self.ledger
+        book.t_loop = time.perf_counter()
+        book.flush(self.coord)
         for b in range(learner.version, self.spec.steps):
             t0 = time.perf_counter()
             while (batch := self.coord.take(b)) is None:
@@ -121,7 +146,7 @@ class Trainer:
             control.changed()
             wait = time.perf_counter() - t0
             m = await asyncio.to_thread(learner.train, batch)
-            generate_s = control.gen.pop(b, 0.0) / max(1, len(control.workers))
+            generate_s = batch.worker_seconds / max(1, len(self.coord.live()))
             partial = {
                 "version": b + 1,
                 "step": b,
@@ -136,19 +161,18 @@ class Trainer:
             self.coord.publish(
                 b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
             )
-            ledger.record(partial, extract_s, time.perf_counter() - t0)
+            book.record(partial, extract_s, time.perf_counter() - t0)
             control.changed()
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(
-            self.coord.commits.get(w, (-1,))[0] < self.spec.steps for w in control.workers
-        ):
+        while time.monotonic() < deadline and self.coord.behind(self.spec.steps):
             await control.until_changed(deadline - time.monotonic())
-        ledger.flush(final=True)
+        book.flush(self.coord, final=True)
         learner.save(self.state_dir / "final")
         learner.stop()
-        ledger.summary()
-        ledger.finished = True
+        summary = {**ledger.summary(self.snapshot()), "mode": self.spec.sync.mode}
+        (self.state_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        book.finished = True
         control.changed()
 
 
