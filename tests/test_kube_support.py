@@ -22,7 +22,7 @@ import kopf
 import pytest
 import yaml
 from kubernetes import client, watch
-from support.kube import ApiError, Cluster, clusters, until
+from support.kube import APPLY, ApiError, Cluster, clusters, path, until
 from support.kubelet import Kubelet, kubelets
 
 pytestmark = pytest.mark.kube
@@ -322,6 +322,92 @@ def test_a_watch_sees_every_change_it_selects() -> None:
         assert [e["object"].metadata.name for e in ended] == ["other"] and time.monotonic() - started < 5, (
             "timeoutSeconds ends it"
         )
+
+
+def managed(obj: dict[str, Any]) -> dict[str, Any]:
+    """Each manager's FieldsV1, from managedFields."""
+    return {e["manager"]: e["fieldsV1"] for e in obj["metadata"].get("managedFields", [])}
+
+
+@pytest.mark.timeout(60)
+def test_server_side_apply_creates_merges_and_drops() -> None:
+    """As the operator keeps its objects: an apply creates what is missing, sets again every field
+    it applies, removes what it applied before and no longer applies, leaves others' fields, and
+    writes nothing when nothing changes."""
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cm", "labels": {"app": "x"}}}
+    with clusters("solo") as (c,):
+        made = c.apply(cm | {"data": {"a": "1", "b": "2"}}, manager="op")
+        assert made["metadata"]["uid"] and made["metadata"]["namespace"] == "default"
+        assert managed(made) == {"op": {"f:data": {"f:a": {}, "f:b": {}}, "f:metadata": {"f:labels": {"f:app": {}}}}}
+        assert made["metadata"]["managedFields"][0]["operation"] == "Apply"
+        c.patch("v1/configmaps", "default", "cm", {"data": {"a": "edited", "c": "3"}})  # someone else
+
+        again = c.apply(cm | {"data": {"a": "1"}}, manager="op", force=True)
+        assert again["data"] == {"a": "1", "c": "3"}, "a set again, b dropped (no longer applied), c not ours"
+        assert int(again["metadata"]["resourceVersion"]) > int(made["metadata"]["resourceVersion"])
+        assert managed(again)["op"] == {"f:data": {"f:a": {}}, "f:metadata": {"f:labels": {"f:app": {}}}}
+        same = c.apply(cm | {"data": {"a": "1"}}, manager="op")
+        assert same["metadata"]["resourceVersion"] == again["metadata"]["resourceVersion"], "a no-op writes nothing"
+        other = c.apply({**cm, "metadata": {"name": "cm"}, "data": {"d": "4"}}, manager="other")
+        assert other["data"] == {"a": "1", "c": "3", "d": "4"} and set(managed(other)) == {"op", "other"}
+        assert other["metadata"]["labels"] == {"app": "x"}, "another manager's apply leaves op's fields"
+
+        secret = c.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"t": "b"}})
+        assert secret["data"] == {"t": "Yg=="} and "stringData" not in secret
+        assert managed(secret)["test"] == {"f:data": {"f:t": {}}}
+
+        lb = service("lb", "LoadBalancer", 8080)
+        svc = c.apply(lb)
+        ip, node_port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["nodePort"]
+        lb["spec"]["selector"] = {"app": "other"}
+        svc = c.apply(lb)
+        assert svc["spec"]["selector"] == {"app": "other"} and svc["spec"]["clusterIP"] == ip
+        assert svc["spec"]["ports"][0] == {"port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": node_port}
+
+        yaml_body = "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: from-yaml\ndata:\n  k: v\n"
+        url = "/api/v1/namespaces/default/configmaps/from-yaml?fieldManager=kubectl"
+        assert c.request("PATCH", url, yaml_body, content_type="application/apply-patch+yaml")["data"] == {"k": "v"}
+
+        with pytest.raises(ApiError) as e:
+            c.apply(cm, manager=None)
+        assert e.value.status == 400 and "fieldManager" in e.value.body
+        for name, obj, why in [("cm", {**cm, "kind": "Secret"}, "kind"), ("x", cm, "name")]:
+            with pytest.raises(ApiError) as e:
+                c.request("PATCH", path("v1/configmaps", "default", name) + "?fieldManager=m", obj, APPLY)
+            assert e.value.status == 400 and why in e.value.body
+        assert c.get("v1/configmaps", "default", "x") is None
+
+
+@pytest.mark.timeout(60)
+def test_the_kubernetes_client_applies_and_a_watch_sees_it() -> None:
+    """The kubernetes client's apply (as the operator sends it: JSON as apply-patch+yaml) is 201
+    when it creates, and watchers see ADDED, then MODIFIED only for a change."""
+    with clusters("solo") as (c,):
+        v1 = client.CoreV1Api(c.api())
+        body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "w"}, "data": {"k": "1"}}
+        seen: list[tuple[str, str]] = []
+
+        def changes() -> None:
+            until(lambda: seen, 10, "the watch's first event")
+            for value in ("2", "2", "3"):
+                body["data"]["k"] = value
+                v1.patch_namespaced_config_map(
+                    "w", "default", body, field_manager="kc", force=True, _content_type=APPLY
+                )
+
+        made, status, _ = v1.patch_namespaced_config_map_with_http_info(
+            "w", "default", body, field_manager="kc", _content_type=APPLY
+        )
+        assert status == 201 and made.data == {"k": "1"}
+        thread = threading.Thread(target=changes)
+        thread.start()
+        stream = watch.Watch()
+        for event in stream.stream(v1.list_namespaced_config_map, "default", _request_timeout=20):
+            seen.append((event["type"], event["object"].data["k"]))
+            if event["object"].data["k"] == "3":
+                stream.stop()
+        thread.join(10)
+        assert seen == [("ADDED", "1"), ("MODIFIED", "2"), ("MODIFIED", "3")], "the same apply twice: one change"
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from support.bounded import free_port
-from support.kube import clusters, until
+from support.kube import SERVICES, clusters, until
 from support.operator_run import add_member, operator
 
 pytestmark = pytest.mark.kube
@@ -117,6 +117,69 @@ def test_an_unreachable_member_degrades_the_job_and_the_others_go_on():
         until(lambda: len(names(east, "sparrowrl")) == 3, 30, "the member's pods once it answers")
         until(lambda: condition(home.get(JOBS, "default", "grpo"), "Degraded")["status"] == "False", 30, "not Degraded")
         assert {"MemberUnreachable", "MemberReconnected"} <= reasons(home)
+
+
+def applied_by(obj: dict | None) -> set[str]:
+    """The managers whose server-side applies made the object what it is."""
+    return {
+        e["manager"]
+        for e in ((obj or {}).get("metadata") or {}).get("managedFields") or []
+        if e["operation"] == "Apply"
+    }
+
+
+def applies(cluster) -> int:
+    """Server-side applies the operator has sent to the cluster so far (the emulator records every request)."""
+    return sum(
+        r.method == "PATCH" and r.params.get("fieldManager") == "sparrowrl-operator" for r in list(cluster.emulator)
+    )
+
+
+def service_lists(cluster) -> int:
+    """Lists of Services: the operator makes one per job reconcile, so they count its cycles."""
+    return sum(r.method == "GET" and r.resource == SERVICES and r.name is None for r in list(cluster.emulator))
+
+
+def corrected(cluster) -> set[str]:
+    """What the operator's Corrected Events name (the message up to its colon)."""
+    return {e["message"].split(":")[0] for e in cluster.list("v1/events", "default") if e.get("reason") == "Corrected"}
+
+
+@pytest.mark.timeout(120)
+def test_what_the_operator_decides_is_kept():
+    """Edited behind the operator's back, the trainer's Service and the job's ConfigMap at home and
+    a worker slot's token Secret in a member are applied again as its field manager; once they
+    are as decided, cycles go by without another apply."""
+    with clusters("home", "east") as (home, east), operator(home):
+        add_member(home, east, "east")
+        connected(home, "east")
+        m = "grpo-" + home.create(copy.deepcopy(JOB))["metadata"]["uid"][:5]
+        objects = [
+            (home, "v1/services", "default", "grpo-trainer"),
+            (home, "v1/configmaps", "default", "grpo-job"),
+            (east, "v1/secrets", "sparrowrl", f"{m}-worker-eu-0-token"),
+        ]
+        first = [until(lambda o=o: o[0].get(*o[1:]), 30, f"{o[3]} made") for o in objects]
+        assert all("sparrowrl-operator" in applied_by(o) for o in first)
+        home.patch("v1/services", "default", "grpo-trainer", {"spec": {"ports": [{"name": "http", "port": 9999}]}})
+        home.patch("v1/configmaps", "default", "grpo-job", {"data": {"job.yaml": "edited"}})
+        east.patch("v1/secrets", "sparrowrl", f"{m}-worker-eu-0-token", {"data": {"token": "ZWRpdGVk"}})
+        until(
+            lambda: [p["port"] for p in home.get("v1/services", "default", "grpo-trainer")["spec"]["ports"]] == [8470],
+            30,
+            "the trainer's port as decided",
+        )
+        for (cluster, *key), before in zip(objects[1:], first[1:]):
+            until(lambda c=cluster, k=key, b=before: c.get(*k)["data"] == b["data"], 30, f"{key[-1]} as decided")
+        svc = home.get("v1/services", "default", "grpo-trainer")
+        assert svc["spec"]["ports"][0] == {"name": "http", "port": 8470, "targetPort": "http", "protocol": "TCP"}
+        assert svc["spec"]["clusterIP"] == first[0]["spec"]["clusterIP"], "what the server set stays"
+        assert "sparrowrl-operator" in applied_by(svc)
+        expected = {"Service grpo-trainer", "ConfigMap grpo-job", f"Secret {m}-worker-eu-0-token in cluster east"}
+        assert until(lambda: corrected(home) >= expected and corrected(home), 30, "Corrected Events") == expected
+        sent, cycles = applies(home) + applies(east), service_lists(home)
+        until(lambda: service_lists(home) >= cycles + 3, 30, "three more reconciles")
+        assert applies(home) + applies(east) == sent, "nothing drifted: nothing applied"
 
 
 @pytest.mark.timeout(60)

@@ -15,7 +15,9 @@ from sparrowrl.auth.signing import Verifier, parse_public
 from sparrowrl.auth.tokens import Gate, Principal
 from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl.spec.status import WorkerStatus
+from sparrowrl_operator.builders import merge, stored
 from sparrowrl_operator.conditions import set_condition
+from sparrowrl_operator.handlers import merge_patch, union
 from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, derive_phase, reconcile, stamp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +38,8 @@ def at(seconds: float) -> datetime.datetime:
 
 
 class World:
-    """The clusters as a plan leaves them: created objects exist, deleted ones are gone."""
+    """The clusters as a plan leaves them: created and applied objects exist (as the API server
+    stores them), deleted ones are gone."""
 
     def __init__(self, members=MEMBERS, lb: str | None = "203.0.113.7"):
         self.objects: dict = {}
@@ -55,7 +58,7 @@ class World:
             trainer_service=svc,
             trainer=self.trainer,
             pods={c: [copy.deepcopy(p) for p in ps.values()] for c, ps in self.pods.items() if c in reachable},
-            objects={c: set(o) for c, o in self.objects.items() if c in reachable},
+            objects={c: copy.deepcopy(o) for c, o in self.objects.items() if c in reachable},
         )
 
     def apply(self, plan: Plan, job: dict) -> None:
@@ -63,7 +66,9 @@ class World:
             if m["kind"] == "Pod":
                 self.pods.setdefault(cluster, {}).setdefault(m["metadata"]["name"], m)
             else:
-                self.objects.setdefault(cluster, set()).add((m["kind"], m["metadata"]["name"]))
+                self.objects.setdefault(cluster, {})[m["kind"], m["metadata"]["name"]] = copy.deepcopy(stored(m))
+        for cluster, m in plan.apply:
+            self.objects.setdefault(cluster, {})[m["kind"], m["metadata"]["name"]] = copy.deepcopy(stored(m))
         for cluster, kind, _ns, name in plan.delete:
             assert kind == "Pod"
             self.pods[cluster].pop(name)
@@ -117,11 +122,12 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     plan = w.step(job, 0)
     assert {c for c, _ in plan.create} == {None}  # members wait for the token's Secret, which they get a copy of
     plan = w.step(job, 0)
-    kinds = sorted((c or "home", m["kind"], m["metadata"]["name"]) for c, m in plan.create)
+    made = plan.create + plan.apply  # Services, Secrets and ConfigMaps are applied
+    kinds = sorted((c or "home", m["kind"], m["metadata"]["name"]) for c, m in made)
     assert ("home", "PersistentVolumeClaim", "add-grpo-state") not in kinds  # made in the first cycle
     assert ("eu-west", "Pod", "add-grpo-u-1-worker-eu-1-0") in kinds
     assert ("ap-south", "Secret", "add-grpo-u-1-token") not in kinds  # the job's secret stays with the trainer
-    secrets = {(c, m["metadata"]["name"]): m["stringData"] for c, m in plan.create if m["kind"] == "Secret"}
+    secrets = {(c, m["metadata"]["name"]): m["stringData"] for c, m in made if m["kind"] == "Secret"}
     assert {n for c, n in secrets if c == "ap-south"} == {
         "add-grpo-u-1-relay-ap-token",
         "add-grpo-u-1-worker-ap-0-token",
@@ -159,6 +165,7 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     assert "ownerReferences" not in worker["metadata"]  # no owner across clusters: the finalizer cleans up
     again = w.step(job, 1)
     assert again.create == [] and again.delete == []  # idempotent: a replayed watch changes nothing
+    assert again.apply == [] and again.events == []
 
 
 def test_a_sharded_trainer_gets_shared_memory_for_its_ranks():
@@ -440,6 +447,176 @@ def test_how_members_reach_the_trainer(service, node, address):
     else:
         assert plan.status.trainer_address == address
         assert remote[0]["spec"]["containers"][0]["args"][1:3] == ["--upstream", address]  # the relay
+
+
+def fields_v1(value: dict) -> dict:
+    """FieldsV1 as an API server records an apply of `value`: `f:` per map key, a "." for a map's
+    own presence, `k:` for list items (here by position, which is enough: they are not followed)."""
+    out: dict = {}
+    for k, v in value.items():
+        if isinstance(v, dict):
+            out[f"f:{k}"] = {".": {}, **fields_v1(v)}
+        elif isinstance(v, list):
+            out[f"f:{k}"] = {f'k:{{"i":{i}}}': fields_v1(x) if isinstance(x, dict) else {} for i, x in enumerate(v)}
+        else:
+            out[f"f:{k}"] = {}
+    return out
+
+
+def as_served(obj: dict, extra: dict) -> dict:
+    """An object as a real API server answers a list: no apiVersion and kind, identity metadata,
+    this operator's apply recorded in managedFields, and `extra` merged in (server defaults)."""
+    out = {k: v for k, v in copy.deepcopy(obj).items() if k not in ("apiVersion", "kind")}
+    applied = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
+    applied["metadata"] = {k: v for k, v in obj["metadata"].items() if k not in ("name", "namespace")}
+    out["metadata"] |= {
+        "uid": "x-1",
+        "resourceVersion": "42",
+        "creationTimestamp": "2026-12-01T12:00:00Z",
+        "managedFields": [
+            {
+                "manager": "sparrowrl-operator",
+                "operation": "Apply",
+                "fieldsType": "FieldsV1",
+                "fieldsV1": fields_v1(applied),
+            },
+            {"manager": "kube-controller-manager", "operation": "Update", "fieldsV1": {"f:status": {}}},
+        ],
+    }
+    return merge(out, extra)
+
+
+def settled() -> tuple[World, dict]:
+    """A job whose objects all exist, as the operator applied them."""
+    w, job = World(), body()
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    assert w.step(job, 1).apply == []
+    return w, job
+
+
+def corrected(plan: Plan) -> list[str]:
+    return [m for _, r, m in plan.events if r == "Corrected"]
+
+
+def test_what_the_server_adds_is_no_drift():
+    """Defaults, allocated addresses, identity metadata, managedFields and others' labels: what the
+    operator decides is all there, so nothing is applied, cycle after cycle."""
+    w, job = settled()
+    server = {
+        "Service": {
+            "spec": {
+                "clusterIP": "10.0.0.7",
+                "clusterIPs": ["10.0.0.7"],
+                "sessionAffinity": "None",
+                "ipFamilies": ["IPv4"],
+                "ipFamilyPolicy": "SingleStack",
+                "externalTrafficPolicy": "Cluster",
+            },
+            "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}},
+        },
+        "Secret": {"metadata": {"annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}"}}},
+        "ConfigMap": {"metadata": {"labels": {"team": "rl"}}},
+    }
+    for cluster, objects in w.objects.items():
+        for (kind, _), obj in objects.items():
+            extra = copy.deepcopy(server.get(kind, {}))
+            if kind == "Service":  # a node port in each port (named: merged into the port of that name)
+                extra["spec"]["ports"] = [
+                    {"name": p["name"], "nodePort": 31234 + i} for i, p in enumerate(obj["spec"]["ports"])
+                ]
+            obj.update(as_served(obj, extra))
+    assert w.objects[None]["Secret", "add-grpo-token"]["data"] == {"token": "dG9r"}  # base64, as served
+    assert w.objects[None]["Service", "add-grpo-trainer"]["spec"]["ports"][0]["nodePort"] == 31234
+    for t in (2, 3):
+        plan = w.step(job, t)
+        assert plan.apply == [] and plan.create == [] and corrected(plan) == []
+
+
+@pytest.mark.parametrize(
+    ("cluster", "kind", "name", "edit", "where"),
+    [
+        (None, "Service", "add-grpo-trainer", lambda o: o["spec"]["ports"][0].update(port=9999), "spec.ports[0]"),
+        (None, "Service", "add-grpo-trainer", lambda o: o["spec"].update(type="ClusterIP"), "spec.type"),
+        (None, "Secret", "add-grpo-token", lambda o: o["metadata"]["labels"].pop("sparrowrl.dev/job"), "metadata"),
+        (None, "ConfigMap", "add-grpo-job", lambda o: o["data"].update({"job.yaml": "not: [a job"}), "data"),
+        ("eu-west", "Secret", "add-grpo-u-1-worker-eu-0-token", lambda o: o["data"].update(token="eA=="), "data"),
+        ("eu-west", "Service", "add-grpo-u-1-relay-eu", lambda o: o["spec"].pop("selector"), "spec.selector"),
+    ],
+)
+def test_an_edited_object_is_applied_again(cluster, kind, name, edit, where):
+    w, job = settled()
+    before = copy.deepcopy(w.objects[cluster][kind, name])
+    edit(w.objects[cluster][kind, name])
+    plan = w.step(job, 2)
+    assert [(c, m["kind"], m["metadata"]["name"]) for c, m in plan.apply] == [(cluster, kind, name)]
+    assert plan.create == [] and plan.delete == []
+    assert w.objects[cluster][kind, name] == before  # applied as first decided
+    (message,) = corrected(plan)
+    assert message.startswith(f"{kind} {name}" + (f" in cluster {cluster}" if cluster else "")) and where in message
+    assert w.step(job, 3).apply == []
+
+
+def test_an_object_without_its_labels_is_applied_not_created():
+    """It no longer shows in the operator's labelled lists: applied, it gets them back (a create
+    would have met a 409 and left it so)."""
+    w, job = settled()
+    del w.objects["ap-south"]["Service", "add-grpo-u-1-relay-ap"]
+    plan = w.step(job, 2)
+    assert [(c, m["metadata"]["name"]) for c, m in plan.apply] == [("ap-south", "add-grpo-u-1-relay-ap")]
+    assert corrected(plan) == []  # missing is not drift: its Event would say nothing useful
+
+
+def test_a_field_no_longer_decided_is_dropped():
+    """An annotation the job no longer asks for: its apply removes it. One someone else added
+    (not in this operator's managedFields) is theirs, and no reason to apply."""
+    w, job = World(), body()
+    job["spec"]["trainer"]["service"]["annotations"] = {"lb.example.com/internal": "true"}
+    w.step(job, 0)
+    key = ("Service", "add-grpo-trainer")
+    svc = w.objects[None][key] = as_served(w.objects[None][key], {"metadata": {"annotations": {"mine": "yes"}}})
+    w.step(job, 1)  # the rest of the job's objects
+    assert w.step(job, 2).apply == []
+    job["spec"]["trainer"]["service"]["annotations"] = {}
+    plan = w.step(job, 3)
+    assert [m["metadata"]["name"] for _, m in plan.apply] == ["add-grpo-trainer"]
+    assert "metadata.annotations" in corrected(plan)[0]
+    assert "lb.example.com/internal" in str(svc["metadata"]["managedFields"])
+
+
+def test_the_job_configmap_keeps_the_document_first_written():
+    """The trainer's state belongs to the job as it started: a later change of replicas or
+    runPolicy leaves the ConfigMap alone; an edit of what the CRD keeps immutable is undone,
+    and what was first written around it stays."""
+    w, job = settled()
+    key = ("ConfigMap", "add-grpo-job")
+    first = yaml.safe_load(w.objects[None][key]["data"]["job.yaml"])
+    job["spec"]["placements"][0]["replicas"] = 3
+    job["spec"]["runPolicy"] = {"backoffLimit": 5}
+    plan = w.step(job, 2)
+    assert key not in {(m["kind"], m["metadata"]["name"]) for _, m in plan.apply}
+    assert yaml.safe_load(w.objects[None][key]["data"]["job.yaml"]) == first
+    edited = copy.deepcopy(first)
+    edited["spec"]["steps"], edited["spec"]["model"]["tiny"]["layers"] = 7, 9
+    w.objects[None][key]["data"]["job.yaml"] = yaml.safe_dump(edited)
+    plan = w.step(job, 3)
+    assert [(m["kind"], m["metadata"]["name"]) for _, m in plan.apply] == [key]
+    assert yaml.safe_load(w.objects[None][key]["data"]["job.yaml"]) == first  # placements as first written
+    assert w.step(job, 4).apply == []
+    w.objects[None][key]["data"]["job.yaml"] = "a: &x [1]\nb: *x\n"  # aliases: not what the operator writes
+    w.step(job, 5)
+    assert yaml.safe_load(w.objects[None][key]["data"]["job.yaml"])["spec"] == job["spec"]
+
+
+def test_a_status_patch_brings_either_base_to_the_new_status():
+    """A handler may hold a body older than the status the last cycle wrote (tests/test_operator.py's
+    unreachable member showed it): the patch works from both."""
+    old = {"phase": "Pending", "progress": {"step": 0, "reward": 0.1}, "trainerAddress": "http://a"}
+    written = {"phase": "Running", "progress": {"step": 3, "reward": 0.5}, "restarts": 1}
+    new = {"phase": "Running", "progress": {"step": 4}, "restarts": 1}
+    change = union(merge_patch(old, new), merge_patch(written, new))
+    assert merge(old, change) == new and merge(written, change) == new
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ the trainer's state on a PersistentVolumeClaim, the pod's name and IP from the d
 
 from __future__ import annotations
 
+import base64
 import copy
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,6 +38,8 @@ from sparrowrl_operator.constants import (
 
 PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
 USER = 65532  # the runtime image's user
+JOB_KEY = "job.yaml"  # the job ConfigMap's key
+FIXED = ("managedBy", "steps", "seed", "model", "task", "grpo", "sync")  # immutable by the CRD's CEL rules
 
 
 @dataclass(frozen=True)
@@ -141,15 +144,44 @@ def credentials_secret(job: JobRef, role: Process, secret: str, namespace: str, 
     }
 
 
-def job_config(job: JobRef, spec: dict) -> dict:
-    """The job as the trainer reads it: written once, so the trainer's state always belongs to it."""
-    doc = {"apiVersion": API_VERSION, "kind": "SparrowRLJob", "metadata": {"name": job.name}, "spec": spec}
+def config_name(job: JobRef) -> str:
+    return f"{job.name}-job"
+
+
+def job_config(job: JobRef, spec: dict, written: str | None = None) -> dict:
+    """The job as the trainer reads it; `written`: the document the ConfigMap holds now, if any."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(job, f"{job.name}-job", job.namespace, True),
-        "data": {"job.yaml": yaml.safe_dump(doc, sort_keys=False)},
+        "metadata": _meta(job, config_name(job), job.namespace, True),
+        "data": {JOB_KEY: job_document(job, spec, written)},
     }
+
+
+def job_document(job: JobRef, spec: dict, written: str | None) -> str:
+    """The document first written is kept: the trainer's state belongs to the whole job as it
+    started (its state dir's job.json), and later changes to runPolicy or placements must not make
+    a restarted trainer refuse it. Only what the CRD keeps immutable (FIXED) is restored from the
+    job when someone edited it; a document that is not this job's is written anew."""
+    head = {"apiVersion": API_VERSION, "kind": "SparrowRLJob", "metadata": {"name": job.name}}
+    old = _plain_yaml(written) if written else None
+    if isinstance(old, dict) and isinstance(old.get("spec"), dict) and {k: old.get(k) for k in head} == head:
+        kept = {k: v for k, v in old["spec"].items() if k not in FIXED} | {k: spec[k] for k in FIXED if k in spec}
+        if kept == old["spec"]:
+            return written
+        spec = kept
+    return yaml.safe_dump(head | {"spec": spec}, sort_keys=False)
+
+
+def _plain_yaml(text: str) -> Any:
+    """YAML without anchors and aliases (never in what safe_dump makes of a job), else None: an
+    alias bomb in an edited ConfigMap must not hold the operator."""
+    try:
+        if any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)):
+            return None
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
 
 
 def state_claim(job: JobRef, spec: JobSpec) -> dict:
@@ -248,7 +280,7 @@ def pod(
             {"name": "state", "mountPath": f"{WORKDIR}/state"},
         ]
         volumes = [
-            {"name": "job", "configMap": {"name": f"{job.name}-job"}},
+            {"name": "job", "configMap": {"name": config_name(job)}},
             {"name": "state", "persistentVolumeClaim": {"claimName": f"{job.name}-state"}},
         ]
         if spec.trainer.ranks > 1:  # the ranks' shared memory (NCCL); a pod's own /dev/shm is 64 MiB
@@ -319,6 +351,16 @@ def pod(
     if sched.tolerations:
         manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
     return merge(manifest, template) if template else manifest
+
+
+def stored(manifest: dict) -> dict:
+    """A manifest as the API server stores it: a Secret's write-only stringData moved into its
+    base64 data, what an apply then owns and what an observed Secret is compared with."""
+    if manifest.get("kind") != "Secret" or "stringData" not in manifest:
+        return manifest
+    out = {k: v for k, v in manifest.items() if k != "stringData"}
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in manifest["stringData"].items()}
+    return out | {"data": (manifest.get("data") or {}) | encoded}
 
 
 def merge(base: Any, patch: Any) -> Any:

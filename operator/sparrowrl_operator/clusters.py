@@ -1,6 +1,7 @@
 """The clusters the operator talks to: its own, and the members that SparrowClusters name, each
 through a kubeconfig from a Secret. Objects travel as plain dicts (what the API serves), a
-create that finds the object there is done, a delete that finds it gone is done."""
+create that finds the object there is done, a delete that finds it gone is done, and an apply
+(server-side, as the operator's field manager) makes an object what the operator decides."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from sparrowrl_operator.builders import stored
 from sparrowrl_operator.constants import GROUP, MANAGED_BY_LABEL, MANAGER, VERSION
 
 MAX_KUBECONFIG_BYTES = 64 << 10
+APPLY = "application/apply-patch+yaml"  # server-side apply; JSON is YAML
 TIMEOUT = (5, 30)  # connect, read: an unreachable member must not hold a reconcile for long
 PATHS = {  # kind → (API prefix, plural)
     "Pod": ("/api/v1", "pods"),
@@ -57,7 +60,13 @@ class Kube:
         self.api = api
 
     def _call(
-        self, method: str, path: str, body: dict | None = None, query: list | None = None, ok: tuple[int, ...] = ()
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        query: list | None = None,
+        ok: tuple[int, ...] = (),
+        content_type: str = "application/json",
     ) -> dict | None:
         try:
             request = self.api.param_serialize(
@@ -65,7 +74,7 @@ class Kube:
                 path,
                 query_params=query or [],
                 body=body,
-                header_params={"Content-Type": "application/json", "Accept": "application/json"},
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
                 auth_settings=["BearerToken"],
             )
             r = self.api.call_api(*request, _request_timeout=TIMEOUT)
@@ -94,7 +103,22 @@ class Kube:
         return self._call("GET", _path(kind, namespace, name), ok=(404,))
 
     def create(self, obj: dict) -> None:
+        """For what is made once: pods (replaced, never changed) and the claim (its spec is immutable)."""
         self._call("POST", _path(obj["kind"], obj["metadata"].get("namespace")), body=obj, ok=(409,))
+
+    def apply(self, obj: dict) -> dict | None:
+        """Server-side apply as the operator's field manager, made or updated: every field the
+        operator decides is set (forced: another manager's edit is overruled), what it decided
+        before and no longer does is removed, what others set stays. A Secret goes as stored, so
+        the manager owns its data, not the write-only stringData."""
+        meta = obj["metadata"]
+        return self._call(
+            "PATCH",
+            _path(obj["kind"], meta.get("namespace"), meta["name"]),
+            body=stored(obj),
+            query=[("fieldManager", MANAGER), ("force", "true")],
+            content_type=APPLY,
+        )
 
     def delete(self, kind: str, namespace: str | None, name: str) -> None:
         self._call("DELETE", _path(kind, namespace, name), ok=(404,))

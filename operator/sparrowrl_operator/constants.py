@@ -26,6 +26,7 @@ TRAINER_KEY_KEY = "trainer-key"  # the trainer's public key, beside a relay's or
 
 # Event reasons
 CREATED = "Created"
+CORRECTED = "Corrected"  # an object the operator keeps differed from what it decides, and was applied again
 REPLACED = "Replaced"
 STALE = "StaleWorker"
 UNREACHABLE = "MemberUnreachable"

@@ -83,6 +83,14 @@ def merge_patch(old: dict, new: dict) -> dict:
     return out
 
 
+def union(a: dict, b: dict) -> dict:
+    """Two merge patches toward the same object as one, which brings either's base to it."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = union(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 @dataclass
 class Operator:
     """What the handlers share: the clusters, and one lock per job, so that a timer and a change
@@ -92,6 +100,7 @@ class Operator:
     home: Kube
     members: Members = field(default_factory=Members)
     _locks: dict = field(default_factory=dict)
+    _written: dict[str, dict] = field(default_factory=dict)  # job uid → the status its last cycle wrote
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
     def lock(self, uid: str) -> threading.Lock:
@@ -135,11 +144,7 @@ class Operator:
         token, _ = self.token(job)
         pods = {None: self.home.list("Pod", job.namespace, mine)}
         objects = {
-            None: {
-                (k, o["metadata"]["name"])
-                for k in ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim")
-                for o in self.home.list(k, job.namespace, mine)
-            }
+            None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim"))
         }
         members = {}
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
@@ -151,11 +156,7 @@ class Operator:
             if state.reachable and state.kube:
                 try:
                     pods[name] = state.kube.list("Pod", state.namespace, mine)
-                    objects[name] = {
-                        (k, o["metadata"]["name"])
-                        for k in ("Service", "Secret")
-                        for o in state.kube.list(k, state.namespace, mine)
-                    }
+                    objects[name] = listed(state.kube, state.namespace, mine, ("Service", "Secret"))
                 except Unreachable as e:
                     logger.warning(f"member {name}: {e}")
                     self.members.mark_unreachable(name, str(e))
@@ -176,14 +177,23 @@ class Operator:
         )
 
     def carry_out(self, plan: Plan, body: dict, logger: logging.Logger) -> None:
-        """Creates in order (the home cluster's first), then deletes. A home failure stops the
-        cycle (kopf retries); a member's marks it unreachable, and the others go on."""
-        for cluster, obj in plan.create + [(c, (k, ns, n)) for c, k, ns, n in plan.delete]:
+        """Applies (the home cluster's first: the Secrets, ConfigMap and Services that pods
+        use), then creates in order, then deletes. A home failure stops the cycle (kopf
+        retries); a member's marks it unreachable, and the others go on."""
+        steps = [(c, "apply", o) for c, o in sorted(plan.apply, key=lambda x: x[0] is not None)]
+        steps += [(c, "create", o) for c, o in plan.create]
+        steps += [(c, "delete", (k, ns, n)) for c, k, ns, n in plan.delete]
+        for cluster, verb, obj in steps:
             kube = self.home if cluster is None else (self.members.get(cluster) or MemberState("")).kube
             if kube is None:
                 continue
             try:
-                kube.create(obj) if isinstance(obj, dict) else kube.delete(*obj)
+                if verb == "apply":
+                    kube.apply(obj)
+                elif verb == "create":
+                    kube.create(obj)
+                else:
+                    kube.delete(*obj)
             except Unreachable as e:
                 if cluster is None:
                     raise kopf.TemporaryError(str(e), delay=self.cfg.interval) from None
@@ -195,24 +205,34 @@ class Operator:
             self.home.delete("SparrowRLJob", body["metadata"]["namespace"], body["metadata"]["name"])
 
     def reconcile_job(self, body: dict, patch: kopf.Patch, logger: logging.Logger) -> None:
-        with self.lock(body["metadata"]["uid"]):
+        """One cycle, from the newest status known: a handler's body can predate the status the
+        previous cycle wrote (a timer's body is copied before it waits for the lock, and kopf
+        writes a handler's patch after it returns), and a cycle from an older status would undo
+        conditions and repeat Events. The patch brings either status to the new one."""
+        uid = body["metadata"]["uid"]
+        with self.lock(uid):
+            seen = dict(body.get("status") or {})
+            known = self._written.get(uid, seen)
             for _ in range(2):  # once more when home objects were just made: members wait for the token Secret
-                plan = reconcile(body, self.observe(body, logger), self.cfg.image, self.cfg.backoff)
+                current = {**body, "status": self._written.get(uid, seen)}
+                plan = reconcile(current, self.observe(current, logger), self.cfg.image, self.cfg.backoff)
                 try:
                     self.carry_out(plan, body, logger)
                 finally:  # the status is written even when the home cluster refused a step (kopf retries)
                     if plan.status is not None:
-                        new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
-                        if change := merge_patch(dict(body.get("status") or {}), new):
-                            patch.setdefault("status", {}).update(change)
-                        body = {**body, "status": new}
-                if not any(c is None for c, _ in plan.create):
+                        new = self._written[uid] = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
+                        if change := union(merge_patch(seen, new), merge_patch(known, new)):
+                            patch["status"] = change
+                        else:
+                            patch.pop("status", None)
+                if not any(c is None for c, _ in plan.create + plan.apply):
                     break
 
     def cleanup_job(self, body: dict, logger: logging.Logger) -> None:
         """On delete, behind the finalizer: the job's objects in member clusters (the home
         cluster's go with their owner). A member that does not answer is left to the sweep."""
         uid = body["metadata"]["uid"]
+        self._written.pop(uid, None)
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)
             try:
@@ -296,6 +316,11 @@ class Operator:
 
     def live_uids(self) -> set[str]:
         return {j["metadata"]["uid"] for j in self.home.list("SparrowRLJob", None)}
+
+
+def listed(kube: Kube, namespace: str, labels: dict[str, str], kinds: tuple[str, ...]) -> dict[tuple[str, str], dict]:
+    """The objects of these kinds carrying `labels`, by (kind, name): what drift is judged on."""
+    return {(k, o["metadata"]["name"]): o for k in kinds for o in kube.list(k, namespace, labels)}
 
 
 def sweep(kube: Kube, namespace: str, keep) -> int:

@@ -1,5 +1,5 @@
 """The operator's decisions, as one pure function: a job, what is observed in each cluster and
-from the trainer, and the time → the objects to create and delete, the status, the Events.
+from the trainer, and the time → the objects to create, apply and delete, the status, the Events.
 The kopf handlers only observe, call `reconcile` and carry out its plan; tests call it with
 tables of scenarios. It decides from the current state, never from the event that woke it,
 so running it twice does no harm (watches replay)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -22,8 +22,10 @@ from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.conditions import find, is_true, set_condition
 from sparrowrl_operator.constants import (
     ATTEMPT_LABEL,
+    CORRECTED,
     CREATED,
     INVALID,
+    MANAGER,
     REGION_LABEL,
     REPLACED,
     RESTARTED,
@@ -47,6 +49,7 @@ from sparrowrl_operator.model import (
 )
 
 Cluster = str | None  # a SparrowCluster's name; None: the operator's own
+Key = tuple[str, str]  # kind, name
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Observed:
     now: datetime.datetime
     token: str  # the job's transport token: the Secret's, or a new one
     pods: dict[Cluster, list[dict]] = field(default_factory=dict)  # this job's pods, per reachable cluster
-    objects: dict[Cluster, set[tuple[str, str]]] = field(default_factory=dict)  # (kind, name) that exist
+    objects: dict[Cluster, dict[Key, dict]] = field(default_factory=dict)  # this job's Services, Secrets...
     members: dict[str, Member] = field(default_factory=dict)
     trainer_service: dict | None = None  # for its load balancer's or node port's address
     node_address: str | None = None  # a node's external address, for a NodePort trainer
@@ -81,7 +84,8 @@ class Observed:
 
 @dataclass
 class Plan:
-    create: list[tuple[Cluster, dict]] = field(default_factory=list)
+    create: list[tuple[Cluster, dict]] = field(default_factory=list)  # pods, the state's claim: made once
+    apply: list[tuple[Cluster, dict]] = field(default_factory=list)  # missing or drifted: server-side apply
     delete: list[tuple[Cluster, str, str, str]] = field(default_factory=list)  # cluster, kind, namespace, name
     status: SparrowRLJobStatus | None = None  # None: leave the status alone (another controller manages the job)
     events: list[tuple[Literal["Normal", "Warning"], str, str]] = field(default_factory=list)
@@ -149,6 +153,62 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return ""
+
+
+def unmet(want: Any, have: Any, path: str = "") -> str | None:
+    """The first place where `have` lacks what `want` holds, or None: dicts key by key, each item
+    of a list in some item of the observed list (another manager may add items; the server
+    orders them), anything else equal. Empty maps and lists count as met: the API drops them."""
+    if isinstance(want, (dict, list)) and not want:
+        return None
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return path or "."
+        for k, v in want.items():
+            if (hit := unmet(v, have.get(k), f"{path}.{k}" if path else k)) is not None:
+                return hit
+        return None
+    if isinstance(want, list):
+        if not isinstance(have, list):
+            return path
+        for i, v in enumerate(want):
+            if all(unmet(v, h) is not None for h in have):
+                return f"{path}[{i}]"
+        return None
+    return None if want == have else path
+
+
+def applied_fields(obj: dict) -> dict:
+    """The fields (managedFields' FieldsV1) that this operator's last apply set on `obj`."""
+    out: dict = {}
+    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == MANAGER and entry.get("operation") == "Apply":
+            out = builders.merge(out, entry.get("fieldsV1") or {})
+    return out
+
+
+def dropped(fields: dict, want: dict, path: str = "") -> str | None:
+    """A field applied before (FieldsV1: `f:name` keys; items of lists are not followed) that
+    `want` no longer has: an apply removes it, so it is a difference too."""
+    for key, sub in fields.items():
+        if not key.startswith("f:"):
+            continue
+        name = key[2:]
+        at = f"{path}.{name}" if path else name
+        if name not in want:
+            return at
+        if isinstance(sub, dict) and isinstance(want[name], dict) and (hit := dropped(sub, want[name], at)):
+            return hit
+    return None
+
+
+def drift(desired: dict, observed: dict) -> str | None:
+    """Where the observed object differs from the manifest decided for it, or None. What the server
+    or others add (a cluster IP, defaults, resourceVersion, other labels) is no difference; a Secret
+    is compared as stored (data), and apiVersion and kind are left out (a list's items lack them)."""
+    want = builders.stored(desired)
+    body = {k: v for k, v in want.items() if k not in ("apiVersion", "kind")}
+    return unmet(body, observed) or dropped(applied_fields(observed), want)
 
 
 def derive_phase(conditions: list, trainer_serving: bool) -> str:
@@ -314,18 +374,35 @@ class _Cycle:
         t = self.obs.trainer
         return self.prev.progress.step > 0 or (t is not None and t.phase != "Pending")
 
-    def ensure(self, cluster: Cluster, manifest: dict) -> None:
-        key = (manifest["kind"], manifest["metadata"]["name"])
-        if key not in self.obs.objects.get(cluster, set()):
-            self.plan.create.append((cluster, manifest))
+    def seen(self, cluster: Cluster, kind: str, name: str) -> dict | None:
+        return self.obs.objects.get(cluster, {}).get((kind, name))
+
+    def ensure(self, cluster: Cluster, manifest: dict) -> bool:
+        """The object as decided: a missing one made, a drifted one applied again (not a claim: its
+        spec is immutable). Whether it existed."""
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        seen = self.seen(cluster, kind, name)
+        if seen is None:
+            (self.plan.create if kind == "PersistentVolumeClaim" else self.plan.apply).append((cluster, manifest))
+        elif kind != "PersistentVolumeClaim" and (where := drift(manifest, seen)):
+            self.plan.apply.append((cluster, manifest))
+            self.event(
+                CORRECTED,
+                f"{kind} {name}" + (f" in cluster {cluster}" if cluster else "") + f": {where} differed from "
+                "what the operator decides; applied it again",
+            )
+        return seen is not None
 
     def home_objects(self) -> None:
         job, spec = self.job, self.spec
-        self.ensure(None, builders.token_secret(job, self.obs.token, job.namespace, home=True))
-        self.ensure(None, builders.job_config(job, self.body["spec"]))
-        self.ensure(None, builders.state_claim(job, spec))
-        self.ensure(None, builders.trainer_service(job, spec))
-        missing = [m["kind"] for c, m in self.plan.create if c is None]
+        config = self.seen(None, "ConfigMap", builders.config_name(job)) or {}
+        manifests = [
+            builders.token_secret(job, self.obs.token, job.namespace, home=True),
+            builders.job_config(job, self.body["spec"], (config.get("data") or {}).get(builders.JOB_KEY)),
+            builders.state_claim(job, spec),
+            builders.trainer_service(job, spec),
+        ]
+        missing = [m["kind"] for m in manifests if not self.ensure(None, m)]
         self.condition(
             "Created",
             not missing,

@@ -63,6 +63,8 @@ _IMMUTABLE = (
     "deletionGracePeriodSeconds",
     "generation",
 )
+APPLY = "application/apply-patch+yaml"
+_UNOWNED = ("resourceVersion", "managedFields", *_IMMUTABLE)  # metadata that no apply owns
 
 
 def now() -> str:
@@ -110,6 +112,38 @@ def _encode(secret: dict[str, Any]) -> None:
         secret.setdefault("data", {})[key] = base64.b64encode(value.encode()).decode()
 
 
+def _owned(applied: Mapping[str, Any], top: bool = True) -> dict[str, Any]:
+    """The fields an apply sets, as managedFields' FieldsV1 says them (`f:name` keys; a list is one
+    field here: the emulator replaces lists whole); not apiVersion, kind or identity metadata."""
+    out: dict[str, Any] = {}
+    for key, value in applied.items():
+        if top and key in ("apiVersion", "kind"):
+            continue
+        if top and key == "metadata" and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if k not in _UNOWNED}
+            if not value:
+                continue
+        out[f"f:{key}"] = _owned(value, top=False) if isinstance(value, Mapping) else {}
+    return out
+
+
+def _disown(obj: dict[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+    """Remove from `obj` the fields a manager applied `before` and no longer applies (`after`); a
+    map left empty by it goes too. Other managers' claims on them are not emulated."""
+    for key, sub in before.items():
+        name = key.removeprefix("f:")
+        if key not in after:
+            obj.pop(name, None)
+        elif sub and after[key] and isinstance(obj.get(name), dict):
+            _disown(obj[name], sub, after[key])
+            if not obj[name]:
+                obj.pop(name)
+
+
+def _header(request: kmock.Request, name: str) -> str:
+    return next((v for k, v in request.headers.items() if k.lower() == name.lower()), "")
+
+
 def _merge(target: Any, patch: Any) -> Any:
     """A JSON merge patch (RFC 7386) applied: dicts merge, None deletes, anything else replaces."""
     if not isinstance(patch, Mapping):
@@ -136,7 +170,12 @@ class Emulator(kmock.KubernetesEmulator):
     - patch (JSON merge patch, or JSON patch with `test` ops, as kopf sends): a new
       resourceVersion each time; a stale resourceVersion in a merge patch is a 409, a failed
       `test` a 422; generation counts changes outside metadata and status; `status` changes only
-      through /status, and /status changes only `status`;
+      through /status, and /status changes only `status`; a Service's defaults filled again;
+    - server-side apply (PATCH as application/apply-patch+yaml, JSON or YAML): fieldManager is
+      required (400); the object is created if missing (201), else the applied fields merge into
+      it (maps key by key, lists whole) and the fields that manager applied before and no longer
+      applies are removed; its `metadata.managedFields` entry (operation Apply, FieldsV1) records
+      them; an apply that changes nothing writes nothing;
     - delete: a pod bound to a node (tests/support/kubelet.py binds them) gets a deletionTimestamp and
       stays until its kubelet has killed it and deletes it with gracePeriodSeconds=0;
     - list and watch: labelSelector and fieldSelector; a watch from a resourceVersion sends the
@@ -145,7 +184,9 @@ class Emulator(kmock.KubernetesEmulator):
       GET pods/NAME/log asks `pod_logs` (tests/support/kubelet.py sets it).
 
     Still not emulated: PUT (replace) and deletecollection (404), strategic merge patch (read as
-    a JSON merge patch: lists are replaced), schema validation and other admission, garbage
+    a JSON merge patch: lists are replaced), managedFields of other writes than applies, and so
+    apply conflicts (every apply acts as force=true) and lists merged by key; apply to /status;
+    schema validation and other admission, garbage
     collection by ownerReferences or of a deleted namespace's contents, deletions missed
     between a list and a watch (there is no history, so never a 410), exec/attach/port-forward.
     """
@@ -181,6 +222,11 @@ class Emulator(kmock.KubernetesEmulator):
                 response = await super()._handle(request)
                 response.set_status(201)
                 return response
+            if request.action == kmock.action.UPDATE and _header(request, "Content-Type").startswith(APPLY):
+                created = await self._apply(request, info)
+                response = await kmock.RawHandler._handle(self, request)
+                response.set_status(201 if created else 200)
+                return response
             if request.action == kmock.action.UPDATE:
                 await self._patch(request, info)
             elif not await self._mark_deleted(request):
@@ -196,12 +242,17 @@ class Emulator(kmock.KubernetesEmulator):
         return self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None
 
     def _admit(self, request: kmock.Request, info: kmock.ResourceInfo) -> None:
-        obj = request.data
+        self._admit_object(request.data, request.resource, request.namespace, info)
+
+    def _admit_object(
+        self, obj: Any, resource: kmock.resource, url_namespace: str | None, info: kmock.ResourceInfo
+    ) -> None:
+        """A new object as the API server stores it (changed in place), or an error."""
         if not isinstance(obj, dict):
             raise error(400, "BadRequest", "the body is not a JSON object")
         meta = obj.setdefault("metadata", {})
         if info.namespaced:
-            namespace = request.namespace or meta.get("namespace")
+            namespace = url_namespace or meta.get("namespace")
             if not namespace or meta.get("namespace", namespace) != namespace:
                 raise error(
                     400, "BadRequest", f"the namespace of the object ({meta.get('namespace')}) does not match the URL's"
@@ -218,29 +269,31 @@ class Emulator(kmock.KubernetesEmulator):
         for key in ("deletionTimestamp", "deletionGracePeriodSeconds"):
             meta.pop(key, None)
         meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), creationTimestamp=now(), generation=1)
-        group, version = request.resource.group, request.resource.version
+        group, version = resource.group, resource.version
         obj["apiVersion"] = f"{group}/{version}" if group else version
         obj["kind"] = info.kind
         if "status" in info.subresources:
             obj.pop("status", None)
-        if request.resource == PODS:
+        if resource == PODS:
             obj["status"] = {"phase": "Pending"}
-        if request.resource == SERVICES:
+        if resource == SERVICES:
             self._allocate(obj.setdefault("spec", {}))
-        if request.resource == SECRETS:
+        if resource == SECRETS:
             _encode(obj)
 
-    def _allocate(self, spec: dict[str, Any]) -> None:
-        """What the API server fills in a Service: defaults, the cluster IP, node ports."""
+    def _allocate(self, spec: dict[str, Any], before: Mapping[str, Any] | None = None) -> None:
+        """What the API server fills in a Service: defaults, the cluster IP, node ports (a port
+        that was there `before` keeps its node port)."""
         spec.setdefault("type", "ClusterIP")
         if spec["type"] != "ExternalName" and not spec.get("clusterIP"):
             spec["clusterIP"] = f"127.{self.subnet}.0.{next(self._service_ips)}"
             spec["clusterIPs"] = [spec["clusterIP"]]
+        had = {(p.get("port"), p.get("protocol", "TCP")): p.get("nodePort") for p in (before or {}).get("ports", [])}
         for port in spec.get("ports", []):
             port.setdefault("protocol", "TCP")
             port.setdefault("targetPort", port.get("port"))
             if spec["type"] in ("NodePort", "LoadBalancer") and not port.get("nodePort"):
-                port["nodePort"] = next(self._node_ports)
+                port["nodePort"] = had.get((port.get("port"), port["protocol"])) or next(self._node_ports)
 
     async def _patch(self, request: kmock.Request, info: kmock.ResourceInfo) -> None:
         """Store what the API server would make of the patch, and tell the watchers."""
@@ -264,6 +317,8 @@ class Emulator(kmock.KubernetesEmulator):
             raise error(422, "Invalid", f"the patch does not apply: {e}")
         if request.resource == SECRETS:
             _encode(new)
+        if request.resource == SERVICES and request.subresource is None:
+            self._allocate(new.setdefault("spec", {}), old.get("spec"))
         if request.subresource == "status":
             new = {
                 **{k: v for k, v in old.items() if k != "status"},
@@ -274,6 +329,10 @@ class Emulator(kmock.KubernetesEmulator):
                 **{k: v for k, v in new.items() if k != "status"},
                 **({"status": old["status"]} if "status" in old else {}),
             }
+        await self._write(request, old, new)
+
+    async def _write(self, request: kmock.Request, old: dict[str, Any], new: dict[str, Any]) -> None:
+        """Store the object's new version (identity metadata kept), and tell the watchers."""
         kept = {k: v for k, v in old["metadata"].items() if k in _IMMUTABLE}
         meta = new["metadata"] = kept | {k: v for k, v in (new.get("metadata") or {}).items() if k not in _IMMUTABLE}
         if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
@@ -288,6 +347,82 @@ class Emulator(kmock.KubernetesEmulator):
             if gone:
                 obj.delete()
             await self._buses[request.resource].put({"type": "DELETED" if gone else "MODIFIED", "object": new})
+
+    async def _apply(self, request: kmock.Request, info: kmock.ResourceInfo) -> bool:
+        """Server-side apply (see the class's docstring); whether it created the object."""
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise error(400, "BadRequest", "PATCH requests of type apply require the fieldManager parameter")
+        if request.subresource is not None:
+            raise error(400, "BadRequest", f"apply to {request.subresource} is not emulated")
+        applied = self._applied(request, info)
+        entry = {
+            "manager": manager,
+            "operation": "Apply",
+            "apiVersion": applied["apiVersion"],
+            "time": now(),
+            "fieldsType": "FieldsV1",
+            "fieldsV1": _owned(applied),
+        }
+        old = self._live(request.resource, request.namespace, request.name)
+        if old is None:
+            applied["metadata"]["managedFields"] = [entry]
+            self._admit_object(applied, request.resource, request.namespace, info)
+            async with self._lock:
+                key = (request.resource, applied["metadata"].get("namespace"), request.name)
+                if key in self._objects:
+                    self._objects[key].create(applied)
+                else:
+                    self._objects[key] = applied
+                await self._buses[request.resource].put({"type": "ADDED", "object": self._objects[key].raw})
+            return True
+        old = copy.deepcopy(old)
+        wanted = applied["metadata"].pop("resourceVersion", None)
+        if wanted not in (None, old["metadata"]["resourceVersion"]):
+            raise error(
+                409, "Conflict", "the object has been modified; please apply your changes to the latest version"
+            )
+        entries = old["metadata"].get("managedFields") or []
+        mine = next((e for e in entries if e.get("manager") == manager and e.get("operation") == "Apply"), None)
+        new = copy.deepcopy(old)
+        _disown(new, (mine or {}).get("fieldsV1") or {}, entry["fieldsV1"])
+        new = _merge(new, applied)
+        if request.resource == SERVICES:
+            self._allocate(new.setdefault("spec", {}), old.get("spec"))
+        if "status" in info.subresources:
+            new = {k: v for k, v in new.items() if k != "status"} | (
+                {"status": old["status"]} if "status" in old else {}
+            )
+        if new == old and mine is not None and mine.get("fieldsV1") == entry["fieldsV1"]:
+            return False  # nothing changed: no write, no event
+        new["metadata"]["managedFields"] = [e for e in entries if e is not mine] + [entry]
+        await self._write(request, old, new)
+        return False
+
+    def _applied(self, request: kmock.Request, info: kmock.ResourceInfo) -> dict[str, Any]:
+        """The applied configuration, checked as the API server checks it; a Secret's stringData moved into data."""
+        applied = request.data
+        if applied is None:
+            try:
+                applied = yaml.safe_load(request.text)
+            except yaml.YAMLError as e:
+                raise error(400, "BadRequest", f"the body is not YAML: {e}")
+        if not isinstance(applied, dict):
+            raise error(400, "BadRequest", "the body is not an object")
+        group, version = request.resource.group, request.resource.version
+        if (
+            applied.get("apiVersion") != (f"{group}/{version}" if group else version)
+            or applied.get("kind") != info.kind
+        ):
+            raise error(400, "BadRequest", f"apiVersion and kind must be those of {request.resource}")
+        meta = applied.setdefault("metadata", {})
+        if not isinstance(meta, dict) or meta.setdefault("name", request.name) != request.name:
+            raise error(400, "BadRequest", "metadata.name does not match the URL's")
+        if meta.get("managedFields") is not None:
+            raise error(400, "BadRequest", "metadata.managedFields must be nil")
+        if request.resource == SECRETS:
+            _encode(applied)
+        return applied
 
     async def _mark_deleted(self, request: kmock.Request) -> bool:
         """A pod on a node is only marked: its kubelet kills it, then deletes it for good."""
@@ -636,8 +771,9 @@ class Cluster:
     def request(
         self, method: str, url_path: str, body: Any = None, content_type: str = "application/merge-patch+json"
     ) -> Any:
-        """An HTTP request to the emulator itself (not through the edge); the JSON it answers."""
-        data = None if body is None else json.dumps(body).encode()
+        """An HTTP request to the emulator itself (not through the edge); the JSON it answers. A
+        str body goes as it is (YAML), anything else as JSON."""
+        data = None if body is None else body.encode() if isinstance(body, str) else json.dumps(body).encode()
         req = urllib.request.Request(
             self.internal_url + url_path,
             data=data,
@@ -666,6 +802,17 @@ class Cluster:
         if namespace is None and self.emulator.resources[resource].namespaced:
             namespace = "default"
         return self.request("POST", path(resource, namespace), obj, content_type="application/json")
+
+    def apply(self, obj: Mapping[str, Any], manager: str | None = "test", force: bool = False) -> dict[str, Any]:
+        """Server-side apply of `obj` as `manager` (None: no fieldManager); the stored object."""
+        resource = self.plural(obj["apiVersion"], obj["kind"])
+        namespace = obj.get("metadata", {}).get("namespace") or None
+        if namespace is None and self.emulator.resources[resource].namespaced:
+            namespace = "default"
+        query = {"fieldManager": manager, "force": "true" if force else None}
+        query_text = urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        url_path = path(resource, namespace, obj["metadata"]["name"]) + (f"?{query_text}" if query_text else "")
+        return self.request("PATCH", url_path, obj, content_type=APPLY)
 
     def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object, or None if there is none."""
