@@ -22,7 +22,7 @@ import kopf
 import pytest
 import yaml
 from kubernetes import client, watch
-from support.kube import APPLY, ApiError, Cluster, clusters, path, until
+from support.kube import APPLY, HISTORY, ApiError, Cluster, clusters, path, until
 from support.kubelet import Kubelet, kubelets
 
 pytestmark = pytest.mark.kube
@@ -493,6 +493,15 @@ def test_a_cluster_can_become_unreachable_and_come_back() -> None:
             c.reachable()
             s.settimeout(5)
             assert s.recv(100).startswith(b"HTTP/1.1 200"), "what was held flows once healed"
+
+
+def test_a_long_test_costs_no_more_per_request_than_a_short_one() -> None:
+    """kmock finds each request's reaction by filtering its whole request history: kept whole, a
+    long end-to-end test's cluster spent all its time there. Only the newest are kept."""
+    with clusters("busy") as (c,):
+        for _ in range(3 * HISTORY):
+            assert c.get("v1/namespaces", None, "default")
+        assert HISTORY <= len(list(c.emulator)) <= 2 * HISTORY + 1
 
 
 @pytest.mark.timeout(300)

@@ -157,6 +157,9 @@ def _merge(target: Any, patch: Any) -> Any:
     return out
 
 
+HISTORY = 16  # requests an emulator remembers (see Emulator.__call__): more than are ever being matched at once
+
+
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus what a real API server does that an operator relies on:
@@ -199,6 +202,11 @@ class Emulator(kmock.KubernetesEmulator):
     _node_ports: Iterator[int] = attrs.field(factory=lambda: iter(range(30000, 32768)), init=False)
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock keeps every request, and finds each new one's reaction by filtering that whole
+        # history (`request in view`): over a long test each request cost more than the last,
+        # until the cluster's thread spent all its time there. Only the newest are kept.
+        if len(self._requests) > 2 * HISTORY:
+            del self._requests[:-HISTORY]
         if m := _NAMESPACE_URL.fullmatch(raw_request.path):
             path = f"/api/v1/{_NAMESPACES_ALIAS.plural}{m[1] or ''}{m[2] or ''}"
             raw_request = raw_request.clone(rel_url=raw_request.rel_url.with_path(path, keep_query=True))
