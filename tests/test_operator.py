@@ -129,15 +129,15 @@ def applied_by(obj: dict | None) -> set[str]:
 
 
 def applies(cluster) -> int:
-    """Server-side applies the operator has sent to the cluster so far (the emulator records every request)."""
-    return sum(
-        r.method == "PATCH" and r.params.get("fieldManager") == "sparrowrl-operator" for r in list(cluster.emulator)
-    )
+    """Server-side applies the operator has sent to the cluster so far."""
+    served = cluster.emulator.served
+    return sum(n for r, n in served.items() if r.method == "PATCH" and r.field_manager == "sparrowrl-operator")
 
 
 def service_lists(cluster) -> int:
     """Lists of Services: the operator makes one per job reconcile, so they count its cycles."""
-    return sum(r.method == "GET" and r.resource == SERVICES and r.name is None for r in list(cluster.emulator))
+    served = cluster.emulator.served
+    return sum(n for r, n in served.items() if r.method == "GET" and r.resource == SERVICES and r.name is None)
 
 
 def corrected(cluster) -> set[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import concurrent.futures
 import contextlib
 import copy
@@ -32,7 +33,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, NamedTuple, Self, TypeVar
 
 import aiohttp.web
 import attrs
@@ -157,6 +158,15 @@ def _merge(target: Any, patch: Any) -> Any:
     return out
 
 
+class Served(NamedTuple):
+    """What kind of request an emulator served (the history itself is not kept: see HISTORY)."""
+
+    method: str
+    resource: Any
+    name: str | None
+    field_manager: str | None
+
+
 HISTORY = 16  # requests an emulator remembers (see Emulator.__call__): more than are ever being matched at once
 
 
@@ -200,6 +210,7 @@ class Emulator(kmock.KubernetesEmulator):
     _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     _service_ips: Iterator[int] = attrs.field(factory=lambda: iter(range(1, 255)), init=False)
     _node_ports: Iterator[int] = attrs.field(factory=lambda: iter(range(30000, 32768)), init=False)
+    served: collections.Counter[Served] = attrs.field(factory=collections.Counter, init=False)  # every request, by kind
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         # kmock keeps every request, and finds each new one's reaction by filtering that whole
@@ -215,6 +226,7 @@ class Emulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource == _NAMESPACES_ALIAS:  # in place: kmock's reactions match the request it recorded
             object.__setattr__(request, "resource", NAMESPACES)
+        self.served[Served(request.method, request.resource, request.name, request.params.get("fieldManager"))] += 1
         if request.resource is None or request.resource.plural is None:  # discovery
             return await super()._handle(request)
         if request.resource not in self.resources:
