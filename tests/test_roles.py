@@ -275,3 +275,38 @@ def wait_for(url: str, procs: dict, seconds: float = 240) -> None:
             pass
         assert time.monotonic() < deadline, f"{url} not ready"
         time.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_answers_its_liveness_probe_while_it_loads(tmp_path):
+    """A large model takes minutes to load and write v0: meanwhile the trainer's port says it
+    lives (a kubelet's liveness probe), not that it is ready, and asks callers to come back."""
+    job = {
+        "apiVersion": "sparrowrl.dev/v1alpha1",
+        "kind": "SparrowRLJob",
+        "metadata": {"name": "slow"},
+        "spec": {  # the supervised warm-up stands in for a long load: it runs before v0 is written
+            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 100_000}},
+            "task": {"builtin": "add"},
+        },
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, SPARROWRL_TOKEN="s3cret")
+    args = [EXE, "trainer", "job.yaml", "--state-dir", "state", "--port", str(port)]
+    p = subprocess.Popen(args, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(f"{base}/healthz", {"trainer": p}, 120)
+        assert get(f"{base}/readyz") == 503
+        try:
+            urllib.request.urlopen(f"{base}/v1/work", timeout=5)
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and e.headers["Retry-After"], e.headers  # workers wait on it
+            assert "starting" in e.read().decode()
+        else:
+            raise AssertionError("/v1/work answered while the trainer was loading")
+        assert not (tmp_path / "state" / "store" / "store.json").exists(), "v0 was written already"
+    finally:
+        p.terminate()
+        p.wait(30)

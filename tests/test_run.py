@@ -108,9 +108,12 @@ def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
             "wait_s",
             "payload_bytes",
             "changed_fraction",
+            "completion_tokens_mean",
         ):
             assert x[key] is not None, key
         assert x["behaviour_versions"] == [x["version"] - 1]  # staleness 0
+    steps = [line for line in (d / "logs" / "trainer.log").read_text().splitlines() if line.startswith("trainer: step")]
+    assert [line.split()[2] for line in steps] == [f"{v}/{STEPS}" for v in range(1, STEPS + 1)], steps
     procs = json.loads((d / "processes.json").read_text())
     assert set(procs) == {"trainer", "workers", "relays", "urls"}
     assert set(procs["workers"]) == {"worker-a-0", "worker-b-0"} and set(procs["relays"]) == {"relay-a"}

@@ -121,6 +121,19 @@ class Ledger:
         )
 
 
+def step_line(row: dict, steps: int) -> str:
+    """The trainer's log line for a published version: what a user watches a job by."""
+    kl = f" kl {row['kl']:.4f}" if "kl" in row else ""
+    lr = f" lr {row['lr']:.3g}" if "lr" in row else ""
+    failed = sum((row.get("reward_failed") or {}).values())
+    return (
+        f"trainer: step {row['version']}/{steps} reward {row['reward_mean']:.3f} loss {row['loss']:.4f}{kl}{lr} "
+        f"len {row['completion_tokens_mean']:.1f} {row['tokens'] / max(row['step_s'], 1e-9):,.0f} tok/s "
+        f"payload {row['payload_bytes']:,} B ({row['changed_fraction']:.2%} changed) {row['step_s']:.2f} s"
+        + (f" rewards failed {failed}" if failed else "")
+    )
+
+
 # ---- /v1/status, /metrics, summary.json: pure functions of a snapshot ----
 def status(s: Snapshot) -> JobStatus:
     rows, job, c = s.rows, s.job, s.job.counts
@@ -207,6 +220,19 @@ def metrics(snap: Snapshot) -> list:
             "The last step's time, by phase",
             by=("phase", {p: last[f"{p}_s"] for p in PHASES if last.get(f"{p}_s") is not None}),
         ),
+        family("gauge", "reward", "The last step's mean reward", last.get("reward_mean")),
+        family("gauge", "loss", "The last step's policy loss", last.get("loss")),
+        family("gauge", "kl", "The last step's KL to the reference (with grpo.klCoef > 0)", last.get("kl")),
+        family("gauge", "learning_rate", "The last step's learning rate", last.get("lr")),
+        family(
+            "gauge", "completion_tokens", "The last step's mean completion length", last.get("completion_tokens_mean")
+        ),
+        family(
+            "counter",
+            "rewards_failed",
+            "Samples whose reward failed (scored as failed), by how",
+            by=("kind", _failed(snap.rows)),
+        ),
         family("gauge", "changed_fraction", "Share of elements the last step changed", s.last_changed_fraction),
         family("gauge", "payload_bytes", "Bytes the last step shipped", s.last_payload_bytes),
         family(
@@ -216,6 +242,15 @@ def metrics(snap: Snapshot) -> list:
             by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None}),
         ),
     ]
+
+
+def _failed(rows: list[dict]) -> dict[str, int]:
+    """Rewards that failed over the whole job, by kind (each row has its step's)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        for kind, n in (r.get("reward_failed") or {}).items():
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 def summary(s: Snapshot) -> dict:

@@ -151,6 +151,7 @@ class Trainer:
                 "version": b + 1,
                 "step": b,
                 **m,
+                "completion_tokens_mean": m["tokens"] / (self.spec.grpo.prompts_per_step * self.spec.grpo.group_size),
                 "generate_s": generate_s,
                 "wait_s": wait,
                 "rollout_s": batch.done - (batch.opened or batch.done),
@@ -162,6 +163,7 @@ class Trainer:
                 b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
             )
             book.record(partial, extract_s, time.perf_counter() - t0)
+            print(ledger.step_line(book.rows[b + 1], self.spec.steps), flush=True)
             control.changed()
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
@@ -176,10 +178,31 @@ class Trainer:
         control.changed()
 
 
+def starting_app() -> web.Application:
+    """What answers on the trainer's port while it loads its model and writes v0 (minutes for a
+    large model): /healthz says the process lives, so a liveness probe does not kill it; /readyz
+    and everything else answer 503 with Retry-After, which workers wait on."""
+
+    async def starting(request: web.Request) -> web.Response:
+        return web.Response(status=503, headers={"Retry-After": "2"}, text="trainer: starting (loading the model)")
+
+    app = web.Application()
+    add_health(app, lambda: False)
+    app.router.add_route("*", "/{tail:.*}", starting)
+    return app
+
+
 async def serve(
     spec: JobSpec, state_dir: Path, host: str, port: int, token: str, metrics_port: int | None = None
 ) -> None:
-    run = Trainer(spec, state_dir, token)
+    early = web.AppRunner(starting_app())
+    await early.setup()
+    await listen(early, host, port)
+    print(f"trainer: starting on {host}:{port}", flush=True)
+    try:
+        run = await asyncio.to_thread(Trainer, spec, state_dir, token)
+    finally:
+        await early.cleanup()  # the port is free again, for the trainer's own server at once
     runner = web.AppRunner(run.app(metrics_port, host))
     await runner.setup()
     await listen(runner, host, port)

@@ -1,0 +1,58 @@
+"""What a user watches a job by: the trainer's line per step and its Prometheus gauges, as pure
+functions of the ledger's snapshot."""
+
+from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.trainer import ledger
+
+
+def row(version: int, **extra) -> dict:
+    return {
+        "version": version,
+        "reward_mean": 0.25 * version,
+        "loss": -0.5,
+        "tokens": 96,
+        "completion_tokens_mean": 3.0,
+        "step_s": 2.0,
+        "payload_bytes": 1234,
+        "changed_fraction": 0.0125,
+        **extra,
+    }
+
+
+def snapshot(rows: list[dict]) -> ledger.Snapshot:
+    c = Coordinator(4, 1, 10, staleness=1, steps=10, split="pull")
+    c.publish(len(rows), "h")
+    return ledger.Snapshot(c.view(), 10, rows, 5.0, {"delta": 0, "base": 0}, 0, False)
+
+
+def samples(snap: ledger.Snapshot) -> dict:
+    return {
+        (s.name, *s.labels.values()): s.value
+        for family in ledger.metrics(snap)
+        for s in family.samples
+        if s.name.startswith("sparrowrl_")
+    }
+
+
+def test_the_last_steps_reward_loss_kl_and_length_are_gauges_and_failed_rewards_add_up():
+    rows = [
+        row(1, reward_failed={"raised": 2}),
+        row(2, kl=0.02, lr=3e-4, completion_tokens_mean=2.5, reward_failed={"raised": 1, "timeout": 4}),
+    ]
+    m = samples(snapshot(rows))
+    assert m["sparrowrl_reward",] == 0.5 and m["sparrowrl_loss",] == -0.5 and m["sparrowrl_kl",] == 0.02
+    assert m["sparrowrl_learning_rate",] == 3e-4 and m["sparrowrl_completion_tokens",] == 2.5
+    assert m["sparrowrl_rewards_failed_total", "raised"] == 3 and m["sparrowrl_rewards_failed_total", "timeout"] == 4
+
+
+def test_before_the_first_step_the_gauges_are_absent_not_zero():
+    m = samples(snapshot([]))
+    assert not {k for k in m if k[0] in ("sparrowrl_reward", "sparrowrl_loss", "sparrowrl_completion_tokens")}
+
+
+def test_one_line_per_step_says_what_a_user_watches():
+    line = ledger.step_line(row(3, kl=0.0123, reward_failed={"timeout": 2}), 10)
+    assert line.startswith("trainer: step 3/10 reward 0.750 loss -0.5000 kl 0.0123")
+    assert "48 tok/s" in line and "payload 1,234 B (1.25% changed)" in line and "2.00 s" in line
+    assert line.endswith("rewards failed 2")
+    assert "kl" not in ledger.step_line(row(3), 10) and "failed" not in ledger.step_line(row(3), 10)
