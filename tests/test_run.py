@@ -14,7 +14,9 @@ import yaml
 from safetensors import safe_open
 from support.servers import EXE
 
+from sparrowrl.delta import state_hash
 from sparrowrl.store.store import Store
+from sparrowrl.trainer import models
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +37,7 @@ def job(mode: str, **spec) -> dict:
             "grpo": {"learningRate": 1e-3, "groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
             "rollout": {"groupsPerLease": 1},
             "sync": {"mode": mode, "staleness": 0, "baseEvery": 2},
+            "export": {"every": 2, "tensorBoard": True},
             "topology": {"regions": [{"name": "a", "workers": 1}, {"name": "b", "workers": 1, "relay": False}]},
             **spec,
         },
@@ -122,6 +125,28 @@ def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
     for png in ("reward.png", "step_time.png", "payload.png"):
         assert (d / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "weights verified / mismatched" in r.stdout and "8 / 0" in r.stdout
+
+
+def test_exports_are_the_policy_rollouts_ran_and_tensorboard_has_each_step(runs):
+    """export.every 2 of 3 steps: v2, as the store holds it, a folder transformers loads; the
+    state hash it names is the store's, and its tensors hash to it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM
+
+    _, d = runs["sparse"]
+    assert sorted(p.name for p in (d / "exports").iterdir()) == ["step-00000002"]
+    out = d / "exports" / "step-00000002"
+    info = json.loads((out / "sparrowrl.json").read_text())
+    assert info == {"version": 2, "state_hash": Store(d / "store").versions[2].state_hash}
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert model.dtype == torch.bfloat16
+    assert state_hash(models.policy_state(model)) == info["state_hash"]
+    board = EventAccumulator(str(d / "tensorboard"))
+    board.Reload()
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [(e.step, e.value) for e in board.Scalars("reward/mean")] == [
+        (r["version"], pytest.approx(r["reward_mean"])) for r in rows
+    ]
 
 
 @pytest.mark.parametrize("mode", ["sparse", "full"])

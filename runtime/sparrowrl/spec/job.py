@@ -174,6 +174,24 @@ class SyncSpec(_Spec):
     )
 
 
+class ExportSpec(_Spec):
+    """What the trainer writes for its user besides its state (which `final/` ends)."""
+
+    every: int = Field(
+        0,
+        ge=0,
+        le=10_000_000,
+        description=(
+            "Every this many steps, the policy rollouts ran at that version as a Hugging Face folder (bf16, "
+            "verified by its state hash), in path/step-NNNNNNNN; 0: none."
+        ),
+    )
+    path: Text | None = Field(None, description="Where exports go; default: the state dir's exports/.")
+    tensor_board: bool = Field(
+        False, description="Each step's metrics as TensorBoard scalars in the state dir's tensorboard/."
+    )
+
+
 class RegionSpec(_Spec):
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$", max_length=32)
     workers: int = Field(1, ge=0, le=64)
@@ -239,6 +257,7 @@ class JobSpec(_Spec):
     grpo: GrpoSpec = GrpoSpec()
     rollout: RolloutSpec = RolloutSpec()
     sync: SyncSpec = SyncSpec()
+    export: ExportSpec = ExportSpec()
     topology: TopologySpec = TopologySpec()
     image: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")] | None = Field(
         None, description=("The runtime image of the job's pods; default: the operator's.")

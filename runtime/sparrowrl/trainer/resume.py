@@ -46,6 +46,8 @@ OWNED = (
     "metrics.jsonl",
     "summary.json",
     "final",
+    "exports",
+    "tensorboard",
 )
 # the folders `atomic_path` writes in before its rename, which a kill leaves behind: (where, whose name)
 _TEMPORARY = (

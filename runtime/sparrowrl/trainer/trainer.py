@@ -21,6 +21,7 @@ from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer import ledger, resume
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
+from sparrowrl.trainer.outputs import Outputs
 from sparrowrl.transport.http import add_health, listen
 from sparrowrl.transport.metrics import add_metrics
 from sparrowrl.transport.server import SERVED, make_app
@@ -55,6 +56,7 @@ class Trainer:
         self.control = Control(spec, self.learner, self.coord, self._journal)
         self.ledger = ledger.Ledger(state_dir, self.learner)
         self.served = {"delta": 0, "base": 0}  # what this process's origin sent (its server counts)
+        self.outputs = Outputs(spec, state_dir)
         self._resume()
         self.journal = resume.Journal(state_dir / "journal.jsonl")
         self._compact()  # also drops a line a crash cut short
@@ -164,12 +166,14 @@ class Trainer:
             )
             book.record(partial, extract_s, time.perf_counter() - t0)
             print(ledger.step_line(book.rows[b + 1], self.spec.steps), flush=True)
+            self.outputs.step(book.rows[b + 1])
             control.changed()
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.coord.behind(self.spec.steps):
             await control.until_changed(deadline - time.monotonic())
         book.flush(self.coord, final=True)
+        self.outputs.close()
         learner.save(self.state_dir / "final")
         learner.stop()
         summary = {**ledger.summary(self.snapshot()), "mode": self.spec.sync.mode}
