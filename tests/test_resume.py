@@ -189,8 +189,11 @@ def test_another_jobs_state_a_stranger_folder_or_a_second_trainer_is_refused(tmp
     with pytest.raises(ResumeError, match=r"another trainer is running on it"):
         Trainer(JOB, tmp_path / "a", token="")
     died(running)
-    other = parse({**SPEC, "spec": {**SPEC["spec"], "steps": 3}}).spec
-    with pytest.raises(ResumeError, match=r"holds the state of another job \(spec\.steps differs\)"):
+    fewer = parse({**SPEC, "spec": {**SPEC["spec"], "steps": 1}}).spec
+    with pytest.raises(ResumeError, match=r"another job \(spec\.steps is 1, below the 2 it was made for\)"):
+        Trainer(fewer, tmp_path / "a", token="")
+    other = parse({**SPEC, "spec": {**SPEC["spec"], "grpo": {**SPEC["spec"]["grpo"], "learningRate": 0.5}}}).spec
+    with pytest.raises(ResumeError, match=r"holds the state of another job \(spec\.grpo differs\)"):
         Trainer(other, tmp_path / "a", token="")
     (tmp_path / "b" / "store").mkdir(parents=True)
     (tmp_path / "b" / "store" / "theirs.txt").write_text("not ours")

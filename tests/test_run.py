@@ -284,6 +284,44 @@ def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_finished_run_goes_on_with_more_steps(tmp_path):
+    """`--resume --steps 4` on a finished 2-step run: the trainer goes on from its state to v4.
+    What was published stays as it was; fewer steps or another job's settings are refused first."""
+    spec = job("sparse", steps=2)
+    _, out = run(tmp_path, "more", spec)
+    published = {v: (x.state_hash, x.delta_sha256) for v, x in Store(out / "store").versions.items()}
+    f = tmp_path / "more.yaml"
+
+    def again(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [EXE, "run", str(f), "--run-dir", str(out), "--resume", *args], capture_output=True, text=True, timeout=600
+        )
+
+    r = again("--steps", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 4 and s["final_version"] == 4 and s["trainer_restarts"] == 1 and s["weights_mismatch"] == 0
+    store = Store(out / "store")
+    assert {v: (x.state_hash, x.delta_sha256) for v, x in store.versions.items() if v <= 2} == published
+    assert sorted(store.versions) == [0, 1, 2, 3, 4]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    log = (out / "logs" / "trainer.log").read_text()
+    assert "trainer: step 2/2" in log and "resumed at v2" in log and "trainer: step 4/4" in log  # one log, followed on
+
+    for args, why in (
+        (["--steps", "3"], "spec.steps is 3, below the 4 it was made for"),
+        (["--overwrite"], "--resume goes on from a run's state; --overwrite replaces it"),
+    ):
+        r = again(*args)
+        assert r.returncode == 1 and why in " ".join(r.stderr.split()), r.stderr
+    spec["spec"]["seed"] = 8
+    f.write_text(yaml.safe_dump(spec))
+    r = again("--steps", "5")
+    assert r.returncode == 1 and "another job (spec.seed differs)" in " ".join(r.stderr.split()), r.stderr
+    assert Store(out / "store").newest == 4 and json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
 def _rank1(trainer: int) -> int:
     """The pid of a sharded trainer's rank 1: the process its rank 0 started."""
     kids = [int(c) for c in open(f"/proc/{trainer}/task/{trainer}/children").read().split()]

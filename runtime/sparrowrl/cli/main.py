@@ -509,6 +509,13 @@ def run(
     ] = None,
     steps: Annotated[int | None, typer.Option(help="Override spec.steps.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace the results of a previous run in --run-dir.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Go on from the trainer's state in a previous run's --run-dir: a run that was stopped, or a "
+            "finished one with more --steps. Its results are kept; another job's state is refused."
+        ),
+    ] = False,
 ) -> None:
     """Run a job on this machine: trainer, relays and workers as local processes on loopback.
     Everything that can be checked is checked before anything is written."""
@@ -548,7 +555,7 @@ def run(
         )
     run_dir = run_dir or Path("runs") / j.metadata.name
     try:
-        s = runner.run(j, run_dir, err, overwrite)
+        s = runner.run(j, run_dir, err, overwrite, resume)
     except runner.RunError as e:
         _fail(e)
     out.print(report.summary_table(s))

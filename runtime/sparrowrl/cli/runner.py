@@ -27,7 +27,7 @@ from sparrowrl.auth import tokens
 from sparrowrl.auth.signing import KEY_ENV
 from sparrowrl.cli import report
 from sparrowrl.spec import layout
-from sparrowrl.spec.job import JobSpec, SparrowRLJob
+from sparrowrl.spec.job import JobSpec, SparrowRLJob, state_mismatch
 from sparrowrl.spec.layout import Process
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
@@ -76,8 +76,8 @@ def free_port() -> int:
 class Processes:
     """Children with their logs under RUN/logs; all of them stop when the run ends, however."""
 
-    def __init__(self, run_dir: Path, env: dict):
-        self.logs, self.env = run_dir / "logs", env
+    def __init__(self, run_dir: Path, env: dict, append: bool = False):
+        self.logs, self.env, self.append = run_dir / "logs", env, append  # append: a resumed run's logs follow on
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
@@ -86,7 +86,7 @@ class Processes:
 
     def start(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         """`env`: what this process gets besides the run's environment (its credentials)."""
-        log = open(self.logs / f"{name}.log", "a" if name in self.procs else "w")  # a restart's log follows on
+        log = open(self.logs / f"{name}.log", "a" if self.append or name in self.procs else "w")  # a restart's too
         env = self.own_env[name] = self.own_env.get(name, {}) if env is None else env
         p = subprocess.Popen(
             EXE + args,
@@ -148,10 +148,26 @@ def _get(url: str, token: str) -> dict:
         return json.loads(r.read())
 
 
-def check_run_dir(run_dir: Path, overwrite: bool) -> None:
+# what a run that goes on from a previous run's state writes anew; the trainer's state and results stay
+RESTARTED = ("summary.json", "processes.json", "trainer.ready", ".processes.json.tmp", "job.yaml")
+
+
+def check_run_dir(run_dir: Path, overwrite: bool, resume: JobSpec | None = None) -> None:
     """Refuse a run dir that a run may not write to, before anything is written: one that holds
-    what this tool did not write (never deleted, whatever the flags), or a previous run's
-    results without `overwrite`."""
+    what this tool did not write (never deleted, whatever the flags), a previous run's results
+    without `overwrite` or `resume`, or, to `resume` job spec, no state or another job's."""
+    if resume is not None:
+        if overwrite:
+            raise RunError("--resume goes on from a run's state; --overwrite replaces it: give one")
+        try:
+            saved = json.loads((run_dir / "job.json").read_text()) if (run_dir / MARK).is_file() else None
+        except (OSError, ValueError):
+            saved = None
+        if saved is None:
+            raise RunError(f"--run-dir {run_dir}: no previous run's trainer state to resume from")
+        if (why := state_mismatch(saved, resume.model_dump(mode="json"))) is not None:
+            raise RunError(f"--run-dir {run_dir} holds the state of another job ({why}); it goes on only as that job")
+        return
     if not run_dir.exists():
         return
     if not run_dir.is_dir():
@@ -168,14 +184,15 @@ def check_run_dir(run_dir: Path, overwrite: bool) -> None:
         )
 
 
-def claim_run_dir(run_dir: Path, job: SparrowRLJob, overwrite: bool) -> None:
+def claim_run_dir(run_dir: Path, job: SparrowRLJob, overwrite: bool, resume: bool = False) -> None:
     """Check the folder, mark it as a run's, and remove a previous run's results: only the
-    names a run writes."""
-    check_run_dir(run_dir, overwrite)
+    names a run writes (with `resume`, only what the run writes anew: the trainer goes on from
+    its state, which refuses another job's)."""
+    check_run_dir(run_dir, overwrite, job.spec if resume else None)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / MARK).write_text(json.dumps({"job": job.metadata.name}) + "\n")
-        for stale in OUTPUTS:
+        for stale in RESTARTED if resume else OUTPUTS:
             path = run_dir / stale
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
     except OSError as e:
@@ -229,18 +246,20 @@ def _ready(url: str, procs: Processes) -> None:
         time.sleep(0.2)
 
 
-def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = False) -> dict:
+def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = False, resume: bool = False) -> dict:
     """Run `job` in `run_dir` (see `check_run_dir`): the roles of `layout.processes`, each a process
-    on its own loopback port, started with the same commands a user types by hand."""
+    on its own loopback port, started with the same commands a user types by hand. With `resume`,
+    the trainer goes on from the run dir's state (with more steps, say)."""
     spec = job.spec
-    claim_run_dir(run_dir, job, overwrite)
+    kept = _token(run_dir) if resume else None
+    claim_run_dir(run_dir, job, overwrite, resume)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
-    token = os.environ.get("SPARROWRL_TOKEN") or secrets.token_hex(16)
+    token = os.environ.get("SPARROWRL_TOKEN") or kept or secrets.token_hex(16)
     fd = os.open(run_dir / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # for `sparrowrl status RUN_DIR`
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     env = {k: x for k, x in os.environ.items() if k not in ("SPARROWRL_TOKEN", KEY_ENV)}
-    procs = Processes(run_dir, dict(env, PYTHONUNBUFFERED="1"))
+    procs = Processes(run_dir, dict(env, PYTHONUNBUFFERED="1"), append=resume)
     ports: dict[str, int] = defaultdict(free_port)
 
     def url(name: str, _region: str | None = None) -> str:  # one machine: the same address from everywhere
@@ -272,6 +291,14 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     summary = json.loads((run_dir / "summary.json").read_text())
     report.plots(run_dir, summary["mode"])
     return summary
+
+
+def _token(run_dir: Path) -> str | None:
+    """The secret a previous run in `run_dir` had (its versions' signing key derives from it)."""
+    try:
+        return (run_dir / "token").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _write_pids(run_dir: Path, pids: dict) -> None:

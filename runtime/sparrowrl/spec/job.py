@@ -214,6 +214,29 @@ class TopologySpec(_Spec):
         return self
 
 
+# what a trainer's state belongs to: another value is another job's state (steps may only grow)
+BELONGS = ("seed", "model", "task", "grpo", "sync", "trainer.ranks")
+
+
+def _at(spec: dict, dotted: str):
+    for key in dotted.split("."):
+        spec = spec.get(key) if isinstance(spec, dict) else None
+    return spec
+
+
+def state_mismatch(saved: dict, spec: dict) -> str | None:
+    """Why a state made for the job `saved` cannot go on under `spec` (both job specs as JSON),
+    or None. More steps is the same job trained on; anything else it belongs to is not."""
+    if not isinstance(saved, dict):
+        return "job.json holds no job spec"
+    for field in BELONGS:
+        if _at(saved, field) != _at(spec, field):
+            return f"spec.{field} differs"
+    if not isinstance(saved.get("steps"), int) or spec["steps"] < saved["steps"]:
+        return f"spec.steps is {spec['steps']}, below the {saved.get('steps')} it was made for"
+    return None
+
+
 class JobSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={

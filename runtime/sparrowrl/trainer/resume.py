@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sparrowrl.spec.job import state_mismatch
 from sparrowrl.store.checkpoint_io import atomic_path
 
 # what a trainer writes in its state dir; a folder holding any of them without job.json is not ours
@@ -65,9 +66,10 @@ class ResumeError(Exception):
 def claim(state_dir: Path, spec: dict) -> tuple[int, IO]:
     """How many trainer processes started on `state_dir` before this one (0: a new state dir,
     now marked as this job's), and the lock that keeps a second trainer off it while this one
-    lives (keep it open). Refused: another job's state, a trainer's names without the mark (not
-    ours to touch), or a trainer still running on it. What a killed process was writing when it
-    died is removed."""
+    lives (keep it open). Refused: another job's state (`state_mismatch`), a trainer's names without
+    the mark (not ours to touch), or a trainer still running on it. What a killed process was
+    writing when it died is removed. The mark then holds `spec`: raised steps, a new export
+    setting, other placements."""
     mark = state_dir / "job.json"
     if not mark.exists():
         if ours := [n for n in OWNED if (state_dir / n).exists()]:
@@ -77,32 +79,33 @@ def claim(state_dir: Path, spec: dict) -> tuple[int, IO]:
             )
         state_dir.mkdir(parents=True, exist_ok=True)
         held = _hold(state_dir)
-        with atomic_path(mark) as tmp:
-            tmp.write_text(json.dumps(spec, indent=1))
+        _mark(mark, spec)
         _count(state_dir, 1)
         return 0, held
     try:
         saved = json.loads(mark.read_text())
     except (OSError, ValueError) as e:
         raise ResumeError(f"{mark}: unreadable ({e})") from None
-    if saved != spec:
-        field = (
-            next((k for k in sorted(set(saved) | set(spec)) if saved.get(k) != spec.get(k)), "?")
-            if isinstance(saved, dict)
-            else "?"
-        )
+    if (why := state_mismatch(saved, spec)) is not None:
         raise ResumeError(
-            f"--state-dir {state_dir} holds the state of another job (spec.{field} differs); "
-            f"give a new folder, or the job it was made with"
+            f"--state-dir {state_dir} holds the state of another job ({why}); give a new folder, or the job it "
+            f"was made with (its steps may be raised)"
         )
     held = _hold(state_dir)
     _sweep(state_dir)
+    if saved != spec:
+        _mark(mark, spec)
     try:
         before = int((state_dir / "starts").read_text())
     except (OSError, ValueError):
         before = 1  # killed between its mark and its count
     _count(state_dir, before + 1)
     return before, held
+
+
+def _mark(mark: Path, spec: dict) -> None:
+    with atomic_path(mark) as tmp:
+        tmp.write_text(json.dumps(spec, indent=1))
 
 
 def _hold(state_dir: Path) -> IO:
