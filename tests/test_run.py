@@ -323,8 +323,10 @@ def test_a_finished_run_goes_on_with_more_steps(tmp_path):
 
 
 def _rank1(trainer: int) -> int:
-    """The pid of a sharded trainer's rank 1: the process its rank 0 started."""
-    kids = [int(c) for c in open(f"/proc/{trainer}/task/{trainer}/children").read().split()]
+    """The pid of a sharded trainer's rank 1: the process its rank 0 started (from whichever of
+    its threads: the trainer builds its learner off the event loop)."""
+    tasks = os.listdir(f"/proc/{trainer}/task")
+    kids = [int(c) for t in tasks for c in open(f"/proc/{trainer}/task/{t}/children").read().split()]
     ranks = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
     assert len(ranks) == 1, kids
     return ranks[0]
