@@ -13,9 +13,9 @@ Verification reads the weights back out of the packed kernels and maps them to t
 names, so the hash covers what vLLM computes with, not the copy.
 
 With tensor parallelism (GPU only) each rank holds a shard of every weight in a process of its
-own. The engine keeps the policy by the trainer's names too; a commit writes it to a file that
-every rank reloads its shard from (`reload_weights`), and verification gathers the ranks'
-shards and reassembles them.
+own. The engine keeps the policy by the trainer's names too; a commit writes it to a file in the
+model folder that every rank reloads its shard from (`reload_weights`), and verification
+gathers the ranks' shards and reassembles them.
 
 A lease is one `LLM.generate` call: every group's n samples, each group with a seed of its own.
 The model's logits come out divided by the sampling temperature (in float32, as vLLM's sampler
@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -112,7 +111,8 @@ class VLLMEngine:
         if self.tp > 1:  # the ranks' models live in processes of their own
             self.packed = self.llm.apply_model(_packed)[0]
             self.state = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in self.shapes.items()}
-            self.weights = Path(tempfile.mkdtemp(prefix="sparrowrl-weights-"))  # what the ranks reload from
+            self.weights = Path(model_dir) / "weights"  # what the ranks reload from; the worker's to remove
+            self.weights.mkdir(exist_ok=True)
             return
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         self.packed = _packed(self.model)
