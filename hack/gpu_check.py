@@ -29,7 +29,8 @@ BUDGET_S = 330  # under the 6 minutes one run of the check may take, with the ma
 OUTPUTS = ("summary.json", "check.log", "bench_gpu.json", "bench_shard.json")
 VLLM_WHY = (
     "vLLM is not installed on this machine and cannot be carried there (its wheel is far over the "
-    "64 MiB one run may bring): the vLLM engine's GPU route stays unverified"
+    "64 MiB one run may bring): the vLLM engine's GPU route stays unverified, and with it its "
+    "batched leases, sampling settings and tensor parallelism on GPUs"
 )
 
 
@@ -66,9 +67,10 @@ PARTS = (
     ),
     Part(
         "vllm-gpu",
-        "the vLLM engine's in-place GPU route",
+        "the vLLM engine's in-place GPU route, a lease in one call, top-k/top-p/stop strings, and "
+        "tensor parallelism where there are two GPUs",
         ("tests/engine_vllm",),
-        120,
+        240,
         ("cuda", "vllm"),
         why_missing={"vllm": VLLM_WHY},
     ),

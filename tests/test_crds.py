@@ -171,6 +171,7 @@ BAD = {  # refused by CEL in the API server and by parse in the operator and `sp
     "member cluster, no trainer section": lambda s: s.pop("trainer"),
     "minReplicas above replicas": lambda s: s["placements"][0].update(minReplicas=5),
     "node selector key": lambda s: s["rollout"].update(nodeSelector={"bad key!": "x"}),
+    "tensor parallelism with hf": lambda s: s["rollout"].update(engine="hf", tensorParallelSize=2),
     "resource name": lambda s: s["trainer"]["resources"]["requests"].update({"bad name!": "1"}),
 }
 

@@ -3,7 +3,8 @@ GPU where the device has vLLM.
 
 After every commit the weights vLLM computes with, mapped back from its fused layouts (on CPU,
 read out of its packed kernels), must hash to the trainer's version, and greedy decoding must
-equal the hf engine's on the same weights."""
+equal the hf engine's on the same weights. A lease is sampled in one call, each group as it
+would be alone; top-k, top-p and stop strings follow the same rules as in the hf engine."""
 
 import io
 import json
@@ -21,6 +22,7 @@ import sparrowrl.worker.engines.vllm as vllm_engine  # noqa: E402
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta  # noqa: E402
 from sparrowrl.delta.errors import DeltaError  # noqa: E402
 from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
+from sparrowrl.worker.engines import Prompt, Sampling  # noqa: E402
 from sparrowrl.worker.engines.hf import HFEngine  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -152,17 +154,106 @@ def test_samples_carry_logprobs_at_the_sampling_temperature(trainer, engines):
     engine, hf = engines
     load(engine, state)
     load(hf, state)
-    samples = engine.generate(PROMPTS[0], 6, seed=7, max_new_tokens=6, temperature=2.0)
-    assert samples == engine.generate(PROMPTS[0], 6, seed=7, max_new_tokens=6, temperature=2.0)  # seeded
-    assert len({tuple(s.tokens) for s in samples}) > 1
+    s = Sampling(n=6, max_new_tokens=6, temperature=2.0)
+    (samples,) = engine.generate([Prompt(PROMPTS[0], 7)], s)
+    assert [samples] == engine.generate([Prompt(PROMPTS[0], 7)], s)  # seeded
+    assert len({tuple(x.tokens) for x in samples}) > 1
     ref, raw = [], []  # mean absolute differences from the hf model's log-probs at T = 2 and at T = 1
-    for s in samples:
+    for x in samples:
         for lp, at_t, at_1 in zip(
-            s.logprobs, hf_logprobs(hf, PROMPTS[0], s.tokens, 2.0), hf_logprobs(hf, PROMPTS[0], s.tokens, 1.0)
+            x.logprobs, hf_logprobs(hf, PROMPTS[0], x.tokens, 2.0), hf_logprobs(hf, PROMPTS[0], x.tokens, 1.0)
         ):
             ref.append(abs(lp - at_t))
             raw.append(abs(lp - at_1))
     assert sum(ref) / len(ref) < 0.1 < 0.3 < sum(raw) / len(raw)  # bf16 kernels differ a little
+
+
+def test_a_lease_is_one_call_and_each_group_samples_as_it_would_alone(trainer, engines):
+    engine = engines[0]
+    load(engine, policy_state(trainer[0]))
+    prompts = [Prompt(p, 100 + i) for i, p in enumerate(PROMPTS)]
+    s = Sampling(n=5, max_new_tokens=8, temperature=1.5, top_k=30, top_p=0.95)
+    calls = []
+    real = engine.llm.generate
+    engine.llm.generate = lambda *a, **kw: calls.append(a) or real(*a, **kw)
+    try:
+        lease = engine.generate(prompts, s)
+    finally:
+        del engine.llm.generate
+    assert len(calls) == 1 and len(calls[0][0]) == len(prompts)
+    assert [len(g) for g in lease] == [5, 5, 5]
+    for i, p in enumerate(prompts):  # the same draws; the batch's shape may move a bf16 logit's last bits
+        alone = engine.generate([p], s)[0]
+        assert [x.tokens for x in alone] == [x.tokens for x in lease[i]]
+        for a, b in zip(alone, lease[i]):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=0.02)
+    # groups with consecutive seeds share no sample's random stream (vLLM seeds sample j with seed + j)
+    same = engine.generate([Prompt(PROMPTS[0], 100), Prompt(PROMPTS[0], 101)], s)
+    assert [x.tokens for x in same[0][1:]] != [x.tokens for x in same[1][:-1]]
+
+
+def test_a_tiny_top_p_samples_the_argmax_with_the_full_distributions_logprobs(trainer, engines):
+    engine, hf = engines
+    state = policy_state(trainer[0])
+    load(engine, state)
+    load(hf, state)
+    prompts = [Prompt(p, i) for i, p in enumerate(PROMPTS)]
+    for s in [Sampling(n=3, max_new_tokens=8, temperature=2.0, top_p=1e-6), Sampling(3, 8, 2.0, top_k=1)]:
+        for p, group in zip(PROMPTS, engine.generate(prompts, s)):
+            for x in group:
+                assert x.tokens == vllm_greedy(engine, p, 8)
+                # vLLM's processed log-probs (the truncated distribution) would be 0 for every token
+                assert x.logprobs == pytest.approx(hf_logprobs(hf, p, x.tokens, 2.0), abs=0.1)
+                assert sum(x.logprobs) < -0.1
+
+
+def test_a_stop_string_ends_a_completion_as_in_the_hf_engine(trainer, engines):
+    engine, hf = engines
+    state = policy_state(trainer[0])
+    load(engine, state)
+    load(hf, state)
+    tok = char_tokenizer()
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    s = Sampling(n=8, max_new_tokens=16, temperature=1.0)
+    prompts = [Prompt(p, 3) for p in PROMPTS]
+    # a two-character string from the middle of a sample, so that it spans two tokens
+    stop, i = next(
+        (text(x.tokens)[3:5], i)
+        for i, g in enumerate(engine.generate(prompts, s))
+        for x in g
+        if len(text(x.tokens)) >= 5
+    )
+    (plain,) = engine.generate([prompts[i]], s)
+    (cut,) = engine.generate([prompts[i]], Sampling(8, 16, 1.0, stop=(stop,)))
+    stopped = 0
+    for before, after in zip(plain, cut):  # the same draws up to the cut
+        k = next((i for i in range(1, len(before.tokens) + 1) if stop in text(before.tokens[:i])), None)
+        if k is None:
+            assert after == before
+        else:
+            stopped += 1
+            assert (after.tokens, after.logprobs) == (before.tokens[:k], before.logprobs[:k])
+    assert stopped
+    # greedy (top-k 1) with a stop string from the greedy text: both engines cut at the same token
+    greedy, checked = Sampling(2, 12, 1.0, top_k=1), 0
+    for p in PROMPTS:
+        g = text(engine.generate([Prompt(p, 0)], greedy)[0][0].tokens)
+        if len(g) < 4 or g != text(hf.generate([Prompt(p, 0)], greedy)[0][0].tokens):
+            continue  # too short, or a near tie that bf16 kernels break apart
+        s = Sampling(2, 12, 1.0, top_k=1, stop=(g[2:4],))
+        want = [x.tokens for x in hf.generate([Prompt(p, 0)], s)[0]]
+        assert [x.tokens for x in engine.generate([Prompt(p, 0)], s)[0]] == want
+        assert g[2:4] in text(want[0]) and g[2:4] not in text(want[0][:-1])
+        checked += 1
+    assert checked
+
+
+def test_max_model_len_and_tensor_parallelism_reach_vllm(trainer, engines):
+    engine = engines[0]
+    assert engine.llm.llm_engine.model_config.max_model_len == min(2048, trainer[0].config.max_position_embeddings)
+    if engine.on_cpu:  # on GPUs, test_vllm_tp.py
+        with pytest.raises(ValueError, match="tensorParallelSize: 2 needs GPUs"):
+            vllm_engine.VLLMEngine(trainer[1], tensor_parallel_size=2)
 
 
 def test_a_run_with_vllm_workers_verifies_every_commit(tmp_path):

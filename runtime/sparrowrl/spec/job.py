@@ -16,7 +16,14 @@ from pydantic.alias_generators import to_camel
 
 from sparrowrl.spec.kubespec import MANAGED_BY, Health, ManagedBy, Placement, RunPolicy, Scheduling, TrainerSpec
 from sparrowrl.spec.limits import MAX_JOB_BYTES, MAX_YAML_NODES, read_bounded
-from sparrowrl.spec.messages import MAX_LEASE_TOKENS
+from sparrowrl.spec.messages import (
+    MAX_LEASE_TOKENS,
+    MAX_MODEL_LEN,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    MAX_TENSOR_PARALLEL,
+    MAX_TOP_K,
+)
 
 API_VERSION = "sparrowrl.dev/v1alpha1"
 Text = Annotated[str, Field(max_length=4096)]
@@ -139,10 +146,33 @@ class GrpoSpec(_Spec):
     clip: float = Field(0.2, gt=0, lt=1)
     kl_coef: float = Field(0.0, ge=0, le=100)
     temperature: float = Field(1.0, ge=0.01, le=100)
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose probability reaches topP."
+    )
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Sample among the k most likely tokens; 0: all of them.")
+    stop: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)
+    ] = Field(
+        [],
+        description=(
+            "A completion ends at the token that completes one of these strings in its text; that token is kept."
+        ),
+    )
     max_new_tokens: int = Field(8, ge=1, le=4096)
 
 
 class RolloutSpec(Scheduling):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || "
+                    "(has(self.engine) && self.engine == 'vllm')",
+                    "message": "tensorParallelSize above 1 needs engine: vllm",
+                }
+            ]
+        }
+    )
     engine: Literal["hf", "vllm"] = "hf"
     groups_per_lease: int = Field(2, ge=1, le=4096, description="The most prompt groups a worker takes at once.")
     split: Literal["balanced", "pull", "even"] = Field(
@@ -156,6 +186,33 @@ class RolloutSpec(Scheduling):
     lease_seconds: float = Field(
         120.0, ge=1, le=86_400, description="A lease not returned by then is handed to another worker."
     )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        le=MAX_MODEL_LEN,
+        description=(
+            "The longest prompt plus completion a worker's engine holds; default: 2048 or the model's context if "
+            "shorter with vllm, the model's own with hf."
+        ),
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=MAX_TENSOR_PARALLEL, description="GPUs each vllm worker shards its model over (vllm only)."
+    )
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> RolloutSpec:
+        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+            raise ValueError(
+                f"tensorParallelSize {self.tensor_parallel_size} needs engine: vllm; the {self.engine} engine "
+                f"runs on one device"
+            )
+        gpus = self.resources.limits.get("nvidia.com/gpu")
+        if gpus is not None and (not gpus.isdigit() or int(gpus) < self.tensor_parallel_size):
+            raise ValueError(
+                f"resources.limits: nvidia.com/gpu is {gpus}, fewer than tensorParallelSize "
+                f"({self.tensor_parallel_size}): each shard takes a GPU of its own"
+            )
+        return self
 
 
 class SyncSpec(_Spec):

@@ -1,9 +1,10 @@
 """The bodies workers POST to the trainer, validated before any handler acts on them: workers
-are not trusted, and one NaN log-prob would turn every weight of the next step into NaN."""
+are not trusted, and one NaN log-prob would turn every weight of the next step into NaN. And
+the job a worker reads from the trainer (`Job`), bounded the same way."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
@@ -51,6 +52,32 @@ class Commit(Body):
     state_hash: Hash
     fetch_s: Seconds | None = None
     refused: Annotated[int, Field(ge=0, lt=1 << 62)] = 0  # answers its servers sent that did not verify, so far
+
+
+MAX_TOP_K = 1 << 20  # beyond any vocabulary
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+MAX_MODEL_LEN = 1 << 20  # tokens of prompt plus completion
+MAX_TENSOR_PARALLEL = 8  # GPUs of one machine
+
+
+class Job(BaseModel):
+    """GET /v1/job: what a worker builds its engine from and samples with (the job spec's
+    grpo and rollout fields, snake_case). Read by workers, which check it."""
+
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+    group_size: Annotated[int, Field(ge=1, le=256)]
+    temperature: Annotated[float, Field(gt=0, le=100)]
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] = 0
+    stop: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)
+    ] = []
+    max_new_tokens: Annotated[int, Field(ge=1, le=4096)]
+    max_model_len: Annotated[int, Field(ge=16, le=MAX_MODEL_LEN)] | None = None
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=MAX_TENSOR_PARALLEL)] = 1
+    mode: Literal["sparse", "full"]
+    engine: Literal["hf", "vllm"]
+    streams: Annotated[int, Field(ge=1, le=64)]
 
 
 MAX_LEASE_TOKENS = 1 << 22  # a lease's results travel in one request

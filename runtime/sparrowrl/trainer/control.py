@@ -134,16 +134,21 @@ class Control:
 
     # ---- the routes ----
     async def h_job(self, request: web.Request) -> web.Response:
-        g = self.spec.grpo
+        g, r = self.spec.grpo, self.spec.rollout
         return web.json_response(
-            {
-                "group_size": g.group_size,
-                "temperature": g.temperature,
-                "max_new_tokens": g.max_new_tokens,
-                "mode": self.spec.sync.mode,
-                "engine": self.spec.rollout.engine,
-                "streams": self.spec.sync.streams,
-            }
+            messages.Job(
+                group_size=g.group_size,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                stop=g.stop,
+                max_new_tokens=g.max_new_tokens,
+                max_model_len=r.max_model_len,
+                tensor_parallel_size=r.tensor_parallel_size,
+                mode=self.spec.sync.mode,
+                engine=r.engine,
+                streams=self.spec.sync.streams,
+            ).model_dump()
         )
 
     async def h_model(self, request: web.Request) -> web.Response:

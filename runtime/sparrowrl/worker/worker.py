@@ -24,11 +24,12 @@ from pydantic import BaseModel, Field
 from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
 from sparrowrl.delta import apply_delta, state_hash
+from sparrowrl.spec.messages import Job
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.failover import FetchError
 from sparrowrl.transport.http import GATE, add_health, auth, listen
 from sparrowrl.transport.metrics import add_metrics, family
-from sparrowrl.worker.engines import Engine, make_engine
+from sparrowrl.worker.engines import Engine, Prompt, Sampling, make_engine
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
 ATTEMPTS = 40  # about four minutes of backoff per request: a trainer pod restarting, pulled, rescheduled
@@ -170,7 +171,7 @@ class Worker:
             await self._commit_report(v, fetch_s)
 
     async def run(self) -> None:
-        job = await self.control.json("/v1/job")
+        job = await self.control.json("/v1/job", Job)
         await self.start()
         self.fetch = asyncio.create_task(self.fetcher())
         try:
@@ -193,13 +194,23 @@ class Worker:
             self.fetch.cancel()
 
     async def rollout(self, lease: dict, job: dict) -> None:
+        """All of a lease's groups in one engine call (vLLM batches them), each seeded by its group."""
         t0 = time.perf_counter()
-        results = {}
-        for p in lease["prompts"]:
-            samples = await self._run(
-                self.engine.generate, p["ids"], job["group_size"], p["seed"], job["max_new_tokens"], job["temperature"]
-            )
-            results[p["group"]] = {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs} for s in samples]}
+        sampling = Sampling(
+            n=job["group_size"],
+            max_new_tokens=job["max_new_tokens"],
+            temperature=job["temperature"],
+            top_p=job["top_p"],
+            top_k=job["top_k"],
+            stop=tuple(job["stop"]),
+        )
+        groups = await self._run(
+            self.engine.generate, [Prompt(p["ids"], p["seed"]) for p in lease["prompts"]], sampling
+        )
+        results = {
+            p["group"]: {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs} for s in samples]}
+            for p, samples in zip(lease["prompts"], groups, strict=True)
+        }
         if self.pace:
             tokens = sum(len(s["tokens"]) for r in results.values() for s in r["samples"])
             left = tokens / self.pace - (time.perf_counter() - t0)
@@ -274,7 +285,7 @@ async def main(
     await listen(probes, host, port)
     try:
         async with Client(trainer, attempts=ATTEMPTS) as control:
-            job = await control.json("/v1/job")
+            job = await control.json("/v1/job", Job)
             with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
                 await fetch_model(control, Path(model_dir))
                 async with Client(
@@ -289,7 +300,12 @@ async def main(
                         1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(1,)
                     )
                     built = await asyncio.get_running_loop().run_in_executor(
-                        on_engine, make_engine, job["engine"], model_dir
+                        on_engine,
+                        make_engine,
+                        job["engine"],
+                        model_dir,
+                        job["max_model_len"],
+                        job["tensor_parallel_size"],
                     )
                     print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
                     worker = Worker(name, data, control, built, job["mode"], on_engine, region, pace)
