@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 330  # under the 6 minutes one run of the check may take, with the machine's start beside it
-OUTPUTS = ("summary.json", "check.log", "bench_gpu.json", "bench_shard.json")
+OUTPUTS = ("summary.json", "check.log", "bench_gpu.json", "bench_shard.json", "bench_microbatch.json")
 VLLM_WHY = (
     "vLLM is not installed on this machine and cannot be carried there (its wheel is far over the "
     "64 MiB one run may bring): the vLLM engine's GPU route stays unverified, and with it its "
@@ -66,6 +66,14 @@ PARTS = (
         ("cuda", "cupy"),
     ),
     Part(
+        "trainer-gpu",
+        "one trainer rank on the GPU: bf16 compute over fp32 master weights and AdamW state, micro-batches, "
+        "a schedule; its policy is the CPU's bf16 cast bit for bit, its checkpoints load on the CPU",
+        ("tests/test_trainer_gpu.py",),
+        120,
+        ("cuda", "cupy"),
+    ),
+    Part(
         "vllm-gpu",
         "the vLLM engine's in-place GPU route, a lease in one call, top-k/top-p/stop strings, and "
         "tensor parallelism where there are two GPUs",
@@ -99,6 +107,31 @@ PARTS = (
             "2",
             "--json",
             "{out}/bench_shard.json",
+        ),
+    ),
+    Part(
+        "bench-microbatch",
+        "peak GPU memory of one training step at Qwen3's vocabulary, one pass beside micro-batches",
+        ("hack/bench_microbatch.py",),
+        120,
+        ("cuda",),
+        gpu_args=(
+            "--vocab",
+            "151936",
+            "--hidden",
+            "1024",
+            "--layers",
+            "8",
+            "--rows",
+            "32",
+            "--prompt",
+            "256",
+            "--completion",
+            "512",
+            "--budgets",
+            "8192,2048",
+            "--out",
+            "{out}/bench_microbatch.json",
         ),
     ),
 )

@@ -20,7 +20,7 @@ from sparrowrl.delta.errors import MismatchError
 from sparrowrl.delta.frame import DeltaWriter
 from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.store.store import Store
-from sparrowrl.trainer import models, ranks, shard
+from sparrowrl.trainer import grpo, models, ranks, shard
 
 VOCAB = 53  # odd: FSDP gives the two ranks 27 and 26 rows of the embedding
 
@@ -169,3 +169,67 @@ def test_each_rank_reads_its_rows_of_a_hugging_face_folder(tmp_path):
         got = torch.load(tmp_path / f"gathered{rank}.pt")
         assert got.keys() == want.keys()
         assert all(torch.equal(got[n], want[n].detach()) for n in want)
+
+
+def _micro(rank: int, world: int, port: int, out: str) -> None:
+    """A rank's gradient of its rows in one pass, then in micro-batches of 12 tokens: rank 0
+    makes 5, rank 1 fewer, so rank 1 cuts its own and adds passes that contribute nothing."""
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = models.tiny_qwen3(VOCAB, 32, 2, 2, seed=0)  # fp32 compute: the sums compare tightly
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        g = torch.Generator().manual_seed(rank)
+        shapes = [(4, 3), (2, 5), (3, 1), (5, 2), (1, 4)] if rank == 0 else [(3, 2), (2, 3)]
+        rows = [
+            (
+                torch.randint(3, VOCAB, (p,), generator=g).tolist(),
+                torch.randint(3, VOCAB, (c,), generator=g).tolist(),
+                (-4.0 + torch.rand(c, generator=g)).tolist(),
+            )
+            for p, c in shapes
+        ]
+        adv = torch.randn(len(rows), generator=g)
+        tokens = 16 + 5  # the batch's completion tokens over both ranks
+
+        def grads(budget):
+            model.zero_grad(set_to_none=True)
+            batches = shard.micro_batches(rows, budget)
+            grpo.accumulate(
+                model,
+                None,
+                rows,
+                adv,
+                batches,
+                pad_id=0,
+                temperature=1.0,
+                clip=0.2,
+                kl_coef=0.0,
+                tokens=tokens / world,
+                device=torch.device("cpu"),
+            )
+            return batches, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+        one, want = grads(None)
+        micro, got = grads(12)
+        torch.save({"one": one, "micro": micro, "want": want, "got": got}, Path(out) / f"micro{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    ranks.leave()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_ranks_micro_batch_to_the_one_pass_gradient(tmp_path):
+    mp.spawn(_micro, args=(2, _port(), str(tmp_path)), nprocs=2)
+    r0, r1 = (torch.load(tmp_path / f"micro{r}.pt") for r in range(2))
+    assert r0["one"] == [[0, 1, 2, 3, 4]] and r1["one"] == [[0, 1]]
+    assert r0["micro"] == [[0], [1], [3], [4], [2]]  # no two of rank 0's rows fit 12 tokens
+    assert r1["micro"] == [[0], [1], [], [], []]  # 2 x (3 + 3) would fit: cut, and passes that add nothing
+    for n, want in r0["want"].items():
+        assert torch.allclose(r0["got"][n], want, rtol=1e-4, atol=1e-7), n

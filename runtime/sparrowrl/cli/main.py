@@ -546,6 +546,12 @@ def run(
             models.check(j.spec.model.path, j.spec.model.tokenizer)
     except ValueError as e:
         _fail(JobError(f"{job}: spec.{e}"))
+    from sparrowrl.trainer.learner import device
+
+    try:
+        device(j.spec.trainer.device, j.spec.trainer.ranks)
+    except ValueError as e:
+        _fail(JobError(f"{job}: spec.{e}"))
     if j.spec.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         _fail(
             JobError(
@@ -672,6 +678,7 @@ def trainer(
     from sparrowrl.auth.signing import TOKEN_PREFIX
     from sparrowrl.spec.job import JobError, load
     from sparrowrl.trainer import tasks
+    from sparrowrl.trainer.learner import device
     from sparrowrl.trainer.trainer import serve
 
     token = _server_token(host, port)
@@ -681,6 +688,7 @@ def trainer(
     try:
         j = load(job)
         tasks.for_job(j.spec)
+        device(j.spec.trainer.device, j.spec.trainer.ranks)
     except (JobError, ValueError) as e:
         _fail(e)
     import socket

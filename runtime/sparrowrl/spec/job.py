@@ -159,6 +159,28 @@ class GrpoSpec(_Spec):
         ),
     )
     max_new_tokens: int = Field(8, ge=1, le=4096)
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 30,
+        description=(
+            "Token budget of one forward and backward: a rank's rows go in micro-batches of at most this many "
+            "padded tokens (rows x (longest prompt + longest completion)), a longer row alone, and their gradients "
+            "add up to the one-pass gradient. Default: one pass over the rank's rows."
+        ),
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After the warm-up: constant, or a linear or cosine decay to minLrRatio over the steps."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, le=10_000_000, description="Steps over which the learning rate rises linearly to learningRate."
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="The learning rate at the last step of a linear or cosine decay, over learningRate.",
+    )
 
 
 class RolloutSpec(Scheduling):

@@ -95,6 +95,14 @@ class TrainerSpec(Scheduling):
             "as many in resources); each diffs and publishes its own shard of every version."
         ),
     )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description=(
+            "Where one rank trains: auto takes the GPU when torch sees one (bf16 compute, fp32 master weights and "
+            "AdamW state), else the CPU (fp32); cuda without a GPU fails at start. Sharded ranks take a GPU each "
+            "when there are GPUs."
+        ),
+    )
     state: StateVolume = StateVolume()
     service: TrainerService = TrainerService()
 

@@ -6,12 +6,18 @@ With `trainer.ranks` N > 1 the model is sharded with FSDP2 over N processes (ran
 the trainer's process: it leads, and ranks 1..N-1 run `follow`, which makes the same calls (and
 so the same collectives) as rank 0 makes, in the same order. Each rank trains on its share of a
 batch's groups, checkpoints its shards, and diffs and encodes its own part of the policy
-(shard.py); rank 0 alone holds the store."""
+(shard.py); rank 0 alone holds the store.
+
+One rank trains where `trainer.device` says: on a GPU, in bf16 under autocast with fp32 master
+weights and AdamW state (what FSDP2's MixedPrecisionPolicy gives the sharded ranks); on the CPU,
+in fp32. The bf16 policy is the cast of the fp32 master weights, the same bits on either device,
+and is diffed where it lives (CuPy on a GPU)."""
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import time
 from pathlib import Path
 
@@ -23,7 +29,31 @@ from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
 from sparrowrl.store.store import Store
-from sparrowrl.trainer import grpo, models, ranks, resume, shard, tasks
+from sparrowrl.trainer import grpo, lr, models, ranks, resume, shard, tasks
+
+
+def device(choice: str, world: int = 1) -> torch.device:
+    """Where the trainer's rank trains, for `trainer.device` (auto, cpu or cuda); a choice this
+    machine cannot meet is a ValueError naming the field, before anything is written. Sharded
+    ranks take the GPUs whenever there are (shard.device)."""
+    cuda = torch.cuda.is_available()
+    if choice == "cuda" and not cuda:
+        raise ValueError(f"trainer.device: cuda, but torch {torch.__version__} sees no CUDA device")
+    if world > 1:
+        if choice == "cpu" and cuda:
+            raise ValueError(
+                f"trainer.device: cpu with trainer.ranks {world} on a machine with GPUs: sharded ranks take a GPU "
+                f"each (train on the CPU with ranks: 1)"
+            )
+        at = shard.device()
+    else:
+        at = torch.device("cuda", torch.cuda.current_device()) if choice != "cpu" and cuda else torch.device("cpu")
+    if at.type == "cuda" and importlib.util.find_spec("cupy") is None:
+        raise ValueError(
+            f"trainer.device: {choice} trains on the GPU, whose policy is diffed there with CuPy, which is not "
+            f"installed: install sparrowrl[gpu], or set trainer.device: cpu"
+        )
+    return at
 
 
 class Learner:
@@ -32,6 +62,7 @@ class Learner:
 
     def __init__(self, spec: JobSpec, state_dir: Path, rank: int = 0, restarts: int | None = None):
         self.spec, self.state_dir, self.rank, self.world = spec, state_dir, rank, spec.trainer.ranks
+        self.device = device(spec.trainer.device, self.world)  # before the state dir is touched
         self.ranks = None
         if rank == 0:
             # processes before this one; `held` keeps a second trainer off the state dir while this one lives
@@ -41,7 +72,8 @@ class Learner:
                 self.ranks = ranks.start(self.world, follow, spec, state_dir, self.restarts)
         else:
             self.restarts = restarts
-        self.device = shard.device() if self.world > 1 else torch.device("cpu")
+        if self.world > 1:
+            self.device = shard.device()  # this rank's GPU, now that it has joined
         torch.manual_seed(spec.seed)
         self.task, self.reward = tasks.for_job(spec)
         self.saved = (
@@ -92,14 +124,14 @@ class Learner:
                 if warm and t.warmup_steps:
                     models.warm_up(full, tok, self.task, t.warmup_steps)
             model = (
-                full
+                full.to(self.device)
                 if self.world == 1
                 else shard.build(models.tiny_config(len(tok), t.hidden, t.layers, t.heads), shard.from_rank0(full))
             )
         else:
             tok = models.load_tokenizer(spec.model.tokenizer or spec.model.path)
             if self.world == 1:
-                model = models.load(spec.model.path, spec.model.tokenizer)[0]
+                model = models.load(spec.model.path, spec.model.tokenizer)[0].to(self.device)
             else:
                 model = shard.build(
                     AutoConfig.from_pretrained(spec.model.path, local_files_only=True),
@@ -140,7 +172,9 @@ class Learner:
         t0, extract_s = time.perf_counter(), None
         if self._agree(store is not None and store.newest == self.version - 1):
             if self.world == 1:  # the checkpoint holds the new weights; the old are the store's newest
-                self.policy = {n: (0, t.reshape(-1)) for n, t in store.materialize(store.newest).items()}
+                self.policy = {
+                    n: (0, t.reshape(-1).to(self.device)) for n, t in store.materialize(store.newest).items()
+                }
             self._publish_into(store)
             extract_s = time.perf_counter() - t0
         else:
@@ -192,31 +226,53 @@ class Learner:
                 tokens += len(s["tokens"])
         r = torch.tensor(rewards, dtype=torch.float32)
         adv = grpo.advantages(r)[[i for i, _ in mine], [j for _, j in mine]].to(self.device)
-        ids, attention, positions, mask, behaviour = (t.to(self.device) for t in grpo.pad(rows, self.tok.pad_token_id))
-        n_prompt = max(len(p) for p, _, _ in rows)
-        logp = grpo.token_logprobs(self.model, ids, attention, n_prompt, g.temperature, positions)
-        ref = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref = grpo.token_logprobs(self.ref, ids, attention, n_prompt, g.temperature, positions)
-        n = float(self._sum(mask.sum()))  # the batch's completion tokens, over every rank
-        loss, stats = grpo.loss(logp, behaviour, adv, mask, g.clip, ref, g.kl_coef, n / self.world)
-        if self.world > 1:  # each rank's stats are means over its own tokens
-            stats = {k: float(self._sum(torch.tensor(v * float(mask.sum())))) / max(n, 1.0) for k, v in stats.items()}
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats = self._backward(rows, adv)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm)
+        rate = lr.rate(self.version, g, self.spec.steps)  # step `version` makes version + 1
+        for group in self.opt.param_groups:
+            group["lr"] = rate
         self.opt.step()
         return {
             "reward_mean": float(r.mean()),
             "reward_exact": float((r == 1).float().mean()),
-            "loss": float(self._sum(loss.detach())) / self.world,
+            "loss": loss,
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "lr": rate,
             "tokens": tokens,
             "train_s": time.perf_counter() - t0,
             **stats,
             "behaviour_versions": sorted({res["version"] for res in batch.results.values()}),
         }
+
+    def _backward(self, rows: list[grpo.Row], adv: torch.Tensor) -> tuple[float, dict[str, float]]:
+        """The gradient of this rank's rows, in micro-batches of `grpo.microBatchTokens` (one pass
+        without it); the loss and its stats, over the whole batch (every rank) as one pass gives
+        them: stats are means over the batch's completion tokens."""
+        g = self.spec.grpo
+        n = float(self._sum(torch.tensor(float(sum(len(c) for _, c, _ in rows)), device=self.device)))
+        batches = (
+            grpo.micro_batches(rows, g.micro_batch_tokens)
+            if self.world == 1
+            else shard.micro_batches(rows, g.micro_batch_tokens)
+        )
+        loss, sums = grpo.accumulate(
+            self.model,
+            self.ref,
+            rows,
+            adv,
+            batches,
+            pad_id=self.tok.pad_token_id,
+            temperature=g.temperature,
+            clip=g.clip,
+            kl_coef=g.kl_coef,
+            tokens=n / self.world,
+            device=self.device,
+            bf16=self.world == 1 and self.device.type == "cuda",  # the sharded ranks' is FSDP2's policy
+        )
+        if self.world > 1:
+            sums = {k: float(self._sum(torch.tensor(s, device=self.device))) for k, s in sums.items()}
+        return float(self._sum(loss)) / self.world, {k: s / max(n, 1.0) for k, s in sums.items()}
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the ranks."""

@@ -7,8 +7,8 @@ snapshot gathers one full tensor at a time. No rank ever holds the whole model.
 Rank r of N holds rows [r·c, min((r+1)·c, D)) of a tensor of D rows, c = ceil(D/N) (torch.chunk,
 FSDP2's layout, whose padding stays inside FSDP; late ranks may hold none). That is the element
 range [row0·L, row1·L) of the flat tensor, L the elements of a row, so records address it, and a
-worker applies them as any delta. `state_hash`, `publish`, `stream` and what calls it, and
-`build` with `from_rank0` are collective: every rank calls them, in the same order.
+worker applies them as any delta. `state_hash`, `publish`, `stream` and what calls it, `micro_batches`,
+and `build` with `from_rank0` are collective: every rank calls them, in the same order.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from sparrowrl.delta.encoder import Encoder
 from sparrowrl.delta.statehash import format_hash, span_hash
 from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.store.store import Store, Stream
+from sparrowrl.trainer import grpo
 
 Shards = dict[str, tuple[int, torch.Tensor]]  # tensor → (its first element here, this rank's flat elements)
 
@@ -193,6 +194,18 @@ def init_store(path, model: torch.nn.Module, base_every: int) -> Store | None:
     """A new store whose version 0 is the model's bf16 policy (rank 0's; None elsewhere)."""
     stream(model, (lambda s: Store.init(path, s, base_every=base_every)) if _rank0() else None)
     return Store(path) if _rank0() else None
+
+
+def micro_batches(rows: list[grpo.Row], budget: int | None) -> list[list[int]]:
+    """This rank's micro-batches (grpo.micro_batches), as many as the rank with the most has:
+    each pass's forward and backward are collective under FSDP, so every rank makes the same
+    number (collective)."""
+    batches = grpo.micro_batches(rows, budget)
+    if budget is None:  # one pass on every rank
+        return batches
+    most = torch.tensor(len(batches), device=device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return grpo.spread(batches, int(most))
 
 
 def device() -> torch.device:

@@ -1,0 +1,192 @@
+"""The learner's step: micro-batches of a token budget add up to the one-pass gradient and
+metrics, the learning-rate schedule is a function of the step that the optimizer follows across
+a restart, and the device a job asks for."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparrowrl.rollout.coordinator import Batch
+from sparrowrl.spec.job import GrpoSpec, JobError, parse
+from sparrowrl.trainer import grpo, lr, models
+from sparrowrl.trainer.learner import Learner, device
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _rows(tok, model) -> list[grpo.Row]:
+    """Prompts and completions of different lengths; behaviour log-probs near the model's, so
+    that some tokens' ratios clip and others do not."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for prompt, n in [("1+2=", 3), ("11+12=", 2), ("3=", 5), ("45+6=", 1), ("7+8=", 3), ("99+99=", 4)]:
+        p, c = models.prompt_ids(tok, prompt), torch.randint(3, len(tok), (n,), generator=g).tolist()
+        with torch.no_grad():
+            logp = grpo.token_logprobs(model, torch.tensor([p + c]), torch.ones(1, len(p) + n), len(p), 0.7)[0]
+        out.append((p, c, (logp + 0.6 * torch.rand(n, generator=g) - 0.3).tolist()))
+    return out
+
+
+def _grads(model, ref, rows, adv, batches, tokens):
+    model.zero_grad(set_to_none=True)
+    loss, sums = grpo.accumulate(
+        model,
+        ref,
+        rows,
+        adv,
+        batches,
+        pad_id=0,
+        temperature=0.7,
+        clip=0.2,
+        kl_coef=0.1,
+        tokens=tokens,
+        device=torch.device("cpu"),
+    )
+    return (
+        float(loss),
+        {k: s / tokens for k, s in sums.items()},
+        {n: p.grad.clone() for n, p in model.named_parameters()},
+    )
+
+
+def test_micro_batches_add_up_to_the_one_pass_gradient_and_metrics():
+    tok = models.char_tokenizer()
+    model = models.tiny_qwen3(len(tok), 32, 2, 2, seed=0)
+    ref = models.tiny_qwen3(len(tok), 32, 2, 2, seed=1).requires_grad_(False)  # another policy: the KL is not 0
+    rows = _rows(tok, model)
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 2.0])
+    tokens = float(sum(len(c) for _, c, _ in rows))
+    loss, stats, want = _grads(model, ref, rows, adv, grpo.micro_batches(rows, None), tokens)
+    assert stats["kl"] > 0 and 0 < stats["clipped"] < 1
+    for budget in (1, 16, 25, 40, 10_000):
+        batches = grpo.micro_batches(rows, budget)
+        got_loss, got_stats, got = _grads(model, ref, rows, adv, batches, tokens)
+        assert got_loss == pytest.approx(loss, rel=1e-5)
+        assert got_stats.keys() == stats.keys()
+        assert all(got_stats[k] == pytest.approx(stats[k], rel=1e-5, abs=1e-7) for k in stats)
+        for n, g in want.items():
+            assert torch.allclose(got[n], g, rtol=1e-4, atol=1e-7), (budget, n, (got[n] - g).abs().max())
+    # passes a sharded trainer's rank adds to keep step with the others change nothing
+    batches = grpo.spread(grpo.micro_batches(rows, 25), len(rows) + 2)
+    assert batches[-2:] == [[], []]
+    got_loss, got_stats, got = _grads(model, ref, rows, adv, batches, tokens)
+    assert got_loss == pytest.approx(loss, rel=1e-5)
+    assert all(torch.allclose(got[n], g, rtol=1e-4, atol=1e-7) for n, g in want.items())
+
+
+def test_the_number_of_micro_batches_follows_the_budget():
+    rows = [([1] * p, [3] * c, [0.0] * c) for p, c in [(4, 3), (6, 2), (3, 5), (5, 1), (4, 3)]]
+    # longest first: rows 1, 2 (8 tokens each), 0, 4 (7), 3 (6)
+    assert grpo.micro_batches(rows, None) == [[0, 1, 2, 3, 4]]
+    assert grpo.micro_batches(rows, 1) == [[1], [2], [0], [4], [3]]  # every row over the budget goes alone
+    assert grpo.micro_batches(rows, 20) == [[1], [2, 0], [4, 3]]  # [1, 2] would pad to 2 x (6 + 5) = 22
+    assert grpo.micro_batches(rows, 55) == [[1, 2, 0, 4, 3]]  # 5 x (6 + 5)
+    assert len(grpo.micro_batches(rows, 54)) == 2
+    for budget in range(1, 60):
+        batches = grpo.micro_batches(rows, budget)
+        assert sorted(i for b in batches for i in b) == list(range(5))
+        for b in batches:
+            size = len(b) * (max(len(rows[i][0]) for i in b) + max(len(rows[i][1]) for i in b))
+            assert size <= budget or len(b) == 1
+    assert grpo.spread([[0, 1, 2], [3]], 4) == [[0], [1], [2], [3]]
+    assert grpo.spread([[0], [1]], 4) == [[0], [1], [], []]
+
+
+def test_the_schedule_is_a_function_of_the_step():
+    base = 1e-4
+    const = GrpoSpec(learning_rate=base)
+    assert [lr.rate(s, const, 10) for s in range(10)] == [base] * 10  # unchanged: every step at learningRate
+    warm = GrpoSpec(learning_rate=base, warmup_steps=4)
+    assert [lr.rate(s, warm, 10) for s in range(6)] == pytest.approx(
+        [base / 4, base / 2, 3 * base / 4, base, base, base]
+    )
+    cos = GrpoSpec(learning_rate=base, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    assert lr.rate(1, cos, 12) == pytest.approx(base)  # the warm-up's top
+    assert lr.rate(2, cos, 12) == pytest.approx(base)  # the decay starts there
+    assert lr.rate(2 + 9 / 2, cos, 12) == pytest.approx(base * (0.1 + 0.9 * 0.5))  # halfway
+    assert lr.rate(11, cos, 12) == pytest.approx(base * 0.1)  # the floor at the last step
+    assert all(lr.rate(s, cos, 12) > lr.rate(s + 1, cos, 12) for s in range(2, 11))
+    lin = GrpoSpec(learning_rate=base, lr_schedule="linear")
+    assert [lr.rate(s, lin, 5) for s in range(5)] == pytest.approx([base, 0.75 * base, 0.5 * base, 0.25 * base, 0.0])
+    assert lr.rate(0, lin, 1) == 0.0 and lr.rate(0, GrpoSpec(lr_schedule="cosine", warmup_steps=1), 1) == 1e-5
+    assert math.isclose(lr.rate(7, GrpoSpec(learning_rate=base, lr_schedule="cosine"), 8), 0.0, abs_tol=1e-20)
+
+
+def _job(**grpo_fields) -> dict:
+    return {
+        "apiVersion": "sparrowrl.dev/v1alpha1",
+        "kind": "SparrowRLJob",
+        "metadata": {"name": "learner"},
+        "spec": {
+            "steps": 4,
+            "model": {"tiny": {"hidden": 32, "layers": 2, "heads": 2}},
+            "task": {"builtin": "add"},
+            "grpo": {"groupSize": 3, "promptsPerStep": 2, "maxNewTokens": 4, "klCoef": 0.05, **grpo_fields},
+            "topology": {"regions": [{"name": "a", "workers": 1}]},
+        },
+    }
+
+
+def _batch(learner: Learner, index: int) -> Batch:
+    """Batch `index`: completions of 1 to 4 tokens, some right."""
+    tok, g = learner.tok, torch.Generator().manual_seed(index)
+    results = {}
+    for group in range(2 * index, 2 * index + 2):
+        answer = learner.prompt(group).answer
+        samples = []
+        for j in range(3):
+            text = answer if j == 0 else answer[: 1 + j % len(answer)] + "1" * j
+            ids = tok(text[:3], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            samples.append({"tokens": ids, "logprobs": (-2.5 + torch.rand(len(ids), generator=g)).tolist()})
+        results[group] = {"version": index, "samples": samples}
+    groups = sorted(results)
+    return Batch(index=index, groups=groups, pending=[], results=results)
+
+
+def _weights(learner: Learner) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+
+
+def test_the_learner_micro_batches_as_one_pass_and_follows_the_schedule_across_a_restart(tmp_path):
+    """Two learners from the same weights, one pass and micro-batches of single rows: the same
+    step and metrics. The learning rate of each step is the schedule's, also in a learner
+    started again on the state dir, and AdamW steps by it."""
+    whole = Learner(parse(_job(learningRate=1e-3, lrSchedule="cosine", warmupSteps=2)).spec, tmp_path / "one")
+    parts = Learner(
+        parse(_job(learningRate=1e-3, lrSchedule="cosine", warmupSteps=2, microBatchTokens=1)).spec, tmp_path / "mb"
+    )
+    before = _weights(whole)
+    assert all(torch.equal(before[n], w) for n, w in _weights(parts).items())
+    a, b = whole.train(_batch(whole, 0)), parts.train(_batch(parts, 0))
+    for k in ("loss", "kl", "clipped", "grad_norm", "reward_mean", "tokens"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
+    assert a["lr"] == b["lr"] == lr.rate(0, whole.spec.grpo, 4) == 5e-4  # half of the warm-up's 2 steps
+    after = _weights(whole)
+    assert all(torch.allclose(w, after[n], rtol=0, atol=1e-6) for n, w in _weights(parts).items())
+    # AdamW's first step moves each weight by about lr (m / sqrt(v) is the gradient's sign)
+    moved = max(float((after[n] - before[n]).abs().max()) for n in before)
+    assert moved == pytest.approx(a["lr"], rel=1e-3)
+    whole.checkpoint({"version": 1, **a})
+    whole.publish()
+    whole.held.close()  # as the process's death would
+    again = Learner(whole.spec, tmp_path / "one")
+    assert again.version == 1
+    row = again.train(_batch(again, 1))
+    assert row["lr"] == again.opt.param_groups[0]["lr"] == lr.rate(1, again.spec.grpo, 4) == 1e-3
+    assert lr.rate(3, again.spec.grpo, 4) == 0.0  # the cosine's floor (minLrRatio 0) at the last step
+
+
+def test_the_device_a_job_asks_for():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: tests/test_trainer_gpu.py checks the GPU route")
+    assert device("auto") == device("cpu") == device("auto", 2) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^trainer.device: cuda, but torch .* sees no CUDA device$"):
+        device("cuda")
+    with pytest.raises(JobError, match=r"spec.trainer.device: Input should be 'auto', 'cpu' or 'cuda'"):
+        parse({**_job(), "spec": {**_job()["spec"], "trainer": {"device": "gpu"}}})
+    for field, value in [("microBatchTokens", 0), ("lrSchedule", "step"), ("minLrRatio", 1.5), ("warmupSteps", -1)]:
+        with pytest.raises(JobError, match=rf"spec.grpo.{field}: "):
+            parse(_job(**{field: value}))

@@ -1,0 +1,75 @@
+"""One trainer rank on a GPU: bf16 compute with fp32 master weights and AdamW state, micro-batches
+and a schedule; the policy it publishes is the same bits as the CPU's bf16 cast of its master
+weights; its checkpoints load on the CPU; a restart between checkpoint and publish publishes
+from device tensors. Run by hack/gpu-check.sh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_learner import _batch, _job
+
+from sparrowrl.delta import state_hash
+from sparrowrl.spec.job import parse
+from sparrowrl.trainer import models, resume
+from sparrowrl.trainer.learner import Learner
+
+cupy = pytest.importorskip("cupy")
+try:
+    have_gpu = torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:
+    have_gpu = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu, reason="needs CUDA"), pytest.mark.timeout(300)]
+
+
+def _spec(device: str):
+    job = _job(learningRate=1e-3, lrSchedule="cosine", warmupSteps=1, microBatchTokens=16)
+    job["spec"]["trainer"] = {"device": device}
+    return parse(job).spec
+
+
+def _host_policy(learner: Learner) -> dict[str, torch.Tensor]:
+    """The bf16 cast of the master weights, made on the host."""
+    return {n: p.detach().cpu().to(torch.bfloat16) for n, p in learner.model.named_parameters()}
+
+
+def test_one_rank_trains_on_the_gpu(tmp_path):
+    gpu, cpu = Learner(_spec("cuda"), tmp_path / "gpu"), Learner(_spec("cpu"), tmp_path / "cpu")
+    assert gpu.device.type == "cuda" and cpu.device.type == "cpu"
+    assert all(p.is_cuda and p.dtype == torch.float32 for p in gpu.model.parameters())
+    assert all(p.is_cuda for p in gpu.ref.parameters())
+    for b in range(3):
+        row = gpu.train(_batch(gpu, b))
+        if b == 0:  # bf16 compute: near the CPU's fp32 step from the same weights
+            want = cpu.train(_batch(cpu, 0))
+            assert row["reward_mean"] == want["reward_mean"] and row["lr"] == want["lr"]
+            assert row["loss"] == pytest.approx(want["loss"], rel=0.05, abs=1e-3)
+            assert row["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.05)
+        states = [t for st in gpu.opt.state.values() for t in st.values() if t.dim()]
+        assert states and all(t.is_cuda and t.dtype == torch.float32 for t in states)  # AdamW's moments
+        gpu.checkpoint({"version": b + 1, **row})
+        gpu.publish()
+        v = gpu.store.versions[b + 1]
+        host = _host_policy(gpu)
+        assert v.state_hash == state_hash(host) == state_hash(models.policy_state(gpu.model))
+        published = gpu.store.materialize(b + 1)
+        assert all(torch.equal(published[n].view(torch.int16), t.view(torch.int16)) for n, t in host.items())
+    # the checkpoint, written from the GPU, loads into a model on the CPU
+    t = gpu.spec.model.tiny
+    model = models.tiny_qwen3(len(gpu.tok), t.hidden, t.layers, t.heads, 99)
+    opt = torch.optim.AdamW(model.parameters())
+    resume.Checkpoints(tmp_path / "gpu" / "trainer").load(3, model, opt)
+    master = dict(gpu.model.named_parameters())
+    assert all(torch.equal(p, master[n].detach().cpu()) for n, p in model.named_parameters())
+
+
+def test_killed_between_checkpoint_and_publish_it_publishes_from_the_gpu(tmp_path):
+    first = Learner(_spec("cuda"), tmp_path)
+    first.checkpoint({"version": 1, **first.train(_batch(first, 0))})
+    first.held.close()  # killed before its publish
+    again = Learner(_spec("cuda"), tmp_path)  # the store's v0, on the GPU, against the checkpoint's weights
+    assert again.version == again.store.newest == 1
+    assert again.store.versions[1].state_hash == state_hash(_host_policy(again))
+    again.checkpoint({"version": 2, **again.train(_batch(again, 1))})
+    again.publish()
+    assert again.store.versions[2].state_hash == state_hash(_host_policy(again))
