@@ -21,6 +21,15 @@ from sparrowrl.transport.metrics import family
 PHASES = ("generate", "train", "extract", "transfer", "wait")
 
 
+def reward_failed(rows: list[dict]) -> dict[str, int]:
+    """Samples whose reward call failed, by kind (rewards.FAILURES), over the rows."""
+    total: dict[str, int] = {}
+    for r in rows:
+        for kind, n in r.get("reward_failed", {}).items():  # rows written before rewards were counted have none
+            total[kind] = total.get(kind, 0) + n
+    return total
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What the reports are made of, at one moment."""
@@ -207,6 +216,12 @@ def metrics(snap: Snapshot) -> list:
             "The last step's time, by phase",
             by=("phase", {p: last[f"{p}_s"] for p in PHASES if last.get(f"{p}_s") is not None}),
         ),
+        family(
+            "counter",
+            "reward_failures",
+            "Samples scored 0.0 because their reward call failed, by kind",
+            by=("kind", reward_failed(snap.rows)),
+        ),
         family("gauge", "changed_fraction", "Share of elements the last step changed", s.last_changed_fraction),
         family("gauge", "payload_bytes", "Bytes the last step shipped", s.last_payload_bytes),
         family(
@@ -238,6 +253,7 @@ def summary(s: Snapshot) -> dict:
         "prompt_groups_requeued": c.requeued,
         "leases_expired": c.leases_expired,
         "trainer_restarts": s.restarts,
+        "reward_failed": reward_failed(rows),
         "tokens_per_second": sum(r["tokens"] for r in rows) / s.seconds,
         "seconds": s.seconds,
         "final_version": s.job.published,
