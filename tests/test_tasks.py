@@ -240,3 +240,38 @@ def test_datasets_is_imported_only_by_a_job_that_has_one():
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr[-2000:]
+
+
+def test_reward_failures_add_up_in_the_summary_and_in_prometheus():
+    from sparrowrl.rollout.coordinator import Coordinator
+    from sparrowrl.trainer import ledger
+
+    def row(version: int, **failed) -> dict:
+        return {
+            "version": version,
+            "reward_mean": 0.5,
+            "tokens": 10,
+            "payload_bytes": 1,
+            "dense_bytes": 2,
+            "changed_fraction": 0.1,
+            "reward_failed": {**dict.fromkeys(rewards.FAILURES, 0), **failed},
+        }
+
+    rows = [{k: v for k, v in row(1).items() if k != "reward_failed"}, row(2, raised=2), row(3, raised=1, timeout=4)]
+    snap = ledger.Snapshot(
+        job=Coordinator(1, 1, 60.0, 1, 3, "pull").view(),
+        steps=3,
+        rows=rows,  # the first as written before failures were counted
+        seconds=1.0,
+        sent={"delta": 0, "base": 0},
+        restarts=0,
+        finished=False,
+    )
+    assert ledger.summary(snap)["reward_failed"] == {"raised": 3, "timeout": 4, "nonfinite": 0, "nonnumber": 0}
+    (family,) = (m for m in ledger.metrics(snap) if m.name == "sparrowrl_reward_failures")
+    assert {s.labels["kind"]: s.value for s in family.samples} == {
+        "raised": 3,
+        "timeout": 4,
+        "nonfinite": 0,
+        "nonnumber": 0,
+    }

@@ -16,6 +16,7 @@ from sparrowrl.rollout.coordinator import Coordinator, View
 from sparrowrl.spec.status import JobStatus, WorkerStatus
 from sparrowrl.trainer import resume
 from sparrowrl.trainer.learner import Learner
+from sparrowrl.trainer.rewards import FAILURES
 from sparrowrl.transport.metrics import family
 
 PHASES = ("generate", "train", "extract", "transfer", "wait")
@@ -23,7 +24,7 @@ PHASES = ("generate", "train", "extract", "transfer", "wait")
 
 def reward_failed(rows: list[dict]) -> dict[str, int]:
     """Samples whose reward call failed, by kind (rewards.FAILURES), over the rows."""
-    total: dict[str, int] = {}
+    total = dict.fromkeys(FAILURES, 0)
     for r in rows:
         for kind, n in r.get("reward_failed", {}).items():  # rows written before rewards were counted have none
             total[kind] = total.get(kind, 0) + n
