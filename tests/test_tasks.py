@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import huggingface_hub
 import pytest
 
 from sparrowrl.spec.job import TaskSpec
@@ -160,7 +161,8 @@ def test_a_failed_builtin_call_scores_zero_and_is_counted():
 def ds(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")  # not the user's cache
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # nothing is downloaded
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return datasets
 
 
@@ -227,6 +229,8 @@ def test_a_data_sets_missing_column_and_bad_rows_are_named(ds, tmp_path):
         {"path": str(tmp_path / "n.parquet"), "promptField": "question", "answerField": "solution"}, on_bad_row="skip"
     )
     assert t.skipped.endswith("n.parquet [train] row 2: no 'question'") and len(t.rows) == 2
+    with pytest.raises(ValueError, match=r"dataset no-such/data \[train\]: Couldn't reach 'no-such/data' on the Hub"):
+        data_task({"path": "no-such/data"})  # a path that names nothing local is a name on the hub
     with pytest.raises(ValueError, match=r"a data file is .parquet, .json, .jsonl, .csv, .arrow"):
         (tmp_path / "d.txt").write_text("x")
         data_task({"path": str(tmp_path / "d.txt")})

@@ -244,7 +244,12 @@ DATA_FILES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": 
 
 def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
     """A data set's name for messages, and (NAME row I, its example or why not) for each row."""
-    import datasets  # only a job with a data set pays for importing it
+    try:
+        import datasets  # only a job with a data set pays for importing it
+    except ImportError:
+        raise ValueError(
+            "dataset: the datasets package is not installed here (it comes with sparrowrl[runtime])"
+        ) from None
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
