@@ -41,7 +41,7 @@ def call(fn: tasks.Reward, item: Item) -> Outcome:
     try:
         r = fn(prompt, completion, answer, **fields)
     except BaseException as e:  # a reward's sys.exit() is its failure too, not the process's end
-        return "raised", f"{type(e).__name__}: {e}"
+        return "raised", f"{type(e).__name__}: {str(e)[:500]}"
     if not isinstance(r, numbers.Real):
         return "nonnumber", f"returned {type(r).__name__} {str(r)[:100]!r}, not a number"
     if not math.isfinite(r := float(r)):
@@ -107,23 +107,27 @@ class Pool:
                         continue
                     if kind == "ready":
                         w.ready = True
-                    elif kind == "load":
-                        self._fail(i, out, todo, "raised", value)
+                    elif kind == "load":  # it loaded at start: the file has changed since
+                        self._fail(i, out, todo, "raised", value, every=True)
                     else:
                         out[w.item], w.item, w.deadline = (kind, value), None, None
                 elif w.item is not None and w.ready and w.deadline <= now:
                     self._fail(i, out, todo, "timeout", f"no answer in {self.timeout:g} s (its process was replaced)")
                 elif not w.ready and w.started + START_SECONDS <= now:
-                    self._fail(i, out, todo, "timeout", f"its process did not load the reward in {START_SECONDS:g} s")
+                    message = f"its process did not load the reward in {START_SECONDS:g} s"
+                    self._fail(i, out, todo, "timeout", message, every=True)
         return out
 
-    def _fail(self, i: int, out: list, todo: deque, kind: str, message: str) -> None:
-        """Worker i failed: the call it holds fails (holding none, the next waiting one does: each
-        failure settles a call, so that `run` ends even if the reward cannot load any more), and
-        its process is killed and replaced."""
+    def _fail(self, i: int, out: list, todo: deque, kind: str, message: str, every: bool = False) -> None:
+        """Worker i failed, and its process is killed and replaced. The call it holds fails; a
+        process that could not load the reward held none, and then every call still waiting
+        fails (the next `run` tries again), so that `run` ends even if the reward cannot load."""
         w = self.workers[i]
-        item = w.item if w.item is not None else todo.popleft() if todo else None
-        if item is not None:
+        failed = [w.item] if w.item is not None else []
+        if every:
+            failed += todo
+            todo.clear()
+        for item in failed:
             out[item] = (kind, message)
         self.workers[i] = self._replace(w)
 
