@@ -236,10 +236,11 @@ def test_a_file_beside_the_job_does_not_shadow_the_standard_library(tmp_path):
     )
     (tmp_path / "helper.py").write_text("ONE = 1.0\n")  # the reward's own module, beside it
     code = (
-        "import sys; from sparrowrl.spec.job import load; from sparrowrl.trainer.tasks import for_job; "
+        "import sys; from sparrowrl.spec.job import load; from sparrowrl.trainer import models; "
+        "from sparrowrl.trainer.tasks import for_job, reward_function; "
         "assert 'tabnanny' not in sys.modules; "
-        f"_, r = for_job(load({str(tmp_path / 'j.yaml')!r}).spec); "
-        "import tabnanny; print(r('', '', ''), tabnanny.__file__)"
+        f"_, name = for_job(load({str(tmp_path / 'j.yaml')!r}).spec, models.Prompts(models.char_tokenizer())); "
+        "import tabnanny; print(reward_function(name)('', '', ''), tabnanny.__file__)"
     )
     write_job(tmp_path / "j.yaml", task={"builtin": "add", "reward": "rw:f"})
     p = subprocess.run(

@@ -166,6 +166,8 @@ BAD = {  # refused by CEL in the API server and by parse in the operator and `sp
     "heads do not divide hidden": lambda s: s["model"]["tiny"].update(hidden=130),
     "tokenizer beside tiny": lambda s: s["model"].update(tokenizer="/t"),
     "both task sources": lambda s: s["task"].update(jsonl="x.jsonl"),
+    "a task file and a data set": lambda s: s.update(task={"jsonl": "x.jsonl", "dataset": {"path": "d.parquet"}}),
+    "no task source": lambda s: s.update(task={"reward": "exact"}),
     "topology and placements": lambda s: s.update(topology={"regions": [{"name": "a"}]}),
     "member cluster, ClusterIP trainer": lambda s: s["trainer"]["service"].update(type="ClusterIP"),
     "member cluster, no trainer section": lambda s: s.pop("trainer"),

@@ -38,6 +38,11 @@ def on_the_machine() -> set[str]:
     return set(image()) | set(carried())
 
 
+# Modules that only a job feature no part of the check uses needs, imported inside the function
+# that uses it: the image may lack them (checked: never imported at a module's top level).
+OPTIONAL = {"datasets": "task.dataset, a job's Hugging Face data set"}
+
+
 def check_files() -> list[Path]:
     """What the check runs on the image: the parts whose modules the image can have (not the vLLM
     engine's: vLLM cannot be carried, and that part says skipped), pytest's conftest, the driver."""
@@ -129,6 +134,8 @@ def off_the_machine(files: list[Path]) -> list[str]:
     found, _ = third_party(files)
     problems = []
     for top, where in sorted(found.items()):
+        if top in OPTIONAL:
+            continue
         dists = importlib.metadata.packages_distributions().get(top)
         if not dists:
             problems.append(
@@ -226,6 +233,21 @@ def test_every_import_of_the_check_is_on_the_image_or_carried():
     assert {"torch", "cupy", "pydantic", "zstandard", "numba"} <= found.keys()  # the analysis sees lazy imports too
     assert ROOT / "runtime" / "sparrowrl" / "delta" / "gpu.py" in reached
     assert off_the_machine(files) == []
+
+
+def test_optional_modules_are_imported_only_where_they_are_used():
+    _, reached = third_party(check_files())
+    assert ROOT / "runtime" / "sparrowrl" / "trainer" / "tasks.py" in reached  # where `datasets` is used
+    for f in reached:
+        for node in ast.parse(f.read_text()).body:  # the module's top level
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            assert not [n for n in names if n.split(".")[0] in OPTIONAL], f"{f}: imports an optional module at the top"
 
 
 def test_the_carried_wheels_are_the_versions_tested_here():

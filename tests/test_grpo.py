@@ -75,18 +75,12 @@ def test_rewards():
         tasks.reward_function("math:isclose")
 
 
-def test_tasks_are_the_same_in_every_process_and_fit_the_tokenizer(tmp_path):
+def test_tasks_are_the_same_in_every_process_and_fit_the_tokenizer():
     tok = models.char_tokenizer()
+    prompts = models.Prompts(tok)
     for cls in tasks.BUILTIN.values():
-        t1, t2 = cls(3), cls(3)
+        t1, t2 = cls(3, prompts), cls(3, prompts)
         exs = [t1.example(i) for i in range(50)]
         assert exs == [t2.example(i) for i in range(50)] and len(set(exs)) > 10
         for e in exs:
             assert tok.decode(tok(e.prompt + e.answer).input_ids) == e.prompt + e.answer
-    f = tmp_path / "t.jsonl"
-    f.write_text('{"prompt": "2*3=", "answer": 6}\n\n{"prompt": "1+1=", "answer": "2"}\n')
-    j = tasks.Jsonl(0, f)
-    assert {j.example(i).answer for i in range(2)} == {"6", "2"}
-    f.write_text('{"prompt": "2*3="}\n')
-    with pytest.raises(ValueError, match=r"t.jsonl:1: each line must be a JSON object with 'prompt' and 'answer'"):
-        tasks.Jsonl(0, f)

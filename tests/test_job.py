@@ -121,3 +121,34 @@ def test_relative_paths_are_relative_to_the_job_file(tmp_path):
     f = tmp_path / "j.yaml"
     f.write_text(yaml.safe_dump(job(task={"jsonl": "data.jsonl"})))
     assert load(f).spec.task.jsonl == str(tmp_path / "data.jsonl")
+    (tmp_path / "data").mkdir()
+    f.write_text(yaml.safe_dump(job(task={"dataset": {"path": "data"}})))
+    assert load(f).spec.task.dataset.path == str(tmp_path / "data")
+    f.write_text(yaml.safe_dump(job(task={"dataset": {"path": "openai/gsm8k", "name": "main"}})))
+    assert load(f).spec.task.dataset.path == "openai/gsm8k"  # nothing of that name here: a name on the hub
+
+
+@pytest.mark.parametrize(
+    "task, reason",
+    [
+        ({"builtin": "add", "jsonl": "x.jsonl"}, "give exactly one of task.builtin, task.jsonl and task.dataset"),
+        ({"reward": "exact"}, "give exactly one of task.builtin, task.jsonl and task.dataset"),
+        ({"builtin": "add", "chatTemplate": "maybe"}, "spec.task.chatTemplate: Input should be a valid boolean"),
+        (
+            {"builtin": "add", "maxPromptTokens": 0},
+            "spec.task.maxPromptTokens: Input should be greater than or equal to 1",
+        ),
+        ({"builtin": "add", "onBadRow": "ignore"}, "spec.task.onBadRow: Input should be 'refuse' or 'skip'"),
+        ({"builtin": "add", "rewardWorkers": 65}, "spec.task.rewardWorkers: Input should be less than or equal to 64"),
+        (
+            {"builtin": "add", "rewardTimeoutSeconds": 0},
+            "spec.task.rewardTimeoutSeconds: Input should be greater than 0",
+        ),
+        ({"dataset": {"path": "d", "promptField": ""}}, "spec.task.dataset.promptField: String should have at least 1"),
+        ({"dataset": {"split": "train"}}, "spec.task.dataset.path: Field required"),
+    ],
+)
+def test_task_fields_are_checked(task, reason):
+    with pytest.raises(JobError) as e:
+        parse(job(task=task))
+    assert reason in str(e.value), str(e.value)

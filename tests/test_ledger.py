@@ -42,7 +42,7 @@ def test_the_last_steps_reward_loss_kl_and_length_are_gauges_and_failed_rewards_
     m = samples(snapshot(rows))
     assert m["sparrowrl_reward",] == 0.5 and m["sparrowrl_loss",] == -0.5 and m["sparrowrl_kl",] == 0.02
     assert m["sparrowrl_learning_rate",] == 3e-4 and m["sparrowrl_completion_tokens",] == 2.5
-    assert m["sparrowrl_rewards_failed_total", "raised"] == 3 and m["sparrowrl_rewards_failed_total", "timeout"] == 4
+    assert m["sparrowrl_reward_failures_total", "raised"] == 3 and m["sparrowrl_reward_failures_total", "timeout"] == 4
 
 
 def test_before_the_first_step_the_gauges_are_absent_not_zero():

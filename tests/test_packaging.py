@@ -28,7 +28,9 @@ def base(tmp_path_factory) -> Path:
 @pytest.mark.timeout(900)
 def test_the_base_install_has_the_job_spec_and_status_without_torch(base):
     listed = subprocess.run([str(base / "pip"), "list"], capture_output=True, text=True, timeout=120).stdout.lower()
-    assert "pydantic" in listed and not any(f"\n{m} " in listed for m in ("torch", "numpy", "aiohttp", "numba"))
+    assert "pydantic" in listed and not any(
+        f"\n{m} " in listed for m in ("torch", "numpy", "aiohttp", "numba", "datasets", "pyarrow")
+    )
     code = (
         "import sys; from sparrowrl.spec.job import parse; from sparrowrl.spec.status import JobStatus; "
         "import sparrowrl.cli.main; "

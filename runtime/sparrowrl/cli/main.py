@@ -500,6 +500,39 @@ def fetch(
     )
 
 
+def _task(spec, job: str):
+    """The job's model folder, task and reward, loaded and checked as its trainer will load
+    them; a problem ends the command, named by its field."""
+    from sparrowrl.spec.job import JobError
+    from sparrowrl.trainer import models, tasks
+
+    try:
+        if spec.model.path:
+            models.check(spec.model.path, spec.model.tokenizer)
+    except ValueError as e:
+        _fail(JobError(f"{job}: spec.{e}"))
+    try:
+        prompts = models.Prompts.for_job(spec, models.tokenizer(spec))
+    except ValueError as e:
+        _fail(JobError(f"{job}: spec.task.{e}"))
+    try:
+        return tasks.for_job(spec, prompts)[0]
+    except (ValueError, OSError) as e:
+        _fail(JobError(f"{job}: spec.task: {e}"))
+
+
+def _device(spec, job: str) -> None:
+    """The trainer's device, checked where the trainer will run; one this machine cannot give
+    ends the command, named by its field."""
+    from sparrowrl.spec.job import JobError
+    from sparrowrl.trainer.learner import device
+
+    try:
+        device(spec.trainer.device, spec.trainer.ranks)
+    except ValueError as e:
+        _fail(JobError(f"{job}: spec.{e}"))
+
+
 @app.command("run")
 def run(
     job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file.")],
@@ -521,7 +554,6 @@ def run(
     Everything that can be checked is checked before anything is written."""
     from sparrowrl.cli import report, runner
     from sparrowrl.spec.job import JobError, load, parse
-    from sparrowrl.trainer import models
 
     try:
         j = load(job)
@@ -535,23 +567,10 @@ def run(
             )
     except JobError as e:
         _fail(e)
-    from sparrowrl.trainer import tasks
-
-    try:
-        tasks.for_job(j.spec)  # the task's data and reward load before any process starts
-    except (ValueError, OSError) as e:
-        _fail(JobError(f"{job}: spec.task: {e}"))
-    try:
-        if j.spec.model.path:
-            models.check(j.spec.model.path, j.spec.model.tokenizer)
-    except ValueError as e:
-        _fail(JobError(f"{job}: spec.{e}"))
-    from sparrowrl.trainer.learner import device
-
-    try:
-        device(j.spec.trainer.device, j.spec.trainer.ranks)
-    except ValueError as e:
-        _fail(JobError(f"{job}: spec.{e}"))
+    task = _task(j.spec, str(job))  # the task's data and reward load before any process starts
+    _device(j.spec, str(job))
+    if task.skipped:
+        err.print(f"task: {task.skipped}", highlight=False, soft_wrap=True)
     if j.spec.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         _fail(
             JobError(
@@ -677,8 +696,6 @@ def trainer(
 
     from sparrowrl.auth.signing import TOKEN_PREFIX
     from sparrowrl.spec.job import JobError, load
-    from sparrowrl.trainer import tasks
-    from sparrowrl.trainer.learner import device
     from sparrowrl.trainer.trainer import serve
 
     token = _server_token(host, port)
@@ -687,10 +704,10 @@ def trainer(
     _in_range("--metrics-port", metrics_port, 1, 65535)
     try:
         j = load(job)
-        tasks.for_job(j.spec)
-        device(j.spec.trainer.device, j.spec.trainer.ranks)
-    except (JobError, ValueError) as e:
+    except JobError as e:
         _fail(e)
+    _task(j.spec, str(job))
+    _device(j.spec, str(job))
     import socket
 
     from sparrowrl.transport.http import ListenError

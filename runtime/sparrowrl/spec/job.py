@@ -108,32 +108,91 @@ class ModelSpec(_Spec):
         return self
 
 
+FieldName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class DatasetSpec(_Spec):
+    """A `datasets` data set: a local file or folder, or a name on the Hugging Face Hub."""
+
+    path: Text = Field(
+        description=(
+            "A local file (.parquet, .json, .jsonl, .csv or .arrow), a folder of such files, a folder written by "
+            "save_to_disk (relative to the job file), or a data set's name on the Hugging Face Hub (HF_ENDPOINT "
+            "and HF_TOKEN are honoured)."
+        )
+    )
+    name: Text | None = Field(None, description="The data set's configuration, if it has several.")
+    split: Text = Field("train", description='The split, with datasets\' slicing if wanted: "train[:1000]".')
+    prompt_field: FieldName = Field("prompt", description="The column that holds the prompt text.")
+    answer_field: FieldName = Field("answer", description="The column that holds the answer.")
+    messages_field: FieldName | None = Field(
+        None,
+        description="The column that holds chat messages ([{role, content}]): the prompt comes from it instead.",
+    )
+
+
 class TaskSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
-                    "rule": "has(self.builtin) != has(self.jsonl)",
-                    "message": "give exactly one of task.builtin and task.jsonl",
+                    "rule": "(has(self.builtin) ? 1 : 0) + (has(self.jsonl) ? 1 : 0) + (has(self.dataset) ? 1 : 0) "
+                    "== 1",
+                    "message": "give exactly one of task.builtin, task.jsonl and task.dataset",
                 }
             ]
         }
     )
     builtin: Literal["add", "reverse"] | None = None
-    jsonl: Text | None = Field(None, description='A file of {"prompt", "answer"} lines.')
+    jsonl: Text | None = Field(
+        None, description='A file of {"prompt", "answer", ...} or {"messages", "answer", ...} lines.'
+    )
+    dataset: DatasetSpec | None = None
     reward: Annotated[Text, AfterValidator(_reward)] | None = Field(
         None,
         description=(
             "exact | numeric | char_match | module:function, where module.py is a file beside the job file "
-            "(or FILE.py:function, relative to it): code the trainer runs. Default: the built-in task's own, "
-            "exact for JSONL."
+            "(or FILE.py:function, relative to it): code the trainer runs, called as fn(prompt, completion, "
+            "answer, **fields) with the example's other fields. Default: the built-in task's own, exact for "
+            "JSONL and data sets."
         ),
+    )
+    chat_template: bool | None = Field(
+        None,
+        description=(
+            "Render prompts with the tokenizer's chat template. Unset: when the tokenizer has one; true: "
+            "required; false: never."
+        ),
+    )
+    system_prompt: Annotated[str, Field(max_length=65536)] | None = Field(
+        None,
+        description=(
+            "Prepended to each prompt: as a system message under a chat template (unless the example has its "
+            "own), else as text and a newline."
+        ),
+    )
+    max_prompt_tokens: int = Field(
+        2048, ge=1, le=131072, description="An example whose rendered prompt is longer is a bad row."
+    )
+    on_bad_row: Literal["refuse", "skip"] = Field(
+        "refuse",
+        description="A bad example (unreadable, incomplete, too long) stops the job at start, or is counted and "
+        "skipped.",
+    )
+    reward_workers: int | None = Field(
+        None, ge=1, le=64, description="Processes that run a user's reward in parallel; default: min(4, CPUs)."
+    )
+    reward_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A user's reward call that takes longer is stopped; its sample scores 0 and is counted.",
     )
 
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
-        if (self.builtin is None) == (self.jsonl is None):
-            raise ValueError("give exactly one of task.builtin and task.jsonl")
+        if sum(x is not None for x in (self.builtin, self.jsonl, self.dataset)) != 1:
+            raise ValueError("give exactly one of task.builtin, task.jsonl and task.dataset")
         return self
 
 
@@ -570,6 +629,9 @@ def load(path: str | Path) -> SparrowRLJob:
     task = {}
     if spec.task.jsonl and not Path(spec.task.jsonl).is_absolute():
         task["jsonl"] = str(base / spec.task.jsonl)
+    data = spec.task.dataset
+    if data and not Path(data.path).is_absolute() and (base / data.path).exists():  # else a name on the hub
+        task["dataset"] = data.model_copy(update={"path": str(base / data.path)})
     if spec.task.reward and ":" in spec.task.reward:  # user code: a file beside the job, never a module on the path
         module, fn = spec.task.reward.rsplit(":", 1)
         task["reward"] = f"{base / (module if module.endswith('.py') else module + '.py')}:{fn}"

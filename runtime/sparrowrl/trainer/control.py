@@ -25,7 +25,6 @@ from sparrowrl.auth.tokens import acts_as
 from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
-from sparrowrl.trainer import models
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.transport.http import PRINCIPAL
 
@@ -172,11 +171,10 @@ class Control:
             await self.until_changed(1.0)
         if "lease" in ans:
             self.changed()  # journaled before it is answered: a restarted trainer knows the lease
-            tok = self.learner.tok
             ans["lease"]["prompts"] = [
                 {
                     "group": g,
-                    "ids": models.prompt_ids(tok, self.learner.prompt(g).prompt),
+                    "ids": self.learner.prompt_ids(g),
                     "seed": group_seed(self.spec.seed, g),
                 }
                 for g in ans["lease"]["groups"]

@@ -29,7 +29,7 @@ from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
 from sparrowrl.store.store import Store
-from sparrowrl.trainer import grpo, lr, models, ranks, resume, shard, tasks
+from sparrowrl.trainer import grpo, lr, models, ranks, resume, rewards, shard, tasks
 
 
 def device(choice: str, world: int = 1) -> torch.device:
@@ -75,14 +75,18 @@ class Learner:
         if self.world > 1:
             self.device = shard.device()  # this rank's GPU, now that it has joined
         torch.manual_seed(spec.seed)
-        self.task, self.reward = tasks.for_job(spec)
+        self.tok = models.tokenizer(spec)
+        self.prompts = models.Prompts.for_job(spec, self.tok)
+        self.task, reward = tasks.for_job(spec, self.prompts)
+        if rank == 0 and self.task.skipped:
+            print(f"trainer: task: {self.task.skipped}", flush=True)
         self.saved = (
             resume.Checkpoints(state_dir / "trainer")
             if self.world == 1
             else resume.ShardedCheckpoints(state_dir / "trainer", rank)
         )
         newest = self.saved.newest() if self.restarts else None
-        self.model, self.tok, self.ref = self._models(warm=newest is None)
+        self.model, self.ref = self._models(warm=newest is None)
         g = spec.grpo
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.table = shard.specs(self.model)
@@ -109,27 +113,30 @@ class Learner:
                 if f.is_file()
             ]
         self.store, self.extract_s = self._open_store()
+        # rank 0 scores each batch, and hands the rewards to the other ranks
+        self.scorer = (
+            rewards.Scorer(reward, spec.task.reward_workers, spec.task.reward_timeout_seconds) if rank == 0 else None
+        )
 
     def _models(self, warm: bool):
-        """(policy model, tokenizer, frozen reference or None). One rank: the model as loaded. N
+        """(policy model, frozen reference or None). One rank: the model as loaded. N
         ranks: each rank allocates only its shards (shard.build), filled from rank 0's tiny model
         or from its rows of the checkpoint's files."""
         spec = self.spec
         if spec.model.tiny:
-            tok = models.char_tokenizer()
+            tok = self.tok
             t = spec.model.tiny
             full = None
             if self.rank == 0:
                 full = models.tiny_qwen3(len(tok), t.hidden, t.layers, t.heads, spec.seed)
                 if warm and t.warmup_steps:
-                    models.warm_up(full, tok, self.task, t.warmup_steps)
+                    models.warm_up(full, self.prompts, self.task, t.warmup_steps)
             model = (
                 full.to(self.device)
                 if self.world == 1
                 else shard.build(models.tiny_config(len(tok), t.hidden, t.layers, t.heads), shard.from_rank0(full))
             )
         else:
-            tok = models.load_tokenizer(spec.model.tokenizer or spec.model.path)
             if self.world == 1:
                 model = models.load(spec.model.path, spec.model.tokenizer)[0].to(self.device)
             else:
@@ -141,7 +148,7 @@ class Learner:
         if spec.grpo.kl_coef > 0:  # KL's anchor
             ref = copy.deepcopy(model) if self.world == 1 else shard.build(model.config, shard.from_model(model))
             ref.eval().requires_grad_(False)
-        return model, tok, ref
+        return model, ref
 
     def _save(self, version: int, row: dict | None) -> None:
         if self.world == 1:
@@ -199,26 +206,40 @@ class Learner:
     def prompt(self, group: int) -> tasks.Example:
         return self.task.example(group)
 
+    def prompt_ids(self, group: int) -> list[int]:
+        """The group's prompt as token ids: what its lease carries, and what the step scores."""
+        return self.prompts.ids(self.prompt(group).prompt)
+
+    def _score(self, batch: Batch) -> tuple[list[list[float]], dict[str, int]]:
+        """Every sample of the batch scored in one call (a user's reward runs them in parallel):
+        the rewards by group, and the failures by kind."""
+        items = []
+        for group in batch.groups:
+            ex = self.prompt(group)
+            for s in batch.results[group]["samples"]:
+                items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
+        flat, failed = self.scorer.score(items)
+        n = self.spec.grpo.group_size
+        return [flat[i : i + n] for i in range(0, len(flat), n)], failed
+
     def _lead(self, method: str, *args) -> None:
         """On rank 0 of a sharded trainer: have the other ranks make the same call."""
         if self.world > 1 and self.rank == 0:
             dist.broadcast_object_list([(method, args)], src=0)
 
-    def train(self, batch: Batch) -> dict:
-        """One optimizer step on a complete batch; returns its metrics. Each rank takes every
-        N-th group; the loss is normalized by the whole batch's tokens, so the ranks' averaged
-        gradient is the one-rank gradient."""
-        self._lead("train", batch)
+    def train(self, batch: Batch, scored: tuple[list[list[float]], dict[str, int]] | None = None) -> dict:
+        """One optimizer step on a complete batch; returns its metrics. Rank 0 scores the batch
+        and hands the rewards (`scored`) to the others. Each rank takes every N-th group; the
+        loss is normalized by the whole batch's tokens, so the ranks' averaged gradient is the
+        one-rank gradient."""
         g = self.spec.grpo
         t0 = time.perf_counter()
-        rows, rewards, tokens, mine = [], [], 0, []  # mine: (group, sample) of this rank's rows
+        rewards, failed = scored or self._score(batch)
+        self._lead("train", batch, (rewards, failed))
+        rows, tokens, mine = [], 0, []  # mine: (group, sample) of this rank's rows
         for i, group in enumerate(batch.groups):
-            ex, res = self.prompt(group), batch.results[group]
-            p = models.prompt_ids(self.tok, ex.prompt)
-            rs = [
-                self.reward(ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer) for s in res["samples"]
-            ]
-            rewards.append(rs)
+            res = batch.results[group]
+            p = self.prompt_ids(group)
             for j, s in enumerate(res["samples"]):
                 if i % self.world == self.rank:
                     rows.append((p, s["tokens"], s["logprobs"]))
@@ -243,6 +264,7 @@ class Learner:
             "train_s": time.perf_counter() - t0,
             **stats,
             "behaviour_versions": sorted({res["version"] for res in batch.results.values()}),
+            "reward_failed": failed,
         }
 
     def _backward(self, rows: list[grpo.Row], adv: torch.Tensor) -> tuple[float, dict[str, float]]:
@@ -336,7 +358,9 @@ class Learner:
         self.tok.save_pretrained(out)
 
     def stop(self) -> None:
-        """The last call: the other ranks leave `follow` and exit."""
+        """The last call: the reward's processes end, and the other ranks leave `follow` and exit."""
+        if self.scorer is not None:
+            self.scorer.close()
         if self.ranks is not None:
             self.ranks.stop(lambda: self._lead("stop"))
 

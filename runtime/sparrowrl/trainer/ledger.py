@@ -16,9 +16,19 @@ from sparrowrl.rollout.coordinator import Coordinator, View
 from sparrowrl.spec.status import JobStatus, WorkerStatus
 from sparrowrl.trainer import resume
 from sparrowrl.trainer.learner import Learner
+from sparrowrl.trainer.rewards import FAILURES
 from sparrowrl.transport.metrics import family
 
 PHASES = ("generate", "train", "extract", "transfer", "wait")
+
+
+def reward_failed(rows: list[dict]) -> dict[str, int]:
+    """Samples whose reward call failed, by kind (rewards.FAILURES), over the rows."""
+    total = dict.fromkeys(FAILURES, 0)
+    for r in rows:
+        for kind, n in r.get("reward_failed", {}).items():  # rows written before rewards were counted have none
+            total[kind] = total.get(kind, 0) + n
+    return total
 
 
 @dataclass(frozen=True)
@@ -229,9 +239,9 @@ def metrics(snap: Snapshot) -> list:
         ),
         family(
             "counter",
-            "rewards_failed",
-            "Samples whose reward failed (scored as failed), by how",
-            by=("kind", _failed(snap.rows)),
+            "reward_failures",
+            "Samples scored 0.0 because their reward call failed, by kind",
+            by=("kind", reward_failed(snap.rows)),
         ),
         family("gauge", "changed_fraction", "Share of elements the last step changed", s.last_changed_fraction),
         family("gauge", "payload_bytes", "Bytes the last step shipped", s.last_payload_bytes),
@@ -242,15 +252,6 @@ def metrics(snap: Snapshot) -> list:
             by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None}),
         ),
     ]
-
-
-def _failed(rows: list[dict]) -> dict[str, int]:
-    """Rewards that failed over the whole job, by kind (each row has its step's)."""
-    out: dict[str, int] = {}
-    for r in rows:
-        for kind, n in (r.get("reward_failed") or {}).items():
-            out[kind] = out.get(kind, 0) + n
-    return out
 
 
 def summary(s: Snapshot) -> dict:
@@ -273,6 +274,7 @@ def summary(s: Snapshot) -> dict:
         "prompt_groups_requeued": c.requeued,
         "leases_expired": c.leases_expired,
         "trainer_restarts": s.restarts,
+        "reward_failed": reward_failed(rows),
         "tokens_per_second": sum(r["tokens"] for r in rows) / s.seconds,
         "seconds": s.seconds,
         "final_version": s.job.published,

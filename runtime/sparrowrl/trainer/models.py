@@ -1,10 +1,12 @@
 """Policy models: a local Hugging Face folder, or a tiny Qwen3 built from config with a
-character-level tokenizer made offline (nothing is downloaded, ever)."""
+character-level tokenizer made offline (nothing is downloaded, ever); and what the policy sees
+of an example (`Prompts`): its prompt rendered, with the tokenizer's chat template or as text."""
 
 from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -17,7 +19,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from sparrowrl.trainer.tasks import Task
+from sparrowrl.trainer.tasks import Example, Source, Task
+
+if TYPE_CHECKING:
+    from sparrowrl.spec.job import JobSpec
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 CHARS = string.digits + string.ascii_lowercase + " +-*=?:<>,.()"
@@ -81,6 +86,11 @@ def check(path: str | Path, tokenizer: str | Path | None = None) -> None:
         raise ValueError(f"{field}: {tokenizer or folder}: no tokenizer ({str(e).strip().splitlines()[0]})") from None
 
 
+def tokenizer(spec: JobSpec):
+    """The job's tokenizer: the built-in one of a tiny model, or the model's (or model.tokenizer's)."""
+    return char_tokenizer() if spec.model.tiny else load_tokenizer(spec.model.tokenizer or spec.model.path)
+
+
 def load_tokenizer(path: str | Path):
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.pad_token is None:
@@ -94,11 +104,53 @@ def policy_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def prompt_ids(tok, text: str) -> list[int]:
-    """A prompt's token ids, as both the worker (to generate) and the trainer (to score) see them."""
+    """A prompt's token ids without a chat template: the tokenizer's special tokens, and BOS first."""
     ids = tok(text, add_special_tokens=True).input_ids
     if tok.bos_token_id is not None and (not ids or ids[0] != tok.bos_token_id):
         ids = [tok.bos_token_id, *ids]
     return ids
+
+
+class Prompts:
+    """What the policy sees of an example: its prompt's text and token ids. The lease's ids
+    (control.py), the learner's rows and the warm-up all come from here, so they always agree.
+
+    With a chat template (the tokenizer's own; by default whenever it has one) a plain prompt is
+    one user message, and task.systemPrompt is a system message before an example's messages
+    unless it has one of its own; the text ends with the template's generation prompt and is
+    tokenized as it is (the template places any special tokens). Without one, the text is the
+    system prompt, if any, and the messages' contents, joined by newlines: a plain prompt alone
+    is itself, as before chat templates were known here."""
+
+    def __init__(self, tok, chat_template: bool | None = None, system_prompt: str | None = None):
+        has = bool(getattr(tok, "chat_template", None))
+        if chat_template and not has:
+            raise ValueError("chatTemplate: true, but the tokenizer has no chat template")
+        self.tok, self.system = tok, system_prompt
+        self.templated = has if chat_template is None else chat_template
+
+    @classmethod
+    def for_job(cls, spec: JobSpec, tok) -> Prompts:
+        return cls(tok, spec.task.chat_template, spec.task.system_prompt)
+
+    def render(self, src: Source) -> Example:
+        """ValueError: the chat template refused the example (its reason)."""
+        messages = list(src.messages) if src.messages is not None else [("user", src.prompt)]
+        if self.system is not None and all(role != "system" for role, _ in messages):
+            messages.insert(0, ("system", self.system))
+        if not self.templated:
+            return Example("\n".join(content for _, content in messages), src.answer, src.fields)
+        try:
+            text = self.tok.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # jinja's errors, and what a template's own raise_exception raises
+            raise ValueError(f"the chat template refused it ({type(e).__name__}: {e})") from None
+        return Example(text, src.answer, src.fields)
+
+    def ids(self, text: str) -> list[int]:
+        """A rendered prompt's token ids, as both the worker (to generate) and the trainer (to score) see them."""
+        return self.tok(text, add_special_tokens=False).input_ids if self.templated else prompt_ids(self.tok, text)
 
 
 def completion_text(tok, ids: list[int]) -> str:
@@ -108,16 +160,19 @@ def completion_text(tok, ids: list[int]) -> str:
     return tok.decode(ids, skip_special_tokens=True)
 
 
-def warm_up(model: torch.nn.Module, tok, task: Task, steps: int, batch: int = 64, lr: float = 3e-3) -> None:
+def warm_up(
+    model: torch.nn.Module, prompts: Prompts, task: Task, steps: int, batch: int = 64, lr: float = 3e-3
+) -> None:
     """Stand in for pretraining: teach a model made from scratch the task's answers, but let half
     of them run on (`7` as `7=7`), so that it knows the answers and often fails to stop, the kind
     of habit RL post-training removes."""
+    tok = prompts.tok
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for s in range(steps):
         exs = [task.example(10**9 + s * batch + i) for i in range(batch)]  # far beyond any RL prompt
         answers = [e.answer if i % 2 else f"{e.answer}={e.answer}" for i, e in enumerate(exs)]
         ids = [
-            prompt_ids(tok, e.prompt) + tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            prompts.ids(e.prompt) + tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id]
             for e, a in zip(exs, answers)
         ]
         n = max(map(len, ids))

@@ -2,37 +2,67 @@
 
 Built-in tasks a tiny model learns on a CPU in minutes, whose rewards give partial credit per
 character (so that a weak policy's samples differ in reward and GRPO has a signal), and user
-tasks read from JSONL (`prompt`, `answer`) scored by exact match, by number, or by a function
-in a file beside the job (`module:function`, resolved by the job loader to FILE.py:function)
-taking (prompt, completion, answer) and returning a float.
+tasks: lines of a JSONL file or rows of a `datasets` data set, each a plain prompt or chat
+messages, an answer, and any other fields, which go to the reward. Every user example is read,
+rendered (models.Prompts) and checked once, at start: a bad one stops the job, named by its line
+or row and the reason, or is counted and skipped (task.onBadRow).
+
+A reward is exact, numeric, char_match, or a function in a file beside the job
+(`module:function`, resolved by the job loader to FILE.py:function), called as
+fn(prompt, completion, answer, **fields) and returning a number. rewards.py runs it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import math
 import random
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from sparrowrl.spec.limits import MAX_TASK_BYTES, read_bounded
 
 if TYPE_CHECKING:
-    from sparrowrl.spec.job import JobSpec
+    from sparrowrl.spec.job import DatasetSpec, JobSpec, TaskSpec
 
-Reward = Callable[[str, str, str], float]
+Reward = Callable[..., float]
+ROLES = ("system", "user", "assistant")
+ARGUMENTS = ("prompt", "completion", "answer")  # a reward's own: fields of these names are not passed
+
+
+@dataclass(frozen=True)
+class Source:
+    """An example as the data holds it: a plain prompt or chat messages ((role, content), ...)."""
+
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...] | None
+    answer: str
+    fields: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
 class Example:
+    """An example as the policy sees it: `prompt` is the rendered text (what a reward gets)."""
+
     prompt: str
     answer: str
+    fields: dict = field(default_factory=dict, hash=False)
 
 
-def char_match(prompt: str, completion: str, answer: str) -> float:
+class Prompts(Protocol):
+    """How examples are rendered for the job's tokenizer (models.Prompts)."""
+
+    def render(self, src: Source) -> Example: ...
+
+    def ids(self, text: str) -> list[int]: ...
+
+
+def char_match(prompt: str, completion: str, answer: str, **fields) -> float:
     """Share of answer characters right at their position; extra characters count against."""
     if not answer:
         return float(completion == "")
@@ -40,11 +70,11 @@ def char_match(prompt: str, completion: str, answer: str) -> float:
     return hits / max(len(answer), len(completion))
 
 
-def exact(prompt: str, completion: str, answer: str) -> float:
+def exact(prompt: str, completion: str, answer: str, **fields) -> float:
     return float(completion.strip() == answer.strip())
 
 
-def numeric(prompt: str, completion: str, answer: str) -> float:
+def numeric(prompt: str, completion: str, answer: str, **fields) -> float:
     """1 when the completion reads as the answer's number (relative tolerance 1e-6)."""
     try:
         got, want = float(completion.strip()), float(answer.strip())
@@ -88,15 +118,38 @@ def reward_function(name: str) -> Reward:
     return fn
 
 
+def check_reward(fn: Reward, name: str, field_sets: Iterable[frozenset[str]]) -> None:
+    """The reward takes (prompt, completion, answer) and each example's fields by keyword:
+    checked once, at start, not found out by a failing call per sample."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature to read: its calls will tell
+        return
+    for names in sorted(field_sets, key=sorted):
+        try:
+            sig.bind("", "", "", **dict.fromkeys(names))
+        except TypeError as e:
+            has = f"the fields {', '.join(sorted(names))}" if names else "no other fields"
+            raise ValueError(
+                f"reward '{name}' cannot be called as fn(prompt, completion, answer, **fields) for examples with "
+                f"{has}: {e} (give it **fields, or a parameter with a default for each field)"
+            ) from None
+
+
 class Task:
-    """An endless, seeded stream of examples: example(i) is the same for every process."""
+    """An endless, seeded stream of rendered examples: example(i) is the same for every process."""
 
     default_reward = "exact"
 
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int, prompts: Prompts):
+        self.seed, self.prompts = seed, prompts
+        self.skipped: str | None = None  # one line on the bad examples skipped, if any were
+        self.field_sets: set[frozenset[str]] = {frozenset()}  # the examples' field names, each set once
 
     def example(self, i: int) -> Example:
+        return self.prompts.render(self.source(i))
+
+    def source(self, i: int) -> Source:
         raise NotImplementedError
 
 
@@ -108,10 +161,10 @@ class Add(Task):
 
     default_reward = "char_match"
 
-    def example(self, i: int) -> Example:
+    def source(self, i: int) -> Source:
         r = random.Random(self.seed * 1_000_003 + i)
         a, b = r.randrange(N), r.randrange(N)
-        return Example(f"{a}+{b}=", str(a + b))
+        return Source(f"{a}+{b}=", None, str(a + b))
 
 
 class Reverse(Task):
@@ -119,34 +172,150 @@ class Reverse(Task):
 
     default_reward = "char_match"
 
-    def example(self, i: int) -> Example:
+    def source(self, i: int) -> Source:
         r = random.Random(self.seed * 1_000_003 + i)
         s = "".join(r.choice("abcdef") for _ in range(3))
-        return Example(f"{s}<", s[::-1])
+        return Source(f"{s}<", None, s[::-1])
 
 
-class Jsonl(Task):
-    """User examples, cycled in a seeded order."""
+BUILTIN: dict[str, type[Task]] = {"add": Add, "reverse": Reverse}
 
-    def __init__(self, seed: int, path: str | Path):
-        super().__init__(seed)
+
+def _kind(x: object) -> str:
+    return {dict: "an object", list: "a list", bool: "a boolean", type(None): "null"}.get(type(x), type(x).__name__)
+
+
+def source(row: object, prompt_key: str | None, messages_key: str | None, answer_key: str) -> Source | str:
+    """One example from a JSONL line's object or a data set's row, or why it is not one."""
+    if not isinstance(row, dict):
+        return f"{_kind(row)}, not a JSON object"
+    p = row.get(prompt_key) if prompt_key else None
+    m = row.get(messages_key) if messages_key else None
+    if p is None and m is None:
+        return "no " + " and no ".join(repr(k) for k in (prompt_key, messages_key) if k)
+    if p is not None and m is not None:
+        return f"both {prompt_key!r} and {messages_key!r}: give one"
+    a = row.get(answer_key)
+    if a is None:
+        return f"no {answer_key!r}"
+    if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+        return f"{answer_key!r} is {_kind(a)}, not a string or a number"
+    fields = {k: v for k, v in row.items() if k not in (prompt_key, messages_key, answer_key, *ARGUMENTS)}
+    if p is not None:
+        if not isinstance(p, str):
+            return f"{prompt_key!r} is {_kind(p)}, not a string"
+        return Source(p, None, str(a), fields)
+    if not isinstance(m, list) or not m:
+        return f"{messages_key!r} is not a list of messages"
+    messages = []
+    for i, x in enumerate(m):
+        if not isinstance(x, dict) or not isinstance(x.get("content"), str):
+            return f'{messages_key}[{i}] is not a message {{"role": ..., "content": "text"}}'
+        if x.get("role") not in ROLES:
+            return f"{messages_key}[{i}]: role {x.get('role')!r} is not one of {', '.join(ROLES)}"
+        messages.append((x["role"], x["content"]))
+    if all(r != "user" for r, _ in messages):
+        return f"{messages_key!r} has no user message"
+    return Source(None, tuple(messages), str(a), fields)
+
+
+def jsonl(path: str | Path) -> Iterator[tuple[str, Source | str]]:
+    """(FILE:LINE, the line's example or why it is not one) for each line that is not blank."""
+    try:
+        text = read_bounded(path, MAX_TASK_BYTES, "a JSONL task file").decode()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
         try:
-            text = read_bounded(path, MAX_TASK_BYTES, "a JSONL task file").decode()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            row = json.loads(line)
+        except ValueError as e:
+            yield f"{path}:{n}", f"not JSON ({e})"
+            continue
+        except RecursionError:
+            yield f"{path}:{n}", "JSON nested too deeply"
+            continue
+        yield f"{path}:{n}", source(row, "prompt", "messages", "answer")
+
+
+DATA_FILES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
+    """A data set's name for messages, and (NAME row I, its example or why not) for each row."""
+    try:
+        import datasets  # only a job with a data set pays for importing it
+    except ImportError:
+        raise ValueError(
+            "dataset: the datasets package is not installed here (it comes with sparrowrl[runtime])"
+        ) from None
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    what = f"{d.path}{f' ({d.name})' if d.name else ''} [{d.split}]"
+    path = Path(d.path)
+    try:
+        if path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
+            data = datasets.load_from_disk(str(path))  # written by save_to_disk
+            if isinstance(data, datasets.DatasetDict):
+                if d.split not in data:
+                    raise ValueError(f"no split {d.split!r} (it has {', '.join(data)})")
+                data = data[d.split]
+        elif path.is_file():
+            if path.suffix not in DATA_FILES:
+                raise ValueError(f"a data file is {', '.join(DATA_FILES)}")
+            data = datasets.load_dataset(DATA_FILES[path.suffix], data_files=str(path), split=d.split)
+        else:  # a folder of data files, or a name on the hub (HF_ENDPOINT, HF_TOKEN)
+            data = datasets.load_dataset(d.path, d.name, split=d.split)
+    except Exception as e:  # datasets raises many kinds: each means this data set cannot be read
+        raise ValueError(f"dataset {what}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+    if data.data.nbytes > MAX_TASK_BYTES:
+        raise ValueError(
+            f"dataset {what}: {data.data.nbytes:,} bytes (limit {MAX_TASK_BYTES:,}); take a slice, e.g. "
+            f'split: "{d.split}[:10000]"'
+        )
+    prompt_key, messages_key = (None, d.messages_field) if d.messages_field else (d.prompt_field, None)
+    for column in (prompt_key or messages_key, d.answer_field):
+        if column not in data.column_names:
+            raise ValueError(f"dataset {what}: no column {column!r} (its columns: {', '.join(data.column_names)})")
+    return what, (
+        (f"{what} row {i}", source(row, prompt_key, messages_key, d.answer_field)) for i, row in enumerate(data)
+    )
+
+
+class Rows(Task):
+    """User examples, each rendered and checked once here, cycled in a seeded order."""
+
+    def __init__(self, seed: int, prompts: Prompts, rows: Iterable[tuple[str, Source | str]], t: TaskSpec, what: str):
+        super().__init__(seed, prompts)
         self.rows: list[Example] = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                self.rows.append(Example(str(row["prompt"]), str(row["answer"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"{path}:{n}: each line must be a JSON object with 'prompt' and 'answer' ({e})"
-                ) from None
+        bad, first = 0, None
+        for where, src in rows:
+            reason = src if isinstance(src, str) else None
+            if reason is None:
+                try:
+                    ex = prompts.render(src)
+                except ValueError as e:
+                    reason = str(e)
+                else:
+                    if (n := len(prompts.ids(ex.prompt))) > t.max_prompt_tokens:
+                        reason = f"its prompt is {n:,} tokens (task.maxPromptTokens: {t.max_prompt_tokens:,})"
+                    else:
+                        self.rows.append(ex)
+                        continue
+            if t.on_bad_row == "refuse":
+                raise ValueError(f"{where}: {reason} (or set task.onBadRow: skip)")
+            bad, first = bad + 1, first or f"{where}: {reason}"
         if not self.rows:
-            raise ValueError(f"{path}: no examples")
+            raise ValueError(
+                f"{what}: no examples" + (f" ({bad:,} bad, all skipped; the first: {first})" if bad else "")
+            )
+        if bad:
+            self.skipped = (
+                f"skipped {bad:,} bad examples of {bad + len(self.rows):,} (task.onBadRow: skip); the first: {first}"
+            )
+        self.field_sets = {frozenset(ex.fields) for ex in self.rows}
         self.order = list(range(len(self.rows)))
         random.Random(seed).shuffle(self.order)
 
@@ -154,11 +323,17 @@ class Jsonl(Task):
         return self.rows[self.order[i % len(self.rows)]]
 
 
-BUILTIN: dict[str, type[Task]] = {"add": Add, "reverse": Reverse}
-
-
-def for_job(spec: JobSpec) -> tuple[Task, Reward]:
-    """The job's task and its reward function (a user's file is read here: errors name it)."""
+def for_job(spec: JobSpec, prompts: Prompts) -> tuple[Task, str]:
+    """The job's task, every user example read, rendered and checked, and the name of its reward,
+    checked to take the examples' fields (a user's file is loaded here: errors name it)."""
     t = spec.task
-    task = BUILTIN[t.builtin](spec.seed) if t.builtin else Jsonl(spec.seed, t.jsonl)
-    return task, reward_function(t.reward or task.default_reward)
+    if t.builtin:
+        task = BUILTIN[t.builtin](spec.seed, prompts)
+    elif t.jsonl:
+        task = Rows(spec.seed, prompts, jsonl(t.jsonl), t, str(t.jsonl))
+    else:
+        what, rows = dataset(t.dataset)
+        task = Rows(spec.seed, prompts, rows, t, f"dataset {what}")
+    name = t.reward or task.default_reward
+    check_reward(reward_function(name), name, task.field_sets)
+    return task, name
