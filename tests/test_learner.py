@@ -169,8 +169,8 @@ def test_the_learner_micro_batches_as_one_pass_and_follows_the_schedule_across_a
     # AdamW's first step moves each weight by about lr (m / sqrt(v) is the gradient's sign)
     moved = max(float((after[n] - before[n]).abs().max()) for n in before)
     assert moved == pytest.approx(a["lr"], rel=1e-3)
-    whole.checkpoint({"version": 1, **a})
     whole.publish()
+    whole.checkpoint()()
     whole.held.close()  # as the process's death would
     again = Learner(whole.spec, tmp_path / "one")
     assert again.version == 1

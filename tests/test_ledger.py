@@ -22,7 +22,7 @@ def row(version: int, **extra) -> dict:
 def snapshot(rows: list[dict]) -> ledger.Snapshot:
     c = Coordinator(4, 1, 10, staleness=1, steps=10, split="pull")
     c.publish(len(rows), "h")
-    return ledger.Snapshot(c.view(), 10, rows, 5.0, {"delta": 0, "base": 0}, 0, False)
+    return ledger.Snapshot(c.view(), 10, rows, 5.0, {"delta": 0, "base": 0}, 0, 0, False)
 
 
 def samples(snap: ledger.Snapshot) -> dict:

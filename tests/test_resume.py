@@ -5,12 +5,11 @@ import asyncio
 import json
 
 import pytest
+import torch
 from test_control import SPEC, serve
 
-from sparrowrl.delta import state_hash
 from sparrowrl.spec.job import parse
 from sparrowrl.store.store import Store
-from sparrowrl.trainer import models
 from sparrowrl.trainer.resume import Journal, ResumeError
 from sparrowrl.trainer.trainer import Trainer
 from sparrowrl.transport.client import Client
@@ -58,8 +57,8 @@ async def over_http(run: Trainer, calls):
 
 
 def step(run: Trainer) -> dict:
-    """Batch 0 from two leases over HTTP, then the optimizer step and its checkpoint (not yet
-    published): the moment a kill leaves the store one version behind the checkpoint."""
+    """Batch 0 from two leases over HTTP, then the optimizer step, published: the moment a kill
+    leaves the store one version ahead of the checkpoint."""
 
     async def calls(c):
         for _ in range(2):
@@ -68,31 +67,60 @@ def step(run: Trainer) -> dict:
 
     asyncio.run(over_http(run, calls))
     batch = run.coord.take(0)
+    run.trained[0] = batch.results
     run.control.changed()
-    partial = {"version": 1, "step": 0, **run.learner.train(batch), "generate_s": 0.2, "wait_s": 0.0}
-    run.learner.checkpoint(partial)
-    return partial
+    m = run.learner.train(batch)
+    run.learner.publish()
+    return m
 
 
-def test_killed_between_checkpoint_and_publish_it_publishes_the_same_bytes(tmp_path):
-    """The store is never ahead of the checkpoint; a trainer killed after its checkpoint
-    publishes that version when it starts again: the weights an uninterrupted trainer
-    publishes, bit for bit, under the same delta."""
-    whole, killed = Trainer(JOB, tmp_path / "whole", token=""), Trainer(JOB, tmp_path / "killed", token="")
-    step(whole)
-    whole.learner.publish()
-    partial = step(killed)
-    assert Store(tmp_path / "killed" / "store").newest == 0
+def test_killed_after_publishing_before_its_checkpoint_it_trains_the_step_again(tmp_path):
+    """The checkpoint is never ahead of the store. A trainer killed after it published v1, before
+    its checkpoint of v1, starts from v0's checkpoint with batch 0's admitted results from the
+    journal (trained, so not in the coordinator's queue, but kept for this), trains step 1 again
+    to the same bits as v1, and diffs its next version from the store's v1. Nothing published is
+    written again."""
+    killed = Trainer(JOB, tmp_path / "killed", token="")
+    m = step(killed)
+    published = killed.learner.store.versions[1]
     again = restart(killed)
-    a, b = whole.learner.store.versions[1], again.learner.store.versions[1]
-    assert (b.state_hash, b.delta_sha256) == (a.state_hash, a.delta_sha256)
-    assert state_hash(again.learner.store.materialize(1)) == state_hash(models.policy_state(whole.learner.model))
-    assert again.ledger.restarts == 1 and again.learner.version == again.coord.published == again.coord.taken == 1
-    assert again.ledger.rows[1]["reward_mean"] == partial["reward_mean"]  # the step's row, completed from the store
-    assert again.ledger.rows[1]["payload_bytes"] == a.delta_bytes
+    assert again.learner.version == 0 and again.learner.store.newest == 1 and again.coord.taken == 0
+    batch = again.coord.take(0)
+    assert batch is not None and batch.results == killed.trained[0]  # the results it trained on, from the journal
+    assert again.learner.train(batch)["reward_mean"] == m["reward_mean"] and again.learner.version == 1
+    assert again.learner.holds(1)  # the same bits as the v1 workers hold
+    v1 = again.learner.store.materialize(1)
+    assert all(torch.equal(again.learner.policy[n][1], t.reshape(-1)) for n, t in v1.items())
+    assert (again.learner.store.versions[1].state_hash, again.learner.store.versions[1].delta_sha256) == (
+        published.state_hash,
+        published.delta_sha256,
+    )
     (tmp_path / "killed" / "journal.jsonl").unlink()  # a state dir that lost its journal is not guessed at
-    with pytest.raises(ResumeError, match=r"journal.jsonl: missing, and the checkpoint is at v1"):
+    with pytest.raises(ResumeError, match=r"journal.jsonl: missing, and the store is at v1"):
         restart(again)
+
+
+def test_a_checkpoint_is_written_beside_the_next_step_and_the_newest_are_kept(tmp_path):
+    """The copy is taken when the checkpoint is asked for: the write that runs later holds those
+    weights, whatever the model has become since. The newest `keep` stay."""
+    spec = parse({**SPEC, "spec": {**SPEC["spec"], "trainer": {"checkpoint": {"every": 2, "keep": 2}}}}).spec
+    run = Trainer(spec, tmp_path, token="")
+    learner = run.learner
+    writes = []
+    for v in (1, 2, 3):
+        learner.version = v
+        writes.append((learner.checkpoint(), {n: p.detach().clone() for n, p in learner.model.named_parameters()}))
+        with torch.no_grad():
+            for p in learner.model.parameters():
+                p.add_(1.0)  # the next step
+    for write, _ in writes:
+        write()
+    assert sorted(p.name for p in (tmp_path / "trainer").glob("v*")) == [
+        "v00000002.safetensors",
+        "v00000003.safetensors",
+    ]
+    learner.saved.load(2, learner.model, learner.opt)
+    assert all(torch.equal(p, writes[1][1][n]) for n, p in learner.model.named_parameters())
 
 
 def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):

@@ -334,24 +334,26 @@ def _rank1(trainer: int) -> int:
 
 @pytest.mark.parametrize("ranks,killed", [(1, "trainer"), (2, "rank 1")])
 def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, killed):
-    """kill -9 of the trainer mid-run (or of one rank of a sharded trainer, which ends the others):
-    the runner starts it again (restartPolicy OnFailure), it resumes from its state dir, the
-    workers wait and go on without a restart, and the run completes as if nothing happened:
-    versions monotonic and never rewritten, no group lost or trained twice, every commit
-    verified, and reward still rising, as much with 2 ranks as with one."""
+    """kill -9 of the trainer mid-run (or of one rank of a sharded trainer, which ends the others),
+    two or three steps after its newest checkpoint (every 5 steps): the runner starts it again
+    (restartPolicy OnFailure), it resumes from its checkpoint, trains the steps since once more
+    from the journal's results, to the same bits it had published, and publishes from the next
+    version. The workers wait and go on without a restart, and the run completes as if nothing
+    happened: versions monotonic and never rewritten, no group lost or trained twice, every
+    commit verified, and reward still rising, as much with 2 ranks as with one."""
     steps = 40
     spec = job("sparse", steps=steps, seed=0)
     spec["spec"]["model"]["tiny"] = {"hidden": 64, "layers": 1, "heads": 2, "warmupSteps": 100}
     spec["spec"]["grpo"] = {"learningRate": 1e-4, "groupSize": 8, "promptsPerStep": 8, "maxNewTokens": 4}
     spec["spec"]["rollout"] = {"groupsPerLease": 2}
     spec["spec"]["sync"] = {"mode": "sparse", "staleness": 1, "baseEvery": 10}
-    spec["spec"]["trainer"] = {"ranks": ranks}
+    spec["spec"]["trainer"] = {"ranks": ranks, "checkpoint": {"every": 5, "keep": 2}}
     p, out = start(tmp_path, spec)
     deadline = time.time() + 400
     while True:
         assert p.poll() is None and time.time() < deadline, "the run ended before the trainer could be killed"
         try:
-            if status(out)["step"] >= steps // 3:
+            if (at := status(out)["step"]) >= steps // 3 and at % 5 in (2, 3):
                 break
         except OSError:  # not serving yet
             pass
@@ -389,4 +391,10 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, 
     assert after["trainer"] != before["trainer"] and after["workers"] == before["workers"]
     for w in after["workers"]:  # each worker started its engine once: it waited for the trainer
         assert (out / "logs" / f"{w}.log").read_text().count("engine ready") == 1
-    assert "resumed at v" in (out / "logs" / "trainer.log").read_text()
+    log = (out / "logs" / "trainer.log").read_text()
+    ckpt, newest = map(int, re.search(r"the newest checkpoint is v(\d+), the newest version v(\d+)", log).groups())
+    assert ckpt % 5 == 0 and ckpt < at <= newest <= at + 1, (ckpt, at, newest)  # a step may publish before the kill
+    assert s["steps_redone"] == newest - ckpt and f"trained again to v{newest}: the same bits as published" in log
+    assert "resumed at v" in log
+    kept = sorted(p.name for p in (out / "trainer").glob("v0*"))
+    assert kept == [f"v{v:08d}{'.safetensors' if ranks == 1 else ''}" for v in (steps - 5, steps)]

@@ -269,6 +269,7 @@ def test_reward_failures_add_up_in_the_summary_and_in_prometheus():
         seconds=1.0,
         sent={"delta": 0, "base": 0},
         restarts=0,
+        redone=0,
         finished=False,
     )
     assert ledger.summary(snap)["reward_failed"] == {"raised": 3, "timeout": 4, "nonfinite": 0, "nonnumber": 0}

@@ -47,8 +47,8 @@ def test_one_rank_trains_on_the_gpu(tmp_path):
             assert row["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.05)
         states = [t for st in gpu.opt.state.values() for t in st.values() if t.dim()]
         assert states and all(t.is_cuda and t.dtype == torch.float32 for t in states)  # AdamW's moments
-        gpu.checkpoint({"version": b + 1, **row})
         gpu.publish()
+        gpu.checkpoint()()
         v = gpu.store.versions[b + 1]
         host = _host_policy(gpu)
         assert v.state_hash == state_hash(host) == state_hash(models.policy_state(gpu.model))
@@ -63,13 +63,20 @@ def test_one_rank_trains_on_the_gpu(tmp_path):
     assert all(torch.equal(p, master[n].detach().cpu()) for n, p in model.named_parameters())
 
 
-def test_killed_between_checkpoint_and_publish_it_publishes_from_the_gpu(tmp_path):
+def test_killed_after_publishing_it_trains_again_on_the_gpu_and_diffs_from_the_store(tmp_path):
+    """Killed after it published v1, before its checkpoint: started again at v0's checkpoint, it
+    trains step 1 again on the GPU, and diffs v2 from the store's v1 (what workers hold), so v2
+    is the cast of its master weights whether or not the step came to the same bits."""
     first = Learner(_spec("cuda"), tmp_path)
-    first.checkpoint({"version": 1, **first.train(_batch(first, 0))})
-    first.held.close()  # killed before its publish
-    again = Learner(_spec("cuda"), tmp_path)  # the store's v0, on the GPU, against the checkpoint's weights
-    assert again.version == again.store.newest == 1
-    assert again.store.versions[1].state_hash == state_hash(_host_policy(again))
-    again.checkpoint({"version": 2, **again.train(_batch(again, 1))})
+    first.train(_batch(first, 0))
+    first.publish()
+    first.held.close()  # killed before its checkpoint
+    again = Learner(_spec("cuda"), tmp_path)
+    assert again.version == 0 and again.store.newest == 1
+    v1 = again.store.materialize(1)
+    assert all(torch.equal(again.policy[n][1].cpu(), t.reshape(-1)) for n, t in v1.items())
+    again.train(_batch(again, 0))
+    print(f"trained again on the GPU: {'the same bits' if again.holds(1) else 'other bits'} than v1")
+    again.train(_batch(again, 1))
     again.publish()
     assert again.store.versions[2].state_hash == state_hash(_host_policy(again))

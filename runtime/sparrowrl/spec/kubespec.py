@@ -85,6 +85,20 @@ class TrainerService(_Spec):
     ] = {}
 
 
+class CheckpointSpec(_Spec):
+    every: int = Field(
+        1,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Steps between checkpoints of the fp32 weights and optimizer state (the last step always has one). A "
+            "trainer started again trains the steps after its newest checkpoint once more, from the journal's "
+            "admitted results, and publishes from the version after the store's newest."
+        ),
+    )
+    keep: int = Field(1, ge=1, le=1000, description="How many of the newest checkpoints are kept.")
+
+
 class TrainerSpec(Scheduling):
     ranks: int = Field(
         1,
@@ -103,6 +117,7 @@ class TrainerSpec(Scheduling):
             "when there are GPUs."
         ),
     )
+    checkpoint: CheckpointSpec = CheckpointSpec()
     state: StateVolume = StateVolume()
     service: TrainerService = TrainerService()
 

@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,9 +57,14 @@ def device(choice: str, world: int = 1) -> torch.device:
     return at
 
 
+T = TypeVar("T")
+
+
 class Learner:
     """The model, its optimizer and the store. Started on a state dir that holds a checkpoint, it
-    goes on from there (see resume.py): `version` is the newest version it has trained."""
+    goes on from there (see resume.py): `version` is how many steps its weights have taken, the
+    version they publish as (the store may be ahead after a restart: `trainer.Trainer` trains
+    those steps again without publishing them)."""
 
     def __init__(self, spec: JobSpec, state_dir: Path, rank: int = 0, restarts: int | None = None):
         self.spec, self.state_dir, self.rank, self.world = spec, state_dir, rank, spec.trainer.ranks
@@ -80,10 +86,11 @@ class Learner:
         self.task, reward = tasks.for_job(spec, self.prompts)
         if rank == 0 and self.task.skipped:
             print(f"trainer: task: {self.task.skipped}", flush=True)
+        keep = spec.trainer.checkpoint.keep
         self.saved = (
-            resume.Checkpoints(state_dir / "trainer")
+            resume.Checkpoints(state_dir / "trainer", keep)
             if self.world == 1
-            else resume.ShardedCheckpoints(state_dir / "trainer", rank)
+            else resume.ShardedCheckpoints(state_dir / "trainer", rank, keep)
         )
         newest = self.saved.newest() if self.restarts else None
         self.model, self.ref = self._models(warm=newest is None)
@@ -94,13 +101,13 @@ class Learner:
         if newest is None:
             if self.ref is not None:
                 self.saved.save_ref(self.ref)
-            self.version, self.row = 0, None
-            self._save(0, None)
+            self.version = 0
+            self._checkpoint()()
         else:
             if self.ref is not None:
                 self.saved.load_ref(self.ref)
             self.version = newest
-            self.row = self._load(newest)  # the step's metrics before it published (sharded: and the policy before it)
+            self.saved.load(newest, self.model, self.opt)
         self.model.train()
         self.dense_bytes = sum(t.numel * 2 for t in self.table)
         self.model_dir = state_dir / "model"
@@ -112,7 +119,7 @@ class Learner:
                 for f in sorted(self.model_dir.iterdir())
                 if f.is_file()
             ]
-        self.store, self.extract_s = self._open_store()
+        self.store = self._open_store()
         # rank 0 scores each batch, and hands the rewards to the other ranks
         self.scorer = (
             rewards.Scorer(reward, spec.task.reward_workers, spec.task.reward_timeout_seconds) if rank == 0 else None
@@ -150,52 +157,48 @@ class Learner:
             ref.eval().requires_grad_(False)
         return model, ref
 
-    def _save(self, version: int, row: dict | None) -> None:
-        if self.world == 1:
-            self.saved.save(version, self.model, self.opt, row)
-        else:
-            self.saved.save(version, self.model, self.opt, shard.as_dtensors(self.model, self.policy), row)
-
-    def _load(self, version: int) -> dict | None:
-        if self.world == 1:
-            return self.saved.load(version, self.model, self.opt)
-        return self.saved.load(version, self.model, self.opt, shard.as_dtensors(self.model, self.policy))
-
-    def _open_store(self) -> tuple[Store | None, float | None]:
-        """The store (rank 0's; None on the others), brought to the checkpoint's version: a
-        trainer killed between its checkpoint and its publish publishes now, from the same
-        weights, so the same bytes (the seconds it took are returned). The store is never ahead
-        of the checkpoint."""
+    def _open_store(self) -> Store | None:
+        """The store (rank 0's; None on the others), and the policy the next version is diffed
+        against: the store's newest. The checkpoint is never ahead of the store (a step publishes,
+        then checkpoints); the store may be ahead of it, by the steps after the checkpoint, which
+        are trained again (the policy they would publish is already there)."""
         path = self.state_dir / "store"
         fresh = self._agree(not (path / "store.json").exists())
         if fresh:
             if self.version:
                 raise resume.ResumeError(f"{path}: missing, and the checkpoint is at v{self.version}")
             every = 1 if self.spec.sync.mode == "full" else self.spec.sync.base_every
-            return shard.init_store(path, self.model, every), None
+            return shard.init_store(path, self.model, every)
         store = Store(path) if self.rank == 0 else None
         if store is not None:
-            store.drop_partial()  # the delta a killed trainer was writing: written again below, or next step
-        t0, extract_s = time.perf_counter(), None
-        if self._agree(store is not None and store.newest == self.version - 1):
-            if self.world == 1:  # the checkpoint holds the new weights; the old are the store's newest
-                self.policy = {
-                    n: (0, t.reshape(-1).to(self.device)) for n, t in store.materialize(store.newest).items()
-                }
-            self._publish_into(store)
-            extract_s = time.perf_counter() - t0
-        else:
-            self.policy = shard.policy(self.model)
-        held = shard.state_hash(self.table, self.policy)
-        if store is not None and (store.newest != self.version or store.versions[store.newest].state_hash != held):
+            store.drop_partial()  # the delta a killed trainer was writing: written again, as a new step's
+        newest = self._agree(store.newest if store is not None else None)
+        if newest < self.version:
             raise resume.ResumeError(
-                f"{path}: its newest version v{store.newest} is not the checkpoint's v{self.version}"
+                f"{path}: its newest version v{newest} is older than the checkpoint's v{self.version} (a state dir "
+                f"written by a trainer that checkpointed before it published, killed in between)"
             )
-        if self._agree(store is not None and store.base_due(self.version) and not store.versions[self.version].base):
-            shard.snapshot(store, self.version, self.model)  # killed before its snapshot
-        return store, extract_s
+        full = None
+        if newest == self.version:
+            self.policy = shard.policy(self.model)
+            held = shard.state_hash(self.table, self.policy)
+            if store is not None and store.versions[newest].state_hash != held:
+                raise resume.ResumeError(f"{path}: its v{newest} is not the checkpoint's weights")
+        else:  # hash-checked on the way; the weights that workers hold
+            full = store.materialize(newest) if store is not None else None
+            self.policy = (
+                {n: (0, t.reshape(-1).to(self.device)) for n, t in full.items()}
+                if self.world == 1
+                else shard.policy_from_rank0(self.model, full)
+            )
+        if self._agree(store is not None and store.base_due(newest) and not store.versions[newest].base):
+            if full is None:  # killed before its snapshot
+                shard.snapshot(store, newest, self.model)
+            elif store is not None:
+                store.snapshot(newest, full)
+        return store
 
-    def _agree(self, decision: bool) -> bool:
+    def _agree(self, decision: T) -> T:
         """Rank 0's decision, on every rank (what only the store's holder can see)."""
         if self.world == 1:
             return decision
@@ -254,6 +257,7 @@ class Learner:
         for group in self.opt.param_groups:
             group["lr"] = rate
         self.opt.step()
+        self.version += 1
         return {
             "reward_mean": float(r.mean()),
             "reward_exact": float((r == 1).float().mean()),
@@ -304,11 +308,25 @@ class Learner:
         dist.all_reduce(x)
         return x
 
-    def checkpoint(self, row: dict) -> None:
-        """After a step, before its publish: the store is never ahead of the checkpoint."""
-        self._lead("checkpoint", row)
-        self.version += 1
-        self._save(self.version, row)
+    def checkpoint(self) -> Callable[[], None]:
+        """Checkpoint the weights as they are (after step `version`): what must happen before
+        the next step changes them happens now (one rank: a copy on the host; sharded: the whole
+        collective write); the rest is returned, to run off the step's critical path."""
+        self._lead("checkpoint")
+        return self._checkpoint()
+
+    def _checkpoint(self) -> Callable[[], None]:
+        if self.world == 1:
+            return self.saved.prepare(self.version, self.model, self.opt)
+        self.saved.save(self.version, self.model, self.opt)
+        return lambda: None
+
+    def holds(self, version: int) -> bool:
+        """Whether the policy these weights make is the store's `version`, by state hash (rank 0's
+        answer: after steps trained again, they are the same bits where training is deterministic)."""
+        self._lead("holds", version)
+        held = shard.state_hash(self.table, shard.policy(self.model))
+        return self.store is not None and held == self.store.versions[version].state_hash
 
     def publish(self) -> float:
         """Stream the new bf16 policy's delta into the store (served as it is written); returns

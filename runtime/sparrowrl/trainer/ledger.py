@@ -41,6 +41,7 @@ class Snapshot:
     seconds: float  # the training loop's, over every trainer process
     sent: dict[str, int]  # bytes the origin sent, by kind
     restarts: int
+    redone: int  # steps trained again after restarts
     finished: bool
 
 
@@ -53,6 +54,7 @@ class Ledger:
         self.seconds_before = 0.0  # the training loop's time in those processes
         self.t_loop: float | None = None  # when this process's training loop started
         self.sent_before = {"delta": 0, "base": 0}  # what earlier processes' origins sent
+        self.redone = 0  # steps trained again after a restart, from their checkpoint (resume.py)
         self.finished = False
 
     def _written(self) -> dict[int, dict]:
@@ -73,16 +75,14 @@ class Ledger:
         return {
             "seconds": self.seconds(),
             "sent": self._total(sent),
+            "redone": self.redone,
             "rows": {v: r for v, r in self.rows.items() if v > self.written},
         }
 
     def restore(self, state: dict) -> None:
         self.seconds_before, self.sent_before = state["seconds"], state["sent"]
         self.rows.update({int(v): r for v, r in state["rows"].items() if int(v) > self.written})
-        version, partial = self.learner.version, self.learner.row
-        if version > self.written and version not in self.rows and partial is not None:
-            # killed after its checkpoint, before its row was journaled: complete it from the store
-            self.record(partial, self.learner.extract_s, None)
+        self.redone = state.get("redone", 0)  # journals from before steps were trained again have none
 
     def seconds(self) -> float:
         """The training loop's time, over every trainer process of this state dir."""
@@ -127,6 +127,7 @@ class Ledger:
             seconds=self.seconds(),
             sent=self._total(sent),
             restarts=self.restarts,
+            redone=self.redone,
             finished=self.finished,
         )
 
@@ -224,6 +225,7 @@ def metrics(snap: Snapshot) -> list:
             by=("kind", {"delta": s.origin_sent_delta_bytes, "base": s.origin_sent_base_bytes}),
         ),
         family("counter", "trainer_restarts", "Trainer processes before this one on its state dir", s.trainer_restarts),
+        family("counter", "steps_redone", "Steps trained again after a restart, from their checkpoint", snap.redone),
         family(
             "gauge",
             "step_seconds",
@@ -274,6 +276,7 @@ def summary(s: Snapshot) -> dict:
         "prompt_groups_requeued": c.requeued,
         "leases_expired": c.leases_expired,
         "trainer_restarts": s.restarts,
+        "steps_redone": s.redone,
         "reward_failed": reward_failed(rows),
         "tokens_per_second": sum(r["tokens"] for r in rows) / s.seconds,
         "seconds": s.seconds,

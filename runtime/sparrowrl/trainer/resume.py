@@ -1,21 +1,22 @@
 """What a trainer needs to start again where it stopped, in its state dir (a volume in a pod):
 
     STATE/job.json                    the job this state belongs to: another job is refused
-    STATE/trainer/v00000007.safetensors   fp32 weights and optimizer state after step 7 (the newest only)
+    STATE/trainer/v00000007.safetensors   fp32 weights and optimizer state after step 7 (the newest `keep`)
     STATE/trainer/ref.safetensors     the frozen reference policy, when the job has a KL term
     STATE/trainer/v00000007/          the same, sharded: one folder that every rank of a sharded
                                       trainer writes its own files into (ShardedCheckpoints)
-    STATE/journal.jsonl               a snapshot of the coordinator's state after the newest
-                                      checkpoint, then each request's changes and admitted results
+    STATE/journal.jsonl               a snapshot of the coordinator's state once the newest
+                                      checkpoint was whole, with the results of the steps since;
+                                      then each request's changes and admitted results
     STATE/starts                      how many trainer processes have started on it
     STATE/.trainer.lock               held by the trainer running on it: there is one at a time
     STATE/store/                      the published versions (store.py)
 
-A step writes its checkpoint before it publishes the version, so the store is never ahead of the
-checkpoint: a trainer killed in between publishes the same bytes again from the checkpoint. Every
-admission and every lease is in the journal before the worker hears of it. This survives the process
-dying at any moment (kill -9, OOM, a pod evicted), not the machine losing power: nothing is
-fsynced.
+A step publishes its version, then checkpoints when one is due, so the checkpoint is never ahead
+of the store. The store may be ahead of it: a trainer killed after the checkpoint trains those
+steps again from the journal's results, without publishing them (trainer.py). Every admission
+and every lease is in the journal before the worker hears of it. This survives the process dying
+at any moment (kill -9, OOM, a pod evicted), not the machine losing power: nothing is fsynced.
 """
 
 from __future__ import annotations
@@ -136,36 +137,42 @@ def _sweep(state_dir: Path) -> None:
 
 
 class Checkpoints:
-    """The trainer's fp32 weights and optimizer state after a step, one safetensors file; a new
-    one replaces the previous only once it is whole."""
+    """The trainer's fp32 weights and optimizer state after a step, one safetensors file each;
+    a new one counts only once it is whole, and the newest `keep` are kept."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, keep: int = 1):
+        self.folder, self.keep = folder, keep
 
     def _path(self, version: int) -> Path:
         return self.folder / f"v{version:08d}.safetensors"
 
-    def newest(self) -> int | None:
+    def _versions(self) -> list[int]:
         names = [p.name for p in self.folder.glob("v*.safetensors")] if self.folder.is_dir() else []
-        versions = [int(n[1:9]) for n in names if len(n) == 21 and n[1:9].isdigit()]
-        return max(versions, default=None)
+        return sorted(int(n[1:9]) for n in names if len(n) == 21 and n[1:9].isdigit())
 
-    def save(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, row: dict | None) -> None:
-        """`row`: the step's metrics so far (a restart completes them when it publishes)."""
-        tensors = {f"model.{n}": p.detach().contiguous() for n, p in model.named_parameters()}
+    def newest(self) -> int | None:
+        return max(self._versions(), default=None)
+
+    def prepare(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        """A copy of the weights and optimizer state on the host, now (the next step changes
+        them); the returned call writes it, and can run in another thread while training goes on."""
+        tensors = {f"model.{n}": p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         osd = opt.state_dict()
         for i, st in osd["state"].items():
             for k, t in st.items():
-                tensors[f"opt.{i}.{k}"] = t.detach().contiguous() if torch.is_tensor(t) else torch.tensor(t)
-        meta = {"version": str(version), "param_groups": json.dumps(osd["param_groups"]), "row": json.dumps(row)}
-        with atomic_path(self._path(version)) as tmp:
-            save_file(tensors, str(tmp), metadata=meta)
-        for p in self.folder.glob("v*.safetensors"):
-            if p.name != self._path(version).name:
-                p.unlink()
+                tensors[f"opt.{i}.{k}"] = t.detach().to("cpu", copy=True) if torch.is_tensor(t) else torch.tensor(t)
+        meta = {"version": str(version), "param_groups": json.dumps(osd["param_groups"])}
 
-    def load(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
-        """Put checkpoint `version` into `model` and `opt`; returns its metrics row."""
+        def write() -> None:
+            with atomic_path(self._path(version)) as tmp:
+                save_file(tensors, str(tmp), metadata=meta)
+            for old in self._versions()[: -self.keep]:
+                self._path(old).unlink(missing_ok=True)
+
+        return write
+
+    def load(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        """Put checkpoint `version` into `model` and `opt`."""
         path = self._path(version)
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -181,7 +188,7 @@ class Checkpoints:
                         _, i, name = k.split(".", 2)
                         state.setdefault(int(i), {})[name] = f.get_tensor(k)
                     opt.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
-                    return json.loads(meta["row"])
+                    return
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ResumeError(f"{path}: cannot be resumed from ({e})") from None
         raise ResumeError(f"{path}: not this model's checkpoint v{version}")
@@ -202,15 +209,13 @@ class Checkpoints:
 
 class ShardedCheckpoints:
     """A sharded trainer's checkpoints (torch.distributed.checkpoint): STATE/trainer/v00000007/
-    is one folder, into which every rank writes its shards of the fp32 weights, of the optimizer
-    state, and of the bf16 policy the store held when it was taken (the version before: a restart
-    between checkpoint and publish diffs against it, as the ranks hold no full model to rebuild
-    it from). Rank 0 writes row.json, then renames the folder into place: a folder with row.json
-    is whole. STATE/trainer/ref/ holds the frozen reference policy, when the job has a KL term.
-    Every method is collective."""
+    is one folder, into which every rank writes its shards of the fp32 weights and of the
+    optimizer state. Rank 0 writes row.json, then renames the folder into place: a folder with
+    row.json is whole. The newest `keep` are kept. STATE/trainer/ref/ holds the frozen reference
+    policy, when the job has a KL term. Every method is collective."""
 
-    def __init__(self, folder: Path, rank: int):
-        self.folder, self.rank = folder, rank
+    def __init__(self, folder: Path, rank: int, keep: int = 1):
+        self.folder, self.rank, self.keep = folder, rank, keep
 
     def _path(self, version: int) -> Path:
         return self.folder / f"v{version:08d}"
@@ -233,11 +238,11 @@ class ShardedCheckpoints:
             shutil.rmtree(p)
 
     @staticmethod
-    def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict) -> dict:
+    def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(model, opt)
-        return {"model": msd, "optim": osd, "policy": policy}
+        return {"model": msd, "optim": osd}
 
     def _write(self, state: dict, out: Path, seal: Callable[[Path], None] = lambda tmp: None) -> None:
         """Every rank writes its part of `state` into a partial folder; then rank 0 seals it
@@ -253,28 +258,25 @@ class ShardedCheckpoints:
             os.replace(tmp, out)
         dist.barrier()
 
-    def save(
-        self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict, row: dict | None
-    ) -> None:
+    def save(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         self._write(
-            self._state(model, opt, policy),
+            self._state(model, opt),
             self._path(version),
-            lambda tmp: (tmp / "row.json").write_text(json.dumps({"version": version, "row": row})),
+            lambda tmp: (tmp / "row.json").write_text(json.dumps({"version": version})),
         )
         if self.rank == 0:
-            for p in self.folder.glob("v*"):
-                if p.name != self._path(version).name and re.fullmatch(r"v\d{8}", p.name):
-                    shutil.rmtree(p)
+            whole = sorted(int(p.name[1:]) for p in self.folder.glob("v*") if re.fullmatch(r"v\d{8}", p.name))
+            for old in whole[: -self.keep]:
+                shutil.rmtree(self._path(old))
 
-    def load(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: dict) -> dict | None:
-        """Checkpoint `version` into `model`, `opt` and `policy` (its tensors filled in place);
-        returns its metrics row."""
+    def load(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        """Checkpoint `version` into `model` and `opt`."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = self._path(version)
         try:
-            state = self._state(model, opt, policy)
+            state = self._state(model, opt)
             dcp.load(state, checkpoint_id=path)
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             saved = json.loads((path / "row.json").read_text())
@@ -282,7 +284,6 @@ class ShardedCheckpoints:
             raise ResumeError(f"{path}: cannot be resumed from ({e})") from None
         if saved.get("version") != version:
             raise ResumeError(f"{path}: not this model's checkpoint v{version}")
-        return saved["row"]
 
     def save_ref(self, model: torch.nn.Module) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict

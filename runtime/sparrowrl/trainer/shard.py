@@ -276,6 +276,22 @@ def from_rank0(full: torch.nn.Module | None):
     return fill
 
 
+def policy_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor] | None) -> Shards:
+    """This rank's part of a bf16 policy that rank 0 holds whole (a version read from its store),
+    each tensor broadcast in turn: the policy a restarted trainer diffs its next version against."""
+    out = {}
+    for n, p in model.named_parameters():
+        first, flat = span(n, p)
+        buf = (
+            full[n].to(flat.device).contiguous()
+            if full is not None
+            else torch.empty(p.shape, dtype=torch.bfloat16, device=flat.device)
+        )
+        dist.broadcast(buf, src=0)
+        out[n] = first, buf.reshape(-1)[first : first + flat.numel()].clone()
+    return out
+
+
 def from_files(path) -> Callable[[torch.nn.Module], None]:
     """Fill from a Hugging Face folder's safetensors: each rank reads only its rows."""
     from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError

@@ -2,8 +2,10 @@
 control plane that workers call, and the training loop that joins them. Its state dir holds
 what it needs to go on after a kill (resume.py).
 
-One step: take a complete batch from the coordinator → the learner's GRPO step → checkpoint →
-publish the version's delta into the store (served as it is written) → record its row."""
+One step: take a complete batch from the coordinator → the learner's GRPO step → publish the
+version's delta into the store (served as it is written) → record its row → every
+`trainer.checkpoint.every` steps, a checkpoint, written while the next steps train; once it is
+whole, the journal starts again from it (resume.py)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ class Trainer:
         self.ledger = ledger.Ledger(state_dir, self.learner)
         self.served = {"delta": 0, "base": 0}  # what this process's origin sent (its server counts)
         self.outputs = Outputs(spec, state_dir)
+        self.trained: resume.Results = {}  # results of batches trained since the newest whole checkpoint
+        self.writing: asyncio.Task | None = None  # the checkpoint being written
         self._resume()
         self.journal = resume.Journal(state_dir / "journal.jsonl")
         self._compact()  # also drops a line a crash cut short
@@ -67,8 +71,8 @@ class Trainer:
         state, results = resume.Journal.read(path, self.replay)
         version = self.learner.version
         if state is None:
-            if version:
-                raise resume.ResumeError(f"{path}: missing, and the checkpoint is at v{version}")
+            if self.learner.store.newest:  # the results of the steps since the checkpoint are gone
+                raise resume.ResumeError(f"{path}: missing, and the store is at v{self.learner.store.newest}")
             return
         _fold_control(state)
         self.coord.restore(state["coordinator"], taken=version, results=results)
@@ -94,14 +98,17 @@ class Trainer:
         state["ledger"] = events["ledger"]
 
     def _results(self, groups: tuple[int, list[int]] | None = None) -> resume.Results:
-        """Admitted results of the batches not yet trained, or of `groups` (batch, its groups)."""
+        """Admitted results of the batches not yet trained, and of those trained since the newest
+        checkpoint (a restart trains them again); or of `groups` (batch, its groups)."""
         if groups is None:
-            return {b: batch.results for b, batch in self.coord.batches.items()}
+            return {**self.trained, **{b: batch.results for b, batch in self.coord.batches.items()}}
         b, gs = groups
         return {b: {g: self.coord.batches[b].results[g] for g in gs}} if gs else {}
 
     def _compact(self) -> None:
-        """A new journal from a snapshot: the changes so far are in it."""
+        """A new journal from a snapshot: the changes so far are in it, and the results that the
+        newest checkpoint does not hold."""
+        self.trained = {b: r for b, r in self.trained.items() if b >= self.learner.saved.newest()}
         self.coord.changes()
         self.journal.compact(self._state(), self._results())
 
@@ -136,16 +143,28 @@ class Trainer:
         return app
 
     async def train_loop(self) -> None:
-        """From the version the learner holds (0, or where a previous process stopped) to the last."""
+        """From the version the learner holds (0, or where a previous process stopped) to the last.
+        Steps the store is already past (trained after the newest checkpoint, before a kill) are
+        trained again on the same admitted results, and not published again: their versions stay
+        as they were; the next version is diffed from the store's newest (resume.py)."""
         control, learner, book = self.control, self.learner, self.ledger
         book.t_loop = time.perf_counter()
         book.flush(self.coord)
+        published = learner.store.newest
+        if published > learner.version:
+            print(
+                f"trainer: the newest checkpoint is v{learner.version}, the newest version v{published}: "
+                f"training steps {learner.version + 1}..{published} again from the journal",
+                flush=True,
+            )
+        every = self.spec.trainer.checkpoint.every
         for b in range(learner.version, self.spec.steps):
             t0 = time.perf_counter()
             while (batch := self.coord.take(b)) is None:
                 self.coord.expire()
                 await control.until_changed(0.2)  # a result admitted, or time to expire leases
             control.changed()
+            self.trained[b] = batch.results
             wait = time.perf_counter() - t0
             m = await asyncio.to_thread(learner.train, batch)
             generate_s = batch.worker_seconds / max(1, len(self.coord.live()))
@@ -158,16 +177,34 @@ class Trainer:
                 "wait_s": wait,
                 "rollout_s": batch.done - (batch.opened or batch.done),
             }
-            await asyncio.to_thread(learner.checkpoint, partial)
-            self._compact()  # batch b's results are in the checkpoint now
-            extract_s = await asyncio.to_thread(learner.publish)
-            self.coord.publish(
-                b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
-            )
-            book.record(partial, extract_s, time.perf_counter() - t0)
-            print(ledger.step_line(book.rows[b + 1], self.spec.steps), flush=True)
-            self.outputs.step(book.rows[b + 1])
+            if b + 1 <= published:  # trained again: its version is out already
+                book.redone += 1
+                if b + 1 not in book.rows:  # killed before its row was journaled
+                    book.record(partial, None, time.perf_counter() - t0)
+                if b + 1 == published:
+                    same = await asyncio.to_thread(learner.holds, published)
+                    print(
+                        f"trainer: trained again to v{published}: "
+                        + (
+                            "the same bits as published"
+                            if same
+                            else f"not the bits published (v{published + 1} moves the workers to them)"
+                        ),
+                        flush=True,
+                    )
+            else:
+                extract_s = await asyncio.to_thread(learner.publish)
+                self.coord.publish(
+                    b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
+                )
+                book.record(partial, extract_s, time.perf_counter() - t0)
+                print(ledger.step_line(book.rows[b + 1], self.spec.steps), flush=True)
+                self.outputs.step(book.rows[b + 1])
+            if (b + 1) % every == 0 or b + 1 == self.spec.steps:
+                await self._checkpoint()
             control.changed()
+        if self.writing is not None:
+            await self.writing
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.coord.behind(self.spec.steps):
@@ -180,6 +217,20 @@ class Trainer:
         (self.state_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         book.finished = True
         control.changed()
+
+    async def _checkpoint(self) -> None:
+        """Checkpoint the learner's weights; the write goes on beside the next steps (one at a
+        time: one copy of the weights in memory), and the journal starts again from it once it is
+        whole."""
+        if self.writing is not None:
+            await self.writing
+        write = await asyncio.to_thread(self.learner.checkpoint)
+
+        async def finish() -> None:
+            await asyncio.to_thread(write)
+            self._compact()
+
+        self.writing = asyncio.create_task(finish())
 
 
 def starting_app() -> web.Application:
