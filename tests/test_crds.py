@@ -201,14 +201,28 @@ def test_training_fields_are_immutable():
     assert admitted(spec_with(lambda s: s["placements"][0].update(replicas=4)), old) == []
     assert admitted(spec_with(lambda s: s.update(runPolicy={"suspend": True})), old) == []
     for change in (
-        lambda s: s.update(steps=301),
+        lambda s: s.update(seed=1),
         lambda s: s["grpo"].update(learningRate=1e-6),
         lambda s: s.update(sync={"streams": 2}),
         lambda s: s["model"]["tiny"].update(layers=3),
     ):
         assert admitted(spec_with(change), old) == [
-            "spec: steps, seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"
+            "spec: seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"
         ]
+
+
+def test_steps_may_be_raised_not_lowered():
+    """The trainer trains on from its state with more steps (state_mismatch); fewer it refuses,
+    and so does the API server, naming the field."""
+    old = example_job()
+    assert old["spec"]["steps"] == 300
+    assert admitted(spec_with(lambda s: s.update(steps=301)), old) == []
+    assert admitted(spec_with(lambda s: s.update(steps=300)), old) == []
+    lowered = "spec.steps: steps may be raised, not lowered: the trainer may have trained past the lower value"
+    assert admitted(spec_with(lambda s: s.update(steps=299)), old) == [lowered]
+    assert admitted(spec_with(lambda s: s.pop("steps")), old) == [lowered]  # the default, 50, is fewer
+    both = admitted(spec_with(lambda s: s.update(steps=400, seed=1)), old)
+    assert both == ["spec: seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"]
 
 
 def test_full_status_fits_the_schema():

@@ -183,6 +183,47 @@ def test_what_the_operator_decides_is_kept():
 
 
 @pytest.mark.timeout(60)
+def test_a_succeeded_job_given_more_steps_trains_on():
+    """Steps raised on a job that succeeded: its ConfigMap gets them, the trainer's pod is made
+    again under its name to read them, the relay comes back, and the status says why."""
+    job = copy.deepcopy(JOB)
+    job["spec"]["placements"] = [{"region": "us", "replicas": 1}]
+    with clusters("home") as (home,), operator(home):
+        home.create(job)
+        first = until(lambda: home.get("v1/pods", "default", "grpo-trainer-0"), 30, "the trainer's pod")
+        assert first["metadata"]["annotations"]["sparrowrl.dev/steps"] == "3"
+        done = {"terminated": {"exitCode": 0, "finishedAt": first["metadata"]["creationTimestamp"]}}
+        home.patch(
+            "v1/pods",
+            "default",
+            "grpo-trainer-0",
+            {"status": {"phase": "Succeeded", "containerStatuses": [{"name": "trainer", "state": done}]}},
+            subresource="status",
+        )
+        until(lambda: (home.get(JOBS, "default", "grpo").get("status") or {}).get("phase") == "Succeeded", 30, "done")
+        until(lambda: names(home, "default") == {"grpo-trainer-0"}, 30, "the relay and worker freed")
+        home.patch(JOBS, "default", "grpo", {"spec": {"steps": 5}})
+
+        def again() -> dict | None:
+            pod = home.get("v1/pods", "default", "grpo-trainer-0")
+            return pod if pod and pod["metadata"]["uid"] != first["metadata"]["uid"] else None
+
+        pod = until(again, 30, "a new trainer pod under the same name")
+        assert pod["metadata"]["annotations"]["sparrowrl.dev/steps"] == "5"
+        assert (
+            yaml.safe_load(home.get("v1/configmaps", "default", "grpo-job")["data"]["job.yaml"])["spec"]["steps"] == 5
+        )
+        until(lambda: {"grpo-relay-us-0", "grpo-worker-us-0-0"} <= names(home, "default"), 30, "the rollout again")
+        status = until(
+            lambda: (s := home.get(JOBS, "default", "grpo")["status"])["phase"] == "Pending" and s, 30, "Pending"
+        )
+        assert (condition({"status": status}, "Succeeded") or {}).get("reason") == "StepsRaised"
+        assert status["display"]["step"] == "3/5" and "completionTime" not in status
+        raised = [e["message"] for e in home.list("v1/events", "default") if e.get("reason") == "StepsRaised"]
+        assert raised == ["spec.steps raised from 3 to 5: the trainer trains on from its state"]
+
+
+@pytest.mark.timeout(60)
 def test_a_bad_spec_is_a_condition_not_a_crash():
     bad = copy.deepcopy(JOB)
     bad["spec"]["model"]["tiny"]["hidden"] = 33  # the emulator has no CEL: the operator's parse catches it

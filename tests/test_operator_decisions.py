@@ -385,6 +385,125 @@ def test_success_and_ttl():
     assert w.step(job, 160).delete_job is True
 
 
+def job_document(w: World) -> dict:
+    return yaml.safe_load(w.objects[None]["ConfigMap", "add-grpo-job"]["data"]["job.yaml"])
+
+
+def annotated_steps(w: World) -> str:
+    return w.pods[None]["add-grpo-trainer-0"]["metadata"]["annotations"]["sparrowrl.dev/steps"]
+
+
+def test_raised_steps_restart_a_running_trainer_which_trains_on():
+    """The ConfigMap gets the new steps (and keeps the rest as first written); the trainer's pod
+    is restarted to read them, not counted as a failure; workers and relays keep running."""
+    w, job = settled()
+    first = job_document(w)
+    assert annotated_steps(w) == "300"
+    w.trainer = trainer_status([("add-grpo-worker-us-0-0", 1.0, "ok")], step=120)
+    w.step(job, 5)
+    job["spec"]["placements"][0]["replicas"] = 2  # later than the document: it stays out of it
+    w.step(job, 6)
+    pods = {c: w.names(c) for c in w.pods}
+    job["spec"]["steps"] = 400
+    plan = w.step(job, 10)
+    assert job_document(w) == first | {"spec": first["spec"] | {"steps": 400}}
+    assert [(t, r, m) for t, r, m in plan.events if r in ("StepsRaised", "Corrected")] == [
+        ("Normal", "StepsRaised", "spec.steps raised from 300 to 400: the trainer trains on from its state")
+    ]
+    assert plan.delete == [(None, "Pod", "default", "add-grpo-trainer-0")] and plan.create == []
+    assert job["status"]["phase"] == "Restarting" and job["status"]["display"]["step"] == "120/400"
+    assert "raised from 300 to 400" in condition(job, "TrainerReady")["message"]
+    w.trainer = None
+    plan = w.step(job, 11)
+    assert [m["metadata"]["name"] for _, m in plan.create] == ["add-grpo-trainer-0"]  # the same attempt
+    assert annotated_steps(w) == "400" and job["status"]["restarts"] == 0
+    assert {c: w.names(c) for c in w.pods} == pods
+    w.run_all()
+    w.trainer = trainer_status([("add-grpo-worker-us-0-0", 1.0, "ok")], step=121).model_copy(update={"steps": 400})
+    plan = w.step(job, 12)
+    assert (plan.create, plan.delete, plan.apply, plan.events) == ([], [], [], [])
+    assert job["status"]["phase"] == "Running" and job["status"]["display"]["step"] == "121/400"
+
+
+def test_a_trainer_that_read_fewer_steps_than_its_pod_was_made_with_restarts():
+    """The trainer's own word wins: a pod that read its ConfigMap before the raise reached it."""
+    w, job = settled()
+    job["spec"]["steps"] = 400
+    w.step(job, 5)
+    w.step(job, 6)
+    w.run_all()
+    assert annotated_steps(w) == "400"
+    w.trainer = trainer_status([])  # steps=300
+    plan = w.step(job, 7)
+    assert plan.delete == [(None, "Pod", "default", "add-grpo-trainer-0")]
+    assert not [r for _, r, _ in plan.events if r == "StepsRaised"]  # the document had them already
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_a_trainer_pod_made_before_the_steps_annotation_goes_by_the_steps_last_reported(reported):
+    w, job = settled()
+    del w.pods[None]["add-grpo-trainer-0"]["metadata"]["annotations"]
+    if reported:
+        w.trainer = trainer_status([])
+        w.step(job, 2)
+        w.trainer = None  # it stopped answering
+    job["spec"]["steps"] = 400
+    deleted = [(None, "Pod", "default", "add-grpo-trainer-0")] if reported else []  # else nothing to go by
+    assert w.step(job, 3).delete == deleted
+
+
+def test_a_succeeded_job_with_raised_steps_trains_on():
+    w, job = World(), body(runPolicy={"activeDeadlineSeconds": 1000})
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    w.set_phase("add-grpo-worker-us-0-0", "Succeeded", finished=90, exit_code=0)  # told the job was done
+    w.set_phase("add-grpo-trainer-0", "Succeeded", finished=100, exit_code=0)
+    w.step(job, 100)
+    assert job["status"]["phase"] == "Succeeded" and w.names(None) == ["add-grpo-trainer-0", "add-grpo-worker-us-0-0"]
+    assert w.step(job, 5000).events == []
+    job["spec"]["steps"] = 350
+    plan = w.step(job, 5000)  # long past activeDeadlineSeconds: it counts again from now
+    assert job["status"]["phase"] == "Restarting" and "completionTime" not in job["status"]
+    succeeded = condition(job, "Succeeded")
+    assert (succeeded["status"], succeeded["reason"]) == ("False", "StepsRaised")
+    assert "from 300 to 350" in succeeded["message"]
+    assert ("Normal", "StepsRaised") in [(t, r) for t, r, _ in plan.events]
+    assert job["status"]["display"]["step"] == "300/350" and job["status"]["activeSince"] == stamp(at(5000))
+    assert job_document(w)["spec"]["steps"] == 350
+    assert "add-grpo-trainer-0" not in w.names(None)  # restarted once it is gone: the same name
+    assert "add-grpo-relay-us-0" in w.names(None) and w.names("eu-west")  # what the finish freed, made again
+    w.step(job, 5001)
+    assert annotated_steps(w) == "350"
+    assert "add-grpo-worker-us-0-0" in w.names(None)  # the trainer is not running yet
+    w.run_all()
+    w.set_phase("add-grpo-worker-us-0-0", "Succeeded", finished=90, exit_code=0)
+    w.pods[None]["add-grpo-trainer-0"]["status"]["startTime"] = stamp(at(5001))
+    w.trainer = trainer_status([]).model_copy(update={"steps": 350, "step": 300})
+    plan = w.step(job, 5002)
+    assert [m["metadata"]["name"] for _, m in plan.create] == ["add-grpo-worker-us-0-1"]
+    assert ("Normal", "Replaced") in [(t, r) for t, r, _ in plan.events]
+    assert job["status"]["phase"] == "Running"
+    w.set_phase("add-grpo-trainer-0", "Succeeded", finished=5100, exit_code=0)
+    plan = w.step(job, 5100)
+    assert job["status"]["phase"] == "Succeeded" and condition(job, "Succeeded")["message"] == "trained 350 steps"
+    assert job["status"]["display"]["step"] == "350/350" and ("Normal", "Succeeded") in [
+        (t, r) for t, r, _ in plan.events
+    ]
+
+
+def test_a_failed_job_stays_failed_when_its_steps_are_raised():
+    w, job = World(), body(runPolicy={"backoffLimit": 0})
+    w.step(job, 0)
+    w.step(job, 0)
+    w.set_phase("add-grpo-trainer-0", "Failed", finished=10)
+    w.step(job, 20)
+    assert job["status"]["phase"] == "Failed"
+    job["spec"]["steps"] = 400
+    plan = w.step(job, 30)
+    assert job["status"]["phase"] == "Failed" and plan.create == [] and plan.events == []
+
+
 def test_an_invalid_spec_fails_with_the_field_and_why():
     w, job = World(), body()
     job["spec"]["model"]["tiny"]["hidden"] = 130
@@ -630,6 +749,7 @@ def test_a_status_patch_brings_either_base_to_the_new_status():
         ([("TrainerReady", False, "Suspended"), ("Suspended", True, "Suspended")], False, "Suspended"),
         ([("Suspended", False, "Resumed"), ("TrainerReady", True, "Ready")], True, "Running"),
         ([("Succeeded", True, "Succeeded"), ("TrainerReady", False, "Finished")], False, "Succeeded"),
+        ([("Succeeded", False, "StepsRaised"), ("TrainerReady", False, "Restarting")], False, "Restarting"),
         ([("Failed", True, "BackoffLimitExceeded"), ("Suspended", True, "Suspended")], False, "Failed"),
     ],
 )

@@ -28,6 +28,7 @@ from sparrowrl_operator.constants import (
     RELAY_PORT,
     ROLE_LABEL,
     SLOT_LABEL,
+    STEPS_ANNOTATION,
     TOKEN_KEY,
     TRAINER_KEY_KEY,
     TRAINER_PORT,
@@ -39,7 +40,7 @@ from sparrowrl_operator.constants import (
 PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
 USER = 65532  # the runtime image's user
 JOB_KEY = "job.yaml"  # the job ConfigMap's key
-FIXED = ("managedBy", "steps", "seed", "model", "task", "grpo", "sync")  # immutable by the CRD's CEL rules
+FIXED = ("managedBy", "steps", "seed", "model", "task", "grpo", "sync")  # by the CRD's CEL rules (steps only grows)
 
 
 @dataclass(frozen=True)
@@ -161,16 +162,37 @@ def job_config(job: JobRef, spec: dict, written: str | None = None) -> dict:
 def job_document(job: JobRef, spec: dict, written: str | None) -> str:
     """The document first written is kept: the trainer's state belongs to the whole job as it
     started (its state dir's job.json), and later changes to runPolicy or placements must not make
-    a restarted trainer refuse it. Only what the CRD keeps immutable (FIXED) is restored from the
-    job when someone edited it; a document that is not this job's is written anew."""
-    head = {"apiVersion": API_VERSION, "kind": "SparrowRLJob", "metadata": {"name": job.name}}
-    old = _plain_yaml(written) if written else None
-    if isinstance(old, dict) and isinstance(old.get("spec"), dict) and {k: old.get(k) for k in head} == head:
+    a restarted trainer refuse it. What the CRD guards (FIXED) is taken from the job: raised steps,
+    or an edit of the ConfigMap undone; a document that is not this job's is written anew."""
+    old = _this_jobs(job, written)
+    if old is not None:
         kept = {k: v for k, v in old["spec"].items() if k not in FIXED} | {k: spec[k] for k in FIXED if k in spec}
         if kept == old["spec"]:
             return written
         spec = kept
-    return yaml.safe_dump(head | {"spec": spec}, sort_keys=False)
+    return yaml.safe_dump(_head(job) | {"spec": spec}, sort_keys=False)
+
+
+def _head(job: JobRef) -> dict:
+    return {"apiVersion": API_VERSION, "kind": "SparrowRLJob", "metadata": {"name": job.name}}
+
+
+def _this_jobs(job: JobRef, written: str | None) -> dict | None:
+    """The ConfigMap's document, if it is this job's as the operator writes it, else None."""
+    old, head = _plain_yaml(written) if written else None, _head(job)
+    if isinstance(old, dict) and isinstance(old.get("spec"), dict) and {k: old.get(k) for k in head} == head:
+        return old
+    return None
+
+
+def raised_from(job: JobRef, spec: dict, written: str | None) -> int | None:
+    """The steps of the ConfigMap's document when the job's are more and nothing else it keeps
+    differs (a raise, not an edit to undo), else None."""
+    old = _this_jobs(job, written)
+    steps = old["spec"].get("steps") if old is not None else None
+    if not isinstance(steps, int) or not isinstance(spec.get("steps"), int) or steps >= spec["steps"]:
+        return None
+    return steps if job_document(job, spec | {"steps": steps}, written) == written else None
 
 
 def _plain_yaml(text: str) -> Any:
@@ -326,6 +348,8 @@ def pod(
     }
     meta = _meta(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
     meta["labels"][ATTEMPT_LABEL] = str(attempt)
+    if role.kind == "trainer":  # what it reads from the ConfigMap, applied before the pod is made
+        meta["annotations"] = {STEPS_ANNOTATION: str(spec.steps)}
     if slot is not None:
         meta["labels"][SLOT_LABEL] = str(slot)
     manifest = {

@@ -1,5 +1,5 @@
 """metav1.Condition lists, kept as Kubernetes controllers keep them: replaced by type, the
-transition time kept while the status holds, terminal ones never undone."""
+transition time kept while the status holds, terminal ones undone only by `reopen`."""
 
 from __future__ import annotations
 
@@ -41,3 +41,11 @@ def set_condition(
         observed_generation=generation,
     )
     return [new if c.type == type_ else c for c in conditions] if old is not None else [*conditions, new]
+
+
+def reopen(
+    conditions: list[Condition], type_: str, reason: str, message: str, now: str, generation: int | None = None
+) -> list[Condition]:
+    """`conditions` with the terminal `type_` set False: the one way back, for a succeeded job
+    whose steps were raised."""
+    return set_condition([c for c in conditions if c.type != type_], type_, False, reason, message, now, generation)

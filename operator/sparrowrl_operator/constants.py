@@ -15,6 +15,7 @@ ROLE_LABEL = f"{GROUP}/role"  # trainer, relay, worker
 REGION_LABEL = f"{GROUP}/region"
 SLOT_LABEL = f"{GROUP}/slot"  # a worker's index in its placement
 ATTEMPT_LABEL = f"{GROUP}/attempt"  # 0 for the first pod of a slot, +1 per replacement
+STEPS_ANNOTATION = f"{GROUP}/steps"  # on a trainer pod: the steps of the job document it started with
 
 TRAINER_PORT = 8470
 RELAY_PORT = 8471
@@ -32,6 +33,7 @@ STALE = "StaleWorker"
 UNREACHABLE = "MemberUnreachable"
 RECONNECTED = "MemberReconnected"
 RESTARTED = "TrainerRestarted"
+STEPS_RAISED = "StepsRaised"
 INVALID = "InvalidSpec"
 SUSPENDED = "Suspended"
 RESUMED = "Resumed"

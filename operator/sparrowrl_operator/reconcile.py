@@ -19,7 +19,7 @@ from sparrowrl.spec.layout import Process
 from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
-from sparrowrl_operator.conditions import find, is_true, set_condition
+from sparrowrl_operator.conditions import find, is_true, reopen, set_condition
 from sparrowrl_operator.constants import (
     ATTEMPT_LABEL,
     CORRECTED,
@@ -33,6 +33,8 @@ from sparrowrl_operator.constants import (
     ROLE_LABEL,
     SLOT_LABEL,
     STALE,
+    STEPS_ANNOTATION,
+    STEPS_RAISED,
     SUCCEEDED,
     SUSPENDED,
     TRAINER_PORT,
@@ -131,6 +133,10 @@ def attempt(pod: dict) -> int:
         return int(pod["metadata"]["labels"][ATTEMPT_LABEL])
     except (KeyError, ValueError):
         return 0
+
+
+def started_at(pod: dict) -> str | None:
+    return (pod.get("status") or {}).get("startTime")
 
 
 def terminating(pod: dict) -> bool:
@@ -279,6 +285,7 @@ class _Cycle:
         if why := builders.names_fit(self.job, spec):
             return self.invalid(why)
         self.spec = spec
+        self.reopen()
         if self.terminal():
             self.finish()
         elif spec.run_policy.suspend:
@@ -300,6 +307,21 @@ class _Cycle:
         self.update(phase=derive_phase(self.status.conditions, t is not None and t.phase != "Pending"))
         self.plan.status = self.status
         return self.plan
+
+    def reopen(self) -> None:
+        """A job that succeeded and whose steps were raised since trains on from the trainer's
+        state: no longer finished, its deadline counting from now."""
+        done = self.status.progress.steps
+        conds = self.status.conditions
+        if not is_true(conds, "Succeeded") or is_true(conds, "Failed") or self.spec.steps <= done:
+            return
+        message = f"spec.steps raised from {done} to {self.spec.steps} after the job succeeded: it trains on"
+        self.update(
+            conditions=reopen(list(conds), "Succeeded", STEPS_RAISED, message, self.now, self.generation),
+            completion_time=None,
+            active_since=None,
+            progress=self.status.progress.model_copy(update={"steps": self.spec.steps}),
+        )
 
     def terminal(self) -> bool:
         return is_true(self.status.conditions, "Succeeded") or is_true(self.status.conditions, "Failed")
@@ -377,32 +399,41 @@ class _Cycle:
     def seen(self, cluster: Cluster, kind: str, name: str) -> dict | None:
         return self.obs.objects.get(cluster, {}).get((kind, name))
 
-    def ensure(self, cluster: Cluster, manifest: dict) -> bool:
+    def ensure(self, cluster: Cluster, manifest: dict, expected: bool = False) -> bool:
         """The object as decided: a missing one made, a drifted one applied again (not a claim: its
-        spec is immutable). Whether it existed."""
+        spec is immutable), with a Corrected Event unless the change is `expected`. Whether it
+        existed."""
         kind, name = manifest["kind"], manifest["metadata"]["name"]
         seen = self.seen(cluster, kind, name)
         if seen is None:
             (self.plan.create if kind == "PersistentVolumeClaim" else self.plan.apply).append((cluster, manifest))
         elif kind != "PersistentVolumeClaim" and (where := drift(manifest, seen)):
             self.plan.apply.append((cluster, manifest))
-            self.event(
-                CORRECTED,
-                f"{kind} {name}" + (f" in cluster {cluster}" if cluster else "") + f": {where} differed from "
-                "what the operator decides; applied it again",
-            )
+            if not expected:
+                self.event(
+                    CORRECTED,
+                    f"{kind} {name}" + (f" in cluster {cluster}" if cluster else "") + f": {where} differed from "
+                    "what the operator decides; applied it again",
+                )
         return seen is not None
 
     def home_objects(self) -> None:
         job, spec = self.job, self.spec
         config = self.seen(None, "ConfigMap", builders.config_name(job)) or {}
+        written = (config.get("data") or {}).get(builders.JOB_KEY)
+        raised = builders.raised_from(job, self.body["spec"], written)
+        if raised is not None:
+            self.event(
+                STEPS_RAISED, f"spec.steps raised from {raised} to {spec.steps}: the trainer trains on from its state"
+            )
         manifests = [
             builders.token_secret(job, self.obs.token, job.namespace, home=True),
-            builders.job_config(job, self.body["spec"], (config.get("data") or {}).get(builders.JOB_KEY)),
+            builders.job_config(job, self.body["spec"], written),
             builders.state_claim(job, spec),
             builders.trainer_service(job, spec),
         ]
-        missing = [m["kind"] for m in manifests if not self.ensure(None, m)]
+        raise_only = raised is not None  # the ConfigMap's apply is the raise, not a correction
+        missing = [m["kind"] for m in manifests if not self.ensure(None, m, m["kind"] == "ConfigMap" and raise_only)]
         self.condition(
             "Created",
             not missing,
@@ -417,9 +448,22 @@ class _Cycle:
         pods = sorted((p for p in self.obs.pods.get(cluster, []) if slot_key(p) == key), key=attempt)
         return (pods[-1], pods[:-1]) if pods else (None, [])
 
+    def trains_for(self, pod: dict) -> int | None:
+        """The steps the trainer pod trains toward: what it says when it runs and answers (it may
+        have read its ConfigMap before a change reached it), else the steps it was made with
+        (a pod made before that annotation: those it last reported)."""
+        t = self.obs.trainer
+        if t is not None and phase_of(pod) == "Running":
+            return t.steps
+        try:
+            return int(pod["metadata"]["annotations"][STEPS_ANNOTATION])
+        except (KeyError, ValueError):
+            return self.prev.progress.steps or None
+
     def trainer(self) -> None:
-        """The trainer pod: created, and restarted after a failure up to backoffLimit; the job
-        succeeds when it exits 0 (it has trained every step)."""
+        """The trainer pod: created, and restarted after a failure up to backoffLimit, or when it
+        trains toward fewer steps than the job's (they were raised); the job succeeds when it
+        exits 0 having trained every step."""
         role = Process("trainer", "trainer")
         pod, older = self.current(None, ("trainer", None, None))
         for p in older:
@@ -432,6 +476,18 @@ class _Cycle:
         n, phase = attempt(pod), phase_of(pod)
         if terminating(pod):  # its successor is created once it is gone (the same name)
             self.condition("TrainerReady", False, "Terminating", f"pod {pod['metadata']['name']} is being deleted")
+            return
+        behind = self.trains_for(pod)
+        if phase != "Failed" and behind is not None and behind < self.spec.steps:
+            self.remove(None, pod)  # its successor, made once it is gone, reads the raised steps
+            self.condition(
+                "TrainerReady",
+                False,
+                "Restarting",
+                f"spec.steps raised from {behind} to {self.spec.steps}: restarting pod {pod['metadata']['name']}, "
+                "which goes on from its volume",
+            )
+            self.update(progress=self.status.progress.model_copy(update={"steps": self.spec.steps}))
             return
         if phase == "Succeeded":
             self.condition("TrainerReady", False, "Finished", "the trainer finished the job")
@@ -585,6 +641,9 @@ class _Cycle:
                 failed += 1
                 if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
                     self.replace(cluster, pod, r, n, slot, namespace, template, f"pod {pod['metadata']['name']} failed")
+            elif phase == "Succeeded" and self.before_trainer(pod):
+                why = f"pod {pod['metadata']['name']} finished before the trainer started again"
+                self.replace(cluster, pod, r, n, slot, namespace, template, why, warning=False)
             elif r.kind == "worker" and self.stale(pod) and self.spec.health.on_stale == "Replace":
                 self.replace(
                     cluster, pod, r, n, slot, namespace, template, f"worker {pod['metadata']['name']} is stale"
@@ -633,10 +692,21 @@ class _Cycle:
         namespace: str,
         template: dict | None,
         why: str,
+        warning: bool = True,
     ) -> None:
         self.create_pod(cluster, role, n + 1, slot, namespace, template)
         self.remove(cluster, pod)
-        self.event(REPLACED, f"{why}; replaced it (replacement {n + 1})", warning=True)
+        self.event(REPLACED, f"{why}; replaced it (replacement {n + 1})", warning=warning)
+
+    def before_trainer(self, pod: dict) -> bool:
+        """Whether `pod` exited (a worker told the job was done) before the running trainer
+        started: that trainer may have steps to train (they were raised), so the slot runs again
+        (after a failure restart instead, its new worker is told done at once)."""
+        trainer, _ = self.current(None, ("trainer", None, None))
+        if trainer is None or terminating(trainer) or phase_of(trainer) != "Running":
+            return False
+        start, end = started_at(trainer), finished_at(pod)
+        return bool(start and end) and since(end, self.obs.now) >= since(start, self.obs.now)
 
     def stale_names(self) -> dict[str, float]:
         """Workers whose pods run, that the trainer has not heard from for staleAfterSeconds. Not
@@ -665,7 +735,7 @@ class _Cycle:
         self.update(
             progress=Progress(
                 step=t.step,
-                steps=t.steps,
+                steps=self.spec.steps,  # a trainer about to restart with raised steps still says the old ones
                 policy_version=t.version,
                 reward=rounded(t.reward_last, 4),
                 recent_reward=rounded(t.reward_mean_10, 4),

@@ -391,13 +391,12 @@ class JobSpec(_Spec):
                 },
                 {
                     "rule": (
-                        "self.steps == oldSelf.steps && self.seed == oldSelf.seed && self.model == oldSelf.model && "
+                        "self.seed == oldSelf.seed && self.model == oldSelf.model && "
                         "self.task == oldSelf.task && has(self.grpo) == has(oldSelf.grpo) && (!has(self.grpo) || "
                         "self.grpo == oldSelf.grpo) && has(self.sync) == has(oldSelf.sync) && (!has(self.sync) || "
                         "self.sync == oldSelf.sync)"
                     ),
-                    "message": "steps, seed, model, task, grpo and sync are immutable: the trainer's state "
-                    "belongs to them",
+                    "message": "seed, model, task, grpo and sync are immutable: the trainer's state belongs to them",
                 },
                 {
                     "rule": (
@@ -411,7 +410,20 @@ class JobSpec(_Spec):
             ]
         }
     )
-    steps: int = Field(50, ge=1, le=10_000_000)  # version numbers are 8 digits in file names
+    steps: int = Field(
+        50,
+        ge=1,
+        le=10_000_000,  # version numbers are 8 digits in file names
+        description="Optimizer steps to train. May be raised on a running or finished job, which trains on.",
+        json_schema_extra={  # state_mismatch's rule: the trainer's state may have trained past a lower value
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self >= oldSelf",
+                    "message": "steps may be raised, not lowered: the trainer may have trained past the lower value",
+                }
+            ]
+        },
+    )
     seed: int = Field(0, ge=0, le=2**63 - 1)
     model: ModelSpec
     task: TaskSpec
