@@ -200,14 +200,16 @@ def test_training_fields_are_immutable():
     old = example_job()
     assert admitted(spec_with(lambda s: s["placements"][0].update(replicas=4)), old) == []
     assert admitted(spec_with(lambda s: s.update(runPolicy={"suspend": True})), old) == []
+    assert admitted(spec_with(lambda s: s.setdefault("trainer", {}).update(ranks=1)), old) == []  # the default
     for change in (
         lambda s: s.update(seed=1),
         lambda s: s["grpo"].update(learningRate=1e-6),
         lambda s: s.update(sync={"streams": 2}),
         lambda s: s["model"]["tiny"].update(layers=3),
+        lambda s: s.setdefault("trainer", {}).update(ranks=2),
     ):
         assert admitted(spec_with(change), old) == [
-            "spec: seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"
+            "spec: seed, model, task, grpo, sync and trainer.ranks are immutable: the trainer's state belongs to them"
         ]
 
 
@@ -222,7 +224,9 @@ def test_steps_may_be_raised_not_lowered():
     assert admitted(spec_with(lambda s: s.update(steps=299)), old) == [lowered]
     assert admitted(spec_with(lambda s: s.pop("steps")), old) == [lowered]  # the default, 50, is fewer
     both = admitted(spec_with(lambda s: s.update(steps=400, seed=1)), old)
-    assert both == ["spec: seed, model, task, grpo and sync are immutable: the trainer's state belongs to them"]
+    assert both == [
+        "spec: seed, model, task, grpo, sync and trainer.ranks are immutable: the trainer's state belongs to them"
+    ]
 
 
 def test_full_status_fits_the_schema():

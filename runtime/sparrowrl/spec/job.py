@@ -394,9 +394,12 @@ class JobSpec(_Spec):
                         "self.seed == oldSelf.seed && self.model == oldSelf.model && "
                         "self.task == oldSelf.task && has(self.grpo) == has(oldSelf.grpo) && (!has(self.grpo) || "
                         "self.grpo == oldSelf.grpo) && has(self.sync) == has(oldSelf.sync) && (!has(self.sync) || "
-                        "self.sync == oldSelf.sync)"
+                        "self.sync == oldSelf.sync) && "
+                        "(has(self.trainer) && has(self.trainer.ranks) ? self.trainer.ranks : 1) == "
+                        "(has(oldSelf.trainer) && has(oldSelf.trainer.ranks) ? oldSelf.trainer.ranks : 1)"
                     ),
-                    "message": "seed, model, task, grpo and sync are immutable: the trainer's state belongs to them",
+                    "message": "seed, model, task, grpo, sync and trainer.ranks are immutable: the trainer's state "
+                    "belongs to them",
                 },
                 {
                     "rule": (
