@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sparrowrl.rollout.coordinator import Coordinator, View
 from sparrowrl.spec.status import JobStatus, WorkerStatus
-from sparrowrl.trainer import resume
+from sparrowrl.trainer import resume, retention
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.rewards import FAILURES
 from sparrowrl.transport.metrics import family
@@ -42,6 +42,7 @@ class Snapshot:
     sent: dict[str, int]  # bytes the origin sent, by kind
     restarts: int
     finished: bool
+    store: retention.Held | None = None  # what the trainer's store holds
 
 
 class Ledger:
@@ -54,6 +55,7 @@ class Ledger:
         self.t_loop: float | None = None  # when this process's training loop started
         self.sent_before = {"delta": 0, "base": 0}  # what earlier processes' origins sent
         self.finished = False
+        self.held = retention.Held.of(learner.store)  # as of the last prune (which runs in a thread)
 
     def _written(self) -> dict[int, dict]:
         """Rows already written (by a previous process): kept; a line cut short is dropped."""
@@ -128,6 +130,7 @@ class Ledger:
             sent=self._total(sent),
             restarts=self.restarts,
             finished=self.finished,
+            store=self.held,
         )
 
 
@@ -251,6 +254,22 @@ def metrics(snap: Snapshot) -> list:
             "Versions a worker's committed weights lag the newest",
             by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None}),
         ),
+        *(
+            [
+                family(
+                    "counter",
+                    "store_pruned_versions",
+                    "Versions the trainer's store has pruned: no live worker, restart or export could need them",
+                    snap.store.pruned,
+                ),
+                family("gauge", "store_versions", "Versions the trainer's store holds", snap.store.versions),
+                family(
+                    "gauge", "store_bytes", "Bytes of the bases and deltas the trainer's store holds", snap.store.bytes
+                ),
+            ]
+            if snap.store is not None
+            else []
+        ),
     ]
 
 
@@ -279,4 +298,5 @@ def summary(s: Snapshot) -> dict:
         "seconds": s.seconds,
         "final_version": s.job.published,
         "final_state_hash": s.job.state_hash,
+        **({"store_versions_pruned": s.store.pruned, "store_bytes": s.store.bytes} if s.store is not None else {}),
     }

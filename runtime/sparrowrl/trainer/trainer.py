@@ -3,7 +3,8 @@ control plane that workers call, and the training loop that joins them. Its stat
 what it needs to go on after a kill (resume.py).
 
 One step: take a complete batch from the coordinator → the learner's GRPO step → checkpoint →
-publish the version's delta into the store (served as it is written) → record its row."""
+publish the version's delta into the store (served as it is written) → record its row → prune
+what no one needs from the store (retention.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from sparrowrl.auth.signing import Signer
 from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
-from sparrowrl.trainer import ledger, resume
+from sparrowrl.trainer import ledger, resume, retention
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.outputs import Outputs
@@ -167,6 +168,8 @@ class Trainer:
             book.record(partial, extract_s, time.perf_counter() - t0)
             print(ledger.step_line(book.rows[b + 1], self.spec.steps), flush=True)
             self.outputs.step(book.rows[b + 1])
+            oldest = retention.needed(learner.store, self.coord, self.outputs.exporting)
+            book.held = await asyncio.to_thread(retention.prune, learner.store, oldest)
             control.changed()
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
