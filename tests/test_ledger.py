@@ -56,3 +56,18 @@ def test_one_line_per_step_says_what_a_user_watches():
     assert "48 tok/s" in line and "payload 1,234 B (1.25% changed)" in line and "2.00 s" in line
     assert line.endswith("rewards failed 2")
     assert "kl" not in ledger.step_line(row(3), 10) and "failed" not in ledger.step_line(row(3), 10)
+
+
+def test_the_stores_size_and_what_it_pruned_are_metrics_and_in_the_summary():
+    """A user sees that the trainer's volume does not grow without bound."""
+    from dataclasses import replace
+
+    from sparrowrl.trainer.retention import Held
+
+    snap = replace(snapshot([row(1, dense_bytes=4096)]), store=Held(pruned=30, versions=12, bytes=5_000_000))
+    m = samples(snap)
+    assert m["sparrowrl_store_pruned_versions_total",] == 30
+    assert m["sparrowrl_store_versions",] == 12 and m["sparrowrl_store_bytes",] == 5_000_000
+    s = ledger.summary(snap)
+    assert s["store_versions_pruned"] == 30 and s["store_bytes"] == 5_000_000
+    assert not {k for k in samples(snapshot([])) if k[0].startswith("sparrowrl_store")}

@@ -380,3 +380,33 @@ def test_a_base_pruned_while_fetched_is_dropped(history, tmp_path):
             assert not list((tmp_path / "mirror" / "bases").iterdir())
 
     asyncio.run(go())
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_a_relay_behind_the_origins_pruned_versions_starts_again_from_its_newest_base(history, tmp_path):
+    """The trainer prunes what no live worker needs (trainer/retention.py): a relay that was away
+    meanwhile finds the versions after its own gone, starts its mirror again from the origin's
+    newest base, and serves its workers from there."""
+    path = tmp_path / "s"
+    shutil.copytree(history[0], path)
+    store, states = Store(path), list(history[1])
+    rng = np.random.default_rng(11)
+
+    async def go():
+        async with Server(path) as origin:
+            async with RelayServer(origin.url, tmp_path / "mirror"):
+                assert Store(tmp_path / "mirror").newest == 6
+            for _ in range(4):  # v7..v10, base 8; then pruned for workers at v9
+                states.append({k: mutate(rng, t, 0.02) for k, t in states[-1].items()})
+                await asyncio.to_thread(store.add, states[-1])
+            assert store.prune(keep=2) == list(range(8))
+            async with (
+                RelayServer(origin.url, tmp_path / "mirror") as relay,
+                Client(relay.url, token=TOKEN, backoff=0.01) as worker,
+            ):
+                assert sorted(Store(tmp_path / "mirror").versions) == [8, 9, 10]
+                state, _ = await worker.advance(10)
+                assert same(state, states[10]) and {s for _, s, _ in worker.stats.sources} == {relay.url}
+
+    asyncio.run(go())

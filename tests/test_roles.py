@@ -183,6 +183,13 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
                     for url, o in ((trainer, tm), (relay, rm), (f"http://127.0.0.1:{w0}", wm))
                 }
                 assert m[trainer]["sparrowrl_versions_published_total"] == 0
+                assert (
+                    m[trainer]["sparrowrl_store_pruned_versions_total"] == 0
+                    and m[trainer]["sparrowrl_store_versions"] == 1
+                )
+                assert m[trainer]["sparrowrl_store_bytes"] == sum(
+                    f.stat().st_size for f in (tmp_path / "trainer" / "state" / "store" / "bases").iterdir()
+                )  # v0's base
                 assert m[trainer]["sparrowrl_prompt_groups_total", "state", "admitted"] == 0
                 assert m[trainer]["sparrowrl_commit_verifications_total", "result", "ok"] == 1  # w0's v0
                 assert m[relay]["sparrowrl_received_bytes_total", "kind", "base"] > 0  # v0, once, for w0

@@ -64,7 +64,8 @@ def test_sparse_and_full_sync_train_identical_weights_at_every_version(runs):
     trainer's, bit for bit, so the shipping mode cannot change what is learned."""
     (_, sparse), (_, full) = runs["sparse"], runs["full"]
     hashes = [{v: x.state_hash for v, x in Store(d / "store").versions.items()} for d in (sparse, full)]
-    assert sorted(hashes[0]) == list(range(STEPS + 1)) and hashes[0] == hashes[1]
+    assert sorted(hashes[0]) == list(range(STEPS + 1)) and max(hashes[1]) == STEPS
+    assert hashes[1].items() <= hashes[0].items()  # full sync's store keeps fewer: a base every version
     assert len(set(hashes[0].values())) == STEPS + 1  # the weights did change each step
     with (
         safe_open(sparse / "final" / "model.safetensors", "pt") as a,
@@ -212,6 +213,7 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
             os.kill(victim, signal.SIGCONT)
     s = status(out, cli=True)  # while its lease holds back the batch, the run goes on
     regions = {w["name"]: w["region"] for w in s["workers"]}  # a slow starter may not have called in yet
+    lost_at = next(w["committed_version"] for w in s["workers"] if w["name"] == "worker-b-1")
     assert regions["worker-b-1"] == "b" and all(regions[w] == w.split("-")[1] for w in regions), regions
     os.kill(victim, signal.SIGKILL)
     stdout, stderr = p.communicate(timeout=600)
@@ -220,6 +222,8 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
     assert s["steps"] == 12 and s["weights_mismatch"] == 0 and s["prompt_groups_admitted"] == 48
     assert s["leases_expired"] >= 1 and s["prompt_groups_requeued"] >= 1
     assert s["prompt_groups_lost"] == 0 and s["prompt_groups_discarded_late"] == 0
+    store = Store(out / "store")  # the lost worker's version does not hold the store back
+    assert lost_at < min(store.versions) == s["store_versions_pruned"] and store.newest == 12
 
 
 def alive(pid: int) -> bool:
@@ -302,8 +306,10 @@ def test_a_finished_run_goes_on_with_more_steps(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 4 and s["final_version"] == 4 and s["trainer_restarts"] == 1 and s["weights_mismatch"] == 0
     store = Store(out / "store")
-    assert {v: (x.state_hash, x.delta_sha256) for v, x in store.versions.items() if v <= 2} == published
-    assert sorted(store.versions) == [0, 1, 2, 3, 4]
+    assert sorted(store.versions) == list(range(min(store.versions), 5))  # v0, v1 pruned once nobody needed them
+    for v, x in store.versions.items():  # what was published stays as it was (the oldest kept needs no delta)
+        if v <= 2:
+            assert (x.state_hash, x.delta_sha256 or published[v][1]) == published[v]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     log = (out / "logs" / "trainer.log").read_text()
@@ -379,10 +385,15 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, 
     first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
     assert last > first + 0.05, (first, last)
 
-    store = Store(out / "store")
-    assert sorted(store.versions) == list(range(steps + 1))
+    store = Store(out / "store")  # pruned as it went: the bases before the one its workers' chains start from
+    assert 20 <= min(store.versions) == s["store_versions_pruned"] and sorted(store.versions)[-1] == steps
+    assert sorted(store.versions) == list(range(min(store.versions), steps + 1))
+    files = [*(store.path / "deltas").iterdir(), *(store.path / "bases").iterdir()]
+    assert sum(f.stat().st_size for f in files) == s["store_bytes"]  # also what a kill mid-prune left
     for v, entry in published.items():  # what was published before the kill is never rewritten
-        assert (store.versions[v].state_hash, store.versions[v].delta_sha256) == entry
+        if v in store.versions:
+            x = store.versions[v]
+            assert (x.state_hash, x.delta_sha256 or entry[1]) == entry
     from sparrowrl.delta import state_hash
 
     assert state_hash(store.materialize(steps)) == s["final_state_hash"]

@@ -77,7 +77,7 @@ class WorkerView:
     name: str
     region: str | None
     committed: tuple[int, str] | None  # the version it last committed, and its hash
-    verified: bool | None  # whether that hash was the trainer's
+    verified: bool | None  # whether that hash was the trainer's (None: not known, or no longer)
     seconds_since_seen: float
     leases: int
     live: bool  # heard from within a lease period
@@ -450,7 +450,8 @@ class Coordinator:
                     name=w,
                     region=self.regions.get(w),
                     committed=c,
-                    verified=None if c is None else self.hashes.get(c[0]) == c[1],
+                    # None also where its version is pruned from the store (a restarted trainer knows no hash)
+                    verified=None if c is None or c[0] not in self.hashes else self.hashes[c[0]] == c[1],
                     seconds_since_seen=now - self.seen[w],
                     leases=held.get(w, 0),
                     live=w in live,

@@ -6,6 +6,11 @@
 
 Any version materializes as (nearest base) + (delta chain); a holder of version u reaches v by
 whichever route is fewer bytes: replaying u+1..v, or a base b <= v plus b+1..v.
+
+`prune(keep)` drops what comes before the base that serves the oldest of the newest `keep`
+versions: the newest version stays materializable whatever `keep` is. Who calls it decides what
+is still needed: a relay keeps its newest `--keep` versions, the trainer keeps what a live
+worker, a restart or an export can still ask for (trainer/retention.py).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ BASE_PARTS = 64  # a base smaller than this many parts of BASE_PART is cut finer
 MAX_BASE_EVERY = 1_000_000
 _HEX16, _HEX64 = re.compile(r"[0-9a-f]{16}"), re.compile(r"[0-9a-f]{64}")
 _SIG = re.compile(r"([A-Za-z0-9_-]{86})?")
+_FILE = re.compile(r"v[0-9]{8}[-.]")  # a delta's or a base's name
 
 
 class StoreError(Exception):
@@ -390,7 +396,8 @@ class Store:
 
     def prune(self, keep: int) -> list[int]:
         """Keep the newest `keep` versions reachable: drop everything before the newest base that
-        serves the oldest kept version. Returns the versions whose files were removed."""
+        serves the oldest kept version. Returns the versions whose files were removed; with
+        nothing to remove, the index is not rewritten (its readers are not woken)."""
         if keep < 1:
             raise StoreError("keep must be at least 1")
         with self._locked():
@@ -409,10 +416,18 @@ class Store:
                 elif x == floor and v.delta:
                     doomed.append(self.path / "deltas" / v.delta)
                     v.delta, v.delta_sha256, v.delta_bytes = None, None, 0
+            # files an earlier prune unlisted, then was killed before it removed them
+            doomed += [f for f in self._files() if int(f.name[1:9]) < floor and f not in doomed]
+            if not removed and not doomed:
+                return []
             self._save_index()  # index first: never names a missing file
             for f in doomed:
                 f.unlink(missing_ok=True)
             return removed
+
+    def _files(self) -> list[Path]:
+        """The version files in the store's folders (not those being written: their names start with a dot)."""
+        return [f for sub in ("deltas", "bases") for f in (self.path / sub).iterdir() if _FILE.match(f.name)]
 
     def _span(self) -> str:
         return f"v{min(self.versions)}..v{self.newest}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sparrowrl.rollout.coordinator import Coordinator, View
 from sparrowrl.spec.status import JobStatus, WorkerStatus
-from sparrowrl.trainer import resume
+from sparrowrl.trainer import resume, retention
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.rewards import FAILURES
 from sparrowrl.transport.metrics import family
@@ -43,6 +43,7 @@ class Snapshot:
     restarts: int
     redone: int  # steps trained again after restarts
     finished: bool
+    store: retention.Held | None = None  # what the trainer's store holds
 
 
 class Ledger:
@@ -56,6 +57,7 @@ class Ledger:
         self.sent_before = {"delta": 0, "base": 0}  # what earlier processes' origins sent
         self.redone = 0  # steps trained again after a restart, from their checkpoint (resume.py)
         self.finished = False
+        self.held = retention.Held.of(learner.store)  # as of the last prune (which runs in a thread)
 
     def _written(self) -> dict[int, dict]:
         """Rows already written (by a previous process): kept; a line cut short is dropped."""
@@ -129,6 +131,7 @@ class Ledger:
             restarts=self.restarts,
             redone=self.redone,
             finished=self.finished,
+            store=self.held,
         )
 
 
@@ -253,6 +256,22 @@ def metrics(snap: Snapshot) -> list:
             "Versions a worker's committed weights lag the newest",
             by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None}),
         ),
+        *(
+            [
+                family(
+                    "counter",
+                    "store_pruned_versions",
+                    "Versions the trainer's store has pruned: no live worker, restart or export could need them",
+                    snap.store.pruned,
+                ),
+                family("gauge", "store_versions", "Versions the trainer's store holds", snap.store.versions),
+                family(
+                    "gauge", "store_bytes", "Bytes of the bases and deltas the trainer's store holds", snap.store.bytes
+                ),
+            ]
+            if snap.store is not None
+            else []
+        ),
     ]
 
 
@@ -282,4 +301,5 @@ def summary(s: Snapshot) -> dict:
         "seconds": s.seconds,
         "final_version": s.job.published,
         "final_state_hash": s.job.state_hash,
+        **({"store_versions_pruned": s.store.pruned, "store_bytes": s.store.bytes} if s.store is not None else {}),
     }

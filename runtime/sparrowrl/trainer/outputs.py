@@ -5,7 +5,8 @@ An export is the policy rollout workers ran at that version: the store's bf16 te
 against the version's state hash, with the model's config and tokenizer and a `sparrowrl.json`
 naming the version and hash, so anyone can check it. It is written off the step's critical
 path, in a thread, from a store object of its own (the trainer's keeps publishing meanwhile);
-a failed export is said in the log and does not stop training."""
+a failed export is said in the log and does not stop training. The store keeps the version
+being exported until the export is done (`exporting`, retention.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class Outputs:
             from torch.utils.tensorboard import SummaryWriter  # only where asked: it imports tensorboard
 
             self.board = SummaryWriter(str(state_dir / "tensorboard"))
-        self._exporting: threading.Thread | None = None
+        self._exporting: tuple[int, threading.Thread] | None = None  # the version being exported, and its thread
 
     def step(self, row: dict) -> None:
         """After version row["version"] is published."""
@@ -62,8 +63,8 @@ class Outputs:
             self.board.flush()
         if self.every and v % self.every == 0:
             self.wait()  # one export at a time: a slow disk holds the next step, not the memory of many
-            self._exporting = threading.Thread(target=self._export, args=(v,), name=f"export-v{v}", daemon=True)
-            self._exporting.start()
+            self._exporting = v, threading.Thread(target=self._export, args=(v,), name=f"export-v{v}", daemon=True)
+            self._exporting[1].start()
 
     def _export(self, version: int) -> None:
         out = self.folder / f"step-{version:08d}"
@@ -73,9 +74,14 @@ class Outputs:
         except (OSError, StoreError, CheckpointError, ValueError) as e:
             print(f"trainer: export of v{version} to {out} failed: {e}", flush=True)
 
+    @property
+    def exporting(self) -> int | None:
+        """The version an export is being written of: the store must not prune it meanwhile."""
+        return self._exporting[0] if self._exporting is not None and self._exporting[1].is_alive() else None
+
     def wait(self) -> None:
         if self._exporting is not None:
-            self._exporting.join()
+            self._exporting[1].join()
             self._exporting = None
 
     def close(self) -> None:

@@ -3,9 +3,10 @@ control plane that workers call, and the training loop that joins them. Its stat
 what it needs to go on after a kill (resume.py).
 
 One step: take a complete batch from the coordinator → the learner's GRPO step → publish the
-version's delta into the store (served as it is written) → record its row → every
-`trainer.checkpoint.every` steps, a checkpoint, written while the next steps train; once it is
-whole, the journal starts again from it (resume.py)."""
+version's delta into the store (served as it is written) → record its row → prune what no one
+needs from the store (retention.py) → every `trainer.checkpoint.every` steps, a checkpoint,
+written while the next steps train; once it is whole, the journal starts again from it
+(resume.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from sparrowrl.auth.signing import Signer
 from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
-from sparrowrl.trainer import ledger, resume
+from sparrowrl.trainer import ledger, resume, retention
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.outputs import Outputs
@@ -179,7 +180,7 @@ class Trainer:
             }
             if b + 1 <= published:  # trained again: its version is out already
                 book.redone += 1
-                if b + 1 not in book.rows:  # killed before its row was journaled
+                if b + 1 not in book.rows:  # killed before its row was journaled: the newest, never pruned
                     book.record(partial, None, time.perf_counter() - t0)
                 if b + 1 == published:
                     same = await asyncio.to_thread(learner.holds, published)
@@ -198,8 +199,11 @@ class Trainer:
                     b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
                 )
                 book.record(partial, extract_s, time.perf_counter() - t0)
+                self._journal(None)  # the row, before the next step: a restart records only the newest again
                 print(ledger.step_line(book.rows[b + 1], self.spec.steps), flush=True)
                 self.outputs.step(book.rows[b + 1])
+                oldest = retention.needed(learner.store, self.coord, self.outputs.exporting)
+                book.held = await asyncio.to_thread(retention.prune, learner.store, oldest)
             if (b + 1) % every == 0 or b + 1 == self.spec.steps:
                 await self._checkpoint()
             control.changed()
