@@ -10,6 +10,7 @@
     STATE/starts                      how many trainer processes have started on it
     STATE/.trainer.lock               held by the trainer running on it: there is one at a time
     STATE/store/                      the published versions (store.py)
+    STATE/hub/                        the job's model and data set from the Hugging Face Hub (hub.py)
 
 A step writes its checkpoint before it publishes the version, so the store is never ahead of the
 checkpoint: a trainer killed in between publishes the same bytes again from the checkpoint. Every
@@ -44,6 +45,7 @@ OWNED = (
     "journal.jsonl",
     "store",
     "model",
+    "hub",
     "metrics.jsonl",
     "summary.json",
     "final",
