@@ -35,15 +35,16 @@ def job(**spec) -> dict:
     }
 
 
-def run(tmp_path, spec: dict, name: str = "run") -> subprocess.CompletedProcess:
+def run(tmp_path, spec: dict, name: str = "run", env: dict | None = None, *flags: str) -> subprocess.CompletedProcess:
+    """`sparrowrl run`, offline unless `env` says otherwise (the stand-in hub's address)."""
     f = tmp_path / f"{name}.yaml"
     f.write_text(yaml.safe_dump(spec))
     return subprocess.run(
-        [EXE, "run", str(f), "--run-dir", str(tmp_path / name)],
+        [EXE, "run", str(f), "--run-dir", str(tmp_path / name), *flags],
         capture_output=True,
         text=True,
         timeout=540,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
 
 
@@ -147,3 +148,75 @@ def test_a_reward_that_raises_hangs_or_returns_nan_stops_nothing(tmp_path):
     assert "RuntimeError: cannot judge" in log and "no answer in 1 s" in log
     called = [int(p.name) for p in pids.iterdir()]
     assert len(called) >= 4 and not [p for p in called if alive(p)]  # hung ones killed, the rest ended with the trainer
+
+
+PARTIAL = """\
+def partial(prompt, completion, answer, scale):
+    hits = sum(a == b for a, b in zip(completion, answer))
+    return scale * hits / max(len(answer), len(completion), 1)
+"""
+
+
+def test_a_pretrained_folder_then_the_same_model_and_data_from_the_hub(tmp_path):
+    """The issue's "done when": a model folder with a chat template, chat lines with a field the
+    reward reads, micro-batches and a cosine schedule; the reward rises and every commit verifies.
+    Then the same model and data from the stand-in hub (a private model: HF_TOKEN), which the
+    trainer downloads into its state dir (that a restart asks the hub nothing: tests/test_hub.py)."""
+    from support.hub import Hub
+
+    from sparrowrl.store.store import Store
+    from sparrowrl.trainer import models, tasks
+
+    tok = models.char_tokenizer()
+    tok.chat_template = TEMPLATE
+    prompts = models.Prompts(tok)
+    model = models.tiny_qwen3(len(tok), 64, 1, 2, 0)
+    models.warm_up(model, prompts, tasks.Add(0, prompts), 300)  # knows sums, often runs on: RL's starting point
+    model.save_pretrained(tmp_path / "pretrained")
+    tok.save_pretrained(tmp_path / "pretrained")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b), "scale": 1})
+            + "\n"
+            for a in range(10)
+            for b in range(10)
+        )
+    )
+    (tmp_path / "sums.py").write_text(PARTIAL)
+    steps, budget = 12, 200
+    grpo = {"learningRate": 1e-3, "groupSize": 8, "promptsPerStep": 8, "maxNewTokens": 4, "microBatchTokens": budget}
+    grpo |= {"lrSchedule": "cosine", "warmupSteps": 3}
+    assert 8 * 8 * (len(prompts.ids("u:1+2=<a:")) + 4) > 3 * budget  # a step takes several passes
+    spec = job(model={"path": "pretrained"}, task={"jsonl": "data/train.jsonl", "reward": "sums:partial"})
+    spec["spec"] |= {"steps": steps, "grpo": grpo, "rollout": {"groupsPerLease": 2}}
+    r = run(tmp_path, spec)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s, rows = results(tmp_path / "run")
+    assert s["steps"] == steps and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * (steps + 1)
+    assert s["reward_failed"] == {"raised": 0, "timeout": 0, "nonfinite": 0, "nonnumber": 0}
+    lrs = [x["lr"] for x in rows]
+    assert lrs[0] < lrs[2] == pytest.approx(1e-3) and lrs[2] > lrs[steps // 2] > lrs[-1]  # warm-up, then cosine
+    first, last = (sum(x["reward_mean"] for x in part) / len(part) for part in (rows[:4], rows[-4:]))
+    assert last > first + 0.05, (first, last)
+    v0 = Store(tmp_path / "run" / "store").versions[0].state_hash
+
+    with Hub() as hub:
+        hub.add("model", "me/pretrained", tmp_path / "pretrained", private=True)
+        hub.add("dataset", "me/sums", tmp_path / "data")
+        env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HOME": str(tmp_path / "hf")}
+        spec = job(
+            model={"hub": {"repo": "me/pretrained"}},
+            task={"dataset": {"path": "me/sums", "messagesField": "messages"}, "reward": "sums:partial"},
+        )
+        spec["spec"] |= {"steps": 2, "grpo": grpo, "rollout": {"groupsPerLease": 2}}
+        r = run(tmp_path, spec, "hub", env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        asked = len(hub.requests)
+    s, rows = results(tmp_path / "hub")
+    assert s["steps"] == 2 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 3
+    assert s["reward_failed"] == {"raised": 0, "timeout": 0, "nonfinite": 0, "nonnumber": 0}  # "scale" came along
+    assert Store(tmp_path / "hub" / "store").versions[0].state_hash == v0  # the same weights, bit for bit
+    log = (tmp_path / "hub" / "logs" / "trainer.log").read_text()
+    assert log.count("downloading model me/pretrained") == 1 and log.count("downloading dataset me/sums") == 1
+    assert asked > 0 and (tmp_path / "hub" / "hub" / "models" / "me" / "pretrained" / "main.commit").is_file()

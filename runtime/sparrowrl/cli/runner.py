@@ -43,6 +43,7 @@ OUTPUTS = (
     "payload.png",
     "store",
     "model",
+    "hub",
     "final",
     "logs",
     "relays",

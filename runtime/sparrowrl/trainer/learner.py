@@ -30,7 +30,7 @@ from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
 from sparrowrl.store.store import Store
-from sparrowrl.trainer import grpo, lr, models, ranks, resume, rewards, shard, tasks
+from sparrowrl.trainer import grpo, hub, lr, models, ranks, resume, rewards, shard, tasks
 
 
 def device(choice: str, world: int = 1) -> torch.device:
@@ -73,6 +73,7 @@ class Learner:
         if rank == 0:
             # processes before this one; `held` keeps a second trainer off the state dir while this one lives
             self.restarts, self.held = resume.claim(state_dir, spec.model_dump(mode="json"))
+            hub.fetch(spec, state_dir)  # once per state dir, before the other ranks look for it
             if self.world > 1:
                 resume.ShardedCheckpoints(state_dir / "trainer", 0).clear_partial()  # before any rank writes
                 self.ranks = ranks.start(self.world, follow, spec, state_dir, self.restarts)
@@ -81,9 +82,10 @@ class Learner:
         if self.world > 1:
             self.device = shard.device()  # this rank's GPU, now that it has joined
         torch.manual_seed(spec.seed)
-        self.tok = models.tokenizer(spec)
-        self.prompts = models.Prompts.for_job(spec, self.tok)
-        self.task, reward = tasks.for_job(spec, self.prompts)
+        local = hub.localize(spec, state_dir)  # what came from the hub, read from the state dir
+        self.tok = models.tokenizer(local)
+        self.prompts = models.Prompts.for_job(local, self.tok)
+        self.task, reward = tasks.for_job(local, self.prompts)
         if rank == 0 and self.task.skipped:
             print(f"trainer: task: {self.task.skipped}", flush=True)
         keep = spec.trainer.checkpoint.keep
@@ -93,7 +95,7 @@ class Learner:
             else resume.ShardedCheckpoints(state_dir / "trainer", rank, keep)
         )
         newest = self.saved.newest() if self.restarts else None
-        self.model, self.ref = self._models(warm=newest is None)
+        self.model, self.ref = self._models(local, warm=newest is None)
         g = spec.grpo
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.table = shard.specs(self.model)
@@ -125,11 +127,10 @@ class Learner:
             rewards.Scorer(reward, spec.task.reward_workers, spec.task.reward_timeout_seconds) if rank == 0 else None
         )
 
-    def _models(self, warm: bool):
+    def _models(self, spec: JobSpec, warm: bool):
         """(policy model, frozen reference or None). One rank: the model as loaded. N
         ranks: each rank allocates only its shards (shard.build), filled from rank 0's tiny model
-        or from its rows of the checkpoint's files."""
-        spec = self.spec
+        or from its rows of the checkpoint's files. `spec`: the job, its hub model a local folder."""
         if spec.model.tiny:
             tok = self.tok
             t = spec.model.tiny

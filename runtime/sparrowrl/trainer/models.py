@@ -1,6 +1,7 @@
-"""Policy models: a local Hugging Face folder, or a tiny Qwen3 built from config with a
-character-level tokenizer made offline (nothing is downloaded, ever); and what the policy sees
-of an example (`Prompts`): its prompt rendered, with the tokenizer's chat template or as text."""
+"""Policy models: a local Hugging Face folder (a model from the hub is one, once hub.py has
+downloaded it), or a tiny Qwen3 built from config with a character-level tokenizer made offline
+(nothing is downloaded here, ever); and what the policy sees of an example (`Prompts`): its
+prompt rendered, with the tokenizer's chat template or as text."""
 
 from __future__ import annotations
 
@@ -67,23 +68,23 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: torch.dty
     )
 
 
-def check(path: str | Path, tokenizer: str | Path | None = None) -> None:
-    """A model folder the trainer could not load, named before any process starts (ValueError):
-    its config and tokenizer are read, and it must hold weights."""
+def check(path: str | Path, tokenizer: str | Path | None = None, field: str = "model.path") -> None:
+    """A model folder the trainer could not load, named before any process starts (ValueError,
+    naming `field`: model.hub for a download): its config and tokenizer are read, and it must hold weights."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"model.path: {folder} is not a folder")
+        raise ValueError(f"{field}: {folder} is not a folder")
     if not [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]:
-        raise ValueError(f"model.path: {folder} holds no weights (*.safetensors or pytorch_model*.bin)")
+        raise ValueError(f"{field}: {folder} holds no weights (*.safetensors or pytorch_model*.bin)")
     try:
         AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"model.path: {folder}: {str(e).strip().splitlines()[0]}") from None
+        raise ValueError(f"{field}: {folder}: {str(e).strip().splitlines()[0]}") from None
     try:
         load_tokenizer(tokenizer or folder)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        field = "model.tokenizer" if tokenizer else "model.path"
-        raise ValueError(f"{field}: {tokenizer or folder}: no tokenizer ({str(e).strip().splitlines()[0]})") from None
+        where = "model.tokenizer" if tokenizer else field
+        raise ValueError(f"{where}: {tokenizer or folder}: no tokenizer ({str(e).strip().splitlines()[0]})") from None
 
 
 def tokenizer(spec: JobSpec):

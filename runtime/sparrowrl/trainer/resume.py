@@ -11,6 +11,7 @@
     STATE/starts                      how many trainer processes have started on it
     STATE/.trainer.lock               held by the trainer running on it: there is one at a time
     STATE/store/                      the published versions (store.py)
+    STATE/hub/                        the job's model and data set from the Hugging Face Hub (hub.py)
 
 A step publishes its version, then checkpoints when one is due, so the checkpoint is never ahead
 of the store. The store may be ahead of it: a trainer killed after the checkpoint trains those
@@ -45,6 +46,7 @@ OWNED = (
     "journal.jsonl",
     "store",
     "model",
+    "hub",
     "metrics.jsonl",
     "summary.json",
     "final",

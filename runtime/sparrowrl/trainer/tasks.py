@@ -2,10 +2,11 @@
 
 Built-in tasks a tiny model learns on a CPU in minutes, whose rewards give partial credit per
 character (so that a weak policy's samples differ in reward and GRPO has a signal), and user
-tasks: lines of a JSONL file or rows of a `datasets` data set, each a plain prompt or chat
-messages, an answer, and any other fields, which go to the reward. Every user example is read,
-rendered (models.Prompts) and checked once, at start: a bad one stops the job, named by its line
-or row and the reason, or is counted and skipped (task.onBadRow).
+tasks: lines of a JSONL file or rows of a `datasets` data set (local, or downloaded from the
+Hugging Face Hub into the state dir by hub.py), each a plain prompt or chat messages, an answer,
+and any other fields, which go to the reward. Every user example is read, rendered
+(models.Prompts) and checked once, at start: a bad one stops the job, named by its line or row
+and the reason, or is counted and skipped (task.onBadRow).
 
 A reward is exact, numeric, char_match, or a function in a file beside the job
 (`module:function`, resolved by the job loader to FILE.py:function), called as
@@ -243,7 +244,8 @@ DATA_FILES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": 
 
 
 def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
-    """A data set's name for messages, and (NAME row I, its example or why not) for each row."""
+    """A data set's name for messages, and (NAME row I, its example or why not) for each row. A
+    local file or folder: a data set from the hub is read from its download (hub.localize)."""
     try:
         import datasets  # only a job with a data set pays for importing it
     except ImportError:
@@ -266,8 +268,10 @@ def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
             if path.suffix not in DATA_FILES:
                 raise ValueError(f"a data file is {', '.join(DATA_FILES)}")
             data = datasets.load_dataset(DATA_FILES[path.suffix], data_files=str(path), split=d.split)
-        else:  # a folder of data files, or a name on the hub (HF_ENDPOINT, HF_TOKEN)
-            data = datasets.load_dataset(d.path, d.name, split=d.split)
+        elif path.is_dir():  # a folder of data files: the user's, or one downloaded from the hub (hub.py)
+            data = datasets.load_dataset(str(path), d.name, split=d.split)
+        else:  # never a name on the hub here: hub.localize has made that the downloaded folder
+            raise ValueError("no such file or folder")
     except Exception as e:  # datasets raises many kinds: each means this data set cannot be read
         raise ValueError(f"dataset {what}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
     if data.data.nbytes > MAX_TASK_BYTES:
