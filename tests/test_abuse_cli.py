@@ -69,9 +69,12 @@ def user_files(d):
 
 
 def test_a_bad_job_touches_no_file_of_the_run_dir(tmp_path):
-    before = user_files(tmp_path / "d")
+    """Even a previous run's folder, given to be replaced: the job is checked before anything goes."""
+    user_files(tmp_path / "d")
+    (tmp_path / "d" / runner.MARK).write_text("{}")
+    before = tree(tmp_path / "d")
     f = write_job(tmp_path / "j.yaml", model={"path": "no-such-model"})
-    refused(sparrowrl("run", f, "--run-dir", tmp_path / "d"), "spec.model.path", "is not a folder")
+    refused(sparrowrl("run", f, "--run-dir", tmp_path / "d", "--overwrite"), "spec.model.path", "is not a folder")
     assert tree(tmp_path / "d") == before
 
 

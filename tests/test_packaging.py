@@ -26,6 +26,7 @@ def base(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("base-install")  # one worker makes the venv of `base`
 def test_the_base_install_has_the_job_spec_and_status_without_torch(base):
     listed = subprocess.run([str(base / "pip"), "list"], capture_output=True, text=True, timeout=120).stdout.lower()
     assert "pydantic" in listed and not any(
@@ -46,6 +47,7 @@ def test_the_base_install_has_the_job_spec_and_status_without_torch(base):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("base-install")
 def test_the_base_cli_says_what_a_command_needs(base, tmp_path):
     p = subprocess.run(
         [str(base / "sparrowrl"), "status", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=120

@@ -53,12 +53,17 @@ def run(tmp_path, name: str, spec: dict) -> tuple[subprocess.CompletedProcess, o
     return r, out
 
 
+# the tests of `runs` run on one xdist worker: each worker would make the runs again
+ON_RUNS = pytest.mark.xdist_group("runs")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     return {mode: run(tmp, mode, job(mode)) for mode in ("sparse", "full")}
 
 
+@ON_RUNS
 def test_sparse_and_full_sync_train_identical_weights_at_every_version(runs):
     """Seeded sampling per prompt group and staleness 0: the weights workers hold are the
     trainer's, bit for bit, so the shipping mode cannot change what is learned."""
@@ -76,6 +81,7 @@ def test_sparse_and_full_sync_train_identical_weights_at_every_version(runs):
             assert a.get_tensor(k).view(torch.int32).equal(b.get_tensor(k).view(torch.int32))
 
 
+@ON_RUNS
 def test_every_commit_is_verified_and_sparse_ships_less(runs):
     s = {m: json.loads((d / "summary.json").read_text()) for m, (_, d) in runs.items()}
     for m in s.values():
@@ -86,6 +92,7 @@ def test_every_commit_is_verified_and_sparse_ships_less(runs):
     assert s["sparse"]["payload_bytes_total"] < s["full"]["payload_bytes_total"]
 
 
+@ON_RUNS
 def test_the_origin_sends_each_delta_once_per_region_and_bases_only_where_asked(runs):
     """Region a's relay and region b's worker each take every delta from the origin once. A base
     crosses only where a worker starts: the relay fetches none that no worker asks it for (it
@@ -97,6 +104,7 @@ def test_the_origin_sends_each_delta_once_per_region_and_bases_only_where_asked(
     assert 2 * base <= s["origin_sent_base_bytes"] < 3 * base
 
 
+@ON_RUNS
 def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
     r, d = runs["sparse"]
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
@@ -128,6 +136,7 @@ def test_the_run_dir_holds_metrics_summary_processes_and_plots(runs):
     assert "weights verified / mismatched" in r.stdout and "8 / 0" in r.stdout
 
 
+@ON_RUNS
 def test_exports_are_the_policy_rollouts_ran_and_tensorboard_has_each_step(runs):
     """export.every 2 of 3 steps: v2, as the store holds it, a folder transformers loads; the
     state hash it names is the store's, and its tensors hash to it."""
@@ -150,6 +159,7 @@ def test_exports_are_the_policy_rollouts_ran_and_tensorboard_has_each_step(runs)
     ]
 
 
+@ON_RUNS
 @pytest.mark.parametrize("mode", ["sparse", "full"])
 def test_workers_fetch_from_their_regions_relay(runs, mode):
     """Region a has a relay: its worker stages every version from it (deltas, or in full mode
@@ -254,38 +264,6 @@ def test_children_stop_when_the_runner_is_killed(tmp_path):
     while any(alive(c) for c in children) and time.time() < deadline:
         time.sleep(0.1)
     assert not [c for c in children if alive(c)]
-
-
-def test_a_hugging_face_folder_a_jsonl_task_and_a_reward_function(tmp_path):
-    """model.path, task.jsonl and reward module:function, found beside the job file."""
-    from sparrowrl.trainer import models
-
-    tok = models.char_tokenizer()
-    models.tiny_qwen3(len(tok), 32, 1, 2, 0).save_pretrained(tmp_path / "pretrained")
-    tok.save_pretrained(tmp_path / "pretrained")
-    (tmp_path / "qa.jsonl").write_text("".join(f'{{"prompt": "{a}*2=", "answer": "{2 * a}"}}\n' for a in range(10)))
-    (tmp_path / "myreward.py").write_text(
-        "import secrets, tabnanny\n"
-        "def starts_right(prompt, completion, answer):\n"
-        "    return float(completion[:1] == answer[:1])\n"
-    )
-    for shadow in ("secrets.py", "tabnanny.py"):  # the standard library's, in every process: never these
-        (tmp_path / shadow).write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")
-    spec = job("sparse", steps=2)
-    spec["spec"]["model"] = {"path": "pretrained"}
-    spec["spec"]["task"] = {"jsonl": "qa.jsonl", "reward": "myreward:starts_right"}
-    _, out = run(tmp_path, "hf", spec)
-    s = json.loads((out / "summary.json").read_text())
-    assert s["steps"] == 2 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 3
-    assert (out / "final" / "config.json").exists() and (out / "final" / "tokenizer.json").exists()
-    assert not (tmp_path / "shadowed").exists()  # no process imported secrets.py from the job's folder
-
-    spec["spec"]["task"]["reward"] = "myreward:no_such_function"
-    f = tmp_path / "bad.yaml"
-    f.write_text(yaml.safe_dump(spec))
-    r = subprocess.run([EXE, "run", str(f), "--run-dir", str(tmp_path / "bad")], capture_output=True, text=True)
-    assert r.returncode == 1 and "myreward.py defines no function no_such_function" in r.stderr
-    assert not (tmp_path / "bad").exists()
 
 
 def test_a_finished_run_goes_on_with_more_steps(tmp_path):

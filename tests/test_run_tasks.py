@@ -62,44 +62,6 @@ def alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_chat_template_chat_lines_and_a_reward_that_reads_a_field(tmp_path):
-    from sparrowrl.trainer import models
-
-    tok = models.char_tokenizer()
-    tok.chat_template = TEMPLATE
-    models.tiny_qwen3(len(tok), 32, 1, 2, 0).save_pretrained(tmp_path / "pretrained")
-    tok.save_pretrained(tmp_path / "pretrained")
-    (tmp_path / "qa.jsonl").write_text(
-        "".join(
-            json.dumps({"messages": [{"role": "user", "content": f"{a}*2="}], "answer": str(2 * a), "digits": 1}) + "\n"
-            for a in range(6)
-        )
-        + "".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "digits": 2}) + "\n" for a in range(4))
-    )
-    (tmp_path / "myreward.py").write_text(
-        "def leading(prompt, completion, answer, digits):\n"
-        "    if not (prompt.startswith('s:be brief<u:') and prompt.endswith('<a:')):\n"
-        "        raise ValueError(f'not the rendered prompt: {prompt!r}')\n"
-        "    return float(completion[:digits] == answer[:digits])\n"
-        "def narrow(prompt, completion, answer):\n"
-        "    return 1.0\n"
-    )
-    task = {"jsonl": "qa.jsonl", "reward": "myreward:leading", "systemPrompt": "be brief"}
-    r = run(tmp_path, job(model={"path": "pretrained"}, task=task))
-    assert r.returncode == 0, r.stderr[-3000:]
-    s, rows = results(tmp_path / "run")
-    assert s["steps"] == 2 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 3
-    assert s["reward_failed"] == {"raised": 0, "timeout": 0, "nonfinite": 0, "nonnumber": 0}  # every prompt rendered
-    assert all(0.0 <= x["reward_mean"] <= 1.0 for x in rows)
-    assert (tmp_path / "run" / "final" / "chat_template.jinja").read_text() == TEMPLATE
-
-    r = run(tmp_path, job(model={"path": "pretrained"}, task={**task, "reward": "myreward:narrow"}), "narrow")
-    assert r.returncode == 1 and "spec.task: reward 'myreward.py:narrow' cannot be called" in r.stderr.replace(
-        str(tmp_path) + "/", ""
-    ), r.stderr
-    assert "the fields digits" in r.stderr and not (tmp_path / "narrow").exists()
-
-
 REWARD = """\
 import math, os, pathlib, time
 
@@ -151,15 +113,26 @@ def test_a_reward_that_raises_hangs_or_returns_nan_stops_nothing(tmp_path):
 
 
 PARTIAL = """\
+import secrets, tabnanny
+
+
 def partial(prompt, completion, answer, scale):
+    if not (prompt.startswith("u:") and prompt.endswith("<a:")):
+        raise ValueError(f"not the rendered prompt: {prompt!r}")
     hits = sum(a == b for a, b in zip(completion, answer))
     return scale * hits / max(len(answer), len(completion), 1)
+
+
+def narrow(prompt, completion, answer):
+    return 1.0
 """
 
 
 def test_a_pretrained_folder_then_the_same_model_and_data_from_the_hub(tmp_path):
-    """The issue's "done when": a model folder with a chat template, chat lines with a field the
-    reward reads, micro-batches and a cosine schedule; the reward rises and every commit verifies.
+    """The issue's "done when": a model folder with a chat template, chat lines (and plain ones)
+    with a field the reward reads, micro-batches and a cosine schedule; the reward rises and every
+    commit verifies. The reward module beside the job file is found, not the standard library's
+    names there. A reward that cannot take the lines' fields is refused before anything starts.
     Then the same model and data from the stand-in hub (a private model: HF_TOKEN), which the
     trainer downloads into its state dir (that a restart asks the hub nothing: tests/test_hub.py)."""
     from support.hub import Hub
@@ -183,12 +156,16 @@ def test_a_pretrained_folder_then_the_same_model_and_data_from_the_hub(tmp_path)
             for b in range(10)
         )
     )
+    plain = "".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "scale": 1}) + "\n" for a in range(10))
+    (tmp_path / "mixed.jsonl").write_text((tmp_path / "data" / "train.jsonl").read_text() + plain)
     (tmp_path / "sums.py").write_text(PARTIAL)
+    for shadow in ("secrets.py", "tabnanny.py"):  # the standard library's, in every process: never these
+        (tmp_path / shadow).write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")
     steps, budget = 12, 200
     grpo = {"learningRate": 1e-3, "groupSize": 8, "promptsPerStep": 8, "maxNewTokens": 4, "microBatchTokens": budget}
     grpo |= {"lrSchedule": "cosine", "warmupSteps": 3}
     assert 8 * 8 * (len(prompts.ids("u:1+2=<a:")) + 4) > 3 * budget  # a step takes several passes
-    spec = job(model={"path": "pretrained"}, task={"jsonl": "data/train.jsonl", "reward": "sums:partial"})
+    spec = job(model={"path": "pretrained"}, task={"jsonl": "mixed.jsonl", "reward": "sums:partial"})
     spec["spec"] |= {"steps": steps, "grpo": grpo, "rollout": {"groupsPerLease": 2}}
     r = run(tmp_path, spec)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -200,6 +177,14 @@ def test_a_pretrained_folder_then_the_same_model_and_data_from_the_hub(tmp_path)
     first, last = (sum(x["reward_mean"] for x in part) / len(part) for part in (rows[:4], rows[-4:]))
     assert last > first + 0.05, (first, last)
     v0 = Store(tmp_path / "run" / "store").versions[0].state_hash
+    assert (tmp_path / "run" / "final" / "chat_template.jinja").read_text() == TEMPLATE
+    assert not (tmp_path / "shadowed").exists()  # no process imported secrets.py from the job's folder
+    spec["spec"]["task"]["reward"] = "sums:narrow"
+    r = run(tmp_path, spec, "narrow")
+    assert r.returncode == 1 and "spec.task: reward 'sums.py:narrow' cannot be called" in r.stderr.replace(
+        str(tmp_path) + "/", ""
+    ), r.stderr
+    assert "the fields scale" in r.stderr and not (tmp_path / "narrow").exists()
 
     with Hub() as hub:
         hub.add("model", "me/pretrained", tmp_path / "pretrained", private=True)

@@ -580,8 +580,12 @@ def run(
             )
     except JobError as e:
         _fail(e)
-    # the task's data and reward load before any process starts; a resumed run's downloads are in its run dir
     run_dir = run_dir or Path("runs") / j.metadata.name
+    try:  # first: it needs no torch, which takes seconds to import
+        runner.check_run_dir(run_dir, overwrite, j.spec if resume else None)
+    except runner.RunError as e:
+        _fail(e)
+    # the task's data and reward load before any process starts; a resumed run's downloads are in its run dir
     task = _task(j.spec, str(job), run_dir if resume else None)
     _device(j.spec, str(job))
     if task is not None and task.skipped:
