@@ -100,6 +100,25 @@ def test_killed_after_publishing_before_its_checkpoint_it_trains_the_step_again(
         restart(again)
 
 
+def test_a_step_trained_again_to_other_bits_and_checkpointed_still_resumes(tmp_path):
+    """Where training is not deterministic (a GPU, a reward that times out), a step trained again
+    after a restart can come to other bits than the version it had published, and be checkpointed
+    so. Started again, the trainer diffs from the store's version (what workers hold), not from
+    its checkpoint's cast, and its next version moves the workers to its weights."""
+    run = Trainer(JOB, tmp_path, token="")
+    step(run)
+    with torch.no_grad():
+        next(run.learner.model.parameters()).add_(0.5)  # the same step, to other bits
+    assert not run.learner.holds(1)
+    run.learner.checkpoint()()
+    again = restart(run)
+    assert again.learner.version == again.learner.store.newest == 1 and not again.learner.holds(1)
+    v1 = again.learner.store.materialize(1)
+    assert all(torch.equal(again.learner.policy[n][1], t.reshape(-1)) for n, t in v1.items())
+    again.learner.publish()  # as if after its next step
+    assert again.learner.holds(2)
+
+
 def test_a_checkpoint_is_written_beside_the_next_step_and_the_newest_are_kept(tmp_path):
     """The copy is taken when the checkpoint is asked for: the write that runs later holds those
     weights, whatever the model has become since. The newest `keep` stay."""

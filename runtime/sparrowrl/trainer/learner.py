@@ -179,12 +179,12 @@ class Learner:
                 f"{path}: its newest version v{newest} is older than the checkpoint's v{self.version} (a state dir "
                 f"written by a trainer that checkpointed before it published, killed in between)"
             )
-        full = None
-        if newest == self.version:
+        # the checkpoint's own cast is the store's newest, unless its step was trained again (after a
+        # restart) to other bits than were published, and checkpointed: then the store's, as below
+        held = shard.state_hash(self.table, shard.policy(self.model))
+        same = self._agree(newest == self.version and store is not None and store.versions[newest].state_hash == held)
+        if same:
             self.policy = shard.policy(self.model)
-            held = shard.state_hash(self.table, self.policy)
-            if store is not None and store.versions[newest].state_hash != held:
-                raise resume.ResumeError(f"{path}: its v{newest} is not the checkpoint's weights")
         else:  # hash-checked on the way; the weights that workers hold
             full = store.materialize(newest) if store is not None else None
             self.policy = (
@@ -193,9 +193,9 @@ class Learner:
                 else shard.policy_from_rank0(self.model, full)
             )
         if self._agree(store is not None and store.base_due(newest) and not store.versions[newest].base):
-            if full is None:  # killed before its snapshot
+            if same:  # killed before its snapshot: from the model (collective)
                 shard.snapshot(store, newest, self.model)
-            elif store is not None:
+            elif store is not None:  # rank 0 holds it whole
                 store.snapshot(newest, full)
         return store
 
