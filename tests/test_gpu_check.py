@@ -40,7 +40,10 @@ def on_the_machine() -> set[str]:
 
 # Modules that only a job feature no part of the check uses needs, imported inside the function
 # that uses it: the image may lack them (checked: never imported at a module's top level).
-OPTIONAL = {"datasets": "task.dataset, a job's Hugging Face data set"}
+OPTIONAL = {
+    "datasets": "task.dataset, a job's Hugging Face data set",
+    "httpx2": "the errors of huggingface_hub 2 (the image's is 1.x), only for a model or data set from the hub",
+}
 
 
 def check_files() -> list[Path]:

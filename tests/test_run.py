@@ -53,11 +53,12 @@ def run(tmp_path, name: str, spec: dict) -> tuple[subprocess.CompletedProcess, o
     return r, out
 
 
-# the tests of `runs` run on one xdist worker: each worker would make the runs again
+# the tests of `runs` run on one xdist worker, which makes the runs once: a module fixture would be
+# made again whenever the worker ran another module's test between two of them
 ON_RUNS = pytest.mark.xdist_group("runs")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     return {mode: run(tmp, mode, job(mode)) for mode in ("sparse", "full")}
@@ -269,7 +270,7 @@ def test_children_stop_when_the_runner_is_killed(tmp_path):
 def test_a_finished_run_goes_on_with_more_steps(tmp_path):
     """`--resume --steps 4` on a finished 2-step run: the trainer goes on from its state to v4.
     What was published stays as it was; fewer steps or another job's settings are refused first."""
-    spec = job("sparse", steps=2)
+    spec = job("sparse", steps=2, topology={"regions": [{"name": "a", "workers": 1, "relay": False}]})
     _, out = run(tmp_path, "more", spec)
     published = {v: (x.state_hash, x.delta_sha256) for v, x in Store(out / "store").versions.items()}
     f = tmp_path / "more.yaml"
