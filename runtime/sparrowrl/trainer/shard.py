@@ -317,16 +317,3 @@ def from_model(other: torch.nn.Module) -> Callable[[torch.nn.Module], None]:
             span(n, p)[1].copy_(span(n, q)[1])
 
     return fill
-
-
-def as_dtensors(model: torch.nn.Module, shards: Shards) -> dict[str, torch.Tensor]:
-    """`shards` (a policy) as DTensors laid out as the model's parameters, sharing their memory:
-    what torch.distributed.checkpoint saves, or loads into in place."""
-    out = {}
-    for n, p in model.named_parameters():
-        _, flat = shards[n]
-        local = flat.view(-1, *p.shape[1:]) if p.dim() > 1 else flat
-        out[n] = DTensor.from_local(
-            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
-    return out
