@@ -10,6 +10,8 @@ import torch
 from sparrowrl.delta.bitview import DTYPES, bits
 from sparrowrl.store.store import Store
 
+pytest_plugins = ["support.xdist_groups"]
+
 KINDS = ("e2e", "kube", "network")
 _started: list[str] = []  # what the running unit test started, if it started anything
 
