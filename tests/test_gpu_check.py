@@ -7,6 +7,7 @@ the check here on an image made of exactly those packages, every other one absen
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -61,9 +62,15 @@ def check_files() -> list[Path]:
     return files
 
 
+@functools.cache
+def _providers() -> dict[str, list[str]]:
+    """Top-level module → distributions: a scan of every installed package, so made once."""
+    return importlib.metadata.packages_distributions()
+
+
 def provided(module: str) -> bool:
     """Whether a distribution on the machine's lists gives this top-level module."""
-    dists = importlib.metadata.packages_distributions().get(module, [])
+    dists = _providers().get(module, [])
     return any(canonicalize_name(d) in on_the_machine() for d in dists)
 
 
@@ -139,7 +146,7 @@ def off_the_machine(files: list[Path]) -> list[str]:
     for top, where in sorted(found.items()):
         if top in OPTIONAL:
             continue
-        dists = importlib.metadata.packages_distributions().get(top)
+        dists = _providers().get(top)
         if not dists:
             problems.append(
                 f"{top} (no installed distribution provides it, so its package cannot be checked), "
