@@ -438,6 +438,10 @@ class Coordinator:
         """Live workers that have not committed `version` yet."""
         return [w for w in self.live() if self.commits.get(w, (-1,))[0] < version]
 
+    def held(self) -> list[int]:
+        """The versions live workers last committed: what they may still diff from."""
+        return [self.commits[w][0] for w in self.live() if w in self.commits]
+
     def view(self) -> View:
         now, held, live = self.clock(), {}, set(self.live())
         for lease in self.leases.values():
