@@ -174,7 +174,7 @@ NAMESPACED_NEEDS = [
     ("sparrowrl.dev", ["sparrowrljobs", "sparrowrljobs/status"], ["get", "list", "watch", "patch", "update"]),
     ("sparrowrl.dev", ["sparrowrljobs/finalizers"], ["update"]),
     ("", ["pods", "services", "secrets", "configmaps"], ["get", "list", "watch", "create", "delete", "patch"]),
-    ("", ["persistentvolumeclaims"], ["get", "list", "watch", "create", "delete"]),
+    ("", ["persistentvolumeclaims"], ["get", "list", "watch", "create", "patch"]),
     ("", ["events"], ["create", "patch"]),
     ("events.k8s.io", ["events"], ["create"]),
 ]

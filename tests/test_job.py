@@ -54,6 +54,36 @@ def test_the_example_parses_with_its_defaults():
             "spec.placements.0.template",
             "metadata and spec",
         ),
+        (
+            {"placements": [{"region": "a", "template": {"spec": {"containers": [{"name": "relay", "env": []}]}}}]},
+            "spec.placements.0.template",
+            "spec.containers[0] ('relay'): the pod has no container of that name, so it would be added without an "
+            "image; name the pod's container 'worker'",
+        ),
+        (
+            {"relays": {"template": {"spec": {"containers": [{"name": "worker", "env": []}]}}}},
+            "spec.relays.template",
+            "name the pod's container 'relay'",
+        ),
+        (
+            {"relays": {"template": {"spec": {"initContainers": [{"name": "relay"}]}}}},
+            "spec.relays.template",
+            "spec.initContainers[0] ('relay'): the pod has no container of that name",
+        ),
+        ({"relays": {"template": {"spec": {"containers": [{"image": "x"}]}}}}, "spec.relays.template", "needs a name"),
+        ({"relays": {"template": {"spec": {"containers": None}}}}, "spec.relays.template", "a list of containers"),
+        (
+            {"relays": {"template": {"spec": {"containers": [{"name": "relay", "image": None}]}}}},
+            "spec.relays.template",
+            "image must be a string",
+        ),
+        ({"relays": {"resources": {"limits": {"cpu": "two"}}}}, "spec.relays.resources.limits.cpu", "pattern"),
+        ({"runPolicy": {"workerBackoffLimit": -1}}, "spec.runPolicy.workerBackoffLimit", "greater than or equal to 0"),
+        (
+            {"trainer": {"state": {"retentionPolicy": {"whenDeleted": "Orphan"}}}},
+            "spec.trainer.state.retentionPolicy.whenDeleted",
+            "'Retain' or 'Delete'",
+        ),
         ({"trainer": {"resources": {"limits": {"cpu": "two"}}}}, "spec.trainer.resources.limits.cpu", "pattern"),
         ({"trainer": {"ranks": 0}}, "spec.trainer.ranks", "greater than or equal to 1"),
         ({"trainer": {"ranks": 9}, "grpo": {"promptsPerStep": 8}}, "spec", "trainer.ranks (9) must not exceed"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from support.bounded import free_port
-from support.kube import SERVICES, clusters, until
+from support.kube import SERVICES, clusters, now, until
 from support.operator_run import add_member, operator
 
 pytestmark = pytest.mark.kube
@@ -314,3 +314,94 @@ def test_the_images_command_runs_the_operator(tmp_path):
             p.terminate()
             out, _ = p.communicate(timeout=30)
         assert p.returncode == 0, out[-3000:]
+
+
+def crashed(home, name: str) -> None:
+    """The pod's container exited 3, as a kubelet reports it (restartPolicy Never: the pod failed)."""
+    t = now()
+    done = {"exitCode": 3, "reason": "Error", "message": "CUDA out of memory", "startedAt": t, "finishedAt": t}
+    home.patch(
+        "v1/pods",
+        "default",
+        name,
+        {
+            "status": {
+                "phase": "Failed",
+                "startTime": t,
+                "containerStatuses": [{"name": "worker", "state": {"terminated": done}}],
+            }
+        },
+        subresource="status",
+    )
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_in_a_crash_loop_is_given_up_and_the_job_fails():
+    """Its only worker keeps exiting 3: replaced once (workerBackoffLimit: 1) after a backoff, then
+    given up: Degraded with the pod's reason, the job Failed, and no more pods, cycle after cycle."""
+    job = copy.deepcopy(JOB)
+    job["spec"]["placements"] = [{"region": "us", "replicas": 1}]
+    job["spec"]["runPolicy"] = {"workerBackoffLimit": 1}
+    with clusters("home") as (home,), operator(home):
+        home.create(job)
+        until(lambda: home.get("v1/pods", "default", "grpo-worker-us-0-0"), 30, "the worker's pod")
+        crashed(home, "grpo-worker-us-0-0")
+        again = until(lambda: home.get("v1/pods", "default", "grpo-worker-us-0-1"), 30, "its replacement")
+        assert again["metadata"]["annotations"]["sparrowrl.dev/failures-in-a-row"] == "1"
+        crashed(home, "grpo-worker-us-0-1")
+        status = until(
+            lambda: (s := home.get(JOBS, "default", "grpo").get("status") or {}).get("phase") == "Failed" and s,
+            30,
+            "the job failed",
+        )
+        degraded, failed = condition({"status": status}, "Degraded"), condition({"status": status}, "Failed")
+        assert (degraded["status"], degraded["reason"]) == ("True", "CrashLoop")
+        assert "pod grpo-worker-us-0-1: Error, exit code 3: CUDA out of memory" in degraded["message"]
+        assert failed["reason"] == "WorkersFailed" and "grpo-worker-us-0-1" in failed["message"]
+        assert status["placements"][0]["givenUp"] == ["grpo-worker-us-0-1"]
+        cycles = service_lists(home)
+        until(lambda: service_lists(home) >= cycles + 3, 30, "three more reconciles")
+        assert {"grpo-worker-us-0-1"} == {n for n in names(home, "default") if "worker" in n}  # kept, not replaced
+        events = [e for e in home.list("v1/events", "default") if e.get("reason") in ("CrashLoop", "Replaced")]
+        assert sorted(e["reason"] for e in events) == ["CrashLoop", "Replaced"]
+
+
+@pytest.mark.timeout(90)
+def test_a_deleted_jobs_state_claim_stays_and_a_job_of_its_name_adopts_it():
+    """The emulator, like the tests' other clusters, does not garbage-collect by ownerReferences,
+    so what keeps the claim in a real cluster is asserted: it has none. A job made again under the
+    name takes it over (its uid label) instead of making another."""
+    job = copy.deepcopy(JOB)
+    job["spec"]["placements"] = [{"region": "us", "replicas": 1}]
+    with clusters("home") as (home,), operator(home):
+        uid = home.create(copy.deepcopy(job))["metadata"]["uid"]
+        claim = until(lambda: home.get("v1/persistentvolumeclaims", "default", "grpo-state"), 30, "the state's claim")
+        assert "ownerReferences" not in claim["metadata"]
+        assert (
+            "ownerReferences"
+            in until(lambda: home.get("v1/configmaps", "default", "grpo-job"), 30, "its ConfigMap")["metadata"]
+        )
+        home.delete(JOBS, "default", "grpo")
+        until(lambda: home.get(JOBS, "default", "grpo") is None, 30, "the job deleted")
+        kept = home.get("v1/persistentvolumeclaims", "default", "grpo-state")
+        assert kept["metadata"]["uid"] == claim["metadata"]["uid"] and "ownerReferences" not in kept["metadata"]
+        said = [e["message"] for e in home.list("v1/events", "default") if e.get("reason") == "StateRetained"]
+        assert len(said) == 1 and "kubectl delete pvc grpo-state" in said[0]
+        job["spec"]["trainer"]["state"] = {"retentionPolicy": {"whenDeleted": "Delete"}}
+        new = home.create(job)["metadata"]["uid"]
+        assert new != uid
+        adopted = until(
+            lambda: (
+                (c := home.get("v1/persistentvolumeclaims", "default", "grpo-state"))["metadata"]["labels"][
+                    "sparrowrl.dev/job-uid"
+                ]
+                == new
+                and c
+            ),
+            30,
+            "the claim adopted",
+        )
+        assert adopted["metadata"]["uid"] == claim["metadata"]["uid"]
+        assert [r["uid"] for r in adopted["metadata"]["ownerReferences"]] == [new]  # now it goes with the job
+        until(lambda: "Adopted" in reasons(home), 30, "an Adopted Event")
+        until(lambda: "grpo-trainer-0" in names(home, "default"), 30, "the trainer, on the adopted claim")

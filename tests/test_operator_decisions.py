@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import copy
 import datetime
+import re
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
+from kubernetes_validate.utils import latest_version
 
 from sparrowrl.auth.signing import Verifier, parse_public
 from sparrowrl.auth.tokens import Gate, Principal
@@ -69,6 +72,8 @@ class World:
                 self.objects.setdefault(cluster, {})[m["kind"], m["metadata"]["name"]] = copy.deepcopy(stored(m))
         for cluster, m in plan.apply:
             self.objects.setdefault(cluster, {})[m["kind"], m["metadata"]["name"]] = copy.deepcopy(stored(m))
+        for cluster, kind, _ns, name, patch in plan.patch:
+            self.objects[cluster][kind, name] = merge_patched(self.objects[cluster][kind, name], patch)
         for cluster, kind, _ns, name in plan.delete:
             assert kind == "Pod"
             self.pods[cluster].pop(name)
@@ -111,6 +116,19 @@ class World:
 
     def names(self, cluster=None) -> list[str]:
         return sorted(self.pods.get(cluster, {}))
+
+
+def merge_patched(obj, patch):
+    """A JSON merge patch (RFC 7386) applied, as the API server does: lists replaced whole."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(obj) if isinstance(obj, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patched(out.get(k), v)
+    return out
 
 
 def condition(job: dict, type_: str) -> dict:
@@ -758,3 +776,268 @@ def test_the_phase_is_derived_from_the_conditions_alone(conditions, serving, wan
     for type_, status, reason in conditions:
         conds = set_condition(conds, type_, status, reason, "", "2026-12-02T00:00:00Z")
     assert derive_phase(conds, serving) == want
+
+
+# --- relays: their own resources and template ---
+
+
+def documented_example() -> str:
+    """The job docs/operator.md shows for GPU workers, checked to be examples/k8s/gpu-workers.yaml."""
+    doc = (ROOT / "docs" / "operator.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "\n  relays:\n" in b]
+    assert len(blocks) == 1, "docs/operator.md shows one job with relays"
+    assert blocks[0] == (ROOT / "examples" / "k8s" / "gpu-workers.yaml").read_text()
+    return blocks[0]
+
+
+def test_relay_pods_take_neither_gpus_nor_a_workers_template():
+    """The documented example: workers with a GPU each and a template that adds a variable and a
+    volume; the relay gets its own resources, no GPU, no toleration of GPU nodes, and one container
+    with an image. Every pod is valid for Kubernetes' own schema."""
+    job = yaml.safe_load(documented_example())
+    job["metadata"] |= {"uid": "u-1", "generation": 1}
+    w = World(members={})
+    w.step(job, 0)
+    pods = w.pods[None]
+    assert sorted(pods) == [
+        "gpu-grpo-relay-us-0",
+        "gpu-grpo-trainer-0",
+        "gpu-grpo-worker-us-0-0",
+        "gpu-grpo-worker-us-1-0",
+    ]
+    for pod in pods.values():
+        kubernetes_validate.validate(pod, latest_version(), strict=True)
+        assert all(c.get("image") for c in pod["spec"]["containers"])
+    relay = pods["gpu-grpo-relay-us-0"]["spec"]
+    assert [c["name"] for c in relay["containers"]] == ["relay"]
+    assert relay["containers"][0]["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}}
+    assert "nvidia.com/gpu" not in str(relay) and "tolerations" not in relay
+    assert "HF_HOME" not in str(relay) and "hf-cache" not in str(relay)
+    worker = pods["gpu-grpo-worker-us-0-0"]["spec"]
+    (c,) = worker["containers"]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert {"name": "HF_HOME", "value": "/cache"} in c["env"]
+    assert {"name": "hf-cache", "mountPath": "/cache"} in c["volumeMounts"]
+    assert {"name": "hf-cache", "emptyDir": {"sizeLimit": "20Gi"}} in worker["volumes"]
+
+
+def test_a_sidecar_with_its_image_is_added_to_workers_and_relays_get_their_template():
+    job = body(
+        placements=[
+            {
+                "region": "us",
+                "template": {"spec": {"containers": [{"name": "proxy", "image": "envoyproxy/envoy:v1.33"}]}},
+            }
+        ],
+        relays={"template": {"metadata": {"labels": {"team": "net"}}, "spec": {"priorityClassName": "relay"}}},
+    )
+    w = World(members={})
+    w.step(job, 0)
+    worker, relay = w.pods[None]["add-grpo-worker-us-0-0"], w.pods[None]["add-grpo-relay-us-0"]
+    assert [c["name"] for c in worker["spec"]["containers"]] == ["worker", "proxy"]
+    assert [c["name"] for c in relay["spec"]["containers"]] == ["relay"]
+    assert relay["metadata"]["labels"]["team"] == "net" and relay["spec"]["priorityClassName"] == "relay"
+    assert "team" not in worker["metadata"]["labels"] and "priorityClassName" not in worker["spec"]
+
+
+def test_a_template_that_would_add_an_image_less_container_fails_the_job():
+    job = body(placements=[{"region": "us", "template": {"spec": {"containers": [{"name": "sidecar", "env": []}]}}}])
+    plan = reconcile(job, World(members={}).observe(T0), IMAGE)
+    failed = next(c for c in plan.status.conditions if c.type == "Failed")
+    assert failed.reason == "InvalidSpec" and plan.create == []
+    assert "spec.placements.0.template: spec.containers[0] ('sidecar'): the pod has no container" in failed.message
+
+
+# --- a worker in a crash loop ---
+
+
+def crash(w: World, name: str, at_s: float, started_s: float = 0.0) -> None:
+    """The pod failed as a container exiting 3 does: its reason, exit code and message."""
+    w.set_phase(name, "Failed", finished=at_s, exit_code=3)
+    status = w.pods.get(None, {}).get(name) or next(ps[name] for ps in w.pods.values() if name in ps)
+    status["status"]["startTime"] = stamp(at(started_s))
+    status["status"]["containerStatuses"][0]["state"]["terminated"] |= {"reason": "Error", "message": "CUDA OOM\n"}
+
+
+def single(**changes) -> tuple[World, dict]:
+    job = body(placements=[{"region": "us", "replicas": 2}], **changes)
+    w = World(members={})
+    w.step(job, 0)
+    w.run_all()
+    return w, job
+
+
+def test_a_worker_failing_in_a_row_backs_off_then_is_given_up():
+    w, job = single(runPolicy={"workerBackoffLimit": 2})
+    b = Backoff(base=10)
+    crash(w, "add-grpo-worker-us-1-0", 50)
+    assert w.step(job, 59, backoff=b).create == []  # its first backoff: 10 s
+    plan = w.step(job, 60, backoff=b)
+    assert [m["metadata"]["name"] for _, m in plan.create] == ["add-grpo-worker-us-1-1"]
+    replaced = [m for _, r, m in plan.events if r == "Replaced"]
+    assert replaced == [
+        "pod add-grpo-worker-us-1-0 failed (Error, exit code 3: CUDA OOM), 1 in a row; replaced it (replacement 1)"
+    ]
+    assert w.pods[None]["add-grpo-worker-us-1-1"]["metadata"]["annotations"] == {"sparrowrl.dev/failures-in-a-row": "1"}
+    crash(w, "add-grpo-worker-us-1-1", 100, started_s=60)
+    assert w.step(job, 119, backoff=b).create == []  # the second: 20 s
+    w.step(job, 120, backoff=b)
+    assert w.pods[None]["add-grpo-worker-us-1-2"]["metadata"]["annotations"] == {"sparrowrl.dev/failures-in-a-row": "2"}
+    assert not any(c["type"] == "Degraded" for c in job["status"]["conditions"])
+    crash(w, "add-grpo-worker-us-1-2", 200, started_s=120)
+    plan = w.step(job, 10_000, backoff=b)
+    assert plan.create == [] and "add-grpo-worker-us-1-2" in w.names()  # kept, for its logs
+    degraded = condition(job, "Degraded")
+    why = (
+        "worker worker-us-1 failed 3 times in a row (runPolicy.workerBackoffLimit: 2); "
+        "pod add-grpo-worker-us-1-2: Error, exit code 3: CUDA OOM"
+    )
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "CrashLoop", why)
+    assert [(t, r, m) for t, r, m in plan.events if r == "CrashLoop"] == [
+        ("Warning", "CrashLoop", why + "; no longer replaced: delete the pod to try again")
+    ]
+    assert job["status"]["placements"][0]["givenUp"] == ["add-grpo-worker-us-1-2"]
+    assert job["status"]["phase"] != "Failed"  # the other worker goes on
+    again = w.step(job, 10_010, backoff=b)
+    assert again.create == [] and again.events == []  # said once; nothing spins
+    del w.pods[None]["add-grpo-worker-us-1-2"]  # deleted by hand: the slot tries again, its row from 0
+    plan = w.step(job, 10_020, backoff=b)
+    (made,) = [m for _, m in plan.create]
+    assert made["metadata"]["name"] == "add-grpo-worker-us-1-0" and "annotations" not in made["metadata"]
+    assert condition(job, "Degraded")["status"] == "False" and job["status"]["placements"][0]["givenUp"] == []
+
+
+def test_a_pod_that_ran_ten_minutes_breaks_the_row():
+    w, job = single(runPolicy={"workerBackoffLimit": 1})
+    crash(w, "add-grpo-worker-us-0-0", 50)
+    w.step(job, 100)
+    assert "add-grpo-worker-us-0-1" in w.names()
+    crash(w, "add-grpo-worker-us-0-1", 800, started_s=100)  # ran 700 s: a failure, not a crash loop
+    plan = w.step(job, 900)
+    assert [m["metadata"]["name"] for _, m in plan.create] == ["add-grpo-worker-us-0-2"]
+    assert w.pods[None]["add-grpo-worker-us-0-2"]["metadata"]["annotations"] == {"sparrowrl.dev/failures-in-a-row": "1"}
+
+
+def test_a_failed_pod_without_a_finish_time_is_still_replaced():
+    """Evicted before its container ran: no containerStatuses. Its backoff counts from its last
+    condition's change, and the reason is the pod's own."""
+    w, job = single()
+    pod = w.pods[None]["add-grpo-worker-us-0-0"]
+    pod["status"] = {
+        "phase": "Failed",
+        "reason": "Evicted",
+        "message": "The node was low on resource: memory.",
+        "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": stamp(at(40))}],
+    }
+    assert w.step(job, 45).create == []
+    plan = w.step(job, 50)
+    assert [m["metadata"]["name"] for _, m in plan.create] == ["add-grpo-worker-us-0-1"]
+    assert "(Evicted: The node was low on resource: memory.)" in next(m for _, r, m in plan.events if r == "Replaced")
+
+
+def test_a_job_whose_workers_are_all_given_up_fails():
+    w, job = World(members={}), body(placements=[{"region": "us", "replicas": 1}], runPolicy={"workerBackoffLimit": 0})
+    w.step(job, 0)
+    w.run_all()
+    crash(w, "add-grpo-worker-us-0-0", 50)
+    plan = w.step(job, 51)
+    failed = condition(job, "Failed")
+    assert job["status"]["phase"] == "Failed" and failed["reason"] == "WorkersFailed"
+    assert "pod add-grpo-worker-us-0-0: Error, exit code 3: CUDA OOM" in failed["message"]
+    assert condition(job, "Degraded")["reason"] == "CrashLoop"
+    assert plan.create == [] and sorted(n for _, _, _, n in plan.delete) == [
+        "add-grpo-relay-us-0",
+        "add-grpo-trainer-0",
+    ]
+    assert w.step(job, 5000).create == []
+
+
+def test_a_relay_given_up_degrades_its_placement_and_its_workers_go_on():
+    w, job = single(runPolicy={"workerBackoffLimit": 0})
+    crash(w, "add-grpo-relay-us-0", 50)
+    plan = w.step(job, 100)
+    assert plan.create == [] and job["status"]["phase"] != "Failed"
+    assert "the relay of us failed 1 times in a row" in condition(job, "Degraded")["message"]
+    assert any("workers fetch from the trainer meanwhile" in m for _, r, m in plan.events if r == "CrashLoop")
+    assert {"add-grpo-worker-us-0-0", "add-grpo-worker-us-1-0"} <= set(w.names())
+
+
+# --- results that outlive the job ---
+
+
+def claim(w: World) -> dict:
+    return w.objects[None]["PersistentVolumeClaim", "add-grpo-state"]
+
+
+@pytest.mark.parametrize("when, owned", [(None, False), ("Retain", False), ("Delete", True)])
+def test_the_state_claim_outlives_the_job_unless_told(when, owned):
+    job = body()
+    if when:
+        job["spec"]["trainer"]["state"]["retentionPolicy"] = {"whenDeleted": when}
+    w = World()
+    plan = w.step(job, 0)
+    (made,) = [m for _, m in plan.create if m["kind"] == "PersistentVolumeClaim"]
+    assert ("ownerReferences" in made["metadata"]) == owned
+    if owned:
+        assert made["metadata"]["ownerReferences"][0] | {"uid": "u-1"} == made["metadata"]["ownerReferences"][0]
+    assert "ownerReferences" in w.objects[None]["ConfigMap", "add-grpo-job"]["metadata"]  # the rest goes with the job
+
+
+def test_a_changed_retention_policy_moves_the_claims_owner_and_keeps_others():
+    w, job = settled()
+    claim(w)["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Backup", "name": "b", "uid": "b-1"}]
+    assert w.step(job, 2).patch == []
+    job["spec"]["trainer"]["state"]["retentionPolicy"] = {"whenDeleted": "Delete"}
+    plan = w.step(job, 3)
+    assert [(k, n) for _, k, _, n, _ in plan.patch] == [("PersistentVolumeClaim", "add-grpo-state")]
+    assert [r["kind"] for r in claim(w)["metadata"]["ownerReferences"]] == ["Backup", "SparrowRLJob"]
+    job["spec"]["trainer"]["state"]["retentionPolicy"] = {"whenDeleted": "Retain"}
+    w.step(job, 4)
+    assert [r["kind"] for r in claim(w)["metadata"]["ownerReferences"]] == ["Backup"]
+    assert w.step(job, 5).patch == []
+
+
+def test_a_claim_retained_from_an_earlier_job_of_the_name_is_adopted():
+    w, job = settled()
+    kept = claim(w)
+    w2 = World()
+    w2.objects[None] = {("PersistentVolumeClaim", "add-grpo-state"): kept}
+    job2 = body()
+    job2["metadata"]["uid"] = "u-2"
+    plan = w2.step(job2, 100)
+    assert not [m for _, m in plan.create if m["kind"] == "PersistentVolumeClaim"]
+    assert claim(w2)["metadata"]["labels"]["sparrowrl.dev/job-uid"] == "u-2"
+    assert claim(w2)["spec"] == kept["spec"]  # what it holds is untouched
+    assert [r for _, r, _ in plan.events if r == "Adopted"] == ["Adopted"]
+    assert "add-grpo-trainer-0" in w2.names()  # it resumes from it (and refuses another job's state)
+    assert "Adopted" not in [r for _, r, _ in w2.step(job2, 101).events]  # said once
+
+
+def test_a_claim_this_operator_did_not_make_is_left_alone():
+    w = World()
+    foreign = {"metadata": {"name": "add-grpo-state", "labels": {"app": "db"}}, "spec": {"resources": {}}}
+    w.objects[None] = {("PersistentVolumeClaim", "add-grpo-state"): copy.deepcopy(foreign)}
+    job = body()
+    plan = w.step(job, 0)
+    failed = condition(job, "Failed")
+    assert (
+        failed["reason"] == "StateClaimConflict" and "PersistentVolumeClaim add-grpo-state exists" in failed["message"]
+    )
+    assert plan.patch == [] and not [m for _, m in plan.create if m["kind"] == "Pod"]
+    assert claim(w) == foreign
+
+
+@pytest.mark.parametrize("when, kept", [("Retain", True), ("Delete", False)])
+def test_the_ttl_says_what_becomes_of_the_model(when, kept):
+    w, job = World(), body(runPolicy={"ttlSecondsAfterFinished": 60})
+    job["spec"]["trainer"]["state"]["retentionPolicy"] = {"whenDeleted": when}
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    w.set_phase("add-grpo-trainer-0", "Succeeded", finished=100, exit_code=0)
+    w.step(job, 100)
+    plan = w.step(job, 160)
+    assert plan.delete_job
+    ((kind, message),) = [(t, m) for t, r, m in plan.events if r == "TTLExpired"]
+    assert ("is kept" in message) == kept and ("goes with it" in message) == (not kept)
+    assert kind == ("Normal" if kept else "Warning") and "add-grpo-state" in message

@@ -206,7 +206,17 @@ def _plain_yaml(text: str) -> Any:
         return None
 
 
+def claim_name(job: JobRef) -> str:
+    return f"{job.name}-state"
+
+
+def retained(spec: JobSpec) -> bool:
+    return spec.trainer.state.retention_policy.when_deleted == "Retain"
+
+
 def state_claim(job: JobRef, spec: JobSpec) -> dict:
+    """The trainer's claim. Retained (the default), it has no owner: the job's deletion, or its
+    TTL, leaves the trained model; with `whenDeleted: Delete` it goes with the job."""
     s = spec.trainer.state
     claim = {"accessModes": list(s.access_modes), "resources": {"requests": {"storage": s.size}}}
     if s.storage_class_name:
@@ -214,9 +224,25 @@ def state_claim(job: JobRef, spec: JobSpec) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _meta(job, f"{job.name}-state", job.namespace, True),
+        "metadata": _meta(job, claim_name(job), job.namespace, not retained(spec)),
         "spec": claim,
     }
+
+
+def claim_patch(job: JobRef, spec: JobSpec, claim: dict) -> dict | None:
+    """The merge patch that makes an existing claim of ours this job's, as its retention policy
+    says (a claim retained from an earlier job of this name: its uid label; a policy changed: the
+    job's ownerReference added or taken off; others' references stay), or None."""
+    meta = claim.get("metadata") or {}
+    refs = meta.get("ownerReferences") or []
+    others = [r for r in refs if not (r.get("kind") == "SparrowRLJob" and r.get("name") == job.name)]
+    want = others + ([] if retained(spec) else owner(job))
+    patch: dict = {}
+    if (meta.get("labels") or {}).get(UID_LABEL) != job.uid:
+        patch["labels"] = {UID_LABEL: job.uid}
+    if refs != want:
+        patch["ownerReferences"] = want
+    return {"metadata": patch} if patch else None
 
 
 def trainer_service(job: JobRef, spec: JobSpec) -> dict:
@@ -294,7 +320,7 @@ def pod(
     slot: int | None = None,
     template: dict | None = None,
 ) -> dict:
-    sched = spec.trainer if role.kind == "trainer" else spec.rollout
+    sched = {"trainer": spec.trainer, "relay": spec.relays, "worker": spec.rollout}[role.kind]
     mounts, volumes = [], []
     if role.kind == "trainer":
         mounts = [
@@ -303,7 +329,7 @@ def pod(
         ]
         volumes = [
             {"name": "job", "configMap": {"name": config_name(job)}},
-            {"name": "state", "persistentVolumeClaim": {"claimName": f"{job.name}-state"}},
+            {"name": "state", "persistentVolumeClaim": {"claimName": claim_name(job)}},
         ]
         if spec.trainer.ranks > 1:  # the ranks' shared memory (NCCL); a pod's own /dev/shm is 64 MiB
             mounts.append({"name": "shm", "mountPath": "/dev/shm"})

@@ -120,6 +120,10 @@ class Kube:
             content_type=APPLY,
         )
 
+    def patch(self, kind: str, namespace: str | None, name: str, patch: dict) -> None:
+        """A JSON merge patch: for the metadata of the state's claim, made by a create (not an apply)."""
+        self._call("PATCH", _path(kind, namespace, name), body=patch, content_type="application/merge-patch+json")
+
     def delete(self, kind: str, namespace: str | None, name: str) -> None:
         self._call("DELETE", _path(kind, namespace, name), ok=(404,))
 

@@ -16,6 +16,7 @@ REGION_LABEL = f"{GROUP}/region"
 SLOT_LABEL = f"{GROUP}/slot"  # a worker's index in its placement
 ATTEMPT_LABEL = f"{GROUP}/attempt"  # 0 for the first pod of a slot, +1 per replacement
 STEPS_ANNOTATION = f"{GROUP}/steps"  # on a trainer pod: the steps of the job document it started with
+FAILURES_ANNOTATION = f"{GROUP}/failures-in-a-row"  # on a replacement pod: its slot's failures in a row before it
 
 TRAINER_PORT = 8470
 RELAY_PORT = 8471
@@ -40,3 +41,9 @@ RESUMED = "Resumed"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 CLEANED = "Cleaned"
+CRASH_LOOP = "CrashLoop"  # a worker or relay slot given up after failures in a row
+WORKERS_FAILED = "WorkersFailed"
+ADOPTED = "Adopted"  # a state claim retained from an earlier job of the same name
+CLAIM_CONFLICT = "StateClaimConflict"
+TTL_EXPIRED = "TTLExpired"
+RETAINED = "StateRetained"

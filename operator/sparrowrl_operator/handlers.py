@@ -42,6 +42,7 @@ from sparrowrl_operator.constants import (
     MANAGER,
     PROGRESS_PREFIX,
     RECONNECTED,
+    RETAINED,
     ROLE_LABEL,
     TOKEN_KEY,
     TRAINER_PORT,
@@ -143,9 +144,10 @@ class Operator:
         mine = {UID_LABEL: job.uid}
         token, _ = self.token(job)
         pods = {None: self.home.list("Pod", job.namespace, mine)}
-        objects = {
-            None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim"))
-        }
+        objects = {None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap"))}
+        # by name: a claim retained from an earlier job of this name carries that job's uid
+        if claim := self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job)):
+            objects[None]["PersistentVolumeClaim", builders.claim_name(job)] = claim
         members = {}
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)
@@ -178,9 +180,10 @@ class Operator:
 
     def carry_out(self, plan: Plan, body: dict, logger: logging.Logger) -> None:
         """Applies (the home cluster's first: the Secrets, ConfigMap and Services that pods
-        use), then creates in order, then deletes. A home failure stops the cycle (kopf
+        use) and patches, then creates in order, then deletes. A home failure stops the cycle (kopf
         retries); a member's marks it unreachable, and the others go on."""
         steps = [(c, "apply", o) for c, o in sorted(plan.apply, key=lambda x: x[0] is not None)]
+        steps += [(c, "patch", (k, ns, n, p)) for c, k, ns, n, p in plan.patch]
         steps += [(c, "create", o) for c, o in plan.create]
         steps += [(c, "delete", (k, ns, n)) for c, k, ns, n in plan.delete]
         for cluster, verb, obj in steps:
@@ -190,6 +193,8 @@ class Operator:
             try:
                 if verb == "apply":
                     kube.apply(obj)
+                elif verb == "patch":
+                    kube.patch(*obj)
                 elif verb == "create":
                     kube.create(obj)
                 else:
@@ -233,6 +238,7 @@ class Operator:
         cluster's go with their owner). A member that does not answer is left to the sweep."""
         uid = body["metadata"]["uid"]
         self._written.pop(uid, None)
+        self.say_retained(body)
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)
             try:
@@ -247,6 +253,25 @@ class Operator:
                     reason=UNREACHABLE,
                     message=f"cluster {name}: {e}; its objects go when it answers (the orphan sweep)",
                 )
+
+    def say_retained(self, body: dict) -> None:
+        """An Event on the job deleted, when its state's claim (with the trained model) stays."""
+        job = JobRef(body["metadata"]["name"], body["metadata"]["namespace"], body["metadata"]["uid"])
+        try:
+            claim = self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job))
+        except Unreachable:
+            return
+        labels = ((claim or {}).get("metadata") or {}).get("labels") or {}
+        owners = {r.get("uid") for r in (claim or {}).get("metadata", {}).get("ownerReferences") or []}
+        if labels.get(UID_LABEL) == job.uid and job.uid not in owners:
+            kopf.event(
+                body,
+                type="Normal",
+                reason=RETAINED,
+                message=f"the volume claim {builders.claim_name(job)}, with the trained model, is kept "
+                "(trainer.state.retentionPolicy.whenDeleted: Retain); a job of this name made later resumes from it; "
+                f"kubectl delete pvc {builders.claim_name(job)} frees it",
+            )
 
     # --- member clusters ---
 

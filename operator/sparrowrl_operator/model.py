@@ -48,6 +48,13 @@ class PlacementStatus(_Model):
     ready: Count = 0
     failed: Count = 0
     replaced: Count = 0
+    given_up: Annotated[list[Name], Field(max_length=MAX_LISTED + 1)] = Field(
+        [],
+        description=(
+            "Pods of worker or relay slots that failed past runPolicy.workerBackoffLimit in a row: no longer "
+            "replaced (delete one to try its slot again)."
+        ),
+    )
 
 
 class LeaseHealth(_Model):

@@ -21,10 +21,16 @@ from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.conditions import find, is_true, reopen, set_condition
 from sparrowrl_operator.constants import (
+    ADOPTED,
     ATTEMPT_LABEL,
+    CLAIM_CONFLICT,
     CORRECTED,
+    CRASH_LOOP,
     CREATED,
+    FAILURES_ANNOTATION,
     INVALID,
+    JOB_LABEL,
+    MANAGED_BY_LABEL,
     MANAGER,
     REGION_LABEL,
     REPLACED,
@@ -38,7 +44,10 @@ from sparrowrl_operator.constants import (
     SUCCEEDED,
     SUSPENDED,
     TRAINER_PORT,
+    TTL_EXPIRED,
+    UID_LABEL,
     UNREACHABLE,
+    WORKERS_FAILED,
 )
 from sparrowrl_operator.model import (
     MAX_LISTED,
@@ -52,6 +61,7 @@ from sparrowrl_operator.model import (
 
 Cluster = str | None  # a SparrowCluster's name; None: the operator's own
 Key = tuple[str, str]  # kind, name
+RESET_AFTER = 600.0  # seconds a pod must run for its failure not to continue its slot's row (as the kubelet's)
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class Observed:
 class Plan:
     create: list[tuple[Cluster, dict]] = field(default_factory=list)  # pods, the state's claim: made once
     apply: list[tuple[Cluster, dict]] = field(default_factory=list)  # missing or drifted: server-side apply
+    patch: list[tuple[Cluster, str, str, str, dict]] = field(default_factory=list)  # kind, ns, name, merge patch
     delete: list[tuple[Cluster, str, str, str]] = field(default_factory=list)  # cluster, kind, namespace, name
     status: SparrowRLJobStatus | None = None  # None: leave the status alone (another controller manages the job)
     events: list[tuple[Literal["Normal", "Warning"], str, str]] = field(default_factory=list)
@@ -126,6 +137,42 @@ def finished_at(pod: dict) -> str | None:
         if t := ((s.get("state") or {}).get("terminated") or {}).get("finishedAt"):
             return t
     return None
+
+
+def failed_at(pod: dict) -> str | None:
+    """When a failed pod ended: its container's finish, else (a pod that failed without one, e.g.
+    evicted) its newest condition's change, else its creation."""
+    conds = (pod.get("status") or {}).get("conditions") or []
+    changed = max((c["lastTransitionTime"] for c in conds if c.get("lastTransitionTime")), default=None)
+    return finished_at(pod) or changed or started_at(pod) or pod["metadata"].get("creationTimestamp")
+
+
+def in_a_row(pod: dict) -> int:
+    """The failures in a row of a failed pod's slot, this one included: those before it (its
+    annotation, set when it replaced a failed pod), unless it ran RESET_AFTER seconds, which
+    ends a row, as the kubelet resets its crash-loop backoff."""
+    try:
+        before = int(pod["metadata"].get("annotations", {})[FAILURES_ANNOTATION])
+    except (KeyError, ValueError):
+        before = 0
+    start, end = started_at(pod), finished_at(pod)
+    ran = since(start, datetime.datetime.fromisoformat(end.replace("Z", "+00:00"))) if start and end else 0.0
+    return 1 if ran >= RESET_AFTER else before + 1
+
+
+def termination(pod: dict) -> str:
+    """Why a pod failed, as `kubectl describe pod` says it: its container's reason, exit code and
+    message (the role's container first), else the pod's reason and message (evicted)."""
+    st = pod.get("status") or {}
+    role = pod["metadata"].get("labels", {}).get(ROLE_LABEL)
+    statuses = sorted(st.get("containerStatuses") or [], key=lambda c: c.get("name") != role)
+    for c in statuses:
+        t = (c.get("state") or {}).get("terminated") or (c.get("lastState") or {}).get("terminated")
+        if t:
+            head = ", ".join(x for x in (t.get("reason"), f"exit code {t.get('exitCode')}") if x)
+            return head + (f": {t['message'].strip()[:300]}" if (t.get("message") or "").strip() else "")
+    head = ": ".join(x for x in (st.get("reason"), (st.get("message") or "")[:300]) if x)
+    return head or "no reason given"
 
 
 def attempt(pod: dict) -> int:
@@ -244,6 +291,8 @@ class _Cycle:
         self.status = self.prev.model_copy(update={"observed_generation": self.generation})
         self.plan = Plan()
         self.clusters = (0, 0)  # reachable, used
+        self.crashed: list[str] = []  # why each slot given up was
+        self.workers_alive = 0  # worker slots not given up
 
     def condition(self, type_: str, status: bool | None, reason: str, message: str = "") -> None:
         conds = set_condition(list(self.status.conditions), type_, status, reason, message, self.now, self.generation)
@@ -346,6 +395,20 @@ class _Cycle:
         ttl = self.spec.run_policy.ttl_seconds_after_finished
         if ttl is not None and since(self.status.completion_time, self.obs.now) >= ttl:
             self.plan.delete_job = True
+            claim = builders.claim_name(self.job)
+            if builders.retained(self.spec):
+                self.event(
+                    TTL_EXPIRED,
+                    f"deleted after runPolicy.ttlSecondsAfterFinished ({ttl} s); its volume claim {claim}, with "
+                    "the trained model, is kept (trainer.state.retentionPolicy.whenDeleted: Retain)",
+                )
+            else:
+                self.event(
+                    TTL_EXPIRED,
+                    f"deleted after runPolicy.ttlSecondsAfterFinished ({ttl} s); its volume claim {claim}, with "
+                    "the trained model, goes with it (trainer.state.retentionPolicy.whenDeleted: Delete)",
+                    warning=True,
+                )
 
     def suspend(self) -> None:
         for cluster, p in self.all_pods():
@@ -366,11 +429,17 @@ class _Cycle:
         if self.deadlines():
             return
         self.home_objects()
+        if self.terminal():  # the state's claim is someone else's
+            self.finish()
+            return
         self.trainer()
         if self.terminal():
             self.finish()
             return
         self.placements()
+        if self.terminal():  # every worker given up
+            self.finish()
+            return
         self.progress()
         self.health()
 
@@ -400,14 +469,13 @@ class _Cycle:
         return self.obs.objects.get(cluster, {}).get((kind, name))
 
     def ensure(self, cluster: Cluster, manifest: dict, expected: bool = False) -> bool:
-        """The object as decided: a missing one made, a drifted one applied again (not a claim: its
-        spec is immutable), with a Corrected Event unless the change is `expected`. Whether it
-        existed."""
+        """The object as decided: a missing one made, a drifted one applied again, with a Corrected
+        Event unless the change is `expected`. Whether it existed."""
         kind, name = manifest["kind"], manifest["metadata"]["name"]
         seen = self.seen(cluster, kind, name)
         if seen is None:
-            (self.plan.create if kind == "PersistentVolumeClaim" else self.plan.apply).append((cluster, manifest))
-        elif kind != "PersistentVolumeClaim" and (where := drift(manifest, seen)):
+            self.plan.apply.append((cluster, manifest))
+        elif where := drift(manifest, seen):
             self.plan.apply.append((cluster, manifest))
             if not expected:
                 self.event(
@@ -429,11 +497,12 @@ class _Cycle:
         manifests = [
             builders.token_secret(job, self.obs.token, job.namespace, home=True),
             builders.job_config(job, self.body["spec"], written),
-            builders.state_claim(job, spec),
             builders.trainer_service(job, spec),
         ]
         raise_only = raised is not None  # the ConfigMap's apply is the raise, not a correction
         missing = [m["kind"] for m in manifests if not self.ensure(None, m, m["kind"] == "ConfigMap" and raise_only)]
+        if not self.state_claim():
+            missing.insert(2, "PersistentVolumeClaim")
         self.condition(
             "Created",
             not missing,
@@ -442,6 +511,37 @@ class _Cycle:
             if not missing
             else f"creating {', '.join(missing)}",
         )
+
+    def state_claim(self) -> bool:
+        """The trainer's claim (observed by name, whatever its labels): made once; one retained
+        from an earlier job of this name is adopted (the trainer resumes from it, and refuses
+        another job's state); its owner follows the retention policy. One this operator did not
+        make for a job of this name is never touched: the job fails. Whether it exists."""
+        job, name = self.job, builders.claim_name(self.job)
+        seen = self.seen(None, "PersistentVolumeClaim", name)
+        if seen is None:
+            self.plan.create.append((None, builders.state_claim(job, self.spec)))
+            return False
+        labels = seen["metadata"].get("labels") or {}
+        if labels.get(MANAGED_BY_LABEL) != MANAGER or labels.get(JOB_LABEL) != job.name:
+            self.fail(
+                CLAIM_CONFLICT,
+                f"PersistentVolumeClaim {name} exists and is not one this operator made for a job named {job.name}; "
+                "it is left alone: delete it, or give the job another name",
+            )
+            return True
+        if seen["metadata"].get("deletionTimestamp"):
+            return False  # going (its owner, an earlier job of this name, went): made again once gone
+        if patch := builders.claim_patch(job, self.spec, seen):
+            self.plan.patch.append((None, "PersistentVolumeClaim", job.namespace, name, patch))
+            if labels.get(UID_LABEL) != job.uid:
+                self.event(
+                    ADOPTED,
+                    f"PersistentVolumeClaim {name}, retained from an earlier job of this name, holds this job's "
+                    "state now: the trainer resumes from it, and refuses it if it is another job's (then delete "
+                    "the claim to start afresh)",
+                )
+        return True
 
     def current(self, cluster: Cluster, key: tuple) -> tuple[dict | None, list[dict]]:
         """The newest attempt's pod of a slot, and the older ones still there."""
@@ -573,24 +673,36 @@ class _Cycle:
                 else:
                     unreachable.append(f"{cluster} ({member.reason if member else 'no such SparrowCluster'})")
                 statuses.append(prev or PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
+                self.workers_alive += region.workers  # not seen: not given up
                 continue
             reachable.add(cluster)
             mine = [r for r in roles if r.region == region.name]
             if cluster and (not address or ("Secret", builders.token_name(job)) not in self.obs.objects.get(None, ())):
                 statuses.append(PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
+                self.workers_alive += region.workers
                 continue  # its pods need the trainer's outside address, and their tokens the job's secret first
             statuses.append(self.placement(cluster, namespace(region.name), region.name, mine, p))
+        crashed = "; ".join(self.crashed)
         if unreachable:
             self.transition(
                 "Degraded",
                 True,
                 UNREACHABLE,
-                "unreachable: " + ", ".join(unreachable) + "; the other placements go on",
+                "unreachable: "
+                + ", ".join(unreachable)
+                + "; the other placements go on"
+                + (crashed and f"; {crashed}"),
                 warning=True,
             )
+        elif crashed:  # each slot given up has had its Event
+            self.condition("Degraded", True, CRASH_LOOP, crashed)
         elif find(self.status.conditions, "Degraded") is not None:
-            self.transition("Degraded", False, "AllReachable", "every member cluster answers")
+            self.transition(
+                "Degraded", False, "AllHealthy", "every member cluster answers, and no worker or relay is given up"
+            )
         self.update(placements=statuses)
+        if not self.workers_alive:  # a job has a worker (parse)
+            self.fail(WORKERS_FAILED, f"every worker failed past runPolicy.workerBackoffLimit: {crashed}")
         self.clusters = (len(reachable), len(total))  # the operator's own counts as one
         waiting = [
             s.region for s in statuses if s.ready < (where[s.region].min_replicas if s.region in where else s.desired)
@@ -614,10 +726,14 @@ class _Cycle:
         home = cluster is None
         job = self.job if home else self.job.in_member()
         secret_kept = ("Secret", builders.token_name(self.job)) in self.obs.objects.get(None, ())
-        template = p.template if p is not None else None
+        prev = next((s for s in self.prev.placements if s.region == region), PlacementStatus(region=region))
         failed = replaced = ready_n = 0
+        given_up: list[str] = []  # the failed pods of slots given up
+        lost = 0  # worker slots given up
         workers = [r for r in roles if r.kind == "worker"]
         for r in roles:
+            # a placement's template is its workers'; relays have their own
+            template = self.spec.relays.template if r.kind == "relay" else p.template if p is not None else None
             if secret_kept:  # tokens from the secret the trainer keeps, not from one about to be made
                 self.ensure(cluster, builders.credentials_secret(job, r, self.obs.token, namespace, home))
             if r.kind == "relay":
@@ -639,8 +755,14 @@ class _Cycle:
                 ready_n += 1
             if phase == "Failed":
                 failed += 1
-                if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
-                    self.replace(cluster, pod, r, n, slot, namespace, template, f"pod {pod['metadata']['name']} failed")
+                name, row, why = pod["metadata"]["name"], in_a_row(pod), termination(pod)
+                if row > self.spec.run_policy.worker_backoff_limit:
+                    given_up.append(name)
+                    lost += r.kind == "worker"
+                    self.give_up(region, r, name, row, why, name not in prev.given_up)
+                elif since(failed_at(pod), self.obs.now) >= self.backoff.delay(row - 1):
+                    why = f"pod {name} failed ({why}), {row} in a row"
+                    self.replace(cluster, pod, r, n, slot, namespace, template, why, failures=row)
             elif phase == "Succeeded" and self.before_trainer(pod):
                 why = f"pod {pod['metadata']['name']} finished before the trainer started again"
                 self.replace(cluster, pod, r, n, slot, namespace, template, why, warning=False)
@@ -652,9 +774,32 @@ class _Cycle:
             role, reg, slot = slot_key(stray)
             if role == "worker" and reg == region and slot is not None and int(slot) >= len(workers):
                 self.remove(cluster, stray)
+        self.workers_alive += len(workers) - lost
         return PlacementStatus(
-            region=region, cluster=cluster, desired=len(workers), ready=ready_n, failed=failed, replaced=replaced
+            region=region,
+            cluster=cluster,
+            desired=len(workers),
+            ready=ready_n,
+            failed=failed,
+            replaced=replaced,
+            given_up=given_up,
         )
+
+    def give_up(self, region: str, role: Process, pod: str, row: int, why: str, new: bool) -> None:
+        """A slot past runPolicy.workerBackoffLimit: its failed pod stays (its logs, its reason), and
+        the placement is Degraded; an Event says so once."""
+        limit = self.spec.run_policy.worker_backoff_limit
+        what = f"the relay of {region}" if role.kind == "relay" else f"worker {role.name}"
+        message = f"{what} failed {row} times in a row (runPolicy.workerBackoffLimit: {limit}); pod {pod}: {why}"
+        self.crashed.append(message)
+        if new:
+            self.event(
+                CRASH_LOOP,
+                message
+                + "; no longer replaced: delete the pod to try again"
+                + ("; workers fetch from the trainer meanwhile" if role.kind == "relay" else ""),
+                warning=True,
+            )
 
     def create_pod(
         self,
@@ -664,7 +809,10 @@ class _Cycle:
         slot: int | None,
         namespace: str | None = None,
         template: dict | None = None,
+        failures: int = 0,
     ) -> None:
+        """`failures`: the slot's failures in a row before this pod, which it carries (an
+        annotation: what the row is counted from survives the operator's restarts)."""
         job = self.job if cluster is None else self.job.in_member()
         manifest = builders.pod(
             job,
@@ -677,6 +825,8 @@ class _Cycle:
             slot=slot,
             template=template,
         )
+        if failures:
+            manifest["metadata"].setdefault("annotations", {})[FAILURES_ANNOTATION] = str(failures)
         self.plan.create.append((cluster, manifest))
         self.event(
             CREATED, f"created pod {manifest['metadata']['name']}" + (f" in cluster {cluster}" if cluster else "")
@@ -693,8 +843,9 @@ class _Cycle:
         template: dict | None,
         why: str,
         warning: bool = True,
+        failures: int = 0,
     ) -> None:
-        self.create_pod(cluster, role, n + 1, slot, namespace, template)
+        self.create_pod(cluster, role, n + 1, slot, namespace, template, failures)
         self.remove(cluster, pod)
         self.event(REPLACED, f"{why}; replaced it (replacement {n + 1})", warning=warning)
 

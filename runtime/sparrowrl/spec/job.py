@@ -14,7 +14,16 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from sparrowrl.spec.kubespec import MANAGED_BY, Health, ManagedBy, Placement, RunPolicy, Scheduling, TrainerSpec
+from sparrowrl.spec.kubespec import (
+    MANAGED_BY,
+    Health,
+    ManagedBy,
+    Placement,
+    RelaySpec,
+    RunPolicy,
+    Scheduling,
+    TrainerSpec,
+)
 from sparrowrl.spec.limits import MAX_JOB_BYTES, MAX_YAML_NODES, read_bounded
 from sparrowrl.spec.messages import (
     MAX_LEASE_TOKENS,
@@ -470,6 +479,10 @@ class JobSpec(_Spec):
     task: TaskSpec
     grpo: GrpoSpec = GrpoSpec()
     rollout: RolloutSpec = RolloutSpec()
+    relays: RelaySpec = Field(
+        RelaySpec(),
+        description="Every relay's pod in a cluster: its own resources, scheduling and template, not the workers'.",
+    )
     sync: SyncSpec = SyncSpec()
     export: ExportSpec = ExportSpec()
     topology: TopologySpec = TopologySpec()

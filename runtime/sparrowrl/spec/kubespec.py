@@ -61,15 +61,29 @@ class Scheduling(_Spec):
     tolerations: Annotated[list[Toleration], Field(max_length=32)] = []
 
 
+class RetentionPolicy(_Spec):
+    """What becomes of the state's claim when the job goes, as a StatefulSet's
+    persistentVolumeClaimRetentionPolicy: the trained model is on it."""
+
+    when_deleted: Literal["Retain", "Delete"] = Field(
+        "Retain",
+        description=(
+            "Retain: the claim outlives the job (deleted, or by ttlSecondsAfterFinished), and a job of the same name "
+            "made later resumes from it; Delete: it goes with the job."
+        ),
+    )
+
+
 class StateVolume(_Spec):
     """The trainer's PersistentVolumeClaim: its checkpoints, store and journal, so a restarted
-    trainer resumes instead of starting over."""
+    trainer resumes instead of starting over; its final model and exports."""
 
     size: Quantity = "10Gi"
     storage_class_name: Annotated[str, Field(max_length=253)] | None = None
     access_modes: Annotated[
         list[Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]], Field(min_length=1, max_length=3)
     ] = ["ReadWriteOnce"]
+    retention_policy: RetentionPolicy = RetentionPolicy()
 
 
 class TrainerService(_Spec):
@@ -122,7 +136,10 @@ class TrainerSpec(Scheduling):
     service: TrainerService = TrainerService()
 
 
-def _template(patch: dict[str, Any]) -> dict[str, Any]:
+def _template(patch: dict[str, Any], container: str) -> dict[str, Any]:
+    """A patch of pods whose one container is named `container`. Containers merge by name, so a
+    container of another name is added: it must bring its image (a sidecar). Never null: that
+    would remove the pod's containers or its container's image."""
     if set(patch) - {"metadata", "spec"}:
         raise ValueError(
             f"a pod template patch holds metadata and spec only, not {sorted(set(patch) - {'metadata', 'spec'})}"
@@ -130,7 +147,34 @@ def _template(patch: dict[str, Any]) -> dict[str, Any]:
     size = len(json.dumps(patch))
     if size > MAX_TEMPLATE_BYTES:
         raise ValueError(f"a pod template patch of {size:,} bytes (limit {MAX_TEMPLATE_BYTES:,})")
+    spec = patch.get("spec")
+    for key in ("containers", "initContainers") if isinstance(spec, dict) else ():
+        if key not in spec:
+            continue
+        if not isinstance(spec[key], list):
+            raise ValueError(f"spec.{key}: a list of containers, each with its name")
+        for i, c in enumerate(spec[key]):
+            where = f"spec.{key}[{i}]"
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+                raise ValueError(f"{where}: a container needs a name (containers merge by name)")
+            if "image" in c and not isinstance(c["image"], str):
+                raise ValueError(f"{where} ({c['name']!r}): image must be a string")
+            if (key == "initContainers" or c["name"] != container) and not c.get("image"):
+                raise ValueError(
+                    f"{where} ({c['name']!r}): the pod has no container of that name, so it would be added "
+                    f"without an image; name the pod's container {container!r} to change it, or give a sidecar "
+                    f"its image"
+                )
     return patch
+
+
+def template_patch(container: str) -> Any:
+    """The type of a pod template patch for pods whose container is named `container`."""
+    return Annotated[dict[str, Any], AfterValidator(lambda patch: _template(patch, container))]
+
+
+WorkerTemplate = template_patch("worker")
+RelayTemplate = template_patch("relay")
 
 
 class Placement(_Spec):
@@ -152,10 +196,11 @@ class Placement(_Spec):
     replicas: int = Field(1, ge=0, le=64)
     min_replicas: int = Field(1, ge=0, le=64, description="Workers that must be up before rollouts start.")
     relay: bool = True
-    template: Annotated[dict[str, Any], AfterValidator(_template)] = Field(
+    template: WorkerTemplate = Field(
         {},
         description=(
-            "Merged into each pod of this placement (a JSON merge patch of {metadata, spec}; containers merge by name)."
+            "Merged into each worker pod of this placement, not its relay's (a JSON merge patch of {metadata, spec}; "
+            "containers merge by name: 'worker' is the worker's, another name is a sidecar and needs its image)."
         ),
     )
 
@@ -164,6 +209,19 @@ class Placement(_Spec):
         if self.min_replicas > self.replicas:
             raise ValueError(f"minReplicas ({self.min_replicas}) must not exceed replicas ({self.replicas})")
         return self
+
+
+class RelaySpec(Scheduling):
+    """Every relay's pod. A relay fetches each version once and serves its region's workers: CPU,
+    memory and network, no GPU; it takes nothing of the workers' resources or templates."""
+
+    template: RelayTemplate = Field(
+        {},
+        description=(
+            "Merged into each relay pod (a JSON merge patch of {metadata, spec}; containers merge by name: 'relay' "
+            "is the relay's, another name is a sidecar and needs its image)."
+        ),
+    )
 
 
 class RunPolicy(_Spec):
@@ -180,6 +238,16 @@ class RunPolicy(_Spec):
         None, ge=1, le=7 * DAY, description=("Time from start to the first rollout before the job fails.")
     )
     backoff_limit: int = Field(3, ge=0, le=100, description="Trainer failures restarted before the job fails.")
+    worker_backoff_limit: int = Field(
+        5,
+        ge=0,
+        le=100,
+        description=(
+            "Failures in a row of one worker (or relay) that are replaced, with a growing backoff; the next gives "
+            "its slot up and the placement is Degraded. A pod that ran 10 minutes breaks the row. The job fails "
+            "when every worker has been given up."
+        ),
+    )
     ttl_seconds_after_finished: int | None = Field(None, ge=0, le=365 * DAY)
 
 
