@@ -99,6 +99,17 @@ class CheckpointSpec(_Spec):
     keep: int = Field(1, ge=1, le=1000, description="How many of the newest checkpoints are kept.")
 
 
+def _template(patch: dict[str, Any]) -> dict[str, Any]:
+    if set(patch) - {"metadata", "spec"}:
+        raise ValueError(
+            f"a pod template patch holds metadata and spec only, not {sorted(set(patch) - {'metadata', 'spec'})}"
+        )
+    size = len(json.dumps(patch))
+    if size > MAX_TEMPLATE_BYTES:
+        raise ValueError(f"a pod template patch of {size:,} bytes (limit {MAX_TEMPLATE_BYTES:,})")
+    return patch
+
+
 class TrainerSpec(Scheduling):
     ranks: int = Field(
         1,
@@ -120,17 +131,15 @@ class TrainerSpec(Scheduling):
     checkpoint: CheckpointSpec = CheckpointSpec()
     state: StateVolume = StateVolume()
     service: TrainerService = TrainerService()
-
-
-def _template(patch: dict[str, Any]) -> dict[str, Any]:
-    if set(patch) - {"metadata", "spec"}:
-        raise ValueError(
-            f"a pod template patch holds metadata and spec only, not {sorted(set(patch) - {'metadata', 'spec'})}"
-        )
-    size = len(json.dumps(patch))
-    if size > MAX_TEMPLATE_BYTES:
-        raise ValueError(f"a pod template patch of {size:,} bytes (limit {MAX_TEMPLATE_BYTES:,})")
-    return patch
+    template: Annotated[dict[str, Any], AfterValidator(_template)] = Field(
+        {},
+        description=(
+            "Merged into the trainer's pod (a JSON merge patch of {metadata, spec}; containers, env, volumes and "
+            "volumeMounts merge by name): the user's volumes and their mounts, env (HF_TOKEN from a Secret), "
+            "serviceAccountName, imagePullSecrets, affinity, priorityClassName. Its spec check (an init container) "
+            "gets the trainer container's env and mounts."
+        ),
+    )
 
 
 class Placement(_Spec):
