@@ -836,7 +836,8 @@ def test_a_job_its_trainers_check_refuses_fails_as_invalid_spec_not_restarted():
     failed = condition(job, "Failed")
     assert failed["reason"] == "InvalidSpec" and job["status"]["phase"] == "Failed"
     assert failed["message"] == (
-        "the trainer's check in pod add-grpo-trainer-0: job.yaml: spec.task: reward 'x': no file /var/lib/sparrowrl/r/x.py"
+        "the trainer's check in pod add-grpo-trainer-0: "
+        "job.yaml: spec.task: reward 'x': no file /var/lib/sparrowrl/r/x.py"
     )
     assert plan.create == [] and job["status"]["restarts"] == 0
     assert {n for _, _, _, n in plan.delete} == others  # relays and workers freed at once
