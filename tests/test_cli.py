@@ -139,3 +139,40 @@ def test_store_commands(files, rng):
     assert [v["version"] for v in json.loads(run("store", "ls", store, "--json").stdout)] == [2, 3]
     p = run("store", "materialize", store, 0, "-o", files / "m0.safetensors", ok=False)
     assert p.returncode == 1 and "version 0 is not in the store" in p.stderr
+
+
+def test_check_names_what_the_trainer_would_not_find(tmp_path, monkeypatch):
+    """`sparrowrl check`, the trainer pod's init container: exit 3 and one line naming the field
+    and the path when the job cannot run, 0 when it can. A model still to be downloaded from the
+    hub is not asked for (the address is dead here); its data and reward are checked all the same.
+    In this process (typer's runner): each start of the command would import torch again."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from sparrowrl.cli.main import app
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+
+    def check(model, **task):
+        job = {"apiVersion": "sparrowrl.dev/v1alpha1", "kind": "SparrowRLJob", "metadata": {"name": "c"}}
+        job["spec"] = {"model": model, "task": task}
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+        return CliRunner().invoke(app, ["check", str(tmp_path / "job.yaml"), "--state-dir", str(tmp_path / "state")])
+
+    hub = {"hub": {"repo": "me/model"}}
+    p = check({"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, builtin="add", reward="inputs/score.py:score")
+    assert p.exit_code == 3, p.output
+    assert p.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path}/job.yaml: spec.task: reward ")
+    assert f"no file {tmp_path}/inputs/score.py" in p.stderr
+    (tmp_path / "inputs").mkdir()
+    (tmp_path / "inputs" / "score.py").write_text("def score(prompt, completion, answer):\n    return 1.0\n")
+    p = check(hub, jsonl="inputs/data.jsonl", reward="inputs/score.py:score")
+    assert p.exit_code == 3 and f"{tmp_path}/inputs/data.jsonl" in p.stderr, p.output
+    (tmp_path / "inputs" / "data.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2", "level": 1}) + "\n")
+    p = check(hub, jsonl="inputs/data.jsonl", reward="inputs/score.py:score")
+    assert p.exit_code == 3 and "the fields level" in p.stderr, p.output  # the data's field, before any model
+    (tmp_path / "inputs" / "score.py").write_text("def score(prompt, completion, answer, **fields):\n    return 1.0\n")
+    p = check(hub, jsonl="inputs/data.jsonl", reward="inputs/score.py:score")
+    assert p.exit_code == 0 and "load here" in p.stdout, p.output
+    assert not (tmp_path / "state").exists()  # it writes nothing

@@ -141,10 +141,14 @@ def example_job() -> dict:
 
 def test_examples_are_admitted_and_parse():
     for path in sorted((ROOT / "examples").rglob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
+        docs = list(yaml.safe_load_all(path.read_text()))
+        for doc in docs:
             if doc["kind"] == "SparrowRLJob":
                 assert admitted(doc) == [], path
-                load(path)
+                if len(docs) == 1:
+                    load(path)
+                else:  # beside the job, the objects it mounts
+                    parse(doc, str(path))
             elif doc["kind"] == "SparrowCluster":
                 jsonschema.Draft4Validator(root_schema(CLUSTER_CRD)).validate(
                     with_defaults(root_schema(CLUSTER_CRD), doc)

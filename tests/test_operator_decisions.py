@@ -1041,3 +1041,98 @@ def test_the_ttl_says_what_becomes_of_the_model(when, kept):
     ((kind, message),) = [(t, m) for t, r, m in plan.events if r == "TTLExpired"]
     assert ("is kept" in message) == kept and ("goes with it" in message) == (not kept)
     assert kind == ("Normal" if kept else "Warning") and "add-grpo-state" in message
+
+
+def trainer_pod(example: str) -> tuple[dict, World]:
+    w, job = World(), yaml.safe_load_all((ROOT / "examples" / "k8s" / example).read_text())
+    job = next(d for d in job if d["kind"] == "SparrowRLJob")
+    job["metadata"] |= {"uid": "u-1", "generation": 1}
+    w.step(job, 0), w.step(job, 0)
+    return w.pods[None][f"{job['metadata']['name']}-trainer-0"], w
+
+
+@pytest.mark.parametrize("example", ["job.yaml", "job-volumes.yaml", "job-hub.yaml", "job-image.yaml"])
+def test_every_pod_of_the_examples_is_a_valid_pod(example):
+    """What a real API server would refuse (an init container with a probe, a mount of no volume)."""
+    import kubernetes_validate
+    from kubernetes_validate.utils import latest_version
+
+    _, w = trainer_pod(example)
+    for pods in w.pods.values():
+        for pod in pods.values():
+            kubernetes_validate.validate(pod, latest_version(), strict=True)
+            spec = pod["spec"]
+            volumes = {v["name"] for v in spec["volumes"]}
+            for c in spec["containers"] + spec.get("initContainers", []):
+                assert {m["name"] for m in c.get("volumeMounts", [])} <= volumes, (pod["metadata"]["name"], c["name"])
+
+
+def test_the_trainer_pod_takes_its_template_and_checks_the_job_before_it_starts():
+    pod, w = trainer_pod("job-volumes.yaml")
+    spec = pod["spec"]
+    assert {"name": "inputs", "persistentVolumeClaim": {"claimName": "grpo-inputs", "readOnly": True}} in spec[
+        "volumes"
+    ]
+    trainer, (check,) = spec["containers"][0], spec["initContainers"]
+    assert trainer["args"][:2] == ["trainer", "job.yaml"]  # in the working folder: relative paths are below it
+    mounts = {m["mountPath"]: m for m in trainer["volumeMounts"]}
+    assert mounts["/var/lib/sparrowrl/job.yaml"]["subPath"] == "job.yaml"
+    assert mounts["/var/lib/sparrowrl/inputs"]["name"] == "inputs"  # the template's, merged by name
+    assert check["name"] == "sparrowrl-check" and check["args"] == ["check", "job.yaml", "--state-dir", "state"]
+    assert check["volumeMounts"] == trainer["volumeMounts"] and check["resources"] == trainer["resources"]
+    assert check["image"] == trainer["image"] and check["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert "SPARROWRL_TOKEN" not in {e["name"] for e in check["env"]}  # it signs nothing
+    assert trainer["startupProbe"]["httpGet"]["path"] == "/healthz"
+    for name, worker in w.pods[None].items():  # the trainer's template is the trainer's alone
+        if name != pod["metadata"]["name"]:
+            assert "inputs" not in str(worker["spec"]) and "initContainers" not in worker["spec"]
+
+    pod, _ = trainer_pod("job-hub.yaml")
+    trainer, (check,) = pod["spec"]["containers"][0], pod["spec"]["initContainers"]
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    assert token in trainer["env"] and token in check["env"]
+
+    pod, _ = trainer_pod("job-image.yaml")
+    spec = pod["spec"]
+    assert spec["imagePullSecrets"] == [{"name": "registry-example-com"}]
+    assert spec["serviceAccountName"] == "sparrowrl-trainer" and spec["priorityClassName"] == "training-high"
+    assert "nodeAffinity" in spec["affinity"]
+    assert spec["initContainers"][0]["image"] == "registry.example.com/team/sparrowrl-rewards:1.2.0"
+
+
+def refusing(w: World, name: str, exit_code: int, message: str) -> None:
+    """The trainer pod as a kubelet leaves it when its check exited: Failed, never initialized."""
+    w.set_phase(name, "Failed", finished=10)
+    w.pods[None][name]["status"]["initContainerStatuses"] = [
+        {"name": "sparrowrl-check", "state": {"terminated": {"exitCode": exit_code, "message": message}}}
+    ]
+
+
+def test_a_job_its_trainers_check_refuses_fails_as_invalid_spec_not_restarted():
+    w, job = World(), body()
+    w.step(job, 0), w.step(job, 0)
+    w.run_all()
+    log = "Some weights were not used\nerror: job.yaml: spec.task: reward 'x': no file /var/lib/sparrowrl/r/x.py\n"
+    refusing(w, "add-grpo-trainer-0", 3, log)
+    others = {n for ps in w.pods.values() for n in ps} - {"add-grpo-trainer-0"}
+    plan = w.step(job, 11)
+    failed = condition(job, "Failed")
+    assert failed["reason"] == "InvalidSpec" and job["status"]["phase"] == "Failed"
+    assert failed["message"] == (
+        "the trainer's check in pod add-grpo-trainer-0: "
+        "job.yaml: spec.task: reward 'x': no file /var/lib/sparrowrl/r/x.py"
+    )
+    assert plan.create == [] and job["status"]["restarts"] == 0
+    assert {n for _, _, _, n in plan.delete} == others  # relays and workers freed at once
+    assert ("Warning", "InvalidSpec") in [(t, r) for t, r, _ in plan.events]
+
+
+def test_a_check_that_dies_otherwise_is_a_trainer_failure():
+    w, job = World(), body()
+    w.step(job, 0), w.step(job, 0)
+    w.run_all()
+    refusing(w, "add-grpo-trainer-0", 137, "")  # killed: out of memory, a node lost; the job may be fine
+    w.step(job, 11)
+    assert job["status"]["phase"] == "Restarting" and not any(
+        c["type"] == "Failed" for c in job["status"]["conditions"]
+    )

@@ -222,3 +222,122 @@ def test_a_hung_worker_suspend_and_resume_and_a_trainer_past_its_backoff_limit(t
         log = k_home.log(NS, "pause-trainer-0")
         assert "resumed at v" in log, log[-2000:]  # from its volume, not from scratch
         assert home.get(JOBS, NS, "hung")["status"]["placements"][0]["replaced"] == 1
+
+
+REWARD = """\
+def score(prompt, completion, answer, **fields):
+    return sum(a == b for a, b in zip(completion, answer)) / max(len(answer), len(completion), 1)
+"""
+
+
+def inputs_job(name: str, model: dict, task: dict, template: dict) -> dict:
+    """A tiny job with a worker in each of two clusters, its trainer's pod patched by `template`."""
+    job = copy.deepcopy(JOB)
+    job["metadata"]["name"] = name
+    job["spec"] |= {"steps": 3, "model": model, "task": task}
+    job["spec"]["trainer"] = {"service": {"type": "LoadBalancer"}, "template": {"spec": template}}
+    job["spec"]["placements"] = [
+        {"region": "us", "replicas": 1, "relay": False},
+        {"region": "eu", "cluster": "east", "replicas": 1, "relay": False},
+    ]
+    return job
+
+
+@pytest.mark.timeout(600)
+def test_jobs_whose_inputs_come_from_volumes_and_the_hub_and_one_that_cannot_run(tmp_path):
+    """examples/k8s/job-volumes.yaml and job-hub.yaml in small: one job's model and chat-format
+    data on a claim of the user's and its reward in a ConfigMap, mounted through trainer.template;
+    another's model from the (stand-in) hub, private, with the token from a Secret. Both succeed
+    across the operator's cluster and a member, and the trained model on the state volume loads
+    with transformers. A third names a reward file that is not there: its trainer's check fails
+    it with InvalidSpec naming the path, and it is not restarted."""
+    import json
+    import shutil
+
+    from support.hub import Hub
+    from support.models import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    model = save_tiny(tmp_path / "model")
+    with (
+        Hub() as hub,
+        clusters("home", "east") as (home, east),
+        kubelets(home, east, root=tmp_path),
+        operator(home),
+    ):
+        hub.add("model", "me/tiny", model, private=True)
+        add_member(home, east, "east")
+        claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "inputs", "namespace": NS}}
+        home.create(claim | {"spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+        filled = (
+            tmp_path / "home" / "volumes" / NS / "inputs"
+        )  # the emulated claim's disk, filled as a user's pod would
+        shutil.copytree(model, filled / "model")
+        rows = [
+            {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+            for a in range(5)
+            for b in range(5)
+        ]
+        (filled / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        meta = {"name": "reward", "namespace": NS}
+        home.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"reward.py": REWARD}})
+        secret = {"name": "hf-token", "namespace": NS}
+        home.create({"apiVersion": "v1", "kind": "Secret", "metadata": secret, "stringData": {"token": hub.token}})
+
+        mounts = {
+            "containers": [
+                {
+                    "name": "trainer",
+                    "volumeMounts": [
+                        {"name": "inputs", "mountPath": "/var/lib/sparrowrl/inputs", "readOnly": True},
+                        {"name": "reward", "mountPath": "/var/lib/sparrowrl/reward", "readOnly": True},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "inputs", "persistentVolumeClaim": {"claimName": "inputs"}},
+                {"name": "reward", "configMap": {"name": "reward"}},
+            ],
+        }
+        chat = {"jsonl": "inputs/data.jsonl", "reward": "reward/reward.py:score"}
+        home.create(inputs_job("volumes", {"path": "inputs/model"}, chat, mounts))
+        token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+        env = [token, {"name": "HF_ENDPOINT", "value": hub.url}, {"name": "HF_HUB_OFFLINE", "value": "0"}]
+        env.append({"name": "HF_HOME", "value": "hf-home"})  # in the pod's working folder, not the user's cache
+        hub_job = inputs_job(
+            "hub", {"hub": {"repo": "me/tiny"}}, {"builtin": "add"}, {"containers": [{"name": "trainer", "env": env}]}
+        )
+        home.create(hub_job)
+        missing = {"jsonl": "inputs/data.jsonl", "reward": "reward/missing.py:score"}
+        home.create(inputs_job("broken", {"path": "inputs/model"}, missing, mounts))
+
+        def finished(name: str) -> dict | None:
+            j = home.get(JOBS, NS, name) or {}
+            return j if (j.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+        broken = until(lambda: finished("broken"), 240, "the broken job refused")
+        failed = condition(broken, "Failed")
+        assert failed["reason"] == "InvalidSpec", failed
+        assert "no file " in failed["message"] and "/reward/missing.py" in failed["message"], failed  # the path
+        assert broken["status"]["restarts"] == 0
+        for name in ("volumes", "hub"):
+            done = until(lambda: finished(name), 400, f"the {name} job finished")
+            assert done["status"]["phase"] == "Succeeded", (condition(done, "Failed"), done["status"])
+            assert done["status"]["progress"]["commitsMismatched"] == 0
+            assert {p["region"]: p["desired"] for p in done["status"]["placements"]} == {"us": 1, "eu": 1}
+        assert any("/me/tiny/resolve/" in path for _, path in hub.requests)  # a private repo: HF_TOKEN reached it
+        until(
+            lambda: (
+                not [
+                    p
+                    for p in home.list("v1/pods", NS)
+                    if p["metadata"]["name"].startswith("broken-")
+                    and p["status"].get("phase") not in ("Succeeded", "Failed")
+                ]
+            ),
+            30,
+            "the broken job's relays and workers freed",
+        )
+        trained = tmp_path / "home" / "volumes" / NS / "volumes-state" / "final"
+        loaded = AutoModelForCausalLM.from_pretrained(trained, local_files_only=True)
+        assert loaded.config.hidden_size == 32

@@ -39,7 +39,8 @@ from sparrowrl_operator.constants import (
 
 PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
 USER = 65532  # the runtime image's user
-JOB_KEY = "job.yaml"  # the job ConfigMap's key
+JOB_KEY = "job.yaml"  # the job ConfigMap's key, and the job file in the trainer's working folder
+CHECK = "sparrowrl-check"  # the trainer pod's init container that checks the job where it will run
 FIXED = ("managedBy", "steps", "seed", "model", "task", "grpo", "sync")  # by the CRD's CEL rules (steps only grows)
 
 
@@ -289,7 +290,7 @@ def _args(role: Process, spec: JobSpec) -> list[str]:
     serve = ["--host", "$(POD_IP)", "--port", str(PORTS[role.kind]), "--metrics-port", str(METRICS_PORT)]
     serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
     if role.kind == "trainer":
-        return ["trainer", "job/job.yaml", "--state-dir", "state", *serve]
+        return ["trainer", JOB_KEY, "--state-dir", "state", *serve]
     if role.kind == "relay":
         return ["relay", "--upstream", role.trainer, "--cache", "cache", "--streams", str(spec.sync.streams), *serve]
     return [
@@ -324,7 +325,9 @@ def pod(
     mounts, volumes = [], []
     if role.kind == "trainer":
         mounts = [
-            {"name": "job", "mountPath": f"{WORKDIR}/job", "readOnly": True},
+            # the file itself in the working folder: the job's relative paths (model.path: inputs/model) are
+            # relative to it, so to where a trainer.template mounts the user's volumes under WORKDIR
+            {"name": "job", "mountPath": f"{WORKDIR}/{JOB_KEY}", "subPath": JOB_KEY, "readOnly": True},
             {"name": "state", "mountPath": f"{WORKDIR}/state"},
         ]
         volumes = [
@@ -400,7 +403,35 @@ def pod(
         manifest["spec"]["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
-    return merge(manifest, template) if template else manifest
+    if role.kind == "trainer":  # the answer on /healthz may be minutes away: the job's data read and checked first
+        container["startupProbe"] = {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 60,
+        }
+    manifest = merge(manifest, template) if template else manifest
+    return with_check(manifest) if role.kind == "trainer" else manifest
+
+
+def with_check(manifest: dict) -> dict:
+    """The trainer's pod with `sparrowrl check` as its last init container (after any of the user's,
+    which may fetch the inputs): the trainer container's image, env, mounts and resources, the
+    user's from trainer.template included, so it finds what the trainer will find. A job that
+    cannot run ends it with layout.INVALID_EXIT and one line naming the field and path; the kubelet
+    keeps that line as the container's termination message (FallbackToLogsOnError) and the
+    operator fails the job with InvalidSpec instead of restarting it. It gets no job secret."""
+    out = copy.deepcopy(manifest)
+    trainer = next(c for c in out["spec"]["containers"] if c["name"] == "trainer")
+    keep = ("image", "imagePullPolicy", "workingDir", "envFrom", "volumeMounts", "resources", "securityContext")
+    check = {"name": CHECK} | {k: copy.deepcopy(trainer[k]) for k in keep if k in trainer}
+    check |= {
+        "command": ["sparrowrl"],
+        "args": ["check", JOB_KEY, "--state-dir", "state"],
+        "env": [e for e in trainer.get("env", []) if e["name"] != "SPARROWRL_TOKEN"],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    out["spec"]["initContainers"] = [*out["spec"].get("initContainers", []), check]
+    return out
 
 
 def stored(manifest: dict) -> dict:

@@ -22,7 +22,7 @@ TRAINER_PORT = 8470
 RELAY_PORT = 8471
 WORKER_PORT = 8472
 METRICS_PORT = 9090
-WORKDIR = "/var/lib/sparrowrl"  # the pods' working folder: job/, state/ and cache/ are mounted under it
+WORKDIR = "/var/lib/sparrowrl"  # the pods' working folder: job.yaml, state/ and cache/ are mounted in it
 TOKEN_KEY = "token"
 TRAINER_KEY_KEY = "trainer-key"  # the trainer's public key, beside a relay's or a worker slot's own token
 

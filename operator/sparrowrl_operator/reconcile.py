@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from sparrowrl.spec import layout
 from sparrowrl.spec.job import JobError, parse
 from sparrowrl.spec.kubespec import MANAGED_BY
-from sparrowrl.spec.layout import Process
+from sparrowrl.spec.layout import INVALID_EXIT, Process
 from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
@@ -173,6 +173,19 @@ def termination(pod: dict) -> str:
             return head + (f": {t['message'].strip()[:300]}" if (t.get("message") or "").strip() else "")
     head = ": ".join(x for x in (st.get("reason"), (st.get("message") or "")[:300]) if x)
     return head or "no reason given"
+
+
+def refused(pod: dict) -> str | None:
+    """Why the trainer pod's spec check refused the job (its init container exited with
+    INVALID_EXIT), or None. The kubelet keeps the end of its log as its termination
+    message: the last line is `error: FIELD: why`."""
+    for s in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        end = (s.get("state") or {}).get("terminated") or {}
+        if s.get("name") == builders.CHECK and end.get("exitCode") == INVALID_EXIT:
+            lines = [x.strip() for x in (end.get("message") or "").splitlines() if x.strip()]
+            why = lines[-1].removeprefix("error: ") if lines else "no reason given"
+            return f"the trainer's check in pod {pod['metadata']['name']}: {why}"
+    return None
 
 
 def attempt(pod: dict) -> int:
@@ -570,7 +583,7 @@ class _Cycle:
             self.remove(None, p)
         limit = self.spec.run_policy.backoff_limit
         if pod is None:
-            self.create_pod(None, role, self.status.restarts, None)
+            self.create_pod(None, role, self.status.restarts, None, template=self.spec.trainer.template)
             self.condition("TrainerReady", False, "Creating", "creating the trainer pod")
             return
         n, phase = attempt(pod), phase_of(pod)
@@ -600,6 +613,9 @@ class _Cycle:
                 ),
             )
             return
+        if phase == "Failed" and (why := refused(pod)):  # the same job would fail again: no restart
+            self.fail(INVALID, why)
+            return
         if phase == "Failed":
             if n >= limit:
                 self.fail(
@@ -608,7 +624,7 @@ class _Cycle:
                 return
             self.condition("TrainerReady", False, "Restarting", f"the trainer failed (pod {pod['metadata']['name']})")
             if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
-                self.create_pod(None, role, n + 1, None)
+                self.create_pod(None, role, n + 1, None, template=self.spec.trainer.template)
                 self.remove(None, pod)
                 self.update(restarts=n + 1)
                 self.event(

@@ -8,12 +8,15 @@ on the cluster's own event loop, and on a compressed clock (probes every 0.25 s,
 most 2 s, restarts after 0.25-2 s).
 
 What it does:
-- Pods: the single container's command + args, with $(VAR) expansion, run under
+- Pods: init containers one after the other, then the single container: each one's command +
+  args, with $(VAR) expansion, run under
   `unshare --mount` with env (value; secretKeyRef, configMapKeyRef, fieldRef), envFrom, a fresh
   per-pod working directory, volumes bind-mounted below it (configMap, secret, emptyDir,
   persistentVolumeClaim: one directory per claim that outlives its pods; a missing claim, Secret
   or ConfigMap leaves the pod Pending), an IP of its own (127.A.1-253.x), readiness (httpGet,
-  tcpSocket), the status a kubelet writes, restartPolicy, graceful deletion, a log file per pod.
+  tcpSocket), the status a kubelet writes (initContainerStatuses too), restartPolicy, graceful
+  deletion, a log file per pod (every container's), a failed container's termination message
+  from the end of its log (terminationMessagePolicy: FallbackToLogsOnError; no message file).
 - Services: a proxy per port on the cluster IP to the ready pods its selector matches; node
   ports on the node (127.A.254.1); a load balancer address (127.A.255.x, written to the status);
   DNS names in an /etc/hosts bind-mounted into each pod (NAME.NS.svc.cluster.local, NAME.NS.svc,
@@ -22,7 +25,7 @@ What it does:
 - A Node object; PersistentVolumeClaims bound when a pod first uses them.
 
 What it does not: images (so `command` is required: there is no entrypoint to fall back to), more
-than one container, init and sidecar containers, exec probes, liveness and startup probes,
+than one container, sidecar containers, exec probes, liveness and startup probes,
 resources, scheduling (every pod lands on the one node), network isolation (any process can
 connect to any loopback address; pods in one cluster reach another only by IP because only
 their own cluster's names resolve), UDP, headless Services, Services without a selector,
@@ -100,6 +103,8 @@ class Run:
     restart_at: float | None = None
     waiting: dict[str, str] | None = None
     last: dict[str, Any] | None = None  # the previous container's end, after a restart
+    inits: list[dict[str, Any]] = field(default_factory=list)  # the ends of the init containers run to completion
+    log_from: int = 0  # where the running container's output starts in the log
     final: dict[str, Any] | None = None  # the end of the pod: Succeeded or Failed
     failure: str | None = None  # why the stand-in failed it
     stopping: bool = False
@@ -110,8 +115,17 @@ class Run:
         return self.pod["metadata"]["namespace"], self.pod["metadata"]["name"]
 
     @property
-    def container(self) -> dict[str, Any]:
+    def main(self) -> dict[str, Any]:
         return self.pod["spec"]["containers"][0]
+
+    @property
+    def initializing(self) -> bool:
+        return len(self.inits) < len(self.pod["spec"].get("initContainers") or [])
+
+    @property
+    def container(self) -> dict[str, Any]:
+        """The container that runs now, or runs next: an init container until they are done."""
+        return self.pod["spec"]["initContainers"][len(self.inits)] if self.initializing else self.main
 
     @property
     def alive(self) -> bool:
@@ -345,6 +359,7 @@ class Kubelet:
         environ = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "HOSTNAME": run.key[1], **env}
         self._commands.setdefault(run.log.name, []).append(f"{now()} start {run.restarts}: {shlex.join(argv)}")
         with run.log.open("ab") as log:
+            run.log_from = log.tell()
             try:
                 run.process = await asyncio.create_subprocess_exec(
                     "unshare",
@@ -367,7 +382,7 @@ class Kubelet:
                 self._fail(run, f"cannot start: {e}")
                 return
         run.running_since, run.waiting, run.restart_at = now(), None, None
-        run.ready = "readinessProbe" not in run.container
+        run.ready = not run.initializing and "readinessProbe" not in run.container
         self._processes.add(run.process)
         self._spawn(self._reap(run.process))
 
@@ -394,9 +409,15 @@ class Kubelet:
         }
         if code < 0:
             end["signal"] = -code
+        if code and run.container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            with run.log.open("rb") as log:  # a kubelet's: the last 80 lines, at most 2048 bytes
+                log.seek(run.log_from)
+                end["message"] = b"\n".join(log.read().splitlines()[-80:])[-2048:].decode(errors="replace")
         run.process, run.ready = None, False
         policy = run.pod["spec"].get("restartPolicy", "Always")
-        if policy == "Always" or (policy == "OnFailure" and code != 0):
+        if run.initializing and code == 0:
+            run.inits.append(end)  # the next one starts at the next sync
+        elif policy == "Always" or (policy == "OnFailure" and code != 0):
             run.last, run.restarts = end, run.restarts + 1
             run.restart_at = time.monotonic() + min(0.25 * 2 ** (run.restarts - 1), 2.0)
             run.waiting = {
@@ -404,7 +425,7 @@ class Kubelet:
                 "message": f"back-off restarting after exit code {end['exitCode']}",
             }
         else:
-            run.final = end
+            run.final = end  # an init container's: the pod never initialized
 
     async def _terminate(self, run: Run, delete: bool) -> None:
         """SIGTERM, a short grace, SIGKILL; then remove the pod object if it is being deleted."""
@@ -435,13 +456,13 @@ class Kubelet:
 
     async def _probe(self, run: Run) -> None:
         """The readiness probe, for as long as the pod is here."""
-        probe = run.container.get("readinessProbe")
+        probe = run.main.get("readinessProbe")
         if not probe:
             return
         failures = 0
         while not run.stopping and run.final is None:
             await asyncio.sleep(PROBE_EVERY)
-            if not run.alive:
+            if not run.alive or run.initializing:
                 continue
             ok = await self._probe_once(run, probe)
             failures = 0 if ok else failures + 1
@@ -478,19 +499,22 @@ class Kubelet:
 
     async def _report(self, run: Run) -> None:
         """Write the pod's status as a kubelet would, when it changed."""
-        c = run.container
-        if run.final is not None:
+        c, inits = run.main, run.pod["spec"].get("initContainers") or []
+        initialized = not run.initializing
+        if run.final is not None and initialized:
             state: dict[str, Any] = {"terminated": run.final}
-        elif run.alive:
+        elif run.alive and initialized:
             state = {"running": {"startedAt": run.running_since}}
-        else:
+        elif initialized:
             state = {"waiting": run.waiting or {"reason": "ContainerCreating"}}
-        ready = run.ready and run.alive
+        else:
+            state = {"waiting": {"reason": "PodInitializing"}}
+        ready = run.ready and run.alive and initialized
         status = {
             "phase": ("Succeeded" if run.final["exitCode"] == 0 else "Failed")
             if run.final is not None
             else "Running"
-            if run.alive or run.restarts
+            if initialized and (run.alive or run.restarts)
             else "Pending",
             "hostIP": self.cluster.node_ip,
             "podIP": run.ip,
@@ -500,7 +524,7 @@ class Kubelet:
                 {"type": t, "status": str(v)}
                 for t, v in (
                     ("PodScheduled", True),
-                    ("Initialized", True),
+                    ("Initialized", initialized),
                     ("ContainersReady", ready),
                     ("Ready", ready),
                 )
@@ -513,10 +537,27 @@ class Kubelet:
                     "started": run.alive,
                     "restartCount": run.restarts,
                     "state": state,
-                    "lastState": {"terminated": run.last} if run.last else {},
+                    "lastState": {"terminated": run.last} if run.last and initialized else {},
                 }
             ],
         }
+        if inits:
+            status["initContainerStatuses"] = [
+                {
+                    "name": ic["name"],
+                    "image": ic.get("image", ""),
+                    "ready": i < len(run.inits) and run.inits[i]["exitCode"] == 0,
+                    "restartCount": run.restarts if i == len(run.inits) else 0,
+                    "state": {"terminated": run.inits[i]}
+                    if i < len(run.inits)
+                    else {"terminated": run.final}
+                    if i == len(run.inits) and run.final is not None
+                    else {"running": {"startedAt": run.running_since}}
+                    if i == len(run.inits) and run.alive
+                    else {"waiting": run.waiting or {"reason": "PodInitializing"}},
+                }
+                for i, ic in enumerate(inits)
+            ]
         if run.failure:
             status |= {"reason": "Unsupported", "message": run.failure}
         if status != run.written:
@@ -528,8 +569,8 @@ class Kubelet:
         """The container's env and its mounts (source, target, read-only)."""
         pod, c = run.pod, run.container
         spec, namespace = pod["spec"], run.key[0]
-        if len(spec["containers"]) != 1 or spec.get("initContainers"):
-            raise Unsupported("one container and no init containers")
+        if len(spec["containers"]) != 1:
+            raise Unsupported("one container (and init containers)")
         if not c.get("command"):
             raise Unsupported("no command: images are not run, so there is no entrypoint")
         env: dict[str, str] = {}

@@ -44,9 +44,9 @@ RUNTIME = {
 Out = Annotated[Path, typer.Option("-o", "--output", help="Where to write; written only if everything verifies.")]
 
 
-def _fail(e: Exception) -> None:
+def _fail(e: Exception, code: int = 1) -> None:
     err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 def _in_range(flag: str, value: float | None, low: float, high: float) -> None:
@@ -500,19 +500,21 @@ def fetch(
     )
 
 
-def _task(spec, job: str, state_dir: Path | None = None):
+def _task(spec, job: str, state_dir: Path | None = None, ask_hub: bool = True):
     """The job's model folder, task and reward, loaded and checked as its trainer will load
-    them; a problem ends the command, named by its field. What the job takes from the Hugging
-    Face Hub is checked there (it exists, can be read, holds what is needed: a request each)
-    unless `state_dir` holds its download; the rest waits for the download, which the trainer
-    makes into its state dir once it has claimed it (None is returned for the task then)."""
+    them; JobError names a problem by its field. What the job takes from the Hugging Face Hub is
+    checked there (it exists, can be read, holds what is needed: a request each) unless
+    `state_dir` holds its download, or `ask_hub` is False. Until the download, which the trainer
+    makes into its state dir once it has claimed it, the data is read and the reward loaded
+    without the model's tokenizer, and None is returned for the task."""
     from sparrowrl.spec.job import JobError
     from sparrowrl.trainer import hub, models, tasks
 
     try:
-        hub.check(spec, state_dir)
+        if ask_hub:
+            hub.check(spec, state_dir)
     except hub.HubError as e:
-        _fail(JobError(f"{job}: spec.{e}"))
+        raise JobError(f"{job}: spec.{e}") from None
     from_hub = hub.sources(spec)
     waits = from_hub and (state_dir is None or not all(hub.fetched(s, state_dir) for s in from_hub))
     field = "model.hub" if spec.model.hub else "model.path"
@@ -521,29 +523,60 @@ def _task(spec, job: str, state_dir: Path | None = None):
         if spec.model.path:
             models.check(spec.model.path, spec.model.tokenizer, field)
     except ValueError as e:
-        _fail(JobError(f"{job}: spec.{e}"))
+        raise JobError(f"{job}: spec.{e}") from None
     if waits:
+        try:
+            tasks.check_unrendered(spec)
+        except (ValueError, OSError) as e:
+            raise JobError(f"{job}: spec.task: {e}") from None
         return None
     try:
         prompts = models.Prompts.for_job(spec, models.tokenizer(spec))
     except ValueError as e:
-        _fail(JobError(f"{job}: spec.task.{e}"))
+        raise JobError(f"{job}: spec.task.{e}") from None
     try:
         return tasks.for_job(spec, prompts)[0]
     except (ValueError, OSError) as e:
-        _fail(JobError(f"{job}: spec.task: {e}"))
+        raise JobError(f"{job}: spec.task: {e}") from None
 
 
 def _device(spec, job: str) -> None:
-    """The trainer's device, checked where the trainer will run; one this machine cannot give
-    ends the command, named by its field."""
+    """The trainer's device, checked where the trainer will run; JobError: this machine cannot
+    give it, named by its field."""
     from sparrowrl.spec.job import JobError
     from sparrowrl.trainer.learner import device
 
     try:
         device(spec.trainer.device, spec.trainer.ranks)
     except ValueError as e:
-        _fail(JobError(f"{job}: spec.{e}"))
+        raise JobError(f"{job}: spec.{e}") from None
+
+
+@app.command("check")
+def check(
+    job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (in a pod: the trainer's).")],
+    state_dir: Annotated[
+        Path | None, typer.Option(help="The trainer's state dir: a model it has downloaded is checked too.")
+    ] = None,
+) -> None:
+    """Check a job where its trainer will run, as the trainer does at its start, and train
+    nothing: the model folder (config, tokenizer, weights), every example of the data, the
+    reward (loaded, and callable with the examples' fields) and the trainer's device. The hub
+    is not asked, and nothing is written: a model the trainer has yet to download is checked by
+    it then (its data and reward are checked here). Exit 3 with one line naming the field and
+    the path when the job cannot run; in a cluster this is the trainer pod's init container."""
+    from sparrowrl.spec.job import JobError, load
+    from sparrowrl.spec.layout import INVALID_EXIT
+
+    try:
+        j = load(job)
+        task = _task(j.spec, str(job), state_dir, ask_hub=False)
+        _device(j.spec, str(job))
+    except JobError as e:
+        _fail(e, INVALID_EXIT)
+    if task is not None and task.skipped:
+        err.print(f"task: {task.skipped}", highlight=False, soft_wrap=True)
+    out.print(f"{job}: the model, data and reward load here", highlight=False, soft_wrap=True)
 
 
 @app.command("run")
@@ -586,8 +619,11 @@ def run(
     except runner.RunError as e:
         _fail(e)
     # the task's data and reward load before any process starts; a resumed run's downloads are in its run dir
-    task = _task(j.spec, str(job), run_dir if resume else None)
-    _device(j.spec, str(job))
+    try:
+        task = _task(j.spec, str(job), run_dir if resume else None)
+        _device(j.spec, str(job))
+    except JobError as e:
+        _fail(e)
     if task is not None and task.skipped:
         err.print(f"task: {task.skipped}", highlight=False, soft_wrap=True)
     if j.spec.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -724,8 +760,11 @@ def trainer(
         j = load(job)
     except JobError as e:
         _fail(e)
-    _task(j.spec, str(job), state_dir)
-    _device(j.spec, str(job))
+    try:
+        _task(j.spec, str(job), state_dir)
+        _device(j.spec, str(job))
+    except JobError as e:
+        _fail(e)
     import socket
 
     from sparrowrl.transport.http import ListenError

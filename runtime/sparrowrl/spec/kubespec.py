@@ -113,29 +113,6 @@ class CheckpointSpec(_Spec):
     keep: int = Field(1, ge=1, le=1000, description="How many of the newest checkpoints are kept.")
 
 
-class TrainerSpec(Scheduling):
-    ranks: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description=(
-            "Processes the trainer shards its model over (FSDP2), one per GPU where there are GPUs (give the pod "
-            "as many in resources); each diffs and publishes its own shard of every version."
-        ),
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto",
-        description=(
-            "Where one rank trains: auto takes the GPU when torch sees one (bf16 compute, fp32 master weights and "
-            "AdamW state), else the CPU (fp32); cuda without a GPU fails at start. Sharded ranks take a GPU each "
-            "when there are GPUs."
-        ),
-    )
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    state: StateVolume = StateVolume()
-    service: TrainerService = TrainerService()
-
-
 def _template(patch: dict[str, Any], container: str) -> dict[str, Any]:
     """A patch of pods whose one container is named `container`. Containers merge by name, so a
     container of another name is added: it must bring its image (a sidecar). Never null: that
@@ -175,6 +152,39 @@ def template_patch(container: str) -> Any:
 
 WorkerTemplate = template_patch("worker")
 RelayTemplate = template_patch("relay")
+TrainerTemplate = template_patch("trainer")
+
+
+class TrainerSpec(Scheduling):
+    ranks: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Processes the trainer shards its model over (FSDP2), one per GPU where there are GPUs (give the pod "
+            "as many in resources); each diffs and publishes its own shard of every version."
+        ),
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description=(
+            "Where one rank trains: auto takes the GPU when torch sees one (bf16 compute, fp32 master weights and "
+            "AdamW state), else the CPU (fp32); cuda without a GPU fails at start. Sharded ranks take a GPU each "
+            "when there are GPUs."
+        ),
+    )
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    state: StateVolume = StateVolume()
+    service: TrainerService = TrainerService()
+    template: TrainerTemplate = Field(
+        {},
+        description=(
+            "Merged into the trainer's pod (a JSON merge patch of {metadata, spec}; containers, env, volumes and "
+            "volumeMounts merge by name): the user's volumes and their mounts, env (HF_TOKEN from a Secret), "
+            "serviceAccountName, imagePullSecrets, affinity, priorityClassName. Its spec check (an init container) "
+            "gets the trainer container's env and mounts."
+        ),
+    )
 
 
 class Placement(_Spec):

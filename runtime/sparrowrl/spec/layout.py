@@ -10,6 +10,8 @@ from typing import Callable, Literal
 
 from sparrowrl.spec.job import JobSpec
 
+INVALID_EXIT = 3  # `sparrowrl check`: the job cannot run where it was checked (the operator's InvalidSpec)
+
 
 @dataclass(frozen=True)
 class Process:

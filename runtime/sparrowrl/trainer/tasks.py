@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from sparrowrl.spec.limits import MAX_TASK_BYTES, read_bounded
+from sparrowrl.trainer.hub import dataset_repo
 
 if TYPE_CHECKING:
     from sparrowrl.spec.job import DatasetSpec, JobSpec, TaskSpec
@@ -325,6 +326,23 @@ class Rows(Task):
 
     def example(self, i: int) -> Example:
         return self.rows[self.order[i % len(self.rows)]]
+
+
+def check_unrendered(spec: JobSpec) -> None:
+    """What can be checked of the task before the model's tokenizer is here (the trainer has yet
+    to download the model from the hub): the user's data read (unless it comes from the hub too)
+    and the reward loaded, and callable with the fields of the examples that read. Rendering each
+    example waits for the tokenizer (for_job). ValueError names the file."""
+    t = spec.task
+    if t.builtin:
+        name, rows = t.reward or BUILTIN[t.builtin].default_reward, []
+    else:
+        name = t.reward or Task.default_reward
+        local = t.jsonl or dataset_repo(t.dataset.path) is None
+        rows = (jsonl(t.jsonl) if t.jsonl else dataset(t.dataset)[1]) if local else None
+    fn = reward_function(name)
+    if rows is not None:
+        check_reward(fn, name, {frozenset(src.fields) for _, src in rows if not isinstance(src, str)})
 
 
 def for_job(spec: JobSpec, prompts: Prompts) -> tuple[Task, str]:

@@ -1,0 +1,23 @@
+"""A user's model folder as tests make one: a tiny Qwen3 from config with the built-in character
+tokenizer, saved as Hugging Face saves it (config, safetensors, tokenizer), and a chat template
+so that chat-format data renders. Nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# a chat template short enough for the character tokenizer: `u:1+2=<a:`
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def save_tiny(folder: Path, hidden: int = 32, seed: int = 0) -> Path:
+    from sparrowrl.trainer import models
+
+    tok = models.char_tokenizer()
+    tok.chat_template = TEMPLATE
+    models.tiny_qwen3(len(tok), hidden, 1, 2, seed).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
