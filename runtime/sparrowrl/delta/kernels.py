@@ -4,18 +4,48 @@ numpy's `flatnonzero(a != b)` plus two gathers costs three passes and random DRA
 fused kernel compares 64-bit words, looks inside the few that differ, and takes the old and new
 bit patterns while they are in cache (measured ~1.6x faster cold, and it runs on every core).
 The hash kernels compute the splitmix64 sums of `statehash` without temporaries.
+
+Each kernel compiles once (seconds) and is cached on disk where the process may write: numba's
+default, a `__pycache__` beside this file, in a checkout or a user's own install. In the runtime
+image that folder is root's and uid 65532 has no home (`HOME=/`), where numba's `cache=True`
+fails at import; there the cache goes to a folder of the user's own in the temporary folder
+(`TMPDIR`, `/tmp`), and with none writable each process compiles the kernels itself. A
+`NUMBA_CACHE_DIR` that is set wins.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
-from numba import njit
+
+from sparrowrl.cachedir import own, writable
+
+
+def _cache() -> bool:
+    """Whether the kernels are cached on disk; sets NUMBA_CACHE_DIR where numba's default cannot
+    be written (sparrowrl.cachedir)."""
+    if os.environ.get("NUMBA_CACHE_DIR") or writable(Path(__file__).parent / "__pycache__"):
+        return True
+    d = own("numba")
+    if d is not None:
+        os.environ["NUMBA_CACHE_DIR"] = str(d)
+    return d is not None
+
+
+_CACHE = _cache()
+
+from numba import njit  # noqa: E402  (after NUMBA_CACHE_DIR)
+from numba.core.config import reload_config  # noqa: E402
+
+reload_config()  # numba reads its environment once, at import: this process may have imported it before
 
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def _changed(a, b, aw, bw, shift, mask, idx, va, vb, cls, rank):
     """Fill idx/va/vb with the changes, cls/rank with each one's class in `a` and its rank
     among the elements of that class before it; -1 if they do not fit (the caller retries
@@ -110,7 +140,7 @@ def _h(salt, width, compact, i, v):
     return _mix(_mix(salt + i) ^ v)
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def hash_range(salt, width, compact, start, vals):
     """Sum of h(start + j, vals[j]) over j, mod 2**64."""
     acc = np.uint64(0)
@@ -121,7 +151,7 @@ def hash_range(salt, width, compact, start, vals):
     return acc
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def hash_change(salt, width, compact, idx, old, new):
     """Sum of h(i, new) - h(i, old) over the changed positions, mod 2**64."""
     acc = np.uint64(0)
@@ -133,7 +163,7 @@ def hash_change(salt, width, compact, idx, old, new):
     return acc
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def symbols(idx, old, new, k, width):
     """One pass from changes to the entropy coder's inputs.
 
@@ -182,7 +212,7 @@ def symbols(idx, old, new, k, width):
     return q, r, qc, qesc[:nq], v, vc, vesc[:nv]
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def ans_cdf(counts):
     """The fixed-point CDF (24-bit) that constriction's `Categorical(counts, perfect=False)`
     quantizes `counts` to: cdf[i] = trunc(sum(counts[:i]) * (2**24 - n) / sum(counts)) + i, so
@@ -201,7 +231,7 @@ def ans_cdf(counts):
     return cdf
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def ans_encode(sym, cdfs, counts):
     """The u32 words of constriction's AnsCoder (u64 state, 24-bit precision) after
     `encode_reverse` of each run of symbols over its cdf, last run first, bit for bit as the
@@ -231,7 +261,7 @@ def ans_encode(sym, cdfs, counts):
     return out[:top]
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def ans_decode(words, cdfs, counts):
     """Symbols popped from constriction's AnsCoder (u32 words, u64 state, 24-bit precision), bit
     for bit as constriction decodes them, without the GIL: counts[j] symbols over cdfs[j], run
@@ -276,7 +306,7 @@ def ans_decode(words, cdfs, counts):
     return out, 0 if state == 0 else 1
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def gather(flat, offset, positions):
     """flat[offset + positions] in one pass, without a temporary index array; None if any index
     falls outside `flat` (the caller's checks make that a bug, never a write out of bounds)."""
@@ -290,7 +320,7 @@ def gather(flat, offset, positions):
     return out
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def scatter(flat, offset, positions, values):
     """flat[offset + positions] = values; False, with nothing written, if any index falls outside."""
     n = flat.shape[0]
@@ -303,7 +333,7 @@ def scatter(flat, offset, positions, values):
     return True
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def class_locate(base, shift, mask, classes, counts, gaps):
     """Where a context record's changes are, in the base. `gaps` are grouped by class (`classes` strictly increasing,
     `counts[j]` each): how many of the class's elements to pass before each change. Returns the
@@ -340,7 +370,7 @@ def class_locate(base, shift, mask, classes, counts, gaps):
     return pos[:k], src[:k], k == at
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def pack_bits(vals, ks):
     """The low ks[j] bits of each vals[j], concatenated LSB-first into ceil(sum(ks) / 8) bytes."""
     total = 0
@@ -363,7 +393,7 @@ def pack_bits(vals, ks):
     return out
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=_CACHE, boundscheck=False)
 def unpack_bits(buf, ks):
     """Inverse of pack_bits; the caller checks len(buf) == ceil(sum(ks) / 8)."""
     n = ks.shape[0]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from sparrowrl.cachedir import own, writable
 from sparrowrl.spec.limits import MAX_TASK_BYTES, read_bounded
 from sparrowrl.trainer.hub import dataset_repo
 
@@ -258,6 +259,8 @@ def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
     datasets.logging.set_verbosity_error()
     what = f"{d.path}{f' ({d.name})' if d.name else ''} [{d.split}]"
     path = Path(d.path)
+    # where it caches what it reads: under HOME, unless that cannot be written (sparrowrl.cachedir)
+    cache = None if writable(datasets.config.HF_DATASETS_CACHE) else own("datasets")
     try:
         if path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
             data = datasets.load_from_disk(str(path))  # written by save_to_disk
@@ -268,9 +271,9 @@ def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
         elif path.is_file():
             if path.suffix not in DATA_FILES:
                 raise ValueError(f"a data file is {', '.join(DATA_FILES)}")
-            data = datasets.load_dataset(DATA_FILES[path.suffix], data_files=str(path), split=d.split)
+            data = datasets.load_dataset(DATA_FILES[path.suffix], data_files=str(path), split=d.split, cache_dir=cache)
         elif path.is_dir():  # a folder of data files: the user's, or one downloaded from the hub (hub.py)
-            data = datasets.load_dataset(str(path), d.name, split=d.split)
+            data = datasets.load_dataset(str(path), d.name, split=d.split, cache_dir=cache)
         else:  # never a name on the hub here: hub.localize has made that the downloaded folder
             raise ValueError("no such file or folder")
     except Exception as e:  # datasets raises many kinds: each means this data set cannot be read

@@ -1,0 +1,37 @@
+"""Cache folders a process can write. The runtime image installs as root and runs as uid 65532,
+which has no passwd entry and so gets `HOME=/` (runtime/Dockerfile): numba's default cache
+(beside the package) and `datasets`' (under HOME) cannot be written there, and both fail rather
+than go without. Imports nothing heavy: the codec's kernels call it before numba loads."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+
+def writable(path: Path) -> bool:
+    """numba's own test of a cache folder: create it, then a file in it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def own(name: str) -> Path | None:
+    """A folder for cache `name` in the temporary folder (TMPDIR, else /tmp), this user's alone;
+    None where there is no writable temporary folder, or where the folder is another user's or
+    others may write it: its files (numba's are pickles) would be loaded as this process's own."""
+    uid = os.getuid()
+    try:
+        d = Path(tempfile.gettempdir()) / f"sparrowrl-{name}-{uid}"
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = d.lstat()
+    except OSError:  # gettempdir raises FileNotFoundError when no temporary folder is writable
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022 or not writable(d):
+        return None
+    return d
