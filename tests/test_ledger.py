@@ -73,6 +73,24 @@ def test_the_stores_size_and_what_it_pruned_are_metrics_and_in_the_summary():
     assert not {k for k in samples(snapshot([])) if k[0].startswith("sparrowrl_store")}
 
 
+def test_tokens_and_each_workers_leases_and_refused_answers_are_metrics():
+    """What the dashboard's tokens per second, leases and refused answers panels read: from the
+    trainer, so workers in member clusters that no Prometheus scrapes are on it too."""
+    c = Coordinator(4, 1, 10, staleness=1, steps=10, split="pull")
+    c.publish(0, "h0")
+    assert "lease" in c.work("w1", 0, region="eu")
+    c.commit("w1", 0, "h0", refused=2)
+    c.commit("w2", 0, "h0")
+    snap = ledger.Snapshot(c.view(), 10, [row(1), row(2, tokens=4)], 5.0, {"delta": 0, "base": 0}, 0, 0, False)
+    m = samples(snap)
+    assert m["sparrowrl_tokens_total",] == 100
+    assert m["sparrowrl_worker_leases", "w1"] == 1 and m["sparrowrl_worker_leases", "w2"] == 0
+    assert (
+        m["sparrowrl_worker_refused_answers_total", "w1"] == 2
+        and m["sparrowrl_worker_refused_answers_total", "w2"] == 0
+    )
+
+
 def spec_with_prices(trainer: float | None, **placements: float | None):
     from sparrowrl.spec.job import parse
 

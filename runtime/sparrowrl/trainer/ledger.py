@@ -216,6 +216,7 @@ def metrics(snap: Snapshot) -> list:
     return [
         family("counter", "versions_published", "Policy versions published", s.version),
         family("counter", "steps", "Optimizer steps taken", s.step),
+        family("counter", "tokens", "Completion tokens trained on", sum(r["tokens"] for r in snap.rows)),
         family("gauge", "leases_active", "Leases out now", s.leases_active),
         family("counter", "leases_expired", "Leases whose deadline passed before their results", s.leases_expired),
         family(
@@ -273,6 +274,15 @@ def metrics(snap: Snapshot) -> list:
             "worker_staleness",
             "Versions a worker's committed weights lag the newest",
             by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None}),
+        ),
+        family(
+            "gauge", "worker_leases", "Leases a worker holds", by=("worker", {w.name: w.leases_held for w in s.workers})
+        ),
+        family(
+            "counter",
+            "worker_refused_answers",
+            "Answers a worker's relay (or the origin) gave it that did not verify, as the worker reports them",
+            by=("worker", {w.name: w.refused_answers for w in s.workers}),
         ),
         *(
             [
