@@ -184,6 +184,12 @@ def crds() -> dict[str, str]:
             ),
             col("Leases", "string", ".status.display.leases", "Work leases held by healthy workers / active."),
             col("Reward", "number", ".status.progress.reward", "Mean reward of the last step."),
+            col(
+                "Tokens/$",
+                "string",
+                ".status.display.tokensPerDollar",
+                "Completion tokens trained on per dollar, with the spec's costPerHour.",
+            ),
             AGE,
             col("Version", "integer", ".status.progress.policyVersion", "The newest published policy version.", 1),
             col("Clusters", "string", ".status.display.clusters", "Clusters reachable / used.", 1),

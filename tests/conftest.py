@@ -1,4 +1,5 @@
 import multiprocessing.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,23 @@ def kube_tools() -> Path:
         timeout=240,
     )
     return bindir
+
+
+@pytest.fixture(scope="session")
+def helm(kube_tools, tmp_path_factory):
+    """helm(*args, ok=True): runs helm, with no state read from or left in $HOME and no cluster."""
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": str(home),
+        "HELM_CONFIG_HOME": str(home),
+        "HELM_DATA_HOME": str(home),
+        "KUBECONFIG": str(home / "no-kubeconfig"),
+    }
+
+    def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+        p = subprocess.run([str(kube_tools / "helm"), *args], capture_output=True, text=True, env=env, timeout=60)
+        assert (p.returncode == 0) == ok, f"helm {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
+        return p
+
+    return run

@@ -1,14 +1,12 @@
 """The operator's Helm chart (charts/sparrowrl-operator): it lints, renders valid Kubernetes objects
 for the oldest and newest Kubernetes it supports, grants the operator what it needs and no more, and
 its values schema refuses bad values by name. helm comes from hack/get-helm.sh (PyPI, cached in
-.tools/bin); no cluster is needed."""
+.tools/bin; the `helm` fixture, tests/conftest.py); no cluster is needed."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import kubernetes_validate
@@ -26,33 +24,6 @@ CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition
 
 # The first test may download helm (~40 MB from PyPI); after that every helm call is well under 1 s.
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory):
-    bindir = ROOT / ".tools" / "bin"
-    subprocess.run(
-        ["bash", str(ROOT / "hack" / "get-helm.sh"), str(bindir)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    home = tmp_path_factory.mktemp("helm-home")  # no helm state read from or left in $HOME
-    env = {
-        **os.environ,
-        "HELM_CACHE_HOME": str(home),
-        "HELM_CONFIG_HOME": str(home),
-        "HELM_DATA_HOME": str(home),
-        "KUBECONFIG": str(home / "no-kubeconfig"),
-    }
-
-    def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        p = subprocess.run([str(bindir / "helm"), *args], capture_output=True, text=True, env=env, timeout=60)
-        assert (p.returncode == 0) == ok, f"helm {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
-        return p
-
-    return run
 
 
 def render(helm, *args: str) -> list[dict]:

@@ -94,6 +94,13 @@ def test_the_example_parses_with_its_defaults():
         ),
         ({"runPolicy": {"backoffLimit": 101}}, "spec.runPolicy.backoffLimit", "less than or equal to 100"),
         ({"health": {"onStale": "Panic"}}, "spec.health.onStale", "'Replace', 'Ignore' or 'FailJob'"),
+        ({"trainer": {"costPerHour": -1}}, "spec.trainer.costPerHour", "greater than or equal to 0"),
+        ({"trainer": {"costPerHour": float("inf")}}, "spec.trainer.costPerHour", "finite number"),
+        (
+            {"placements": [{"region": "a", "costPerHour": 1e9}]},
+            "spec.placements.0.costPerHour",
+            "less than or equal to 100000",
+        ),
     ],
 )
 def test_bad_fields_are_named_with_the_reason(spec, field, reason):

@@ -71,3 +71,84 @@ def test_the_stores_size_and_what_it_pruned_are_metrics_and_in_the_summary():
     s = ledger.summary(snap)
     assert s["store_versions_pruned"] == 30 and s["store_bytes"] == 5_000_000
     assert not {k for k in samples(snapshot([])) if k[0].startswith("sparrowrl_store")}
+
+
+def test_tokens_and_each_workers_leases_and_refused_answers_are_metrics():
+    """What the dashboard's tokens per second, leases and refused answers panels read: from the
+    trainer, so workers in member clusters that no Prometheus scrapes are on it too."""
+    c = Coordinator(4, 1, 10, staleness=1, steps=10, split="pull")
+    c.publish(0, "h0")
+    assert "lease" in c.work("w1", 0, region="eu")
+    c.commit("w1", 0, "h0", refused=2)
+    c.commit("w2", 0, "h0")
+    snap = ledger.Snapshot(c.view(), 10, [row(1), row(2, tokens=4)], 5.0, {"delta": 0, "base": 0}, 0, 0, False)
+    m = samples(snap)
+    assert m["sparrowrl_tokens_total",] == 100
+    assert m["sparrowrl_worker_leases", "w1"] == 1 and m["sparrowrl_worker_leases", "w2"] == 0
+    assert (
+        m["sparrowrl_worker_refused_answers_total", "w1"] == 2
+        and m["sparrowrl_worker_refused_answers_total", "w2"] == 0
+    )
+
+
+def spec_with_prices(trainer: float | None, **placements: float | None):
+    from sparrowrl.spec.job import parse
+
+    return parse(
+        {
+            "apiVersion": "sparrowrl.dev/v1alpha1",
+            "kind": "SparrowRLJob",
+            "metadata": {"name": "t"},
+            "spec": {
+                "model": {"tiny": {}},
+                "task": {"builtin": "add"},
+                "trainer": {} if trainer is None else {"costPerHour": trainer},
+                "placements": [
+                    {"region": r, **({} if p is None else {"costPerHour": p})} for r, p in placements.items()
+                ],
+            },
+        }
+    ).spec
+
+
+def test_prices_come_from_the_trainer_and_each_placement_and_none_means_no_cost():
+    from sparrowrl.trainer.cost import Rates
+
+    assert Rates.of(spec_with_prices(None, us=None)) is None
+    r = Rates.of(spec_with_prices(None, us=1.5, eu=None))
+    assert r == Rates(0.0, {"us": 1.5})
+    r = Rates.of(spec_with_prices(4.0, us=1.5, eu=0.5))
+    # one item per live worker; a region of no placement (or a worker that named none) costs nothing
+    assert r.per_hour([]) == 4.0 and r.per_hour(["us", "us", "eu", "ap", None]) == 4.0 + 1.5 + 1.5 + 0.5
+
+
+def test_cost_accrues_over_the_loops_time_at_the_rate_of_the_live_workers():
+    from sparrowrl.trainer.cost import Meter, Rates, tokens_per_dollar
+
+    m = Meter(Rates(2.0, {"us": 1.0, "eu": 3.0}))
+    assert m.to(1800, []) == 1.0  # the trainer alone, waiting for workers: half an hour at $2
+    assert m.to(3600, ["us", "eu"]) == 1.0 + 0.5 * 6.0  # then two workers live
+    assert m.to(3600, ["us"]) == 4.0  # no time passed, nothing accrued
+    assert m.to(3000, ["us"]) == 4.0 and m.at == 3600  # a clock read out of order adds nothing
+    assert m.to(7200, ["us"]) == 4.0 + 3.0  # one worker lost
+    assert tokens_per_dollar(700, 7.0) == 100.0 and tokens_per_dollar(700, 0.0) is None
+
+
+def test_the_cost_and_tokens_per_dollar_are_in_the_status_metrics_and_summary_when_priced():
+    from dataclasses import replace
+
+    unpriced = snapshot([row(1, dense_bytes=4096), row(2, dense_bytes=4096)])
+    assert unpriced.dollars is None and ledger.status(unpriced).tokens_per_dollar is None
+    assert "cost_dollars" not in ledger.summary(unpriced)
+    assert not {k for k in samples(unpriced) if k[0] in ("sparrowrl_cost_dollars_total", "sparrowrl_tokens_per_dollar")}
+
+    priced = replace(unpriced, dollars=0.48)
+    s = ledger.status(priced)
+    assert s.cost_dollars == 0.48 and s.tokens_per_dollar == 192 / 0.48
+    m = samples(priced)
+    assert m["sparrowrl_cost_dollars_total",] == 0.48 and m["sparrowrl_tokens_per_dollar",] == 400
+    summary = ledger.summary(priced)
+    assert summary["cost_dollars"] == 0.48 and summary["tokens_per_dollar"] == 400
+
+    free = replace(unpriced, dollars=0.0)  # prices of 0, or nothing run yet: no division by zero
+    assert ledger.status(free).tokens_per_dollar is None and samples(free)["sparrowrl_cost_dollars_total",] == 0

@@ -370,6 +370,25 @@ def test_weights_in_sync_and_a_hash_mismatch():
     assert any(r == "HashMismatch" for _, r, _ in plan.events)
 
 
+def test_a_priced_jobs_cost_and_tokens_per_dollar_reach_the_status_and_its_column():
+    """`kubectl get` shows tokens per dollar as a string: a number column would print 1.44e+07."""
+    from support.operator_run import columns
+
+    crd = yaml.safe_load((ROOT / "crds" / "sparrowrl.dev_sparrowrljobs.yaml").read_text())
+    w, job = World(), body()
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    w.trainer = trainer_status([("add-grpo-worker-us-0-0", 1.0, "ok")])
+    w.step(job, 5)
+    assert "tokensPerDollar" not in job["status"]["display"] and columns(crd, job)["Tokens/$"] == "<none>"
+    w.trainer = w.trainer.model_copy(update={"cost_dollars": 1.234567, "tokens_per_dollar": 14_412_345.67})
+    w.step(job, 6)
+    p = job["status"]["progress"]
+    assert p["costDollars"] == 1.2346 and p["tokensPerDollar"] == 14_412_345.7
+    assert job["status"]["display"]["tokensPerDollar"] == "14.4M" and columns(crd, job)["Tokens/$"] == "14.4M"
+
+
 def test_suspend_deletes_the_pods_and_resume_continues():
     w, job = World(), body()
     w.step(job, 0)

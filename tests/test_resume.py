@@ -3,6 +3,7 @@ The end-to-end kill -9 under the runner is in test_run.py."""
 
 import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -277,3 +278,22 @@ def test_a_journal_written_when_the_control_plane_kept_the_workers_is_read(tmp_p
     again = restart(run)
     c = again.coord
     assert (c.begun, c.regions, c.first, c.batches[0].worker_seconds) == (True, {"w": "eu"}, {"w": 0}, 0.1)
+
+
+def test_the_jobs_cost_is_carried_on_by_a_restarted_trainer(tmp_path):
+    """What the job has cost is journaled with the loop's time: a trainer started again goes on
+    from it, not from zero (docs/operator.md, Cost)."""
+    spec = {k: v for k, v in SPEC["spec"].items() if k != "topology"}
+    spec |= {"trainer": {"costPerHour": 3.6}, "placements": [{"region": "a", "costPerHour": 36.0}]}
+    job = parse({**SPEC, "spec": spec}).spec
+    run = Trainer(job, tmp_path, token="")
+    run.ledger.t_loop = time.perf_counter() - 100  # as if its training loop had run 100 s
+    run.coord.work("w", 0, region="a")  # a worker of placement a calls in, and commits v0
+    run.coord.commit("w", 0, run.coord.hashes[0])
+    run.control.changed()  # journaled
+    spent = run.snapshot().dollars
+    assert spent == pytest.approx(100 * (3.6 + 36.0) / 3600, rel=1e-3)
+    again = Trainer(job, died(run).state_dir, token="")
+    assert again.snapshot().dollars == pytest.approx(spent, rel=1e-3)  # its loop has not started yet
+    again.ledger.t_loop = time.perf_counter() - 10
+    assert again.snapshot().dollars == pytest.approx(spent + 10 * (3.6 + 36.0) / 3600, rel=1e-3)  # w is awaited

@@ -58,10 +58,21 @@ def run(tmp_path, name: str, spec: dict) -> tuple[subprocess.CompletedProcess, o
 ON_RUNS = pytest.mark.xdist_group("runs")
 
 
+def priced(spec: dict) -> dict:
+    """The same regions as placements, each with a price per worker, and the trainer's price."""
+    spec["spec"].pop("topology")
+    spec["spec"]["placements"] = [
+        {"region": "a", "replicas": 1, "costPerHour": 7.2},
+        {"region": "b", "replicas": 1, "relay": False, "costPerHour": 3.6},
+    ]
+    spec["spec"]["trainer"] = {"costPerHour": 36.0}
+    return spec
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
-    return {mode: run(tmp, mode, job(mode)) for mode in ("sparse", "full")}
+    return {mode: run(tmp, mode, priced(job(mode)) if mode == "sparse" else job(mode)) for mode in ("sparse", "full")}
 
 
 @ON_RUNS
@@ -91,6 +102,20 @@ def test_every_commit_is_verified_and_sparse_ships_less(runs):
         assert m["prompt_groups_admitted"] == 4 * STEPS and m["prompt_groups_discarded_late"] == 0
     assert s["full"]["payload_bytes_total"] >= s["full"]["dense_bytes_total"]  # whole weights, every step
     assert s["sparse"]["payload_bytes_total"] < s["full"]["payload_bytes_total"]
+
+
+@ON_RUNS
+def test_a_priced_run_reports_its_cost_and_tokens_per_dollar(runs):
+    """Cost accrues over the loop's time: the trainer's price all along, and each worker's
+    placement's price while it is live (docs/operator.md, Cost). An unpriced run reports none."""
+    (r, sparse), (_, full) = runs["sparse"], runs["full"]
+    assert "cost_dollars" not in json.loads((full / "summary.json").read_text())
+    s = json.loads((sparse / "summary.json").read_text())
+    hours = s["seconds"] / 3600
+    assert 36.0 * hours < s["cost_dollars"] <= (36.0 + 7.2 + 3.6) * hours * 1.001
+    tokens = sum(json.loads(x)["tokens"] for x in (sparse / "metrics.jsonl").read_text().splitlines())
+    assert s["tokens_per_dollar"] == pytest.approx(tokens / s["cost_dollars"])
+    assert "cost, tokens per dollar" in r.stdout
 
 
 @ON_RUNS

@@ -86,6 +86,8 @@ class Progress(_Model):
     changed_fraction: Annotated[float, Field(ge=0, le=1)] | None = None
     commits_verified: Count = 0
     commits_mismatched: Count = 0
+    cost_dollars: Annotated[float, Field(ge=0)] | None = None  # with the spec's costPerHour
+    tokens_per_dollar: Annotated[float, Field(ge=0)] | None = None
     workers: Annotated[list[WorkerProgress], Field(max_length=MAX_LISTED)] = []
 
 
@@ -97,6 +99,7 @@ class Display(_Model):
     leases: Annotated[str, Field(max_length=64)] = ""
     clusters: Annotated[str, Field(max_length=64)] = ""
     payload: Annotated[str, Field(max_length=64)] = ""
+    tokens_per_dollar: Annotated[str, Field(max_length=64)] | None = None  # None: the spec gives no prices
 
 
 Phase = Literal["Pending", "Starting", "Running", "Suspended", "Restarting", "Succeeded", "Failed"]

@@ -213,6 +213,15 @@ def rounded(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
 
 
+def human_count(x: float) -> str:
+    """14.4M, not the 1.44e+07 that a number column would show."""
+    for unit in ("", "k", "M", "G"):
+        if x < 1000 or unit == "G":
+            return f"{x:.0f}" if not unit else f"{x:.1f}{unit}"
+        x /= 1000
+    return ""
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -911,6 +920,8 @@ class _Cycle:
                 changed_fraction=rounded(t.last_changed_fraction, 5),
                 commits_verified=t.commits_verified,
                 commits_mismatched=t.commits_mismatched,
+                cost_dollars=rounded(t.cost_dollars, 4),
+                tokens_per_dollar=rounded(t.tokens_per_dollar, 1),
                 workers=[
                     WorkerProgress(
                         name=w.name,
@@ -1000,6 +1011,7 @@ class _Cycle:
                 leases=f"{s.leases.healthy}/{s.leases.active}",
                 clusters=f"{reachable}/{used}" if used else "",
                 payload=payload,
+                tokens_per_dollar=None if p.tokens_per_dollar is None else human_count(p.tokens_per_dollar),
             )
         )
 

@@ -97,6 +97,9 @@ def summary_table(s: dict) -> Table:
     t.add_row("leases expired / groups requeued", f"{s['leases_expired']} / {s['prompt_groups_requeued']}")
     t.add_row("trainer restarts", str(s["trainer_restarts"]))
     t.add_row("tokens per second", f"{s['tokens_per_second']:.0f}")
+    if "cost_dollars" in s:  # the spec gave prices (costPerHour)
+        per = s["tokens_per_dollar"]
+        t.add_row("cost, tokens per dollar", f"${s['cost_dollars']:,.4f}, {'-' if per is None else f'{per:,.0f}'}")
     t.add_row("training time", f"{s['seconds']:.0f} s")
     return t
 

@@ -21,6 +21,7 @@ LABEL_KEY = (
 LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 MAX_TEMPLATE_BYTES = 64 << 10
 DAY = 86_400
+MAX_COST_PER_HOUR = 100_000.0  # dollars per pod-hour: far above any accelerator's price
 
 
 class _Spec(BaseModel):
@@ -30,6 +31,7 @@ class _Spec(BaseModel):
 
 
 Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]
+CostPerHour = Annotated[float, Field(ge=0, le=MAX_COST_PER_HOUR)]
 ResourceName = Annotated[str, Field(pattern=LABEL_KEY, max_length=317)]
 LabelMap = Annotated[
     dict[
@@ -185,6 +187,13 @@ class TrainerSpec(Scheduling):
             "gets the trainer container's env and mounts."
         ),
     )
+    cost_per_hour: CostPerHour | None = Field(
+        None,
+        description=(
+            "What the trainer's pod costs, in dollars an hour. With placements' costPerHour, the job's cost and its "
+            "tokens per dollar are reported."
+        ),
+    )
 
 
 class Placement(_Spec):
@@ -206,6 +215,12 @@ class Placement(_Spec):
     replicas: int = Field(1, ge=0, le=64)
     min_replicas: int = Field(1, ge=0, le=64, description="Workers that must be up before rollouts start.")
     relay: bool = True
+    cost_per_hour: CostPerHour | None = Field(
+        None,
+        description=(
+            "What one worker's pod of this placement costs, in dollars an hour, counted while the worker is live."
+        ),
+    )
     template: WorkerTemplate = Field(
         {},
         description=(

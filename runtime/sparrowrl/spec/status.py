@@ -50,6 +50,8 @@ class JobStatus(_Status):
     origin_sent_delta_bytes: Count = 0
     origin_sent_base_bytes: Count = 0
     trainer_restarts: Count = 0
+    cost_dollars: Annotated[float, Field(ge=0)] | None = None  # with the spec's costPerHour
+    tokens_per_dollar: Annotated[float, Field(ge=0)] | None = None  # completion tokens trained on
     workers: Annotated[list[WorkerStatus], Field(max_length=4096)] = []
     stale_workers: Annotated[list[str], Field(max_length=4096)] = []
 
@@ -77,6 +79,8 @@ def table(s: JobStatus, url: str) -> Table:
     t.add_row("commits verified / mismatched", f"{s.commits_verified} / {s.commits_mismatched}")
     t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")
     t.add_row("trainer restarts", str(s.trainer_restarts))
+    if s.cost_dollars is not None:
+        t.add_row("cost, tokens per dollar", f"${s.cost_dollars:,.4f}, {num(s.tokens_per_dollar, ',.0f')}")
     w = Table("worker", "region", "committed", "behind", "verified", "last heard", "leases", "refused", title="workers")
     for x in s.workers:
         w.add_row(

@@ -1,6 +1,7 @@
 """What the trainer records of the job, and reports: a metrics row per version
 (metrics.jsonl, written once every worker has staged that version), the job's status
-(JobStatus, at /v1/status), Prometheus metrics (/metrics) and the summary (summary.json).
+(JobStatus, at /v1/status), Prometheus metrics (/metrics) and the summary (summary.json), with the
+job's cost where the spec gives prices (cost.py).
 
 `Ledger` keeps the rows and the totals that outlive a trainer process; what it reports are pure
 functions of a `Snapshot` (the rows, those totals, and the coordinator's `View`)."""
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from sparrowrl.rollout.coordinator import Coordinator, View
 from sparrowrl.spec.status import JobStatus, WorkerStatus
-from sparrowrl.trainer import resume, retention
+from sparrowrl.trainer import cost, resume, retention
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.rewards import FAILURES
 from sparrowrl.transport.metrics import family
@@ -44,10 +45,11 @@ class Snapshot:
     redone: int  # steps trained again after restarts
     finished: bool
     store: retention.Held | None = None  # what the trainer's store holds
+    dollars: float | None = None  # what the job has cost so far; None: the spec gives no prices
 
 
 class Ledger:
-    def __init__(self, state_dir: Path, learner: Learner):
+    def __init__(self, state_dir: Path, learner: Learner, rates: cost.Rates | None = None):
         self.path, self.learner = state_dir / "metrics.jsonl", learner
         self.rows = self._written()  # version → metrics row
         self.written = max(self.rows, default=0)  # rows 1..written are in metrics.jsonl
@@ -58,6 +60,7 @@ class Ledger:
         self.redone = 0  # steps trained again after a restart, from their checkpoint (resume.py)
         self.finished = False
         self.held = retention.Held.of(learner.store)  # as of the last prune (which runs in a thread)
+        self.cost = None if rates is None else cost.Meter(rates)  # over every trainer process
 
     def _written(self) -> dict[int, dict]:
         """Rows already written (by a previous process): kept; a line cut short is dropped."""
@@ -78,6 +81,7 @@ class Ledger:
             "seconds": self.seconds(),
             "sent": self._total(sent),
             "redone": self.redone,
+            "dollars": 0.0 if self.cost is None else self.cost.dollars,
             "rows": {v: r for v, r in self.rows.items() if v > self.written},
         }
 
@@ -85,10 +89,17 @@ class Ledger:
         self.seconds_before, self.sent_before = state["seconds"], state["sent"]
         self.rows.update({int(v): r for v, r in state["rows"].items() if int(v) > self.written})
         self.redone = state.get("redone", 0)  # journals from before steps were trained again have none
+        if self.cost is not None:  # journals from before costs have none
+            self.cost.dollars, self.cost.at = state.get("dollars", 0.0), self.seconds_before
 
     def seconds(self) -> float:
         """The training loop's time, over every trainer process of this state dir."""
         return self.seconds_before + (time.perf_counter() - self.t_loop if self.t_loop else 0.0)
+
+    def meter(self, live_regions: list[str | None]) -> None:
+        """The cost since the last call, at the rate of the workers live now (one region each)."""
+        if self.cost is not None:
+            self.cost.to(self.seconds(), live_regions)
 
     # ---- metrics.jsonl ----
     def record(self, partial: dict, extract_s: float | None, step_s: float | None) -> None:
@@ -132,6 +143,7 @@ class Ledger:
             redone=self.redone,
             finished=self.finished,
             store=self.held,
+            dollars=None if self.cost is None else self.cost.dollars,
         )
 
 
@@ -149,6 +161,10 @@ def step_line(row: dict, steps: int) -> str:
 
 
 # ---- /v1/status, /metrics, summary.json: pure functions of a snapshot ----
+def tokens_per_dollar(s: Snapshot) -> float | None:
+    return None if s.dollars is None else cost.tokens_per_dollar(sum(r["tokens"] for r in s.rows), s.dollars)
+
+
 def status(s: Snapshot) -> JobStatus:
     rows, job, c = s.rows, s.job, s.job.counts
     workers = [
@@ -186,6 +202,8 @@ def status(s: Snapshot) -> JobStatus:
         origin_sent_delta_bytes=s.sent["delta"],
         origin_sent_base_bytes=s.sent["base"],
         trainer_restarts=s.restarts,
+        cost_dollars=s.dollars,
+        tokens_per_dollar=tokens_per_dollar(s),
         workers=workers,
         stale_workers=[w.name for w in workers if w.stale],
     )
@@ -198,6 +216,7 @@ def metrics(snap: Snapshot) -> list:
     return [
         family("counter", "versions_published", "Policy versions published", s.version),
         family("counter", "steps", "Optimizer steps taken", s.step),
+        family("counter", "tokens", "Completion tokens trained on", sum(r["tokens"] for r in snap.rows)),
         family("gauge", "leases_active", "Leases out now", s.leases_active),
         family("counter", "leases_expired", "Leases whose deadline passed before their results", s.leases_expired),
         family(
@@ -256,6 +275,23 @@ def metrics(snap: Snapshot) -> list:
             "Versions a worker's committed weights lag the newest",
             by=("worker", {w.name: w.staleness for w in s.workers if w.staleness is not None}),
         ),
+        family(
+            "gauge", "worker_leases", "Leases a worker holds", by=("worker", {w.name: w.leases_held for w in s.workers})
+        ),
+        family(
+            "counter",
+            "worker_refused_answers",
+            "Answers a worker's relay (or the origin) gave it that did not verify, as the worker reports them",
+            by=("worker", {w.name: w.refused_answers for w in s.workers}),
+        ),
+        *(
+            [
+                family("counter", "cost_dollars", "What the job has cost, from the spec's costPerHour", snap.dollars),
+                family("gauge", "tokens_per_dollar", "Completion tokens trained on per dollar", s.tokens_per_dollar),
+            ]
+            if snap.dollars is not None
+            else []
+        ),
         *(
             [
                 family(
@@ -302,4 +338,5 @@ def summary(s: Snapshot) -> dict:
         "final_version": s.job.published,
         "final_state_hash": s.job.state_hash,
         **({"store_versions_pruned": s.store.pruned, "store_bytes": s.store.bytes} if s.store is not None else {}),
+        **({"cost_dollars": s.dollars, "tokens_per_dollar": tokens_per_dollar(s)} if s.dollars is not None else {}),
     }

@@ -21,7 +21,7 @@ from sparrowrl.auth.signing import Signer
 from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
-from sparrowrl.trainer import ledger, resume, retention
+from sparrowrl.trainer import cost, ledger, resume, retention
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.outputs import Outputs
@@ -57,7 +57,7 @@ class Trainer:
         for v, entry in self.learner.store.versions.items():
             self.coord.publish(v, entry.state_hash, self.learner.published(v)["payload_bytes"])
         self.control = Control(spec, self.learner, self.coord, self._journal)
-        self.ledger = ledger.Ledger(state_dir, self.learner)
+        self.ledger = ledger.Ledger(state_dir, self.learner, cost.Rates.of(spec))
         self.served = {"delta": 0, "base": 0}  # what this process's origin sent (its server counts)
         self.outputs = Outputs(spec, state_dir)
         self.trained: resume.Results = {}  # results of batches trained since the newest whole checkpoint
@@ -116,12 +116,17 @@ class Trainer:
     def _journal(self, admitted: tuple[int, list[int]] | None) -> None:
         """Every change, before the request that made it is answered."""
         self.ledger.flush(self.coord)
+        self._meter()
         self.journal.append(
             {"coordinator": self.coord.changes(), "ledger": self.ledger.state(self.served)},
             self._results(admitted),
         )
 
+    def _meter(self) -> None:
+        self.ledger.meter([self.coord.regions.get(w) for w in self.coord.live()])
+
     def snapshot(self) -> ledger.Snapshot:
+        self._meter()
         return self.ledger.snapshot(self.coord.view(), self.spec.steps, self.served)
 
     async def h_status(self, request: web.Request) -> web.Response:
