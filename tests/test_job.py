@@ -57,18 +57,17 @@ def test_the_example_parses_with_its_defaults():
         (
             {"placements": [{"region": "a", "template": {"spec": {"containers": [{"name": "relay", "env": []}]}}}]},
             "spec.placements.0.template",
-            "spec.containers[0] ('relay'): the pod has no container of that name, so it would be added without an "
-            "image; name the pod's container 'worker'",
+            "spec.containers[0] ('relay'): the pod's one container is 'worker'",
         ),
         (
             {"relays": {"template": {"spec": {"containers": [{"name": "worker", "env": []}]}}}},
             "spec.relays.template",
-            "name the pod's container 'relay'",
+            "the pod's one container is 'relay'; add a sidecar as an init container with restartPolicy: Always",
         ),
         (
             {"relays": {"template": {"spec": {"initContainers": [{"name": "relay"}]}}}},
             "spec.relays.template",
-            "spec.initContainers[0] ('relay'): the pod has no container of that name",
+            "spec.initContainers[0] ('relay'): an init container needs its image",
         ),
         ({"relays": {"template": {"spec": {"containers": [{"image": "x"}]}}}}, "spec.relays.template", "needs a name"),
         ({"relays": {"template": {"spec": {"containers": None}}}}, "spec.relays.template", "a list of containers"),

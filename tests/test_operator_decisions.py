@@ -20,6 +20,7 @@ from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl.spec.status import WorkerStatus
 from sparrowrl_operator.builders import merge, stored
 from sparrowrl_operator.conditions import set_condition
+from sparrowrl_operator.constants import ROLE_LABEL
 from sparrowrl_operator.handlers import merge_patch, union
 from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, derive_phase, reconcile, stamp
 
@@ -93,13 +94,14 @@ class World:
                     "startTime": stamp(T0),
                     "conditions": [{"type": "Ready", "status": str(ready and phase == "Running")}],
                 }
-                if finished is not None:
+                if finished is not None:  # its own container, named as its role, ran from the pod's start
                     st["containerStatuses"] = [
                         {
-                            "name": "x",
+                            "name": pods[name]["metadata"]["labels"][ROLE_LABEL],
                             "state": {
                                 "terminated": {
                                     "exitCode": exit_code,
+                                    "startedAt": stamp(T0),
                                     "finishedAt": at(finished).strftime("%Y-%m-%dT%H:%M:%SZ"),
                                 }
                             },
@@ -840,31 +842,49 @@ def test_relay_pods_take_neither_gpus_nor_a_workers_template():
     assert {"name": "hf-cache", "emptyDir": {"sizeLimit": "20Gi"}} in worker["volumes"]
 
 
-def test_a_sidecar_with_its_image_is_added_to_workers_and_relays_get_their_template():
+def test_a_native_sidecar_is_added_to_workers_and_relays_get_their_template():
+    proxy = {"name": "proxy", "image": "envoyproxy/envoy:v1.33", "restartPolicy": "Always"}
     job = body(
-        placements=[
-            {
-                "region": "us",
-                "template": {"spec": {"containers": [{"name": "proxy", "image": "envoyproxy/envoy:v1.33"}]}},
-            }
-        ],
+        placements=[{"region": "us", "template": {"spec": {"initContainers": [proxy]}}}],
         relays={"template": {"metadata": {"labels": {"team": "net"}}, "spec": {"priorityClassName": "relay"}}},
     )
     w = World(members={})
     w.step(job, 0)
     worker, relay = w.pods[None]["add-grpo-worker-us-0-0"], w.pods[None]["add-grpo-relay-us-0"]
-    assert [c["name"] for c in worker["spec"]["containers"]] == ["worker", "proxy"]
-    assert [c["name"] for c in relay["spec"]["containers"]] == ["relay"]
+    assert [c["name"] for c in worker["spec"]["containers"]] == ["worker"]
+    assert worker["spec"]["initContainers"] == [proxy]
+    assert [c["name"] for c in relay["spec"]["containers"]] == ["relay"] and "initContainers" not in relay["spec"]
     assert relay["metadata"]["labels"]["team"] == "net" and relay["spec"]["priorityClassName"] == "relay"
     assert "team" not in worker["metadata"]["labels"] and "priorityClassName" not in worker["spec"]
 
 
-def test_a_template_that_would_add_an_image_less_container_fails_the_job():
-    job = body(placements=[{"region": "us", "template": {"spec": {"containers": [{"name": "sidecar", "env": []}]}}}])
+@pytest.mark.parametrize(
+    "template, why",
+    [
+        ({"spec": {"containers": [{"name": "sidecar", "env": []}]}}, "spec.containers[0] ('sidecar'): the pod's one"),
+        (
+            {"spec": {"containers": [{"name": "proxy", "image": "envoy"}]}},
+            "spec.containers[0] ('proxy'): the pod's one container is 'worker'; add a sidecar",
+        ),
+        ({"spec": {"initContainers": [{"name": "fetch"}]}}, "spec.initContainers[0] ('fetch'): an init container"),
+        ({"spec": None}, "spec: an object"),
+        ({"metadata": None}, "metadata: an object"),
+        ({"metadata": {"labels": {"sparrowrl.dev/job-uid": "x"}}}, "metadata.labels['sparrowrl.dev/job-uid']"),
+        ({"metadata": {"labels": {"app.kubernetes.io/managed-by": "me"}}}, "metadata.labels['app.kubernetes.io"),
+        ({"metadata": {"annotations": {"sparrowrl.dev/steps": "9"}}}, "metadata.annotations['sparrowrl.dev/steps']"),
+        ({"metadata": {"name": "mine"}}, "metadata.name: the operator sets it"),
+        ({"spec": {"restartPolicy": "OnFailure"}}, "spec.restartPolicy: the operator sets it"),
+    ],
+)
+def test_a_template_that_would_break_the_pods_fails_the_job(template, why):
+    """An image-less container would be refused by the API server; an added container would keep a
+    finished pod running; the operator's labels, a name or a restart policy would hide its pods
+    from it or its check's refusal from the job."""
+    job = body(placements=[{"region": "us", "template": template}])
     plan = reconcile(job, World(members={}).observe(T0), IMAGE)
     failed = next(c for c in plan.status.conditions if c.type == "Failed")
     assert failed.reason == "InvalidSpec" and plan.create == []
-    assert "spec.placements.0.template: spec.containers[0] ('sidecar'): the pod has no container" in failed.message
+    assert "spec.placements.0.template: " + why in failed.message, failed.message
 
 
 # --- a worker in a crash loop ---
@@ -874,8 +894,12 @@ def crash(w: World, name: str, at_s: float, started_s: float = 0.0) -> None:
     """The pod failed as a container exiting 3 does: its reason, exit code and message."""
     w.set_phase(name, "Failed", finished=at_s, exit_code=3)
     status = w.pods.get(None, {}).get(name) or next(ps[name] for ps in w.pods.values() if name in ps)
-    status["status"]["startTime"] = stamp(at(started_s))
-    status["status"]["containerStatuses"][0]["state"]["terminated"] |= {"reason": "Error", "message": "CUDA OOM\n"}
+    status["status"]["startTime"] = stamp(at(0))  # when it was scheduled: the image pull comes after
+    status["status"]["containerStatuses"][0]["state"]["terminated"] |= {
+        "reason": "Error",
+        "message": "CUDA OOM\n",
+        "startedAt": stamp(at(started_s)),
+    }
 
 
 def single(**changes) -> tuple[World, dict]:
@@ -1121,10 +1145,13 @@ def test_the_trainer_pod_takes_its_template_and_checks_the_job_before_it_starts(
 
 def refusing(w: World, name: str, exit_code: int, message: str) -> None:
     """The trainer pod as a kubelet leaves it when its check exited: Failed, never initialized."""
-    w.set_phase(name, "Failed", finished=10)
-    w.pods[None][name]["status"]["initContainerStatuses"] = [
+    w.set_phase(name, "Failed")
+    status = w.pods[None][name]["status"]
+    status["conditions"] = [{"type": "Initialized", "status": "False", "lastTransitionTime": stamp(at(10))}]
+    status["initContainerStatuses"] = [
         {"name": "sparrowrl-check", "state": {"terminated": {"exitCode": exit_code, "message": message}}}
     ]
+    status["containerStatuses"] = [{"name": "trainer", "state": {"waiting": {"reason": "PodInitializing"}}}]
 
 
 def test_a_job_its_trainers_check_refuses_fails_as_invalid_spec_not_restarted():
@@ -1155,3 +1182,6 @@ def test_a_check_that_dies_otherwise_is_a_trainer_failure():
     assert job["status"]["phase"] == "Restarting" and not any(
         c["type"] == "Failed" for c in job["status"]["conditions"]
     )
+    w.step(job, 3600)  # its container never ran: the backoff counts from when the pod failed
+    assert "add-grpo-trainer-1" in w.names() and "add-grpo-trainer-0" not in w.names()
+    assert job["status"]["restarts"] == 1

@@ -132,11 +132,17 @@ def ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
-def finished_at(pod: dict) -> str | None:
+def ended(pod: dict) -> dict:
+    """The terminated state of the pod's own container (named as its role), else {}."""
+    role = pod["metadata"].get("labels", {}).get(ROLE_LABEL)
     for s in (pod.get("status") or {}).get("containerStatuses") or []:
-        if t := ((s.get("state") or {}).get("terminated") or {}).get("finishedAt"):
-            return t
-    return None
+        if s.get("name") == role:
+            return (s.get("state") or {}).get("terminated") or {}
+    return {}
+
+
+def finished_at(pod: dict) -> str | None:
+    return ended(pod).get("finishedAt")
 
 
 def failed_at(pod: dict) -> str | None:
@@ -155,7 +161,7 @@ def in_a_row(pod: dict) -> int:
         before = int(pod["metadata"].get("annotations", {})[FAILURES_ANNOTATION])
     except (KeyError, ValueError):
         before = 0
-    start, end = started_at(pod), finished_at(pod)
+    start, end = ended(pod).get("startedAt"), finished_at(pod)  # the container's run, not the image pull before it
     ran = since(start, datetime.datetime.fromisoformat(end.replace("Z", "+00:00"))) if start and end else 0.0
     return 1 if ran >= RESET_AFTER else before + 1
 
@@ -632,7 +638,7 @@ class _Cycle:
                 )
                 return
             self.condition("TrainerReady", False, "Restarting", f"the trainer failed (pod {pod['metadata']['name']})")
-            if since(finished_at(pod), self.obs.now) >= self.backoff.delay(n):
+            if since(failed_at(pod), self.obs.now) >= self.backoff.delay(n):  # its container may never have run
                 self.create_pod(None, role, n + 1, None, template=self.spec.trainer.template)
                 self.remove(None, pod)
                 self.update(restarts=n + 1)

@@ -115,10 +115,17 @@ class CheckpointSpec(_Spec):
     keep: int = Field(1, ge=1, le=1000, description="How many of the newest checkpoints are kept.")
 
 
+OWN_KEYS = ("sparrowrl.dev/", "app.kubernetes.io/managed-by")  # labels and annotations the operator finds its pods by
+OWN_METADATA = ("name", "generateName", "namespace", "ownerReferences", "finalizers")
+OWN_SPEC = ("restartPolicy",)  # the check's refusal and a role's exit are read from a pod that ran once
+
+
 def _template(patch: dict[str, Any], container: str) -> dict[str, Any]:
-    """A patch of pods whose one container is named `container`. Containers merge by name, so a
-    container of another name is added: it must bring its image (a sidecar). Never null: that
-    would remove the pod's containers or its container's image."""
+    """A patch of pods whose one container is named `container`. It may change that container
+    (containers merge by name) and add native sidecars (init containers with restartPolicy:
+    Always), but not add containers: a pod whose sidecar runs on never finishes, so a trainer that
+    exited 0 would hold its job and a crashing worker would never count as failed. Nor may it touch
+    what the operator finds and judges its pods by. Never null: that would remove what it patches."""
     if set(patch) - {"metadata", "spec"}:
         raise ValueError(
             f"a pod template patch holds metadata and spec only, not {sorted(set(patch) - {'metadata', 'spec'})}"
@@ -126,8 +133,21 @@ def _template(patch: dict[str, Any], container: str) -> dict[str, Any]:
     size = len(json.dumps(patch))
     if size > MAX_TEMPLATE_BYTES:
         raise ValueError(f"a pod template patch of {size:,} bytes (limit {MAX_TEMPLATE_BYTES:,})")
-    spec = patch.get("spec")
-    for key in ("containers", "initContainers") if isinstance(spec, dict) else ():
+    for part in ("metadata", "spec"):
+        if part in patch and not isinstance(patch[part], dict):
+            raise ValueError(f"{part}: an object (null would remove the pod's {part})")
+    meta, spec = patch.get("metadata") or {}, patch.get("spec") or {}
+    if owned := [k for k in OWN_METADATA if k in meta]:
+        raise ValueError(f"metadata.{owned[0]}: the operator sets it")
+    for kind in ("labels", "annotations"):
+        keys = meta.get(kind) or {}
+        if not isinstance(keys, dict):
+            raise ValueError(f"metadata.{kind}: an object of strings")
+        if owned := [k for k in keys if isinstance(k, str) and k.startswith(OWN_KEYS)]:
+            raise ValueError(f"metadata.{kind}[{owned[0]!r}]: the operator finds and counts its pods by it")
+    if owned := [k for k in OWN_SPEC if k in spec]:
+        raise ValueError(f"spec.{owned[0]}: the operator sets it (Never)")
+    for key in ("containers", "initContainers"):
         if key not in spec:
             continue
         if not isinstance(spec[key], list):
@@ -138,12 +158,13 @@ def _template(patch: dict[str, Any], container: str) -> dict[str, Any]:
                 raise ValueError(f"{where}: a container needs a name (containers merge by name)")
             if "image" in c and not isinstance(c["image"], str):
                 raise ValueError(f"{where} ({c['name']!r}): image must be a string")
-            if (key == "initContainers" or c["name"] != container) and not c.get("image"):
+            if key == "containers" and c["name"] != container:
                 raise ValueError(
-                    f"{where} ({c['name']!r}): the pod has no container of that name, so it would be added "
-                    f"without an image; name the pod's container {container!r} to change it, or give a sidecar "
-                    f"its image"
+                    f"{where} ({c['name']!r}): the pod's one container is {container!r}; add a sidecar as an init "
+                    f"container with restartPolicy: Always (a native sidecar, which lets the pod finish)"
                 )
+            if key == "initContainers" and not c.get("image"):
+                raise ValueError(f"{where} ({c['name']!r}): an init container needs its image")
     return patch
 
 
@@ -225,7 +246,8 @@ class Placement(_Spec):
         {},
         description=(
             "Merged into each worker pod of this placement, not its relay's (a JSON merge patch of {metadata, spec}; "
-            "containers merge by name: 'worker' is the worker's, another name is a sidecar and needs its image)."
+            "containers merge by name: 'worker' is the worker's; sidecars are init containers with restartPolicy: "
+            "Always)."
         ),
     )
 
@@ -244,7 +266,7 @@ class RelaySpec(Scheduling):
         {},
         description=(
             "Merged into each relay pod (a JSON merge patch of {metadata, spec}; containers merge by name: 'relay' "
-            "is the relay's, another name is a sidecar and needs its image)."
+            "is the relay's; sidecars are init containers with restartPolicy: Always)."
         ),
     )
 
