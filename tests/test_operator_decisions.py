@@ -1056,6 +1056,29 @@ def test_a_claim_retained_from_an_earlier_job_of_the_name_is_adopted():
     assert "Adopted" not in [r for _, r, _ in w2.step(job2, 101).events]  # said once
 
 
+def test_a_claim_an_earlier_job_of_the_name_owned_is_not_adopted_but_awaited():
+    """An earlier job of this name with whenDeleted: Delete owned it: the garbage collector will
+    take it, so the new job waits for it to go, then makes its own, rather than keep it by
+    dropping the reference."""
+    job0 = body()
+    job0["spec"]["trainer"]["state"]["retentionPolicy"] = {"whenDeleted": "Delete"}
+    w0 = World()
+    w0.step(job0, 0)
+    w2, job2 = World(), body()
+    w2.objects[None] = {("PersistentVolumeClaim", "add-grpo-state"): claim(w0)}
+    job2["metadata"]["uid"] = "u-2"
+    plan = w2.step(job2, 100)
+    assert plan.patch == [] and not [m for _, m in plan.create if m["kind"] == "PersistentVolumeClaim"]
+    assert "add-grpo-trainer-0" not in w2.names() and condition(job2, "TrainerReady")["reason"] == "WaitingForClaim"
+    assert claim(w2)["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    del w2.objects[None]["PersistentVolumeClaim", "add-grpo-state"]  # collected
+    plan = w2.step(job2, 101)
+    (made,) = [m for _, m in plan.create if m["kind"] == "PersistentVolumeClaim"]
+    assert made["metadata"]["labels"]["sparrowrl.dev/job-uid"] == "u-2"
+    w2.step(job2, 102)
+    assert "add-grpo-trainer-0" in w2.names()
+
+
 def test_a_claim_this_operator_did_not_make_is_left_alone():
     w = World()
     foreign = {"metadata": {"name": "add-grpo-state", "labels": {"app": "db"}}, "spec": {"resources": {}}}
@@ -1084,6 +1107,26 @@ def test_the_ttl_says_what_becomes_of_the_model(when, kept):
     ((kind, message),) = [(t, m) for t, r, m in plan.events if r == "TTLExpired"]
     assert ("is kept" in message) == kept and ("goes with it" in message) == (not kept)
     assert kind == ("Normal" if kept else "Warning") and "add-grpo-state" in message
+
+
+def test_a_finished_job_switched_to_retain_keeps_its_model():
+    """A user who sees the job finish with whenDeleted: Delete, and switches to Retain to keep the
+    model, keeps it: the claim loses the job's ownerReference before the TTL deletes the job."""
+    w, job = World(), body(runPolicy={"ttlSecondsAfterFinished": 60})
+    job["spec"]["trainer"]["state"]["retentionPolicy"] = {"whenDeleted": "Delete"}
+    w.step(job, 0), w.step(job, 0)
+    w.run_all()
+    w.set_phase("add-grpo-trainer-0", "Succeeded", finished=100, exit_code=0)
+    w.step(job, 100)
+    assert job["status"]["phase"] == "Succeeded" and claim(w)["metadata"]["ownerReferences"]
+    job["spec"]["trainer"]["state"]["retentionPolicy"] = {"whenDeleted": "Retain"}
+    plan = w.step(job, 160)
+    assert not plan.delete_job and [k for _, k, _, _, _ in plan.patch] == ["PersistentVolumeClaim"]
+    assert claim(w)["metadata"]["ownerReferences"] == []
+    plan = w.step(job, 161)
+    assert plan.delete_job
+    ((message,),) = [(m,) for _, r, m in plan.events if r == "TTLExpired"]
+    assert "is kept" in message
 
 
 def trainer_pod(example: str) -> tuple[dict, World]:

@@ -321,6 +321,7 @@ class _Cycle:
         self.clusters = (0, 0)  # reachable, used
         self.crashed: list[str] = []  # why each slot given up was
         self.workers_alive = 0  # worker slots not given up
+        self.claim_going = False  # the state claim is an earlier job's, being deleted
 
     def condition(self, type_: str, status: bool | None, reason: str, message: str = "") -> None:
         conds = set_condition(list(self.status.conditions), type_, status, reason, message, self.now, self.generation)
@@ -420,8 +421,9 @@ class _Cycle:
 
     def finish(self) -> None:
         self.cleanup_running()
+        settled = self.claim_as_decided()
         ttl = self.spec.run_policy.ttl_seconds_after_finished
-        if ttl is not None and since(self.status.completion_time, self.obs.now) >= ttl:
+        if ttl is not None and since(self.status.completion_time, self.obs.now) >= ttl and settled:
             self.plan.delete_job = True
             claim = builders.claim_name(self.job)
             if builders.retained(self.spec):
@@ -558,8 +560,12 @@ class _Cycle:
                 "it is left alone: delete it, or give the job another name",
             )
             return True
-        if seen["metadata"].get("deletionTimestamp"):
-            return False  # going (its owner, an earlier job of this name, went): made again once gone
+        refs = seen["metadata"].get("ownerReferences") or []
+        if seen["metadata"].get("deletionTimestamp") or any(
+            r.get("kind") == "SparrowRLJob" and r.get("name") == job.name and r.get("uid") != job.uid for r in refs
+        ):
+            self.claim_going = True  # its owner, an earlier job of this name, went: made again once gone
+            return False
         if patch := builders.claim_patch(job, self.spec, seen):
             self.plan.patch.append((None, "PersistentVolumeClaim", job.namespace, name, patch))
             if labels.get(UID_LABEL) != job.uid:
@@ -569,6 +575,18 @@ class _Cycle:
                     "state now: the trainer resumes from it, and refuses it if it is another job's (then delete "
                     "the claim to start afresh)",
                 )
+        return True
+
+    def claim_as_decided(self) -> bool:
+        """A finished job's claim follows its retention policy as it is now: a user who switches to
+        Retain to keep the model keeps it. Whether it follows it already (the job may go)."""
+        name = builders.claim_name(self.job)
+        seen = self.seen(None, "PersistentVolumeClaim", name)
+        if seen is None or (seen["metadata"].get("labels") or {}).get(UID_LABEL) != self.job.uid:
+            return True  # none of this job's
+        if patch := builders.claim_patch(self.job, self.spec, seen):
+            self.plan.patch.append((None, "PersistentVolumeClaim", self.job.namespace, name, patch))
+            return False
         return True
 
     def current(self, cluster: Cluster, key: tuple) -> tuple[dict | None, list[dict]]:
@@ -597,6 +615,15 @@ class _Cycle:
         for p in older:
             self.remove(None, p)
         limit = self.spec.run_policy.backoff_limit
+        if pod is None and self.claim_going:
+            self.condition(
+                "TrainerReady",
+                False,
+                "WaitingForClaim",
+                f"PersistentVolumeClaim {builders.claim_name(self.job)}, an earlier job's of this name, is being "
+                "deleted with it: the trainer starts on a new one",
+            )
+            return
         if pod is None:
             self.create_pod(None, role, self.status.restarts, None, template=self.spec.trainer.template)
             self.condition("TrainerReady", False, "Creating", "creating the trainer pod")
