@@ -5,6 +5,7 @@ then each node's rules, transition rules (oldSelf) only on an update."""
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,21 @@ def test_examples_are_admitted_and_parse():
                 ClusterSpec.model_validate(doc["spec"])
             else:  # Kubernetes' own kinds: against Kubernetes' schemas
                 kubernetes_validate.validate(doc, latest_version(), strict=True)
+
+
+def test_an_example_that_asks_for_gpus_runs_the_gpu_image():
+    """The CPU image has no CUDA torch and no vLLM: a job with GPUs on it would idle them, or fail
+    its check on trainer.device: cuda."""
+    gpu_jobs = 0
+    for path in sorted((ROOT / "examples" / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["kind"] != "SparrowRLJob":
+                continue
+            spec = doc["spec"]
+            if "nvidia.com/gpu" in json.dumps(spec) or (spec.get("rollout") or {}).get("engine") == "vllm":
+                gpu_jobs += 1
+                assert (spec.get("image") or "").endswith("-gpu"), f"{path.name}: GPUs with the CPU image"
+    assert gpu_jobs >= 4
 
 
 def spec_with(change) -> dict:

@@ -132,6 +132,7 @@ def test_cost_accrues_over_the_loops_time_at_the_rate_of_the_live_workers():
     assert m.to(3000, ["us"]) == 4.0 and m.at == 3600  # a clock read out of order adds nothing
     assert m.to(7200, ["us"]) == 4.0 + 3.0  # one worker lost
     assert tokens_per_dollar(700, 7.0) == 100.0 and tokens_per_dollar(700, 0.0) is None
+    assert tokens_per_dollar(700, 1e-300) is None  # a price of 1e-300 is allowed; its ratio would overflow
 
 
 def test_the_cost_and_tokens_per_dollar_are_in_the_status_metrics_and_summary_when_priced():

@@ -22,7 +22,7 @@ from sparrowrl_operator.builders import merge, stored
 from sparrowrl_operator.conditions import set_condition
 from sparrowrl_operator.constants import ROLE_LABEL
 from sparrowrl_operator.handlers import merge_patch, union
-from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, derive_phase, reconcile, stamp
+from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, derive_phase, human_count, reconcile, stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc)
@@ -1183,7 +1183,7 @@ def test_the_trainer_pod_takes_its_template_and_checks_the_job_before_it_starts(
     assert spec["imagePullSecrets"] == [{"name": "registry-example-com"}]
     assert spec["serviceAccountName"] == "sparrowrl-trainer" and spec["priorityClassName"] == "training-high"
     assert "nodeAffinity" in spec["affinity"]
-    assert spec["initContainers"][0]["image"] == "registry.example.com/team/sparrowrl-rewards:1.2.0"
+    assert spec["initContainers"][0]["image"] == "registry.example.com/team/sparrowrl-rewards:1.2.0-gpu"
 
 
 def refusing(w: World, name: str, exit_code: int, message: str) -> None:
@@ -1228,3 +1228,10 @@ def test_a_check_that_dies_otherwise_is_a_trainer_failure():
     w.step(job, 3600)  # its container never ran: the backoff counts from when the pod failed
     assert "add-grpo-trainer-1" in w.names() and "add-grpo-trainer-0" not in w.names()
     assert job["status"]["restarts"] == 1
+
+
+@pytest.mark.parametrize(
+    "x, shown", [(999, "999"), (14_400_000, "14.4M"), (2.5e12, "2.5T"), (1e300, "1e+300"), (float("inf"), "inf")]
+)
+def test_the_tokens_per_dollar_column_is_short_at_any_size(x, shown):
+    assert human_count(x) == shown and len(human_count(x)) <= 64  # the CRD's bound on the field

@@ -220,12 +220,13 @@ def rounded(x: float | None, digits: int) -> float | None:
 
 
 def human_count(x: float) -> str:
-    """14.4M, not the 1.44e+07 that a number column would show."""
-    for unit in ("", "k", "M", "G"):
-        if x < 1000 or unit == "G":
+    """14.4M, not the 1.44e+07 that a number column would show; short at any size (the column's
+    field has a length bound)."""
+    for unit in ("", "k", "M", "G", "T"):
+        if x < 1000:
             return f"{x:.0f}" if not unit else f"{x:.1f}{unit}"
         x /= 1000
-    return ""
+    return f"{x * 1e15:.2g}"
 
 
 def human_bytes(n: int) -> str:

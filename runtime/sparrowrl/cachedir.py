@@ -24,13 +24,19 @@ def writable(path: Path) -> bool:
 def own(name: str) -> Path | None:
     """A folder for cache `name` in the temporary folder (TMPDIR, else /tmp), this user's alone;
     None where there is no writable temporary folder, or where the folder is another user's or
-    others may write it: its files (numba's are pickles) would be loaded as this process's own."""
+    others may write it: its files (numba's are pickles) would be loaded as this process's own.
+    The temporary folder must be sticky (like /tmp) or writable by this user only, else another
+    user could rename this folder away and put their own in its place."""
     uid = os.getuid()
     try:
-        d = Path(tempfile.gettempdir()) / f"sparrowrl-{name}-{uid}"
+        parent = Path(tempfile.gettempdir())
+        up = parent.stat()
+        d = parent / f"sparrowrl-{name}-{uid}"
         d.mkdir(mode=0o700, exist_ok=True)
         st = d.lstat()
     except OSError:  # gettempdir raises FileNotFoundError when no temporary folder is writable
+        return None
+    if up.st_mode & 0o022 and not up.st_mode & stat.S_ISVTX:
         return None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022 or not writable(d):
         return None

@@ -54,6 +54,9 @@ class Meter:
         return self.dollars
 
 
+MIN_DOLLARS = 1e-6  # below a millionth of a dollar, tokens per dollar says nothing (and may overflow)
+
+
 def tokens_per_dollar(tokens: int, dollars: float) -> float | None:
-    """None until something has cost anything."""
-    return tokens / dollars if dollars > 0 else None
+    """None until something has cost a millionth of a dollar."""
+    return tokens / dollars if dollars >= MIN_DOLLARS else None
