@@ -176,3 +176,13 @@ def test_check_names_what_the_trainer_would_not_find(tmp_path, monkeypatch):
     p = check(hub, jsonl="inputs/data.jsonl", reward="inputs/score.py:score")
     assert p.exit_code == 0 and "load here" in p.stdout, p.output
     assert not (tmp_path / "state").exists()  # it writes nothing
+    # a state dir (a claim kept from an earlier job of the name) of another job: refused here, not in a crash loop
+    from sparrowrl.spec.job import load
+
+    mine = load(tmp_path / "job.yaml").spec.model_dump(mode="json")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "job.json").write_text(json.dumps(mine | {"seed": mine["seed"] + 1}))
+    p = check(hub, jsonl="inputs/data.jsonl", reward="inputs/score.py:score")
+    assert p.exit_code == 3 and "holds the state of another job (spec.seed differs)" in p.stderr, p.output
+    (tmp_path / "state" / "job.json").write_text(json.dumps(mine))  # its own: the trainer resumes from it
+    assert check(hub, jsonl="inputs/data.jsonl", reward="inputs/score.py:score").exit_code == 0

@@ -552,6 +552,27 @@ def _device(spec, job: str) -> None:
         raise JobError(f"{job}: spec.{e}") from None
 
 
+def _state_is_this_jobs(spec, state_dir: Path | None) -> None:
+    """A state dir of another job (a claim kept from an earlier job of this name) is refused as
+    the trainer would refuse it, but here, before it starts, so the job fails saying why."""
+    import json
+
+    from sparrowrl.spec.job import JobError, state_mismatch
+
+    mark = state_dir / "job.json" if state_dir is not None else None
+    if mark is None or not mark.is_file():
+        return
+    try:
+        saved = json.loads(mark.read_text())
+    except (OSError, ValueError) as e:
+        raise JobError(f"{mark}: unreadable ({e})") from None
+    if (why := state_mismatch(saved, spec.model_dump(mode="json"))) is not None:
+        raise JobError(
+            f"{state_dir} holds the state of another job ({why}): delete its volume claim to start afresh, or "
+            "give the job it was made with (its steps may be raised)"
+        )
+
+
 @app.command("check")
 def check(
     job: Annotated[Path, typer.Argument(help="A SparrowRLJob YAML file (in a pod: the trainer's).")],
@@ -570,6 +591,7 @@ def check(
 
     try:
         j = load(job)
+        _state_is_this_jobs(j.spec, state_dir)
         task = _task(j.spec, str(job), state_dir, ask_hub=False)
         _device(j.spec, str(job))
     except JobError as e:
