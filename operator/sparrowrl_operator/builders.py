@@ -403,7 +403,7 @@ def pod(
         manifest["spec"]["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
-    if role.kind == "trainer":  # the answer on /healthz may be minutes away: the job's data read and checked first
+    if role.kind == "trainer":  # until it listens (imports, on a cold node); then it answers while it loads
         container["startupProbe"] = {
             "httpGet": {"path": "/healthz", "port": "http"},
             "periodSeconds": 10,

@@ -782,11 +782,11 @@ def trainer(
         j = load(job)
     except JobError as e:
         _fail(e)
-    try:
+
+    def check() -> None:
         _task(j.spec, str(job), state_dir)
         _device(j.spec, str(job))
-    except JobError as e:
-        _fail(e)
+
     import socket
 
     from sparrowrl.transport.http import ListenError
@@ -801,8 +801,8 @@ def trainer(
     from sparrowrl.trainer.resume import ResumeError
 
     try:
-        asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port))
-    except (ListenError, ResumeError, StoreError, HubError) as e:  # the port taken meanwhile; a state dir not
+        asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port, check))
+    except (JobError, ListenError, ResumeError, StoreError, HubError) as e:  # the port taken meanwhile; a state dir not
         _fail(e)  # to resume; what the hub did not give
     if j.spec.trainer.ranks > 1:
         from sparrowrl.trainer import ranks

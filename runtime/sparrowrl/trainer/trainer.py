@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 from aiohttp import web
 
@@ -257,13 +258,23 @@ def starting_app() -> web.Application:
 
 
 async def serve(
-    spec: JobSpec, state_dir: Path, host: str, port: int, token: str, metrics_port: int | None = None
+    spec: JobSpec,
+    state_dir: Path,
+    host: str,
+    port: int,
+    token: str,
+    metrics_port: int | None = None,
+    check: Callable[[], None] | None = None,
 ) -> None:
+    """`check`: the job's data and reward read and checked, answering /healthz meanwhile (a large
+    data set takes minutes, which no probe of the pod can know in advance)."""
     early = web.AppRunner(starting_app())
     await early.setup()
     await listen(early, host, port)
     print(f"trainer: starting on {host}:{port}", flush=True)
     try:
+        if check is not None:
+            await asyncio.to_thread(check)
         run = await asyncio.to_thread(Trainer, spec, state_dir, token)
     finally:
         await early.cleanup()  # the port is free again, for the trainer's own server at once
