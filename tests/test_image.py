@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 from support.bounded import free_port
+from support.hub import Hub
+from support.models import save_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 UID = 65532  # the image's USER
@@ -109,18 +111,27 @@ def wait_for(url: str, procs: dict, seconds: float = 180) -> None:
         time.sleep(0.2)
 
 
+@pytest.fixture
+def hub():
+    with Hub() as h:
+        yield h
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="runs roles as uid 65532: needs root and setpriv")
-def test_the_roles_run_as_the_images_user_from_a_read_only_install(image):
+def test_the_roles_run_as_the_images_user_from_a_read_only_install(image, hub, tmp_path):
+    """The model comes from a private repo of the hub stand-in, with HF_TOKEN, as job-hub.yaml's:
+    huggingface_hub must not need a writable HOME either."""
     venv, top = image
+    hub.add("model", "me/tiny", save_tiny(tmp_path / "model"), private=True)
     job = {
         "apiVersion": "sparrowrl.dev/v1alpha1",
         "kind": "SparrowRLJob",
         "metadata": {"name": "image"},
         "spec": {
             "steps": 1,
-            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+            "model": {"hub": {"repo": "me/tiny"}},
             "task": {"dataset": {"path": "sums.jsonl"}},  # read with `datasets`, which caches under HOME
             "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
             "rollout": {"groupsPerLease": 1},
@@ -138,6 +149,7 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image):
     tmp = folder(top / "tmp", UID)  # the container's own /tmp
     base = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": "/", "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
     secret = dict(base, SPARROWRL_TOKEN="s3cret")
+    from_hub = dict(secret, HF_ENDPOINT=hub.url, HF_TOKEN=hub.token, HF_HUB_OFFLINE="0")
 
     def run(*args: str, env: dict, cwd: Path, **kw) -> subprocess.Popen:
         return subprocess.Popen(
@@ -158,7 +170,7 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image):
 
     key = given("key")
     envs = {
-        "trainer": secret,
+        "trainer": from_hub,
         "relay": dict(base, SPARROWRL_TOKEN=given("relay", "a"), SPARROWRL_TRAINER_KEY=key),
         "worker": dict(base, SPARROWRL_TOKEN=given("worker", "worker-a-0"), SPARROWRL_TRAINER_KEY=key),
     }
@@ -188,6 +200,7 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image):
             p.terminate()
         for p in procs.values():
             p.wait(30)
+    assert any("/me/tiny/resolve/" in path for _, path in hub.requests)
     # the compiled kernels are cached where the user may write, not beside the package
     assert list(tmp.rglob("*.nbi")) and not list((venv / "lib").rglob("*.nbi"))
 
