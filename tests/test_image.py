@@ -169,6 +169,9 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image, hub, t
         return out.strip()
 
     key = given("key")
+    check = run("check", "job/job.yaml", "--state-dir", "state", env=base, cwd=pods["trainer"])  # its init container
+    out = check.communicate(timeout=120)[0]
+    assert check.returncode == 0 and "load here" in out, out
     envs = {
         "trainer": from_hub,
         "relay": dict(base, SPARROWRL_TOKEN=given("relay", "a"), SPARROWRL_TRAINER_KEY=key),
