@@ -18,8 +18,6 @@ import sysconfig
 import tempfile
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ import yaml
 from support.bounded import free_port
 from support.hub import Hub
 from support.models import save_tiny
+from support.servers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UID = 65532  # the image's USER
@@ -86,29 +85,6 @@ def folder(path: Path, owner: int = 0) -> Path:
     path.mkdir()
     os.chown(path, owner, owner)
     return path
-
-
-def get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def wait_for(url: str, procs: dict, seconds: float = 180) -> None:
-    """Until `url` answers 200, while every process lives."""
-    deadline = time.monotonic() + seconds
-    while True:
-        dead = {n: p for n, p in procs.items() if p.poll() is not None}
-        assert not dead, {n: p.stdout.read()[-5000:] for n, p in dead.items()}
-        try:
-            if get(url) == 200:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{url} not ready"
-        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -190,7 +166,7 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image, hub, t
     try:
         for name, args in commands.items():
             procs[name] = run(*map(str, args), env=envs[name], cwd=pods[name])
-            wait_for(probes[name], procs)
+            wait_for(probes[name], procs, 180)
         summary = pods["trainer"] / "state" / "summary.json"
         deadline = time.monotonic() + 240
         while not summary.exists():

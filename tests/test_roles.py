@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 import yaml
 from support.bounded import EXE, free_port
+from support.servers import get, wait_for
 
 from sparrowrl.spec.job import parse
 from sparrowrl.spec.layout import Process, processes
@@ -259,29 +260,6 @@ def scrape(url: str, open_url: str, token: str) -> dict:
         )
     assert out[0].keys() == out[1].keys()
     return out[0]
-
-
-def get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def wait_for(url: str, procs: dict, seconds: float = 240) -> None:
-    """Until `url` answers 200 (a readiness probe), while every process lives."""
-    deadline = time.monotonic() + seconds
-    while True:
-        dead = {n: p for n, p in procs.items() if p.poll() is not None}
-        assert not dead, {n: p.stdout.read() for n, p in dead.items()}
-        try:
-            if get(url) == 200:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{url} not ready"
-        time.sleep(0.2)
 
 
 @pytest.mark.timeout(300)

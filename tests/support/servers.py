@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -127,3 +129,27 @@ async def until(condition, what: str, seconds: float = 60.0) -> None:
     while not condition():
         assert loop.time() < deadline, f"after {seconds:g} s: {what}"
         await asyncio.sleep(0.005)
+
+
+def get(url: str) -> int:
+    """The status of a GET (an error status too)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def wait_for(url: str, procs: dict, seconds: float = 240) -> None:
+    """Until `url` answers 200 (a readiness probe), while every process in `procs` lives."""
+    deadline = time.monotonic() + seconds
+    while True:
+        dead = {n: p for n, p in procs.items() if p.poll() is not None}
+        assert not dead, {n: p.stdout.read()[-5000:] for n, p in dead.items()}
+        try:
+            if get(url) == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not ready"
+        time.sleep(0.2)
