@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from sparrowrl.sync import shards  # noqa: E402
 from sparrowrl.trainer import models, ranks, shard  # noqa: E402
 
 VOCAB = 4096
@@ -53,7 +54,7 @@ VOCAB = 4096
 def _fill(model: torch.nn.Module) -> None:
     """Random weights, generated per shard: N(0, 0.02), norms 1."""
     for n, p in model.named_parameters():
-        first, flat = shard.span(n, p)
+        first, flat = shards.span(n, p)
         if "norm" in n:
             flat.fill_(1.0)
         else:
@@ -71,10 +72,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         cfg = models.tiny_config(VOCAB, args.hidden, args.layers, args.hidden // 64)
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, the process group: no model yet
         model = shard.build(cfg, _fill)
-        table = shard.specs(model)
-        store = shard.init_store(Path(out) / "store", model, base_every=1_000_000)
+        table = shards.specs(model)
+        store = shards.init_store(Path(out) / "store", model, base_every=1_000_000)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        old = shard.policy(model)
+        old = shards.policy(model)
         held = sum(flat.numel() for _, flat in old.values())
         rows = []
         for step in range(args.steps + 1):  # step 0 warms up and is not reported
@@ -86,8 +87,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             opt.step()
             opt.zero_grad(set_to_none=True)
             t1 = time.perf_counter()
-            new = shard.policy(model)
-            took = shard.publish(store, table, old, new)
+            new = shards.policy(model)
+            took = shards.publish(store, table, old, new)
             t2 = time.perf_counter()
             copies = [torch.empty_like(flat) for _, flat in new.values()]
             t3 = time.perf_counter()
@@ -108,9 +109,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
                     }
                 )
         gather = _gather_rates() if world > 1 else None
-        state = sum(shard.span(n, p)[1].numel() * 4 for n, p in model.named_parameters())  # fp32 weights
+        state = sum(shards.span(n, p)[1].numel() * 4 for n, p in model.named_parameters())  # fp32 weights
         state += sum(
-            shard.span("optimizer state", t)[1].numel() * t.element_size()
+            shards.span("optimizer state", t)[1].numel() * t.element_size()
             for st in opt.state.values()
             for t in st.values()
             if t.dim()
@@ -247,7 +248,7 @@ def project(got: list[dict], args: argparse.Namespace) -> dict:
     rank0 = got[0]["steps"]
     gather_rate, call_s = got[0]["gather"]["bytes_per_s"], got[0]["gather"]["call_s"]
     write_rate = sent / max(mean(rank0, "write_s"), 1e-9)
-    calls = -(-n // shard.GATHER_ELEMENTS)  # one gather per group of tensors
+    calls = -(-n // shards.GATHER_ELEMENTS)  # one gather per group of tensors
     per_core = min(mean(r["steps"], "encode_gbs") for r in got) / max(1, (os.cpu_count() or 1) // len(got))
     delta = n * density * bytes_per_changed
     out = {}

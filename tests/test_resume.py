@@ -91,7 +91,7 @@ def test_killed_after_publishing_before_its_checkpoint_it_trains_the_step_again(
     assert again.learner.train(batch)["reward_mean"] == m["reward_mean"] and again.learner.version == 1
     assert again.learner.holds(1)  # the same bits as the v1 workers hold
     v1 = again.learner.store.materialize(1)
-    assert all(torch.equal(again.learner.policy[n][1], t.reshape(-1)) for n, t in v1.items())
+    assert all(torch.equal(again.learner.publisher.policy[n][1], t.reshape(-1)) for n, t in v1.items())
     assert (again.learner.store.versions[1].state_hash, again.learner.store.versions[1].delta_sha256) == (
         published.state_hash,
         published.delta_sha256,
@@ -115,7 +115,7 @@ def test_a_step_trained_again_to_other_bits_and_checkpointed_still_resumes(tmp_p
     again = restart(run)
     assert again.learner.version == again.learner.store.newest == 1 and not again.learner.holds(1)
     v1 = again.learner.store.materialize(1)
-    assert all(torch.equal(again.learner.policy[n][1], t.reshape(-1)) for n, t in v1.items())
+    assert all(torch.equal(again.learner.publisher.policy[n][1], t.reshape(-1)) for n, t in v1.items())
     again.learner.publish()  # as if after its next step
     assert again.learner.holds(2)
 

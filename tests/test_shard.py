@@ -20,6 +20,7 @@ from sparrowrl.delta.errors import MismatchError
 from sparrowrl.delta.frame import DeltaWriter
 from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.store.store import Store
+from sparrowrl.sync import shards
 from sparrowrl.trainer import grpo, models, ranks, shard
 
 VOCAB = 53  # odd: FSDP gives the two ranks 27 and 26 rows of the embedding
@@ -47,20 +48,20 @@ def _rank(rank: int, world: int, port: int, out: str, device: str = "cpu") -> No
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
-        table = shard.specs(model)
-        store = shard.init_store(Path(out) / "store", model, base_every=2)
+        table = shards.specs(model)
+        store = shards.init_store(Path(out) / "store", model, base_every=2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        old = shard.policy(model)
+        old = shards.policy(model)
         for step in range(2):  # the second version is also a base snapshot
             ids = torch.randint(3, VOCAB, (4, 12), generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-            new = shard.policy(model)
-            shard.publish(store, table, old, new)
+            new = shards.policy(model)
+            shards.publish(store, table, old, new)
             if step == 1:
-                shard.snapshot(store, 2, model)  # checked against v2's hash before it is kept
-            held = shard.state_hash(table, new)
+                shards.snapshot(store, 2, model)  # checked against v2's hash before it is kept
+            held = shards.state_hash(table, new)
             full_old = dict(_full(table, old))
             full_new = dict(_full(table, new))
             if rank == 0:
@@ -80,7 +81,7 @@ def _rank(rank: int, world: int, port: int, out: str, device: str = "cpu") -> No
 
 
 def _range(t, r: int, world: int) -> tuple[int, int]:
-    first, end = shard.rows(t.shape[0], r, world)
+    first, end = shards.rows(t.shape[0], r, world)
     row = t.numel // t.shape[0]
     return first * row, end * row
 
@@ -150,7 +151,7 @@ def _load(rank: int, world: int, port: int, folder: str) -> None:
         from transformers import AutoConfig
 
         model = shard.build(AutoConfig.from_pretrained(folder), shard.from_files(folder))
-        torch.save(dict(shard.gathered(model, torch.float32)), Path(folder) / f"gathered{rank}.pt")
+        torch.save(dict(shards.gathered(model, torch.float32)), Path(folder) / f"gathered{rank}.pt")
     finally:
         dist.destroy_process_group()
     ranks.leave()

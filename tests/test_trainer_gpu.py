@@ -74,7 +74,7 @@ def test_killed_after_publishing_it_trains_again_on_the_gpu_and_diffs_from_the_s
     again = Learner(_spec("cuda"), tmp_path)
     assert again.version == 0 and again.store.newest == 1
     v1 = again.store.materialize(1)
-    assert all(torch.equal(again.policy[n][1].cpu(), t.reshape(-1)) for n, t in v1.items())
+    assert all(torch.equal(again.publisher.policy[n][1].cpu(), t.reshape(-1)) for n, t in v1.items())
     again.train(_batch(again, 0))
     print(f"trained again on the GPU: {'the same bits' if again.holds(1) else 'other bits'} than v1")
     again.train(_batch(again, 1))

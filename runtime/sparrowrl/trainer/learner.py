@@ -6,7 +6,7 @@ With `trainer.ranks` N > 1 the model is sharded with FSDP2 over N processes (ran
 the trainer's process: it leads, and ranks 1..N-1 run `follow`, which makes the same calls (and
 so the same collectives) as rank 0 makes, in the same order. Each rank trains on its share of a
 batch's groups, checkpoints its shards, and diffs and encodes its own part of the policy
-(shard.py); rank 0 alone holds the store.
+(sync/shards.py); rank 0 alone holds the store.
 
 One rank trains where `trainer.device` says: on a GPU, in bf16 under autocast with fp32 master
 weights and AdamW state (what FSDP2's MixedPrecisionPolicy gives the sharded ranks); on the CPU,
@@ -29,7 +29,7 @@ from transformers import AutoConfig
 from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
-from sparrowrl.store.store import Store
+from sparrowrl.sync import Publisher, shards
 from sparrowrl.trainer import grpo, hub, lr, models, ranks, resume, rewards, shard, tasks
 
 
@@ -98,8 +98,7 @@ class Learner:
         self.model, self.ref = self._models(local, warm=newest is None)
         g = spec.grpo
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
-        self.table = shard.specs(self.model)
-        self.policy = shard.policy(self.model)
+        self.table = shards.specs(self.model)
         if newest is None:
             if self.ref is not None:
                 self.saved.save_ref(self.ref)
@@ -121,7 +120,8 @@ class Learner:
                 for f in sorted(self.model_dir.iterdir())
                 if f.is_file()
             ]
-        self.store = self._open_store()
+        self.publisher = self._open_store()
+        self.store = self.publisher.store  # rank 0's; None on the others
         # rank 0 scores each batch, and hands the rewards to the other ranks
         self.scorer = (
             rewards.Scorer(reward, spec.task.reward_workers, spec.task.reward_timeout_seconds) if rank == 0 else None
@@ -158,46 +158,27 @@ class Learner:
             ref.eval().requires_grad_(False)
         return model, ref
 
-    def _open_store(self) -> Store | None:
-        """The store (rank 0's; None on the others), and the policy the next version is diffed
-        against: the store's newest. The checkpoint is never ahead of the store (a step publishes,
-        then checkpoints); the store may be ahead of it, by the steps after the checkpoint, which
-        are trained again (the policy they would publish is already there)."""
+    def _open_store(self) -> Publisher:
+        """The publisher of this model's versions, on the store in the state dir: a new one, or the
+        store a previous process wrote, whose newest version the next one is diffed against. The
+        checkpoint is never ahead of the store (a step publishes, then checkpoints); the store may
+        be ahead of it, by the steps after the checkpoint, which are trained again (the policy
+        they would publish is already there)."""
         path = self.state_dir / "store"
-        fresh = self._agree(not (path / "store.json").exists())
-        if fresh:
-            if self.version:
-                raise resume.ResumeError(f"{path}: missing, and the checkpoint is at v{self.version}")
-            every = 1 if self.spec.sync.mode == "full" else self.spec.sync.base_every
-            return shard.init_store(path, self.model, every)
-        store = Store(path) if self.rank == 0 else None
-        if store is not None:
-            store.drop_partial()  # the delta a killed trainer was writing: written again, as a new step's
-        newest = self._agree(store.newest if store is not None else None)
-        if newest < self.version:
+        if self.version and self._agree(not (path / "store.json").exists()):
+            raise resume.ResumeError(f"{path}: missing, and the checkpoint is at v{self.version}")
+        publisher = Publisher(
+            self.model,
+            path,
+            base_every=1 if self.spec.sync.mode == "full" else self.spec.sync.base_every,
+            cut_through=self.spec.sync.cut_through,
+        )
+        if publisher.version < self.version:
             raise resume.ResumeError(
-                f"{path}: its newest version v{newest} is older than the checkpoint's v{self.version} (a state dir "
-                f"written by a trainer that checkpointed before it published, killed in between)"
+                f"{path}: its newest version v{publisher.version} is older than the checkpoint's v{self.version} (a "
+                f"state dir written by a trainer that checkpointed before it published, killed in between)"
             )
-        # the checkpoint's own cast is the store's newest, unless its step was trained again (after a
-        # restart) to other bits than were published, and checkpointed: then the store's, as below
-        held = shard.state_hash(self.table, shard.policy(self.model))
-        same = self._agree(newest == self.version and store is not None and store.versions[newest].state_hash == held)
-        if same:
-            self.policy = shard.policy(self.model)
-        else:  # hash-checked on the way; the weights that workers hold
-            full = store.materialize(newest) if store is not None else None
-            self.policy = (
-                {n: (0, t.reshape(-1).to(self.device)) for n, t in full.items()}
-                if self.world == 1
-                else shard.policy_from_rank0(self.model, full)
-            )
-        if self._agree(store is not None and store.base_due(newest) and not store.versions[newest].base):
-            if same:  # killed before its snapshot: from the model (collective)
-                shard.snapshot(store, newest, self.model)
-            elif store is not None:  # rank 0 holds it whole
-                store.snapshot(newest, full)
-        return store
+        return publisher
 
     def _agree(self, decision: T) -> T:
         """Rank 0's decision, on every rank (what only the store's holder can see)."""
@@ -326,7 +307,7 @@ class Learner:
         """Whether the policy these weights make is the store's `version`, by state hash (rank 0's
         answer: after steps trained again, they are the same bits where training is deterministic)."""
         self._lead("holds", version)
-        held = shard.state_hash(self.table, shard.policy(self.model))
+        held = self.publisher.weights_hash()
         return self.store is not None and held == self.store.versions[version].state_hash
 
     def publish(self) -> float:
@@ -334,19 +315,8 @@ class Learner:
         the seconds it took."""
         self._lead("publish")
         t0 = time.perf_counter()
-        self._publish_into(self.store)
+        self.publisher.publish()
         return time.perf_counter() - t0
-
-    def _publish_into(self, store: Store | None) -> None:
-        new = shard.policy(self.model)
-        if self.world == 1:  # the whole policy is here: diff it straight into the store's writer
-            with store.publish(self.table, self.spec.sync.cut_through) as w:
-                w.add((t.name, self.policy[t.name][1].view(t.shape), new[t.name][1].view(t.shape)) for t in self.table)
-        else:  # each rank encodes its shards; rank 0 gathers their records and writes them
-            shard.publish(store, self.table, self.policy, new, self.spec.sync.cut_through)
-        if self._agree(store is not None and store.base_due(store.newest)):
-            shard.snapshot(store, store.newest if store is not None else 0, self.model)
-        self.policy = new
 
     def published(self, version: int) -> dict:
         """What version `version` shipped, from the store's index."""
@@ -366,7 +336,7 @@ class Learner:
         if self.world == 1:
             self.model.save_pretrained(out)
         else:
-            shard.stream(
+            shards.stream(
                 self.model,
                 None if self.rank else lambda s: save_stream(s.specs, s.tensors, out / "model.safetensors"),
                 torch.float32,

@@ -1,9 +1,10 @@
 """A rollout worker: generates with version v while it fetches v+1 in the background, commits the
 staged version only between leases (never mid-batch), and proves what it committed by hashing
-its live weights in full and reporting the hash, which the trainer checks against its own.
+its live weights in full and reporting the hash, which the trainer checks against its own. Its
+weights follow the trainer's through the public sync API, as any engine's would.
 
-    fetcher ── long-poll /v1/versions ── Client.delta(v) (cut-through) ──▶ staged
-    main    ── commit staged ── POST /v1/work ── generate (thread) ── POST /v1/results ──▶ …
+    fetcher ── Subscriber.follow ── Subscriber.fetch(v) (cut-through) ──▶ staged
+    main    ── Subscriber.apply staged ── POST /v1/work ── generate (thread) ── POST /v1/results ──▶ …
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pydantic import BaseModel, Field
 
 from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
-from sparrowrl.delta import apply_delta, state_hash
+from sparrowrl.delta import state_hash
 from sparrowrl.spec.messages import Job
+from sparrowrl.sync import Staged, Subscriber
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.failover import FetchError
 from sparrowrl.transport.http import GATE, add_health, auth, listen
@@ -36,20 +38,20 @@ ATTEMPTS = 40  # about four minutes of backoff per request: a trainer pod restar
 
 
 class Worker:
-    """`data` fetches versions (relays first, the origin last); `control` talks to the trainer."""
+    """`sub` keeps the engine's tensors at the trainer's versions (relays first, the origin last);
+    `control` talks to the trainer."""
 
     def __init__(
         self,
         name: str,
-        data: Client,
+        sub: Subscriber,
         control: Client,
         engine: Engine,
-        mode: str,
         on_engine: ThreadPoolExecutor,
         region: str | None = None,
         pace: float | None = None,
     ):
-        self.name, self.c, self.control, self.engine, self.mode = name, data, control, engine, mode
+        self.name, self.sub, self.control, self.engine = name, sub, control, engine
         self.region = region
         self.pace = pace  # tokens/s this worker's generation is held to (benchmarks: a dedicated accelerator)
         self.on_engine = on_engine  # one thread for all engine work: vLLM's CPU kernels check that
@@ -57,7 +59,7 @@ class Worker:
         self.version, self.hash = -1, ""
         self.verified = -1  # the newest version the trainer has confirmed this worker holds
         self.commits = {"ok": 0, "mismatch": 0}
-        self.staged: dict[int, tuple[object, float]] = {}  # version → (delta or full state, seconds to fetch)
+        self.staged: dict[int, Staged] = {}
         self.known = -1  # newest version fetched or being fetched
         self.arrived = asyncio.Event()
 
@@ -72,43 +74,34 @@ class Worker:
             ),
             family("gauge", "committed_version", "The version this worker generates with", self.version),
             family("gauge", "staleness", "Versions fetched but not yet committed", max(0, self.known - self.version)),
-            family("counter", "received_bytes", "Verified bytes fetched, by kind", by=("kind", self.c.stats.kinds)),
+            family("counter", "received_bytes", "Verified bytes fetched, by kind", by=("kind", self.sub.stats.kinds)),
             family(
                 "counter",
                 "received_stream_bytes",
                 "Verified bytes fetched, by kind, server (relay or origin) and download stream",
-                by=(("kind", "server", "stream"), self.c.stats.sources),
+                by=(("kind", "server", "stream"), self.sub.stats.sources),
             ),
             family(
                 "counter",
                 "refused_answers",
                 "Answers that did not verify (a forged or altered list or piece, a malformed answer), by server",
-                by=("server", self.c.stats.refused),
+                by=("server", self.sub.stats.refused),
             ),
         ]
 
     async def start(self) -> None:
         """The newest version by the server's cheapest plan (nearest base, then deltas)."""
-        listing = await self.c.versions()
-        t0 = time.perf_counter()
-        state, h = await self.c.advance(listing["newest"])
-        await self._run(self._load, state)
-        self.known = listing["newest"]
-        await self._commit_report(listing["newest"], time.perf_counter() - t0)
+        newest = await self.sub.newest()
+        staged = await self.sub.fetch(newest)
+        await self._run(self._commit, staged)
+        self.known = newest
+        await self._commit_report(newest, staged.fetch_s)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.on_engine, fn, *args)
 
-    def _load(self, state: dict[str, torch.Tensor]) -> None:
-        live = self.engine.tensors()
-        if set(live) != set(state):
-            raise FetchError(f"the store's tensors do not match the engine's: {sorted(set(live) ^ set(state))[:3]}")
-        for n, t in state.items():
-            live[n].copy_(t)
-        self.engine.commit()
-
-    def _apply(self, delta) -> None:
-        apply_delta(delta, self.engine.tensors(), base_hash=self.hash)  # verified before anything changes
+    def _commit(self, staged: Staged) -> None:
+        self.sub.apply(staged)  # verified before anything changes
         self.engine.commit()
 
     async def _commit_report(self, version: int, fetch_s: float | None) -> None:
@@ -123,7 +116,7 @@ class Worker:
                     "version": version,
                     "state_hash": h,
                     "fetch_s": fetch_s,
-                    "refused": sum(self.c.stats.refused.values()),
+                    "refused": sum(self.sub.stats.refused.values()),
                 },
             )
         )["verified"]
@@ -135,24 +128,11 @@ class Worker:
 
     async def fetcher(self) -> None:
         """Stage every new version as soon as the trainer starts writing it."""
-        while True:
-            listing = await self.c.versions(after=self.known, wait=30)
-            newest = max([listing["newest"], *listing["producing"]])
-            for v in range(self.known + 1, newest + 1):
-                t0 = time.perf_counter()
-                if self.mode == "full":  # the whole policy, once the trainer has stored it
-                    while not any(e["version"] == v and e["base"] for e in listing["versions"]):
-                        listing = await self.c.versions(base=v, wait=30)
-                    item = (await self.c.base(v, listing))[0]
-                else:
-                    item = await self.c.delta(v)
-                self.staged[v] = (item, time.perf_counter() - t0)
-                print(
-                    f"{self.name}: v{v} staged from {self.c.server_url} in {self.staged[v][1]:.2f} s",
-                    flush=True,
-                )
-                self.known = v
-                self.arrived.set()
+        async for v in self.sub.follow(after=self.known):
+            self.staged[v] = await self.sub.fetch(v)
+            print(f"{self.name}: v{v} staged from {self.sub.server_url} in {self.staged[v].fetch_s:.2f} s", flush=True)
+            self.known = v
+            self.arrived.set()
 
     async def commit_staged(self, at_least: int = -1) -> None:
         """At a batch boundary: apply what is staged, in order, up to the newest."""
@@ -166,9 +146,9 @@ class Worker:
                 raise FetchError("the fetcher stopped")
         while self.version + 1 in self.staged:
             v = self.version + 1
-            item, fetch_s = self.staged.pop(v)
-            await self._run(self._load if self.mode == "full" else self._apply, item)
-            await self._commit_report(v, fetch_s)
+            staged = self.staged.pop(v)
+            await self._run(self._commit, staged)
+            await self._commit_report(v, staged.fetch_s)
 
     async def run(self) -> None:
         job = await self.control.json("/v1/job", Job)
@@ -288,27 +268,29 @@ async def main(
             job = await control.json("/v1/job", Job)
             with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
                 await fetch_model(control, Path(model_dir))
-                async with Client(
+                t0 = time.perf_counter()
+                on_engine = ThreadPoolExecutor(
+                    1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(1,)
+                )
+                built = await asyncio.get_running_loop().run_in_executor(
+                    on_engine,
+                    make_engine,
+                    job["engine"],
+                    model_dir,
+                    job["max_model_len"],
+                    job["tensor_parallel_size"],
+                )
+                print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+                async with Subscriber(
                     [u for u in (relay, trainer) if u],
+                    built.tensors(),
+                    whole=job["mode"] == "full",
                     streams=job["streams"],
                     attempts=ATTEMPTS,
                     rate_mbit=rate_mbit,
                     local_ports=local_ports,
-                ) as data:
-                    t0 = time.perf_counter()
-                    on_engine = ThreadPoolExecutor(
-                        1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(1,)
-                    )
-                    built = await asyncio.get_running_loop().run_in_executor(
-                        on_engine,
-                        make_engine,
-                        job["engine"],
-                        model_dir,
-                        job["max_model_len"],
-                        job["tensor_parallel_size"],
-                    )
-                    print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
-                    worker = Worker(name, data, control, built, job["mode"], on_engine, region, pace)
+                ) as sub:
+                    worker = Worker(name, sub, control, built, on_engine, region, pace)
                     await worker.run()
     finally:
         await probes.cleanup()

@@ -1,0 +1,155 @@
+"""The rollout side of weight sync: a set of tensors kept at the publisher's versions, pulled
+through relays from the origin, checked against the trainer's signatures piece by piece, and
+applied in place only once the whole update has verified against the state hash it must reach.
+
+Fetching and applying are apart, so a server can stage the next version while it generates with
+this one, and apply it between requests: `fetch` (async, network) stages one version's update in
+memory; `apply` (sync, compute) writes it into the tensors. `pull` does both; `follow` says when
+each new version appears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparrowrl.auth.signing import trust
+from sparrowrl.delta import DeltaFile, apply_delta, state_hash
+from sparrowrl.delta.errors import MismatchError
+from sparrowrl.transport.client import Client
+
+
+@dataclass
+class Staged:
+    """One version's update, fetched and verified, not yet applied: a delta from the version
+    before it, or (a subscriber that holds nothing, or asked for whole versions) a full state."""
+
+    version: int
+    delta: DeltaFile | None
+    state: dict[str, torch.Tensor] | None
+    state_hash: str
+    fetch_s: float
+
+
+class Subscriber:
+    """Keeps `tensors` (by the trainer's names; CPU or CUDA, bf16, written in place) at the
+    publisher's versions, from `servers`: relays first, the origin last, each tried in turn.
+
+    `held`: the version the tensors hold already (loaded from the checkpoint version 0 was made
+    from, say), checked by its hash at the first update; None: they hold nothing yet, and the
+    first pull brings the whole state. `token` (default `SPARROWRL_TOKEN`): the job's secret or a
+    role token; `trainer_key` (default `SPARROWRL_TRAINER_KEY`, else the one the secret derives):
+    whose signatures every version must carry. `whole`: fetch each version as a full snapshot
+    (a publisher with `base_every=1`) instead of as a delta. `transport`: the client's options
+    (`streams`, `attempts`, `read_timeout`, `rate_mbit`, `ssl_context`, `local_ports`)."""
+
+    def __init__(
+        self,
+        servers: str | Sequence[str],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        held: int | None = None,
+        token: str | None = None,
+        trainer_key: str | None = None,
+        whole: bool = False,
+        **transport: Any,
+    ):
+        token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
+        self.tensors, self.whole = tensors, whole
+        self.client = Client(servers, token=token, trust=trust(token, trainer_key), **transport)
+        self.version = -1 if held is None else held
+        self.state_hash = "" if held is None else state_hash(dict(tensors))
+
+    async def __aenter__(self) -> Subscriber:
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.__aexit__(*exc)
+
+    @property
+    def stats(self):
+        """Bytes fetched by kind and server, and answers refused by server (transport.failover.Stats)."""
+        return self.client.stats
+
+    @property
+    def server_url(self) -> str:
+        """The server in use now."""
+        return self.client.server_url
+
+    async def newest(self) -> int:
+        """The newest version the servers hold."""
+        return (await self.client.versions())["newest"]
+
+    async def follow(self, after: int | None = None, wait: float = 30.0) -> AsyncIterator[int]:
+        """Each version after `after` (default: the one held), in order, as soon as the publisher
+        starts writing it: its `fetch` then pulls it while it is written (cut-through)."""
+        known = self.version if after is None else after
+        while True:
+            listing = await self.client.versions(after=known, wait=wait)
+            newest = max([listing["newest"], *listing["producing"]])
+            while known < newest:
+                known += 1
+                yield known
+
+    async def fetch(self, version: int) -> Staged:
+        """Version `version`'s update, staged in memory and verified piece by piece; nothing held
+        changes. Holding nothing, it is the whole state by the servers' cheapest plan (the nearest
+        base and the deltas after it), checked by its state hash."""
+        t0 = time.perf_counter()
+        if self.version < 0:
+            state, h = await self.client.advance(version)
+            return Staged(version, None, state, h, time.perf_counter() - t0)
+        if self.whole:  # the whole version, once the publisher has stored it
+            listing = await self.client.versions()
+            while not any(e["version"] == version and e["base"] for e in listing["versions"]):
+                listing = await self.client.versions(base=version, wait=30)
+            state, h = await self.client.base(version, listing)
+            return Staged(version, None, state, h, time.perf_counter() - t0)
+        delta = await self.client.delta(version)
+        return Staged(version, delta, None, delta.manifest["target_hash"], time.perf_counter() - t0)
+
+    def apply(self, staged: Staged) -> str:
+        """Write a staged update into the tensors, in place; returns their new state hash. A delta
+        is checked whole (its base is what the tensors hold, its records, the hash it reaches)
+        before any element changes: on MismatchError or DeltaError the tensors are as they were."""
+        if staged.state is not None:
+            if set(self.tensors) != set(staged.state):
+                raise MismatchError(
+                    f"v{staged.version}: the publisher's tensors are not these: "
+                    f"{sorted(set(self.tensors) ^ set(staged.state))[:3]}"
+                )
+            for n, t in staged.state.items():
+                if self.tensors[n].shape != t.shape or self.tensors[n].dtype != t.dtype:
+                    raise MismatchError(
+                        f"tensor '{n}': {t.dtype}{list(t.shape)} from the publisher, "
+                        f"{self.tensors[n].dtype}{list(self.tensors[n].shape)} here"
+                    )
+            with torch.no_grad():  # parameters of a model are fine targets
+                for n, t in staged.state.items():
+                    self.tensors[n].copy_(t)
+            h = staged.state_hash
+        else:
+            if staged.version != self.version + 1:
+                raise MismatchError(f"v{staged.version}'s delta applies to v{staged.version - 1}, not v{self.version}")
+            h = apply_delta(staged.delta, self.tensors, base_hash=self.state_hash)
+        self.version, self.state_hash = staged.version, h
+        return h
+
+    async def pull(self, version: int | None = None) -> int:
+        """Bring the tensors to `version` (default: the newest), one verified update at a time;
+        returns the version they hold. Each update is applied off the event loop."""
+        target = await self.newest() if version is None else version
+        if target < self.version:
+            raise ValueError(f"v{target} is behind v{self.version}, which the tensors hold: versions only go forward")
+        if self.version < 0:
+            await asyncio.to_thread(self.apply, await self.fetch(target))
+        while self.version < target:
+            await asyncio.to_thread(self.apply, await self.fetch(self.version + 1))
+        return self.version
