@@ -103,13 +103,13 @@ def test_whole_versions_and_following(tmp_path):
         async def main() -> list[int]:
             tensors = dict(rollout.named_parameters())
             seen = []
-            async with Subscriber(origin.url, tensors, token=SECRET, whole=True) as sub:
+            async with Subscriber(origin.url, tensors, token=SECRET, snapshots=True) as sub:
                 await sub.pull(0)
                 trainer.start()
                 steps.set()
                 async for v in sub.follow():
                     staged = await sub.fetch(v)
-                    assert staged.delta is None and staged.state is not None  # whole: a full snapshot
+                    assert staged.delta is None and staged.state is not None  # a full snapshot
                     await asyncio.to_thread(sub.apply, staged)
                     seen.append(v)
                     if v == 2:
@@ -156,3 +156,21 @@ def test_refused_updates_leave_the_tensors_as_they_were(tmp_path):
                 assert _same(tensors, changed)
 
         asyncio.run(main())
+
+
+def test_a_subscriber_finds_the_version_its_tensors_hold(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pub = Publisher(model, tmp_path / "store")
+    _step(model, opt, 1)
+    pub.publish()
+    with pub.serve() as origin:  # no secret: loopback, nothing signed
+
+        async def find(tensors: dict[str, torch.Tensor]) -> tuple[int | None, int]:
+            async with Subscriber(origin.url, tensors, token="") as sub:
+                return await sub.find(), sub.version
+
+        assert asyncio.run(find(_bf16(model))) == (1, 1)
+        other = _bf16(model)
+        other["model.norm.weight"][0] += 1
+        assert asyncio.run(find(other)) == (None, -1)  # no version: the first fetch is then the whole state

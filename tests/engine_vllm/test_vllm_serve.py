@@ -1,20 +1,19 @@
 """The standard vLLM server with SparrowRL's weight-transfer backend, in the `make test-vllm` venv.
 
-A trainer publishes versions into a store that an origin serves; the server (`--weight-transfer-
+A plain torch loop publishes versions with the public sync API (`Publisher`, served by an
+`Origin`); the server (`--weight-transfer-
 config '{"backend": "sparrowrl"}'`, dev mode's routes) is driven through pause, start, update,
 finish and resume for each. The backend's hash of the weights it reads back out of vLLM must be
 the trainer's state hash, `/weight_info` must name the version, and greedy text must change with
-the weights. An origin that signs with another key is refused: the update fails and nothing
+the weights. An origin without the trainer's key is refused: the update fails and nothing
 served changes."""
 
-import asyncio
 import copy
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,12 +25,12 @@ pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
 
 from support.servers import TOKEN, free_port  # noqa: E402
 
-from sparrowrl.auth.signing import KEY_ENV, Signer, public_text, signing_key  # noqa: E402
+from sparrowrl.auth.signing import KEY_ENV, public_text, signing_key  # noqa: E402
 from sparrowrl.delta import state_hash  # noqa: E402
 from sparrowrl.delta.tensors import TensorSpec  # noqa: E402
 from sparrowrl.store.store import Store  # noqa: E402
+from sparrowrl.sync import Origin, Publisher  # noqa: E402
 from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
-from sparrowrl.transport.server import make_app  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -40,53 +39,18 @@ PROMPT = "abcde"
 START_S = 300  # vLLM's three processes start in about a minute on a 2-core VM
 
 
-class Origin:
-    """A store's server (make_app) on a loopback port, in a thread with its own event loop."""
-
-    def __init__(self, store, signer: Signer):
-        from aiohttp import web
-
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(make_app(store, TOKEN, signer=signer))
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.runner.setup())
-            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-            ready.set()
-            self.loop.run_forever()
-            self.loop.run_until_complete(self.runner.cleanup())
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert ready.wait(30)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-
-
-def publish(store: Store, old: dict, new: dict) -> None:
-    """As the trainer does: the new bf16 policy diffed against the last one, into the store."""
+def forge(store: Store, old: dict, new: dict) -> None:
+    """A forger's version: its bf16 policy diffed against the last one, into its own store."""
     with store.publish([TensorSpec.of(n, t) for n, t in new.items()]) as w:
         w.add((n, old[n], new[n]) for n in new)
 
 
-def trained(model, n: int) -> list[dict]:
-    """The bf16 policy after each of n AdamW steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(1)
-    out = [policy_state(model)]
-    for _ in range(n):
-        ids = torch.randint(3, model.config.vocab_size, (4, 12), generator=gen)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(policy_state(model))
-    return out
+def step(model, opt, gen) -> None:
+    """One AdamW step of a plain torch loop."""
+    ids = torch.randint(3, model.config.vocab_size, (4, 12), generator=gen)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
 
 
 class Server:
@@ -142,8 +106,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A tiny Qwen3 with large weights (greedy choices far from ties) saved in bf16, the
-    trainer's versions of it, and its store with v0."""
+    """A tiny Qwen3 with large weights (greedy choices far from ties) saved in bf16, and the
+    trainer's fp32 model it was saved from."""
     tok = char_tokenizer()
     model = tiny_qwen3(len(tok), 128, 2, 4, seed=0)
     with torch.no_grad():
@@ -153,21 +117,17 @@ def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("model")
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)  # vLLM starts from the trainer's v0 bits
     tok.save_pretrained(folder)
-    states = trained(model, N + 1)
-    store = Store.init(tmp_path_factory.mktemp("store") / "s", states[0], base_every=10)
-    # a forger's store: the trainer's v3, then a v4 of its choosing, served with another key
-    forged = {n: t.clone() for n, t in states[N].items()}
-    forged["model.embed_tokens.weight"][:, :8] = 1.0
-    fake = Store.init(tmp_path_factory.mktemp("forger") / "s", states[N], base_every=10, version=N)
-    publish(fake, states[N], forged)
-    return str(folder), states, store, fake
+    return str(folder), model
 
 
 @pytest.mark.timeout(1200)
 def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp_path):
-    folder, states, store, fake = setup
-    origin = Origin(store.path, Signer(TOKEN))
-    forger = Origin(fake.path, Signer("another job's secret"))
+    folder, model = setup
+    opt, gen = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(1)
+    pub = Publisher(model, tmp_path / "store")  # v0: the weights the folder holds, in bf16
+    origin = pub.serve(TOKEN)
+    states = [policy_state(model)]
+    forger = None
     port = free_port()
     env = dict(
         os.environ,
@@ -218,23 +178,30 @@ def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp
             time.sleep(0.5)
         print(f"vllm serve up in {time.monotonic() - t0:.1f} s")
         # the weights vLLM loaded from the folder, read back out of its kernels, are the trainer's v0
-        assert server.status()["state_hash"] == state_hash(states[0])
+        assert server.status()["state_hash"] == state_hash(states[0]) == pub.state_hash
         texts = [server.greedy()]
         for v in range(1, N + 1):
-            publish(store, states[v - 1], states[v])
+            step(model, opt, gen)
+            assert pub.publish() == v
+            states.append(policy_state(model))
             t = time.monotonic()
             assert server.update(v)[0] == 200
             print(f"v{v}: pause to resume in {time.monotonic() - t:.2f} s")
             assert server.version() == str(v)
             s = server.status()
-            assert (s["version"], s["state_hash"]) == (v, state_hash(states[v])) == (v, store.versions[v].state_hash)
+            assert (s["version"], s["state_hash"]) == (v, state_hash(states[v])) == (v, pub.state_hash)
             texts.append(server.greedy())
         assert texts[0] != texts[-1]  # the versions generate differently: the hash checks have teeth
 
-        # the forger's v4, with the trainer's v3 under it, signed with another key: refused
+        # the forger's v4, with the trainer's v3 under it, which it cannot sign (it lacks the key): refused
+        forged = {n: t.clone() for n, t in states[N].items()}
+        forged["model.embed_tokens.weight"][:, :8] = 1.0
+        fake = Store.init(tmp_path / "forger", states[N], base_every=10, version=N)
+        forge(fake, states[N], forged)
+        forger = Origin(fake.path)  # loopback, admits anyone, signs nothing
         server.ok("/init_weight_transfer_engine", {"init_info": {"origin": [forger.url]}})
         status, answer = server.update(N + 1)
-        assert status != 200 and "signature" in str(answer), answer
+        assert status != 200 and "unsigned" in str(answer), answer
         assert server.version() == str(N)
         s = server.status()
         assert (s["version"], s["state_hash"]) == (N, state_hash(states[N]))
@@ -243,11 +210,12 @@ def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp
         assert "refused" in log.read_text() and forger.url in log.read_text()
 
         # the trainer's own v4 from its origin: served again
-        publish(store, states[N], states[N + 1])
+        step(model, opt, gen)
+        pub.publish()
         server.ok("/init_weight_transfer_engine", {"init_info": {"origin": [origin.url]}})
         assert server.update(N + 1)[0] == 200
         assert server.version() == str(N + 1)
-        assert server.status()["state_hash"] == state_hash(states[N + 1])
+        assert server.status()["state_hash"] == pub.state_hash
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):  # the API server, engine core and worker
             try:
@@ -259,5 +227,6 @@ def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp
             except subprocess.TimeoutExpired:
                 continue
         origin.close()
-        forger.close()
+        if forger is not None:
+            forger.close()
         print(log.read_text()[-3000:])

@@ -2,9 +2,9 @@
 '{"backend": "sparrowrl"}'` (registered by `vllm_plugin`). It lives in vLLM's worker process,
 next to the model (`self.model`), and follows a SparrowRL origin (relays first):
 
-    fetch thread ── long-poll /v1/versions ── Client.delta(v), signatures checked ──▶ staged
-    /update_weights {"version": v} ── apply staged deltas up to v, verified by state hash before
-        anything served changes ── load into vLLM ── read back, hash, compare ──▶ served v
+    fetch thread ── Subscriber.follow ── Subscriber.fetch(v), signatures checked ──▶ staged
+    /update_weights {"version": v} ── Subscriber.apply staged deltas up to v, verified by state
+        hash before anything served changes ── load into vLLM ── read back, hash, compare ──▶ served v
 
 Fetching never runs inside vLLM's engine loop: `receive_weights` only waits, bounded, for what
 the thread has staged. On GPU a delta applies in place into views of vLLM's parameters. On CPU
@@ -37,10 +37,10 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from sparrowrl.auth.signing import KEY_ENV, trust
-from sparrowrl.delta import DeltaError, apply_delta, state_hash
+from sparrowrl.delta import DeltaError, state_hash
 from sparrowrl.integrations.vllm_layout import Layout, hf_shapes, owners, packed, tied_modules
 from sparrowrl.integrations.vllm_plugin import shield_llvmlite
-from sparrowrl.transport.client import Client
+from sparrowrl.sync import Staged, Subscriber
 
 shield_llvmlite()  # numba (the codec) is loaded now, before vLLM scans modules again
 
@@ -90,16 +90,15 @@ class SparrowRLUpdateInfo(WeightTransferUpdateInfo):
 
 
 class _Follower:
-    """Fetches and stages new versions on a thread with its own event loop; `take` hands them to
-    the engine's thread. Private: `sparrowrl.sync.Subscriber` replaces it."""
+    """Stages new versions on a thread with its own event loop (`Subscriber.follow` and `fetch`:
+    network and signature checks); `take` hands them to the engine's thread, which applies them
+    (`Subscriber.apply`: compute, verified before anything changes)."""
 
-    def __init__(self, urls: list[str], token: str, trust_key, have: tuple[int | None, str]):
-        self.urls, self.token, self.trust = urls, token, trust_key
+    def __init__(self, sub: Subscriber):
+        self.sub = sub
         self.cond = threading.Condition()
-        self.staged: dict[int, Any] = {}  # version → DeltaFile, or (state, hash) of a whole base
-        self.at: int | None = have[0]  # the version the served weights are, once known
-        self.start_hash = have[1]
-        self.known = have[0]  # newest version held or staged
+        self.staged: dict[int, Staged] = {}
+        self.known: int | None = sub.version if sub.version >= 0 else None  # newest version held or staged
         self.failure = ""  # the last fetch's error, until a fetch succeeds
         self.refused: dict[str, int] = {}  # server → answers that did not verify
         self.loop = asyncio.new_event_loop()
@@ -121,69 +120,61 @@ class _Follower:
         self.thread.join(timeout=30)
 
     async def _follow(self) -> None:
-        async with Client(self.urls, token=self.token, trust=self.trust) as c:
+        async with self.sub:
             while True:
                 try:
-                    await self._fetch(c)
+                    await self._fetch()
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # a fetch that gave up is retried; receive_weights reports it
                     with self.cond:
-                        self.failure = f"from {c.server_url}: {type(e).__name__}: {e}"
-                        self.refused = dict(c.stats.refused)
+                        self.failure = f"from {self.sub.server_url}: {type(e).__name__}: {e}"
+                        self.refused = dict(self.sub.stats.refused)
                         self.cond.notify_all()
                     print(f"sparrowrl: fetch refused or failed {self.failure}", flush=True)
                     await asyncio.sleep(RETRY_S)
 
-    async def _fetch(self, c: Client) -> None:
-        if self.known is None:  # which version the served weights are, by state hash; else a base
-            listing = await c.versions()
-            at = max((e["version"] for e in listing["versions"] if e["state_hash"] == self.start_hash), default=None)
+    async def _fetch(self) -> None:
+        if self.known is None:  # which version the loaded weights are, by state hash; else the newest whole
+            at = await self.sub.find()
             if at is None:
-                state, h = await c.advance(listing["newest"])
-                self._stage(listing["newest"], (state, h))
+                self._stage(await self.sub.fetch(await self.sub.newest(), full=True))
             else:
                 with self.cond:
-                    self.at = self.known = at
-                    self.failure = ""
+                    self.known, self.failure = at, ""
                     self.cond.notify_all()
-        while True:
-            listing = await c.versions(after=self.known, wait=30)
-            newest = max([listing["newest"], *listing["producing"]])
-            for v in range(self.known + 1, newest + 1):
-                self._stage(v, await c.delta(v))  # cut-through while the trainer still writes it
-                print(f"sparrowrl: v{v} staged from {c.server_url}", flush=True)
+        async for v in self.sub.follow(after=self.known):
+            self._stage(await self.sub.fetch(v, full=False))  # cut-through while the trainer still writes it
+            print(f"sparrowrl: v{v} staged from {self.sub.server_url}", flush=True)
             with self.cond:
-                self.refused = dict(c.stats.refused)
+                self.refused = dict(self.sub.stats.refused)
 
-    def _stage(self, version: int, item: Any) -> None:
+    def _stage(self, staged: Staged) -> None:
         with self.cond:
-            self.staged[version] = item
-            self.known = version
+            self.staged[staged.version] = staged
+            self.known = staged.version
             self.failure = ""
             self.cond.notify_all()
 
-    def _chain(self, have: int | None, target: int) -> list[int] | None:
-        """The staged versions that lead from `have` to `target`: the newest whole base on the
-        way, then deltas; None while one is missing."""
-        bases = [v for v, x in self.staged.items() if isinstance(x, tuple) and (have is None or have < v <= target)]
-        start = max(bases, default=have)
-        if start is None or start > target:
+    def _chain(self, have: int, target: int) -> list[int] | None:
+        """The staged versions that lead from `have` (-1: nothing) to `target`: the newest whole
+        state on the way, then deltas; None while one is missing."""
+        wholes = [v for v, x in self.staged.items() if x.state is not None and have < v <= target]
+        start = max(wholes, default=have)
+        if start < 0 or start > target:
             return None
-        chain = ([start] if bases else []) + list(range(start + 1, target + 1))
+        chain = ([start] if wholes else []) + list(range(start + 1, target + 1))
         return chain if all(v in self.staged for v in chain) else None
 
-    def take(self, have: int | None, target: int, wait_s: float) -> list[tuple[int, Any]]:
-        """What leads from `have` (None: from the version the follower found the weights to be)
-        to `target`, waiting up to `wait_s`; RuntimeError naming the fetch's error after a
-        failed fetch or the deadline."""
+    def take(self, target: int, wait_s: float) -> list[Staged]:
+        """What leads from the version held to `target`, waiting up to `wait_s`; RuntimeError
+        naming the fetch's error after a failed fetch or the deadline."""
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
-                start = self.at if have is None else have
-                chain = self._chain(start, target)
+                chain = self._chain(self.sub.version, target)
                 if chain is not None:
-                    return [(v, self.staged[v]) for v in chain]
+                    return [self.staged[v] for v in chain]
                 if self.failure:
                     raise RuntimeError(f"v{target} is not fetched: {self.failure}")
                 left = deadline - time.monotonic()
@@ -213,22 +204,32 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         else:  # views into vLLM's parameters: deltas apply into the live weights
             self.state = self.layout.live(model)
         h = state_hash(self.state)
-        self.held: tuple[int | None, str] = (None, h)  # version and hash of `state`
-        self.served: tuple[int | None, str] = (None, h)  # of what vLLM computes with, read back
+        self.start_hash = h  # of the weights vLLM loaded
+        self.served: tuple[int | None, str] = (None, h)  # version and hash of what vLLM computes with, read back
         self.counts = {"ok": 0, "failed": 0, "mismatch": 0}
         self.last_error = ""
         self.token = os.environ.get("SPARROWRL_TOKEN", "")
-        self.trust = trust(self.token)
-        if self.trust is None:
+        self._key = os.environ.get(KEY_ENV) or None
+        if trust(self.token, self._key) is None:
             raise ValueError(
                 f"the sparrowrl backend checks the trainer's signatures: set {KEY_ENV} (or SPARROWRL_TOKEN to the "
                 "job's secret)"
             )
         env = os.environ.get(ORIGIN_ENV, "")
         self.urls = _urls(env, ORIGIN_ENV) if env else []
-        self.follower = _Follower(self.urls, self.token, self.trust, self.held) if self.urls else None
+        self.follower = self._follow(self.urls, None) if self.urls else None
         _ACTIVE[:] = [self]
         print(f"sparrowrl: backend ready, weights hash to {h}, following {self.urls or 'nothing yet'}", flush=True)
+
+    def _follow(self, urls: list[str], held: int | None) -> _Follower:
+        """Keep `state` at the versions `urls` serve (`held`: the version it holds, if known)."""
+        return _Follower(Subscriber(urls, self.state, held=held, token=self.token, trainer_key=self._key))
+
+    @property
+    def _held(self) -> int | None:
+        """The version `state` holds, once known."""
+        v = self.follower.sub.version if self.follower is not None else -1
+        return v if v >= 0 else None
 
     def _readback(self, zeros: bool = False) -> dict[str, torch.Tensor]:
         if not self.on_cpu:
@@ -242,10 +243,11 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
 
     def init_transfer_engine(self, init_info: SparrowRLInitInfo) -> None:
         """Follow other servers from now on (what is staged from the old ones is dropped)."""
+        held = self._held
         if self.follower is not None:
             self.follower.stop()
         self.urls = init_info.origin
-        self.follower = _Follower(self.urls, self.token, self.trust, self.held)
+        self.follower = self._follow(self.urls, held)
         print(f"sparrowrl: following {self.urls}", flush=True)
 
     def start_weight_update(self) -> None:
@@ -264,27 +266,23 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
                 f"no server to fetch from: set {ORIGIN_ENV} or POST /init_weight_transfer_engine "
                 '{"init_info": {"origin": [...]}}'
             )
-        if self._version() == target and self.held[0] in (None, target):
+        sub = self.follower.sub
+        if self._version() == target and self._held in (None, target):
             return
-        if self.held[0] is not None and target < self.held[0]:
-            raise ValueError(f"update_info.version: v{target} is older than the v{self.held[0]} held here")
+        if self._held is not None and target < self._held:
+            raise ValueError(f"update_info.version: v{target} is older than the v{self._held} held here")
         t0 = time.perf_counter()
         try:
-            chain = self.follower.take(self.held[0], target, update_info.wait_s)
+            chain = self.follower.take(target, update_info.wait_s)
             t1 = time.perf_counter()
-            for v, item in chain:  # each verified before it changes anything (apply_delta's contract)
-                if isinstance(item, tuple):
-                    for n, t in item[0].items():
-                        self.state[n].copy_(t)
-                    self.held = (v, item[1])
-                else:
-                    self.held = (v, apply_delta(item, self.state, base_hash=self.held[1]))
-                self.follower.done(v)
+            for staged in chain:  # each verified before it changes anything (Subscriber.apply's contract)
+                sub.apply(staged)
+                self.follower.done(staged.version)
         except (DeltaError, RuntimeError) as e:
             self.counts["failed"] += 1
             self.last_error = f"v{target}: {e}"
-            if not self.on_cpu:  # the live weights: a chain that broke midway serves its last good version
-                self.served = self.held
+            if not self.on_cpu and self._held is not None:  # the live weights: a chain that broke midway
+                self.served = (self._held, sub.state_hash)  # serves its last good version
             print(f"sparrowrl: update to v{target} refused: {e}; serving v{self._version()}", flush=True)
             raise
         t2 = time.perf_counter()
@@ -297,13 +295,13 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         t3 = time.perf_counter()
         h = state_hash(self._readback())
         t4 = time.perf_counter()
-        if h != self.held[1]:
+        if h != sub.state_hash:
             self.counts["mismatch"] += 1
             self.served = (None, h)
-            self.last_error = f"v{target}: vLLM's weights hash to {h}, not the version's {self.held[1]}"
+            self.last_error = f"v{target}: vLLM's weights hash to {h}, not the version's {sub.state_hash}"
             print(f"sparrowrl: {self.last_error}", flush=True)
             raise RuntimeError(self.last_error)
-        self.served = self.held
+        self.served = (target, h)
         self.counts["ok"] += 1
         print(
             f"sparrowrl: serving v{target} ({h}): waited {t1 - t0:.2f} s, applied {t2 - t1:.2f} s, "
@@ -324,14 +322,14 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         found the loaded weights to be."""
         if self.served[0] is not None or self.follower is None:
             return self.served[0]
-        return self.follower.at if self.served[1] == self.follower.start_hash else None
+        return self._held if self.served[1] == self.start_hash else None
 
     def status(self) -> dict[str, Any]:
         f = self.follower
         return {
             "version": self._version(),
             "state_hash": self.served[1],
-            "held_version": self.held[0],
+            "held_version": self._held,
             "updates": dict(self.counts),
             "last_error": self.last_error,
             "servers": self.urls,

@@ -28,7 +28,7 @@ from sparrowrl.transport.client import Client
 @dataclass
 class Staged:
     """One version's update, fetched and verified, not yet applied: a delta from the version
-    before it, or (a subscriber that holds nothing, or asked for whole versions) a full state."""
+    before it, or a full state."""
 
     version: int
     delta: DeltaFile | None
@@ -45,9 +45,10 @@ class Subscriber:
     from, say), checked by its hash at the first update; None: they hold nothing yet, and the
     first pull brings the whole state. `token` (default `SPARROWRL_TOKEN`): the job's secret or a
     role token; `trainer_key` (default `SPARROWRL_TRAINER_KEY`, else the one the secret derives):
-    whose signatures every version must carry. `whole`: fetch each version as a full snapshot
-    (a publisher with `base_every=1`) instead of as a delta. `transport`: the client's options
-    (`streams`, `attempts`, `read_timeout`, `rate_mbit`, `ssl_context`, `local_ports`)."""
+    whose signatures every version must carry. `snapshots`: fetch each version as its own full
+    snapshot (from a publisher with `base_every=1`: full-weight sync) instead of as a delta.
+    `transport`: the client's options (`streams`, `attempts`, `read_timeout`, `rate_mbit`,
+    `ssl_context`, `local_ports`)."""
 
     def __init__(
         self,
@@ -57,11 +58,11 @@ class Subscriber:
         held: int | None = None,
         token: str | None = None,
         trainer_key: str | None = None,
-        whole: bool = False,
+        snapshots: bool = False,
         **transport: Any,
     ):
         token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
-        self.tensors, self.whole = tensors, whole
+        self.tensors, self.snapshots = tensors, snapshots
         self.client = Client(servers, token=token, trust=trust(token, trainer_key), **transport)
         self.version = -1 if held is None else held
         self.state_hash = "" if held is None else state_hash(dict(tensors))
@@ -87,6 +88,16 @@ class Subscriber:
         """The newest version the servers hold."""
         return (await self.client.versions())["newest"]
 
+    async def find(self) -> int | None:
+        """Which listed version the tensors hold, by their state hash (a server started from the
+        checkpoint that version was made from), taken as held; None where they hold none."""
+        h = await asyncio.to_thread(state_hash, dict(self.tensors))
+        listing = await self.client.versions()
+        at = max((e["version"] for e in listing["versions"] if e["state_hash"] == h), default=None)
+        if at is not None:
+            self.version, self.state_hash = at, h
+        return at
+
     async def follow(self, after: int | None = None, wait: float = 30.0) -> AsyncIterator[int]:
         """Each version after `after` (default: the one held), in order, as soon as the publisher
         starts writing it: its `fetch` then pulls it while it is written (cut-through)."""
@@ -98,15 +109,16 @@ class Subscriber:
                 known += 1
                 yield known
 
-    async def fetch(self, version: int) -> Staged:
+    async def fetch(self, version: int, full: bool | None = None) -> Staged:
         """Version `version`'s update, staged in memory and verified piece by piece; nothing held
-        changes. Holding nothing, it is the whole state by the servers' cheapest plan (the nearest
-        base and the deltas after it), checked by its state hash."""
+        changes. `full`: the whole state, by the servers' cheapest plan (the nearest base and the
+        deltas after it), checked by its state hash, rather than the delta from the version before;
+        by default, while the tensors hold nothing."""
         t0 = time.perf_counter()
-        if self.version < 0:
+        if self.version < 0 if full is None else full:
             state, h = await self.client.advance(version)
             return Staged(version, None, state, h, time.perf_counter() - t0)
-        if self.whole:  # the whole version, once the publisher has stored it
+        if self.snapshots:  # the whole version, once the publisher has stored it
             listing = await self.client.versions()
             while not any(e["version"] == version and e["base"] for e in listing["versions"]):
                 listing = await self.client.versions(base=version, wait=30)

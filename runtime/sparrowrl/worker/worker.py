@@ -284,7 +284,7 @@ async def main(
                 async with Subscriber(
                     [u for u in (relay, trainer) if u],
                     built.tensors(),
-                    whole=job["mode"] == "full",
+                    snapshots=job["mode"] == "full",
                     streams=job["streams"],
                     attempts=ATTEMPTS,
                     rate_mbit=rate_mbit,
