@@ -358,7 +358,7 @@ def serve(
 ) -> None:
     """Publish a checkpoint store over HTTP(S). The job's secret comes from SPARROWRL_TOKEN: it
     admits clients, and signs every version served (clients check with the public key it derives,
-    which `sparrowrl keys` prints)."""
+    which `sparrowrl credentials key` prints)."""
     from sparrowrl.auth.signing import TOKEN_PREFIX, Signer
     from sparrowrl.transport.http import tls_context
     from sparrowrl.transport.server import make_app

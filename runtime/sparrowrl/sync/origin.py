@@ -20,7 +20,7 @@ class Origin:
     """Serves `store` on host:port (0: a free port; `url` says which) until `close`.
 
     `secret`: the job's secret. It admits clients (the secret itself, or role tokens minted from
-    it: `sparrowrl keys`) and signs every version served; subscribers check with `trainer_key`.
+    it: `sparrowrl credentials`) and signs every version served; subscribers check with `trainer_key`.
     Without one, nothing is signed or checked, which is allowed on loopback only."""
 
     def __init__(self, store: str | Path, secret: str = "", host: str = "127.0.0.1", port: int = 0):
