@@ -45,7 +45,7 @@ def distinct(completions, **_) -> list[float]:
 def test_grpo_trainer_syncs_vllm_serve_through_sparrowrl(tmp_path, monkeypatch):
     tok = char_tokenizer()
     folder = tmp_path / "model"
-    tiny_qwen3(len(tok), 64, 2, 4, seed=0).to(torch.bfloat16).save_pretrained(folder)
+    tiny_qwen3(len(tok), 128, 2, 4, seed=0).to(torch.bfloat16).save_pretrained(folder)
     tok.save_pretrained(folder)
     origin_port, port = free_port(), free_port()
     monkeypatch.setenv("SPARROWRL_TOKEN", TOKEN)  # the origin's secret, in the trainer
