@@ -135,3 +135,35 @@ def test_grpo_trainer_syncs_vllm_serve_through_sparrowrl(tmp_path, monkeypatch):
             except subprocess.TimeoutExpired:
                 continue
         print(log.read_text()[-3000:])
+
+
+@pytest.mark.timeout(300)
+def test_refuses_what_it_cannot_sync(tmp_path):
+    """Colocated vLLM (no server to update) fails at construction, naming the field; so do bad options."""
+    tok = char_tokenizer()
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=2,
+        num_generations=2,
+        use_vllm=True,
+        vllm_mode="colocate",
+    )
+    with pytest.raises(ValueError, match="vllm_mode: SparrowRL updates vLLM servers"):
+        SparrowRLGRPOTrainer(
+            model=tiny_qwen3(len(tok), 32, 1, 2, seed=0),
+            reward_funcs=distinct,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["1+2="] * 2}),
+            processing_class=tok,
+            sparrowrl=SparrowRLConfig(store=tmp_path / "store"),
+        )
+    import trl.trainer.grpo_trainer as grpo
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert grpo.VLLMGeneration is VLLMGeneration  # TRL's own again, after the failed construction
+    with pytest.raises(ValueError, match="port"):
+        SparrowRLConfig(store=tmp_path / "store", port=70000)
+    with pytest.raises(ValueError, match="wait_s"):
+        SparrowRLConfig(store=tmp_path / "store", wait_s=float("inf"))

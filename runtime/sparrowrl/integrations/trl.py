@@ -77,7 +77,7 @@ def _classes() -> tuple[type, type]:
         """TRL's server-mode generation, with weights synced by a SparrowRL Publisher."""
 
         def __init__(self, *args, sparrowrl: SparrowRLConfig, **kwargs):
-            self.sparrowrl, self.publisher, self.origin = sparrowrl, None, None
+            self.sparrowrl, self.publisher, self.origin, self.started = sparrowrl, None, None, False
             self.sync_seconds: list[float] = []  # per sync, from publish to the last server resumed
             super().__init__(*args, **kwargs)
 
@@ -118,7 +118,8 @@ def _classes() -> tuple[type, type]:
             The first sync of a new store publishes nothing: version 0 is the checkpoint the
             servers started from, which their backends find by its state hash."""
             t0 = time.perf_counter()
-            if self.publisher is None and self.origin is None:
+            if not self.started:
+                self.started = True
                 if not self._start():
                     return
             version = self.publisher.publish() if self.publisher is not None else None
