@@ -79,3 +79,38 @@ def test_sharded_trainer_publishes_from_cuda_shards(tmp_path):
     world = min(2, torch.cuda.device_count())
     mp.spawn(_rank, args=(world, _port(), str(tmp_path), "cuda"), nprocs=world)
     check_published(tmp_path)
+
+
+def test_the_sync_api_between_cuda_models(tmp_path):
+    """The public API on GPUs: a Publisher diffs a CUDA model's bf16 cast on the device (CuPy), and
+    a Subscriber applies each version in place into a CUDA model's parameters, bit-exact to the
+    trainer's cast by state hash, as docs/api.md's example does on the CPU."""
+    import asyncio
+
+    from sparrowrl.sync import Publisher, Subscriber
+    from sparrowrl.trainer import models
+
+    trainer = models.tiny_qwen3(64, 64, 2, 2, seed=0).cuda()
+    rollout = models.tiny_qwen3(64, 64, 2, 2, seed=1).to(torch.bfloat16).cuda()
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    publisher = Publisher(trainer, tmp_path / "store")
+    with publisher.serve("a secret") as origin:
+
+        async def main() -> None:
+            tensors = dict(rollout.named_parameters())
+            async with Subscriber(origin.url, tensors, token="a secret") as sub:
+                await sub.pull()
+                for step in range(3):
+                    ids = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(step)).cuda()
+                    trainer(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    await sub.pull(publisher.publish())
+                    assert sub.state_hash == publisher.state_hash == state_hash(tensors)
+
+        asyncio.run(main())
+    assert all(p.is_cuda for p in rollout.parameters())
+    assert all(
+        torch.equal(p.detach().to(torch.bfloat16).view(torch.int16), q.detach().view(torch.int16))
+        for p, q in zip(trainer.parameters(), rollout.parameters(), strict=True)
+    )

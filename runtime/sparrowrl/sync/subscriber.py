@@ -62,10 +62,12 @@ class Subscriber:
         **transport: Any,
     ):
         token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
-        self.tensors, self.snapshots = tensors, snapshots
+        # the same storage, without autograd: a model's parameters refuse in-place writes on CUDA
+        self.tensors = {n: t.detach() for n, t in tensors.items()}
+        self.snapshots = snapshots
         self.client = Client(servers, token=token, trust=trust(token, trainer_key), **transport)
         self.version = -1 if held is None else held
-        self.state_hash = "" if held is None else state_hash(dict(tensors))
+        self.state_hash = "" if held is None else state_hash(self.tensors)
 
     async def __aenter__(self) -> Subscriber:
         await self.client.__aenter__()
@@ -143,9 +145,8 @@ class Subscriber:
                         f"tensor '{n}': {t.dtype}{list(t.shape)} from the publisher, "
                         f"{self.tensors[n].dtype}{list(self.tensors[n].shape)} here"
                     )
-            with torch.no_grad():  # parameters of a model are fine targets
-                for n, t in staged.state.items():
-                    self.tensors[n].copy_(t)
+            for n, t in staged.state.items():
+                self.tensors[n].copy_(t)
             h = staged.state_hash
         else:
             if staged.version != self.version + 1:
