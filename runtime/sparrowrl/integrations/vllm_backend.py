@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from prometheus_client import Counter, Gauge
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -49,6 +50,15 @@ MAX_WAIT_S = 600.0
 RETRY_S = 2.0  # after a fetch that failed (every server refused or unreachable)
 
 _ACTIVE: list[SparrowRLWeightTransferEngine] = []  # this process's engine, for `status()`
+
+# In vLLM's worker process: they reach the API server's /metrics where PROMETHEUS_MULTIPROC_DIR is set
+UPDATES = Counter("sparrowrl_weight_updates", "Weight updates asked of the sparrowrl backend, by result", ["result"])
+REFUSED = Counter(
+    "sparrowrl_refused_answers", "Answers that did not verify (forged, altered, malformed), by server", ["server"]
+)
+SERVED = Gauge(
+    "sparrowrl_served_version", "The version vLLM computes with, verified by state hash", multiprocess_mode="livemax"
+)
 
 
 def _urls(value: Any, field_name: str) -> list[str]:
@@ -129,7 +139,7 @@ class _Follower:
                 except Exception as e:  # a fetch that gave up is retried; receive_weights reports it
                     with self.cond:
                         self.failure = f"from {self.sub.server_url}: {type(e).__name__}: {e}"
-                        self.refused = dict(self.sub.stats.refused)
+                        self._refused()
                         self.cond.notify_all()
                     print(f"sparrowrl: fetch refused or failed {self.failure}", flush=True)
                     await asyncio.sleep(RETRY_S)
@@ -139,7 +149,8 @@ class _Follower:
             at = await self.sub.find()
             if at is None:
                 self._stage(await self.sub.fetch(await self.sub.newest(), full=True))
-            else:
+            else:  # what vLLM loaded, read back at start, is version `at`
+                SERVED.set(at)
                 with self.cond:
                     self.known, self.failure = at, ""
                     self.cond.notify_all()
@@ -147,7 +158,14 @@ class _Follower:
             self._stage(await self.sub.fetch(v, full=False))  # cut-through while the trainer still writes it
             print(f"sparrowrl: v{v} staged from {self.sub.server_url}", flush=True)
             with self.cond:
-                self.refused = dict(self.sub.stats.refused)
+                self._refused()
+
+    def _refused(self) -> None:
+        """Take up the subscriber's count of refused answers per server (under `cond`)."""
+        for server, n in self.sub.stats.refused.items():
+            if n > self.refused.get(server, 0):
+                REFUSED.labels(server).inc(n - self.refused.get(server, 0))
+        self.refused = dict(self.sub.stats.refused)
 
     def _stage(self, staged: Staged) -> None:
         with self.cond:
@@ -279,7 +297,7 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
                 sub.apply(staged)
                 self.follower.done(staged.version)
         except (DeltaError, RuntimeError) as e:
-            self.counts["failed"] += 1
+            self._count("failed")
             self.last_error = f"v{target}: {e}"
             if not self.on_cpu and self._held is not None:  # the live weights: a chain that broke midway
                 self.served = (self._held, sub.state_hash)  # serves its last good version
@@ -296,18 +314,23 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         h = state_hash(self._readback())
         t4 = time.perf_counter()
         if h != sub.state_hash:
-            self.counts["mismatch"] += 1
+            self._count("mismatch")
             self.served = (None, h)
             self.last_error = f"v{target}: vLLM's weights hash to {h}, not the version's {sub.state_hash}"
             print(f"sparrowrl: {self.last_error}", flush=True)
             raise RuntimeError(self.last_error)
         self.served = (target, h)
-        self.counts["ok"] += 1
+        SERVED.set(target)
+        self._count("ok")
         print(
             f"sparrowrl: serving v{target} ({h}): waited {t1 - t0:.2f} s, applied {t2 - t1:.2f} s, "
             f"loaded {t3 - t2:.2f} s, read back and hashed {t4 - t3:.2f} s",
             flush=True,
         )
+
+    def _count(self, result: str) -> None:
+        self.counts[result] += 1
+        UPDATES.labels(result).inc()
 
     def finish_weight_update(self) -> None:
         pass  # loaded and verified in receive_weights; the version is vLLM's to record
