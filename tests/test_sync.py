@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
+import os
 import re
+import socket
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from sparrowrl.auth.signing import Signer, public_text
 from sparrowrl.delta import state_hash
@@ -89,10 +95,8 @@ def test_whole_versions_and_following(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rollout = _model().to(torch.bfloat16)
     pub = Publisher(model, tmp_path / "store", base_every=1)
-    steps = threading.Event()
 
     def train() -> None:
-        steps.wait(60)
         for v in (1, 2):
             _step(model, opt, v)
             pub.publish()
@@ -106,7 +110,6 @@ def test_whole_versions_and_following(tmp_path):
             async with Subscriber(origin.url, tensors, token=SECRET, snapshots=True) as sub:
                 await sub.pull(0)
                 trainer.start()
-                steps.set()
                 async for v in sub.follow():
                     staged = await sub.fetch(v)
                     assert staged.delta is None and staged.state is not None  # a full snapshot
@@ -141,9 +144,9 @@ def test_refused_updates_leave_the_tensors_as_they_were(tmp_path):
                 staged = await sub.fetch(2)  # v2's delta applies to v1, not to what is held
                 with pytest.raises(MismatchError, match="v1, not v0"):
                     sub.apply(staged)
-                staged.version = 1  # a delta passed off as another version's: its base hash says no
+                passed_off = dataclasses.replace(staged, version=1)  # another version's delta: its base hash says no
                 with pytest.raises(MismatchError, match="base hash"):
-                    sub.apply(staged)
+                    sub.apply(passed_off)
                 assert _same(tensors, before) and sub.version == 0
                 await sub.pull(1)
                 with pytest.raises(ValueError, match="only go forward"):
@@ -174,3 +177,109 @@ def test_a_subscriber_finds_the_version_its_tensors_hold(tmp_path):
         other = _bf16(model)
         other["model.norm.weight"][0] += 1
         assert asyncio.run(find(other)) == (None, -1)  # no version: the first fetch is then the whole state
+
+
+def test_bf16_weights_publish_what_changed(tmp_path):
+    """Weights that are bf16 already (a state dict, pure-bf16 training): the version held is a
+    copy, not the live tensors, so each step's delta holds its changes, and the weights' hash is
+    the published one after every publish."""
+    model = _model().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    pub = Publisher(dict(model.named_parameters()), tmp_path / "store")
+    held = _bf16(model)
+    with pub.serve(SECRET) as origin:
+
+        async def main() -> None:
+            async with Subscriber(origin.url, held, held=0, token=SECRET) as sub:
+                for v in (1, 2):
+                    _step(model, opt, v)
+                    assert pub.publish() == v and pub.store.versions[v].changed > 0
+                    assert pub.weights_hash() == pub.state_hash != pub.store.versions[v - 1].state_hash
+                    await sub.pull(v)
+                    assert sub.state_hash == pub.state_hash
+
+        asyncio.run(main())
+    assert _same(held, _bf16(model))
+
+
+def test_a_lagging_subscriber_takes_a_base_past_pruned_deltas(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    held = _bf16(model)
+    pub = Publisher(model, tmp_path / "store", base_every=2)
+    for v in range(1, 6):
+        _step(model, opt, v)
+        pub.publish()
+    assert pub.store.prune(2) and 1 not in pub.store.versions  # v1's delta is gone; v4 is a base
+    with pub.serve(SECRET) as origin:
+
+        async def main() -> None:
+            async with Subscriber(origin.url, held, held=0, token=SECRET) as sub:
+                assert await sub.pull() == 5 and sub.state_hash == pub.state_hash
+                assert sub.stats.kinds.get("base", 0) > 0  # the base v4, then v5's delta
+
+        asyncio.run(main())
+    assert _same(held, _bf16(model))
+
+
+def test_bad_arguments_are_refused_naming_them(tmp_path):
+    model = _model()
+    pub = Publisher(model, tmp_path / "store", base_every=3)
+    with pytest.raises(ValueError, match="base_every: 2, where the store"):
+        Publisher(model, tmp_path / "store", base_every=2)
+    with pytest.raises(ValueError, match="base_every: 0"):
+        Publisher(model, tmp_path / "other", base_every=0)
+    tensors = _bf16(model)
+    with pytest.raises(ValueError, match="no signature would be checked"):
+        Subscriber("http://relay.example:8471", tensors, token="")
+    with pytest.raises(ValueError, match="held: -1"):
+        Subscriber("http://127.0.0.1:1", tensors, held=-1, token="")
+    with pub.serve() as origin:
+
+        async def main() -> None:
+            async with Subscriber(origin.url, tensors, held=0, token="", snapshots=True) as sub:
+                with pytest.raises(ValueError, match="version: -1"):
+                    await sub.pull(-1)
+                _step(model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
+                pub.publish()
+                with pytest.raises(ValueError, match="base_every=1; this one has 3"):
+                    await sub.fetch(1)
+                with pytest.raises(ValueError, match="wait"):
+                    await anext(sub.follow(wait=float("inf")))
+
+        asyncio.run(main())
+    pub.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.publish()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_rank(rank: int, port: int, out: str) -> None:
+    """Under DDP every rank holds all the weights: the Publisher lives on rank 0 alone, and makes
+    no collective call that the other rank would have to answer (it waits at a barrier)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))  # a hang fails
+    try:
+        if rank == 0:
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            pub = Publisher(model, Path(out) / "store")
+            _step(model, opt, 1)
+            pub.publish()
+            again = Publisher(model, Path(out) / "store")  # a restart: resumes by the weights' hash
+            assert again.version == 1 and again.weights_hash() == again.state_hash
+            _step(model, opt, 2)
+            assert again.publish() == 2 and again.weights_hash() == again.state_hash
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+def test_a_ddp_trainer_publishes_from_rank_0_alone(tmp_path):
+    mp.spawn(_ddp_rank, args=(_port(), str(tmp_path)), nprocs=2)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from sparrowrl.store.store import Store
 from sparrowrl.sync import shards
@@ -29,26 +30,39 @@ class Publisher:
     version: the next delta is diffed against what subscribers hold, the store's newest, which is
     the weights' own cast when their hash says so and is read from the store otherwise.
 
-    `base_every`: a full snapshot every K versions (new subscribers start from the nearest one; 1
-    ships every version whole). `cut_through`: a delta can be served while it is still written."""
+    `base_every`: a full snapshot every K versions (default 10; new and lagging subscribers start
+    from the nearest one; 1 ships every version whole); an existing store keeps its own, and
+    refuses another. `cut_through`: a delta can be served while it is still written."""
 
-    def __init__(self, weights: Weights, store: str | Path, *, base_every: int = 10, cut_through: bool = True):
-        if not 1 <= base_every <= 1_000_000:
-            raise ValueError(f"base_every: {base_every}, where 1 to 1,000,000 versions are allowed")
+    def __init__(self, weights: Weights, store: str | Path, *, base_every: int | None = None, cut_through: bool = True):
+        if base_every is not None and (
+            isinstance(base_every, bool) or not isinstance(base_every, int) or not 1 <= base_every <= 1_000_000
+        ):
+            raise ValueError(f"base_every: {base_every!r}, where 1 to 1,000,000 versions are allowed")
         self.weights, self.cut_through = weights, cut_through
         self.sharded = shards.sharded(weights)
         self.table = shards.specs(weights)
         if not self.table:
             raise ValueError("the weights hold no tensors")
+        if self.sharded:
+            plain = next((n for n, t in shards.named(weights) if not isinstance(t, DTensor)), None)
+            if plain is not None:
+                raise ValueError(
+                    f"tensor '{plain}' is a plain tensor among DTensors: shard every tensor (each rank would "
+                    f"publish all of it), or publish the plain ones with a Publisher of their own"
+                )
+        self.writer = not self.sharded or dist.get_rank() == 0  # the store's one writer
         path = Path(store)
         if self._agree(not (path / "store.json").exists()):
-            self.store = shards.init_store(path, weights, base_every)
+            self.store = shards.init_store(path, weights, base_every or 10, self.writer)
             self.policy = shards.policy(weights)
         else:
-            self.store, self.policy = self._resume(path)
+            self.store, self.policy = self._resume(path, base_every)
 
-    def _resume(self, path: Path) -> tuple[Store | None, shards.Shards]:
-        store = Store(path) if shards.rank0() else None
+    def _resume(self, path: Path, base_every: int | None) -> tuple[Store | None, shards.Shards]:
+        store = Store(path) if self.writer else None
+        if self._agree(base_every is not None and store is not None and store.base_every != base_every):
+            raise ValueError(f"base_every: {base_every}, where the store at {path} has {store.base_every}")
         if store is not None:
             store.drop_partial()  # a delta a killed publisher was writing: written again, as the next version's
         newest = self._agree(store.newest if store is not None else None)
@@ -90,13 +104,16 @@ class Publisher:
         return self.store.versions[self.store.newest].state_hash if self.store is not None else None
 
     def weights_hash(self) -> str | None:
-        """The state hash of the weights' bf16 cast as they are now (rank 0's; collective)."""
-        return shards.state_hash(self.table, shards.policy(self.weights))
+        """The state hash of the weights' bf16 cast as they are now (rank 0's; collective where
+        they are sharded)."""
+        return shards.state_hash(self.table, shards.policy(self.weights), collective=self.sharded)
 
     def publish(self) -> int:
         """The weights as they are now, as the next version: its delta streams into the store as it
         is encoded (served while written, with `cut_through`), then a base snapshot when one is
         due. Returns the new version (on every rank)."""
+        if not self.policy:
+            raise RuntimeError("this publisher is closed")
         new = shards.policy(self.weights)
         if not self.sharded:  # the whole policy is here: diff it straight into the store's writer
             with self.store.publish(self.table, self.cut_through) as w:

@@ -78,11 +78,12 @@ def specs(weights: Weights, dtype: str = "BF16") -> list[TensorSpec]:
 
 
 def policy(weights: Weights) -> Shards:
-    """This rank's part of the bf16 policy that rollout workers hold."""
+    """This rank's part of the bf16 policy that rollout workers hold: a copy, also of weights that
+    are bf16 already, which the next optimizer step changes in place."""
     out = {}
     for n, p in named(weights):
         first, flat = span(n, p)
-        out[n] = first, flat.to(torch.bfloat16).contiguous()
+        out[n] = first, flat.to(torch.bfloat16, copy=True).contiguous()
     return out
 
 
@@ -90,17 +91,17 @@ def rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _gather(obj: object) -> list | None:
-    if not dist.is_initialized():
+def _gather(obj: object, collective: bool = True) -> list | None:
+    if not collective or not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
 
 
-def state_hash(table: list[TensorSpec], shards: Shards) -> str | None:
+def state_hash(table: list[TensorSpec], shards: Shards, collective: bool = True) -> str | None:
     """The additive state hash of the policy the ranks hold: each rank's partial sum, added on
-    rank 0 (None elsewhere)."""
+    rank 0 (None elsewhere); without `collective`, of what this process holds (all of it)."""
     part = 0
     for t in table:
         first, flat = shards[t.name]
@@ -110,7 +111,7 @@ def state_hash(table: list[TensorSpec], shards: Shards) -> str | None:
             part += gpu.span_hash(t.key(), first, gpu.device_bits(flat))
         else:
             part += span_hash(t.key(), first, bits(flat))
-    parts = _gather(part)
+    parts = _gather(part, collective)
     return format_hash(sum(parts) + sum(t.key().term for t in table)) if parts is not None else None
 
 
@@ -203,10 +204,12 @@ def snapshot(store: Store | None, version: int, weights: Weights) -> None:
     stream(weights, None if store is None else lambda s: store.snapshot(version, s))
 
 
-def init_store(path, weights: Weights, base_every: int) -> Store | None:
-    """A new store whose version 0 is the weights' bf16 policy (rank 0's; None elsewhere)."""
-    stream(weights, (lambda s: Store.init(path, s, base_every=base_every)) if rank0() else None)
-    return Store(path) if rank0() else None
+def init_store(path, weights: Weights, base_every: int, writer: bool | None = None) -> Store | None:
+    """A new store whose version 0 is the weights' bf16 policy, written by `writer` (by default
+    rank 0; None elsewhere)."""
+    writer = rank0() if writer is None else writer
+    stream(weights, (lambda s: Store.init(path, s, base_every=base_every)) if writer else None)
+    return Store(path) if writer else None
 
 
 def policy_from_rank0(weights: Weights, full: dict[str, torch.Tensor] | None) -> Shards:

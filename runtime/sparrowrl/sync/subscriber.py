@@ -11,11 +11,13 @@ each new version appears.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -23,9 +25,20 @@ from sparrowrl.auth.signing import trust
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
 from sparrowrl.delta.errors import MismatchError
 from sparrowrl.transport.client import Client
+from sparrowrl.transport.http import is_loopback
+
+MAX_WAIT_S = 300.0  # one long poll of `follow`
+MAX_VERSION = 10**12  # the version numbers the server's routes take
 
 
-@dataclass
+def _version(name: str, v: object) -> int:
+    """A version number from the caller, bounded."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_VERSION:
+        raise ValueError(f"{name}: {v!r}, where a version number 0 to {MAX_VERSION - 1:,} is expected")
+    return v
+
+
+@dataclass(frozen=True)
 class Staged:
     """One version's update, fetched and verified, not yet applied: a delta from the version
     before it, or a full state."""
@@ -62,10 +75,20 @@ class Subscriber:
         **transport: Any,
     ):
         token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
+        urls = [servers] if isinstance(servers, str) else list(servers)
+        checks = trust(token, trainer_key)
+        far = [u for u in urls if not is_loopback(urlsplit(u).hostname or "")]
+        if checks is None and far:
+            raise ValueError(
+                f"servers: {far[0]} is not on loopback, and without a token or trainer_key (or SPARROWRL_TOKEN, "
+                f"SPARROWRL_TRAINER_KEY) no signature would be checked"
+            )
+        if held is not None:
+            _version("held", held)
         # the same storage, without autograd: a model's parameters refuse in-place writes on CUDA
         self.tensors = {n: t.detach() for n, t in tensors.items()}
         self.snapshots = snapshots
-        self.client = Client(servers, token=token, trust=trust(token, trainer_key), **transport)
+        self.client = Client(urls, token=token, trust=checks, **transport)
         self.version = -1 if held is None else held
         self.state_hash = "" if held is None else state_hash(self.tensors)
 
@@ -96,14 +119,17 @@ class Subscriber:
         h = await asyncio.to_thread(state_hash, dict(self.tensors))
         listing = await self.client.versions()
         at = max((e["version"] for e in listing["versions"] if e["state_hash"] == h), default=None)
-        if at is not None:
-            self.version, self.state_hash = at, h
+        if at is not None:  # the hash first: a thread that sees the version sees its hash
+            self.state_hash = h
+            self.version = at
         return at
 
     async def follow(self, after: int | None = None, wait: float = 30.0) -> AsyncIterator[int]:
         """Each version after `after` (default: the one held), in order, as soon as the publisher
         starts writing it: its `fetch` then pulls it while it is written (cut-through)."""
         known = self.version if after is None else after
+        if not (isinstance(wait, int | float) and math.isfinite(wait) and 0 < wait <= MAX_WAIT_S):
+            raise ValueError(f"wait: {wait!r} seconds, where (0, {MAX_WAIT_S:g}] are allowed")
         while True:
             listing = await self.client.versions(after=known, wait=wait)
             newest = max([listing["newest"], *listing["producing"]])
@@ -116,12 +142,18 @@ class Subscriber:
         changes. `full`: the whole state, by the servers' cheapest plan (the nearest base and the
         deltas after it), checked by its state hash, rather than the delta from the version before;
         by default, while the tensors hold nothing."""
+        _version("version", version)
         t0 = time.perf_counter()
         if self.version < 0 if full is None else full:
             state, h = await self.client.advance(version)
             return Staged(version, None, state, h, time.perf_counter() - t0)
         if self.snapshots:  # the whole version, once the publisher has stored it
             listing = await self.client.versions()
+            if listing["base_every"] != 1:
+                raise ValueError(
+                    f"snapshots: every version whole needs a publisher with base_every=1; this one has "
+                    f"{listing['base_every']}"
+                )
             while not any(e["version"] == version and e["base"] for e in listing["versions"]):
                 listing = await self.client.versions(base=version, wait=30)
             state, h = await self.client.base(version, listing)
@@ -134,6 +166,8 @@ class Subscriber:
         is checked whole (its base is what the tensors hold, its records, the hash it reaches)
         before any element changes: on MismatchError or DeltaError the tensors are as they were."""
         if staged.state is not None:
+            if staged.version <= self.version:
+                raise MismatchError(f"v{staged.version} is not ahead of v{self.version}, which the tensors hold")
             if set(self.tensors) != set(staged.state):
                 raise MismatchError(
                     f"v{staged.version}: the publisher's tensors are not these: "
@@ -156,13 +190,18 @@ class Subscriber:
         return h
 
     async def pull(self, version: int | None = None) -> int:
-        """Bring the tensors to `version` (default: the newest), one verified update at a time;
-        returns the version they hold. Each update is applied off the event loop."""
-        target = await self.newest() if version is None else version
+        """Bring the tensors to `version` (default: the newest), by the servers' cheapest plan: the
+        deltas from the version held, one verified update at a time, or (holding nothing, or far
+        behind, or past what the servers still keep) the whole state. Returns the version held.
+        Each update is applied off the event loop; one that fails changes nothing, and `version`
+        says what the updates before it reached."""
+        target = await self.newest() if version is None else _version("version", version)
         if target < self.version:
             raise ValueError(f"v{target} is behind v{self.version}, which the tensors hold: versions only go forward")
-        if self.version < 0:
-            await asyncio.to_thread(self.apply, await self.fetch(target))
+        if target == self.version:
+            return target
+        if self.version < 0 or (await self.client.plan(target, self.version))["route"] == "base":
+            await asyncio.to_thread(self.apply, await self.fetch(target, full=True))
         while self.version < target:
             await asyncio.to_thread(self.apply, await self.fetch(self.version + 1))
         return self.version
