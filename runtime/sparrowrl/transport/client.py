@@ -308,6 +308,13 @@ class Client:
             raise FetchError(f"base v{version} hashes to {h}, the listing says {entry['state_hash']}")
         return state, h
 
+    async def plan(self, target: int, have: int | None = None) -> dict:
+        """The server's cheapest route from version `have` (None: nothing held) to `target`:
+        `route` ("none", "chain" or "base"), `base`, `deltas`; checked to lead there."""
+        params = {"to": target} if have is None else {"to": target, "from": have}
+        held = None if have is None else (have,)
+        return await self.json("/v1/plan", Plan, check=lambda p: _leads(p, held, target), params=params)
+
     async def advance(
         self, target: int, have: tuple[int, dict[str, torch.Tensor], str] | None = None
     ) -> tuple[dict[str, torch.Tensor], str]:
@@ -315,8 +322,7 @@ class Client:
 
         `have` is (version, state, state hash) of what the caller holds; on the chain route its
         state is updated in place, and only after each delta has fully verified."""
-        params = {"to": target} if have is None else {"to": target, "from": have[0]}
-        plan = await self.json("/v1/plan", Plan, check=lambda p: _leads(p, have, target), params=params)
+        plan = await self.plan(target, None if have is None else have[0])
         listing = await self.versions()
         if plan["route"] == "none":
             return have[1], have[2]
