@@ -59,10 +59,11 @@ def test_follower_outlives_an_outage_and_a_pruned_chain(tmp_path):
     pub = Publisher(w, tmp_path / "store", base_every=2)
     origin = pub.serve(TOKEN)
     port = int(origin.url.rsplit(":", 1)[1])
+    origin.close()  # down before the follower's first request: one in flight at the close was seen
+    # to hang until the client's read timeout (60 s with a long poll's wait)
     f = follower(origin.url, w)
     try:
-        origin.close()
-        until(lambda: f.failures >= 1)  # the origin is gone
+        until(lambda: f.failures >= 1)
         # a fetch that fails while the update waits fails it (the follower retries every RETRY_S)
         with pytest.raises(RuntimeError, match="is not fetched: from"):
             f.take(1, time.monotonic() + 60, f.failures)
