@@ -1,12 +1,12 @@
 """The standard vLLM server with SparrowRL's weight-transfer backend, in the `make test-vllm` venv.
 
 A plain torch loop publishes versions with the public sync API (`Publisher`, served by an
-`Origin`); the server (`--weight-transfer-
-config '{"backend": "sparrowrl"}'`, dev mode's routes) is driven through pause, start, update,
-finish and resume for each. The backend's hash of the weights it reads back out of vLLM must be
-the trainer's state hash, `/weight_info` must name the version, and greedy text must change with
-the weights. An origin without the trainer's key is refused: the update fails and nothing
-served changes."""
+`Origin`); the server (`--weight-transfer-config '{"backend": "sparrowrl"}'`, dev mode's routes)
+is driven through pause, start, update, finish and resume for most of them, and once for two
+versions at once. The backend's hash of the weights it reads back out of vLLM must be the
+trainer's state hash, `/weight_info` must name the version, and greedy text must change with the
+weights. An origin without the trainer's key is refused: the update fails and nothing served
+changes. The backend's Prometheus metrics reach `/metrics`."""
 
 import copy
 import json
@@ -34,7 +34,8 @@ from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  #
 
 pytestmark = pytest.mark.e2e
 
-N = 3  # versions served after the first
+N = 4  # versions published before the forger's
+UPDATES = (1, 2, 4)  # the versions the server is told to serve: v2 to v4 applies v3 and v4 at once
 PROMPT = "abcde"
 START_S = 300  # vLLM's three processes start in about a minute on a 2-core VM
 
@@ -186,12 +187,15 @@ def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp
             step(model, opt, gen)
             assert pub.publish() == v
             states.append(policy_state(model))
+            if v not in UPDATES:
+                continue
             t = time.monotonic()
             assert server.update(v)[0] == 200
             print(f"v{v}: pause to resume in {time.monotonic() - t:.2f} s")
             assert server.version() == str(v)
             s = server.status()
             assert (s["version"], s["state_hash"]) == (v, state_hash(states[v])) == (v, pub.state_hash)
+            assert s["held_version"] == v and all(x > v for x in s["staged"]), s
             texts.append(server.greedy())
         assert texts[0] != texts[-1]  # the versions generate differently: the hash checks have teeth
 
@@ -220,7 +224,7 @@ def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp
         assert server.status()["state_hash"] == pub.state_hash
         with urllib.request.urlopen(server.base + "/metrics", timeout=60) as r:
             metrics = r.read().decode()
-        assert 'sparrowrl_weight_updates_total{result="ok"} 4.0' in metrics, metrics[-3000:]
+        assert f'sparrowrl_weight_updates_total{{result="ok"}} {len(UPDATES) + 1}.0' in metrics, metrics[-3000:]
         assert 'sparrowrl_weight_updates_total{result="failed"} 1.0' in metrics
         assert f'sparrowrl_refused_answers_total{{server="{forger.url}"}}' in metrics
         assert f"sparrowrl_served_version {N + 1}.0" in metrics

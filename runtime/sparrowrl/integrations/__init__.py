@@ -1,4 +1,6 @@
 """SparrowRL inside other frameworks' processes: a weight-transfer backend for `vllm serve`
-(`vllm_plugin`, `vllm_backend`) and the mapping between the trainer's tensors and vLLM's
-parameters that the in-process engine shares (`vllm_layout`). Nothing here imports vLLM at
-module top: `vllm_plugin` is loaded by vLLM itself, in every one of its processes."""
+(`vllm_plugin`, `vllm_backend`), TRL's GRPO trainer (`trl`), and the mapping between the
+trainer's tensors and vLLM's parameters that the in-process engine shares (`vllm_layout`, pure
+torch). `vllm_plugin` imports nothing heavy at module top (vLLM loads it in every one of its
+processes) and `trl` imports TRL on first use; `vllm_backend` imports vLLM at module top and is
+loaded only in vLLM's worker, when it creates the engine."""

@@ -21,6 +21,7 @@ URLs (never secrets: dev-mode bodies are logged and unauthenticated)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import threading
@@ -48,6 +49,8 @@ shield_llvmlite()  # numba (the codec) is loaded now, before vLLM scans modules 
 ORIGIN_ENV = "SPARROWRL_ORIGIN"
 MAX_WAIT_S = 600.0
 RETRY_S = 2.0  # after a fetch that failed (every server refused or unreachable)
+MAX_STAGED = 8  # versions fetched ahead of the one served; past that the fetch loop waits
+STOP_S = 30.0  # for the fetch thread to end
 
 _ACTIVE: list[SparrowRLWeightTransferEngine] = []  # this process's engine, for `status()`
 
@@ -102,16 +105,23 @@ class SparrowRLUpdateInfo(WeightTransferUpdateInfo):
 class _Follower:
     """Stages new versions on a thread with its own event loop (`Subscriber.follow` and `fetch`:
     network and signature checks); `take` hands them to the engine's thread, which applies them
-    (`Subscriber.apply`: compute, verified before anything changes)."""
+    (`Subscriber.apply`: compute, verified before anything changes).
+
+    At most MAX_STAGED versions wait staged: past that the fetch loop waits until the engine
+    applies some (`done`). An update further ahead takes what is staged, applies it, and takes
+    the rest as it is fetched (`take` hands out a part of the way while there is no room)."""
 
     def __init__(self, sub: Subscriber):
         self.sub = sub
         self.cond = threading.Condition()
         self.staged: dict[int, Staged] = {}
         self.known: int | None = sub.version if sub.version >= 0 else None  # newest version held or staged
-        self.failure = ""  # the last fetch's error, until a fetch succeeds
+        self.failures = 0  # fetches that failed so far: `take` fails on those after it began only
+        self.failure = ""  # the last failed fetch's error, until a fetch succeeds
+        self.found: int | None = None  # the version the loaded weights were found to be, by state hash
         self.refused: dict[str, int] = {}  # server → answers that did not verify
         self.loop = asyncio.new_event_loop()
+        self.room = asyncio.Event()  # set (on the loop) when `done` drops staged versions
         self.task = self.loop.create_task(self._follow())
         self.thread = threading.Thread(target=self._run, name="sparrowrl-fetch", daemon=True)
         self.thread.start()
@@ -127,24 +137,31 @@ class _Follower:
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=STOP_S)
+        if self.thread.is_alive():
+            print(f"sparrowrl: the fetch thread did not stop within {STOP_S:g} s; left running", flush=True)
 
     async def _follow(self) -> None:
+        again = False
         async with self.sub:
             while True:
                 try:
-                    await self._fetch()
+                    await self._fetch(again)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # a fetch that gave up is retried; receive_weights reports it
+                    again = True
                     with self.cond:
+                        self.failures += 1
                         self.failure = f"from {self.sub.server_url}: {type(e).__name__}: {e}"
                         self._refused()
                         self.cond.notify_all()
                     print(f"sparrowrl: fetch refused or failed {self.failure}", flush=True)
                     await asyncio.sleep(RETRY_S)
 
-    async def _fetch(self) -> None:
+    async def _fetch(self, again: bool) -> None:
+        """Stage each new version as it appears. `again`: after a failed fetch, when the deltas
+        from `known` may be gone (pruned) or cost more than a base: then the newest whole."""
         if self.known is None:  # which version the loaded weights are, by state hash; else the newest whole
             at = await self.sub.find()
             if at is None:
@@ -152,13 +169,29 @@ class _Follower:
             else:  # what vLLM loaded, read back at start, is version `at`
                 SERVED.set(at)
                 with self.cond:
-                    self.known, self.failure = at, ""
+                    self.known, self.found, self.failure = at, at, ""
                     self.cond.notify_all()
+        elif again:
+            newest = await self.sub.newest()
+            if newest > self.known and (await self.sub.client.plan(newest, self.known))["route"] == "base":
+                await self._room()
+                self._stage(await self.sub.fetch(newest, full=True))
+                print(f"sparrowrl: v{newest} staged whole from {self.sub.server_url}", flush=True)
         async for v in self.sub.follow(after=self.known):
+            await self._room()
             self._stage(await self.sub.fetch(v, full=False))  # cut-through while the trainer still writes it
             print(f"sparrowrl: v{v} staged from {self.sub.server_url}", flush=True)
             with self.cond:
                 self._refused()
+
+    async def _room(self) -> None:
+        """Wait while MAX_STAGED versions are staged (`done` makes room)."""
+        while True:
+            self.room.clear()  # before the check: a `done` after it sets it again
+            with self.cond:
+                if len(self.staged) < MAX_STAGED:
+                    return
+            await self.room.wait()
 
     def _refused(self) -> None:
         """Take up the subscriber's count of refused answers per server (under `cond`)."""
@@ -174,37 +207,42 @@ class _Follower:
             self.failure = ""
             self.cond.notify_all()
 
-    def _chain(self, have: int, target: int) -> list[int] | None:
-        """The staged versions that lead from `have` (-1: nothing) to `target`: the newest whole
-        state on the way, then deltas; None while one is missing."""
+    def _chain(self, have: int, target: int) -> list[int]:
+        """The staged versions that lead from `have` (-1: nothing) toward `target`, as far as
+        they are staged: the newest whole state on the way, then deltas."""
         wholes = [v for v, x in self.staged.items() if x.state is not None and have < v <= target]
-        start = max(wholes, default=have)
-        if start < 0 or start > target:
-            return None
-        chain = ([start] if wholes else []) + list(range(start + 1, target + 1))
-        return chain if all(v in self.staged for v in chain) else None
+        at = max(wholes, default=have)
+        chain = [at] if wholes else []
+        while at >= 0 and at < target and at + 1 in self.staged:
+            at += 1
+            chain.append(at)
+        return chain
 
-    def take(self, target: int, wait_s: float) -> list[Staged]:
-        """What leads from the version held to `target`, waiting up to `wait_s`; RuntimeError
-        naming the fetch's error after a failed fetch or the deadline."""
-        deadline = time.monotonic() + wait_s
+    def take(self, target: int, deadline: float, since: int) -> tuple[list[Staged], bool]:
+        """What leads from the version held to `target` and whether it gets there: all of it, or,
+        while no room is left to stage more, the part staged (apply it, `done`, and take again).
+        Waits until `deadline` (time.monotonic()); RuntimeError naming the fetch's error after a
+        fetch failed later than the `since`-th failure, or at the deadline."""
         with self.cond:
             while True:
-                chain = self._chain(self.sub.version, target)
-                if chain is not None:
-                    return [self.staged[v] for v in chain]
-                if self.failure:
+                have = self.sub.version
+                chain = self._chain(have, target)
+                if (chain[-1] if chain else have) == target or (chain and len(self.staged) >= MAX_STAGED):
+                    return [self.staged[v] for v in chain], (chain[-1] if chain else have) == target
+                if self.failures > since:
                     raise RuntimeError(f"v{target} is not fetched: {self.failure}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RuntimeError(f"v{target} was not fetched within {wait_s:g} s (newest staged: v{self.known})")
+                    last = f"; the last failed fetch: {self.failure}" if self.failure else ""
+                    raise RuntimeError(f"v{target} was not fetched in time (newest staged: v{self.known}){last}")
                 self.cond.wait(left)
 
     def done(self, version: int) -> None:
-        """Drop what is staged up to `version`, which is now held."""
+        """Drop what is staged up to `version`, which is now held: room for the fetch loop."""
         with self.cond:
             for v in [v for v in self.staged if v <= version]:
                 del self.staged[v]
+        self.loop.call_soon_threadsafe(self.room.set)
 
 
 class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, SparrowRLUpdateInfo]):
@@ -261,9 +299,10 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
 
     def init_transfer_engine(self, init_info: SparrowRLInitInfo) -> None:
         """Follow other servers from now on (what is staged from the old ones is dropped)."""
-        held = self._held
+        held, served = self._held, self._version()
         if self.follower is not None:
             self.follower.stop()
+        self.served = (served, self.served[1])  # the version found at start was the old follower's to know
         self.urls = init_info.origin
         self.follower = self._follow(self.urls, held)
         print(f"sparrowrl: following {self.urls}", flush=True)
@@ -284,32 +323,45 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
                 f"no server to fetch from: set {ORIGIN_ENV} or POST /init_weight_transfer_engine "
                 '{"init_info": {"origin": [...]}}'
             )
-        sub = self.follower.sub
-        if self._version() == target and self._held in (None, target):
+        f, sub = self.follower, self.follower.sub
+        held = self._held  # read once: the fetch thread's find() may set it now (its hash first)
+        if self._version() == target and held in (None, target):
             return
-        if self._held is not None and target < self._held:
-            raise ValueError(f"update_info.version: v{target} is older than the v{self._held} held here")
+        if held is not None and target < held:
+            raise ValueError(f"update_info.version: v{target} is older than the v{held} held here")
         t0 = time.perf_counter()
+        deadline, since = time.monotonic() + update_info.wait_s, f.failures
+        applied = None  # the last version applied here, if any
         try:
-            chain = self.follower.take(target, update_info.wait_s)
+            whole = False
+            while not whole:  # more than one take when more is on the way than MAX_STAGED
+                chain, whole = f.take(target, deadline, since)
+                for staged in chain:  # each verified before it changes anything (Subscriber.apply's contract)
+                    sub.apply(staged)
+                    f.done(staged.version)
+                    applied = staged.version
             t1 = time.perf_counter()
-            for staged in chain:  # each verified before it changes anything (Subscriber.apply's contract)
-                sub.apply(staged)
-                self.follower.done(staged.version)
         except (DeltaError, RuntimeError) as e:
             self._count("failed")
             self.last_error = f"v{target}: {e}"
-            if not self.on_cpu and self._held is not None:  # the live weights: a chain that broke midway
-                self.served = (self._held, sub.state_hash)  # serves its last good version
+            if not self.on_cpu and applied is not None:  # the live weights: a chain that broke midway
+                self.served = (applied, sub.state_hash)  # serves its last good version
             print(f"sparrowrl: update to v{target} refused: {e}; serving v{self._version()}", flush=True)
             raise
         t2 = time.perf_counter()
         if self.on_cpu:
-            reload_weights(
-                self.vllm_config, self.model, iter(self.state.items()), weights_path=None, is_checkpoint_format=True
-            )
-            for module in tied_modules(self.model, owners(self.model)):  # a reload repacks its owner only
-                module.quant_method.process_weights_after_loading(module)
+            try:
+                reload_weights(
+                    self.vllm_config, self.model, iter(self.state.items()), weights_path=None, is_checkpoint_format=True
+                )
+                for module in tied_modules(self.model, owners(self.model)):  # a reload repacks its owner only
+                    module.quant_method.process_weights_after_loading(module)
+            except Exception as e:  # vLLM's weights may be partly reloaded: which version they are is unknown
+                self._count("failed")
+                self.served = (None, "")
+                self.last_error = f"v{target}: vLLM's reload failed: {type(e).__name__}: {e}"
+                print(f"sparrowrl: {self.last_error}; the served weights are unknown", flush=True)
+                raise
         t3 = time.perf_counter()
         h = state_hash(self._readback())
         t4 = time.perf_counter()
@@ -323,7 +375,7 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         SERVED.set(target)
         self._count("ok")
         print(
-            f"sparrowrl: serving v{target} ({h}): waited {t1 - t0:.2f} s, applied {t2 - t1:.2f} s, "
+            f"sparrowrl: serving v{target} ({h}): waited and applied {t1 - t0:.2f} s, "
             f"loaded {t3 - t2:.2f} s, read back and hashed {t4 - t3:.2f} s",
             flush=True,
         )
@@ -345,20 +397,24 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         found the loaded weights to be."""
         if self.served[0] is not None or self.follower is None:
             return self.served[0]
-        return self._held if self.served[1] == self.start_hash else None
+        return self.follower.found if self.served[1] == self.start_hash else None
 
     def status(self) -> dict[str, Any]:
-        f = self.follower
+        f, held = self.follower, self._held
+        with f.cond if f else contextlib.nullcontext():  # the fetch thread stages meanwhile
+            fetch = {
+                "staged": sorted(f.staged) if f else [],
+                "fetch_error": f.failure if f else "",
+                "refused": dict(f.refused) if f else {},
+            }
         return {
             "version": self._version(),
             "state_hash": self.served[1],
-            "held_version": self._held,
+            "held_version": held,
             "updates": dict(self.counts),
             "last_error": self.last_error,
             "servers": self.urls,
-            "staged": sorted(f.staged) if f else [],
-            "fetch_error": f.failure if f else "",
-            "refused": dict(f.refused) if f else {},
+            **fetch,
         }
 
 

@@ -1,8 +1,10 @@
 """The `vllm.general_plugins` entry point. vLLM calls `register()` once in each of its processes
 (API server, engine core, workers) before it builds a worker, so this is where the backend
 becomes selectable (`--weight-transfer-config '{"backend": "sparrowrl"}'`) and where the CPU
-build's workarounds reach the worker process. Light: the backend module loads only when a
-worker creates the engine."""
+build's workarounds reach the worker process (every CPU vLLM server of an environment where
+sparrowrl is installed gets them, whichever backend it uses: vLLM's engine core picks its
+attention kernel before anything says which backend is in use, and the in-process rollout engine
+relies on them there). Light: the backend module loads only when a worker creates the engine."""
 
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ def register() -> None:
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.platforms import current_platform
 
-    # register_engine raises on a name already taken: vLLM loads plugins once per process, but a
-    # process may also run LLM engines one after another
-    if NAME not in WeightTransferEngineFactory._registry:
+    try:
         WeightTransferEngineFactory.register_engine(
             NAME, "sparrowrl.integrations.vllm_backend", "SparrowRLWeightTransferEngine"
         )
-    if current_platform.is_cpu():
+    except ValueError:  # taken already: vLLM loads plugins once per process, but may run them again
+        pass
+    if current_platform.is_cpu():  # in every CPU vLLM process of this environment (docs/vllm.md)
         cpu_workarounds()
 
 

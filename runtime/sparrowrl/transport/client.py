@@ -309,8 +309,8 @@ class Client:
         return state, h
 
     async def plan(self, target: int, have: int | None = None) -> dict:
-        """The server's cheapest route from version `have` (None: nothing held) to `target`: a
-        chain of deltas, or a base and the deltas after it; checked to lead there."""
+        """The server's cheapest route from version `have` (None: nothing held) to `target`:
+        `route` ("none", "chain" or "base"), `base`, `deltas`; checked to lead there."""
         params = {"to": target} if have is None else {"to": target, "from": have}
         held = None if have is None else (have,)
         return await self.json("/v1/plan", Plan, check=lambda p: _leads(p, held, target), params=params)

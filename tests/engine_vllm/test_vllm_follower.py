@@ -1,0 +1,104 @@
+"""The vLLM backend's fetch thread (`_Follower`) against a real origin, without starting vLLM:
+it outlives an outage and a pruned delta chain, an update fails on a fetch that fails while it
+waits but not on one that failed before, and it stages at most MAX_STAGED versions ahead while
+an update further ahead still gets there."""
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
+
+from support.servers import TOKEN  # noqa: E402
+
+from sparrowrl.delta import state_hash  # noqa: E402
+from sparrowrl.integrations.vllm_backend import MAX_STAGED, _Follower  # noqa: E402
+from sparrowrl.sync import Origin, Publisher, Subscriber  # noqa: E402
+
+
+def weights() -> dict[str, torch.Tensor]:
+    """The trainer's fp32 tensors."""
+    g = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
+
+
+def step(w: dict[str, torch.Tensor]) -> None:
+    for t in w.values():
+        t.add_(torch.randn_like(t) * 0.1)
+
+
+def follower(url: str, w: dict[str, torch.Tensor]) -> _Follower:
+    """A follower whose tensors hold v0 (the trainer's bf16 cast), as a server started from it."""
+    held = {n: t.to(torch.bfloat16) for n, t in w.items()}
+    return _Follower(Subscriber([url], held, held=0, token=TOKEN, attempts=2))
+
+
+def until(ready, s: float = 60) -> None:
+    end = time.monotonic() + s
+    while not ready():
+        assert time.monotonic() < end, "not within the deadline"
+        time.sleep(0.05)
+
+
+def update(f: _Follower, target: int) -> list[list[int]]:
+    """What `receive_weights` does with the follower; returns the versions of each take."""
+    deadline, since, takes, whole = time.monotonic() + 60, f.failures, [], False
+    while not whole:
+        chain, whole = f.take(target, deadline, since)
+        takes.append([s.version for s in chain])
+        for s in chain:
+            f.sub.apply(s)
+            f.done(s.version)
+    return takes
+
+
+@pytest.mark.timeout(180)
+def test_follower_outlives_an_outage_and_a_pruned_chain(tmp_path):
+    w = weights()
+    pub = Publisher(w, tmp_path / "store", base_every=2)
+    origin = pub.serve(TOKEN)
+    port = int(origin.url.rsplit(":", 1)[1])
+    origin.close()  # down before the follower's first request: one in flight at the close was seen
+    # to hang until the client's read timeout (60 s with a long poll's wait)
+    f = follower(origin.url, w)
+    try:
+        until(lambda: f.failures >= 1)
+        # a fetch that fails while the update waits fails it (the follower retries every RETRY_S)
+        with pytest.raises(RuntimeError, match="is not fetched: from"):
+            f.take(1, time.monotonic() + 60, f.failures)
+        for _ in range(5):  # published while the origin is down; v0..v3 and v4's delta pruned
+            step(w)
+            pub.publish()
+        assert pub.store.prune(1) == [0, 1, 2, 3]
+        origin = Origin(pub.store.path, TOKEN, port=port)
+        step(w)
+        assert pub.publish() == 6  # after the recovery
+        # the failures before it do not fail this update, and the follower takes a base, not v1's delta
+        takes = update(f, 6)
+        assert takes[0][0] in (5, 6) and f.sub.version == 6, takes
+        assert f.sub.state_hash == pub.state_hash == state_hash({n: t.to(torch.bfloat16) for n, t in w.items()})
+    finally:
+        f.stop()
+        origin.close()
+
+
+@pytest.mark.timeout(180)
+def test_follower_stages_a_bounded_number_ahead_and_an_update_further_ahead_gets_there(tmp_path):
+    w = weights()
+    pub = Publisher(w, tmp_path / "store")
+    n = MAX_STAGED + 3
+    with pub.serve(TOKEN) as origin:
+        f = follower(origin.url, w)
+        try:
+            for _ in range(n):
+                step(w)
+                pub.publish()
+            until(lambda: len(f.staged) == MAX_STAGED)
+            time.sleep(0.5)  # time to stage more, were there no bound
+            assert sorted(f.staged) == list(range(1, MAX_STAGED + 1)) and f.known == MAX_STAGED
+            takes = update(f, n)
+            assert takes[0] == list(range(1, MAX_STAGED + 1)) and sum(takes, []) == list(range(1, n + 1)), takes
+            assert (f.sub.version, f.sub.state_hash) == (n, pub.state_hash) and not f.staged
+        finally:
+            f.stop()
