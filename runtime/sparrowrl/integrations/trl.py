@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sparrowrl.integrations.vllm_client import MAX_WAIT_S, update_server
 from sparrowrl.sync import Publisher
 
 TOKEN_ENV = "SPARROWRL_TOKEN"
@@ -40,29 +41,7 @@ class SparrowRLConfig(BaseModel):
     servers: list[str] = Field(
         default_factory=list, description="more vLLM servers to update, besides the one TRL generates with"
     )
-    wait_s: float = Field(60.0, gt=0, le=600, description="how long a server may wait for a version to arrive")
-
-
-def _post(url: str, body: dict | None = None, timeout: float = 660.0) -> None:
-    import requests
-
-    r = requests.post(url, json=body or {}, timeout=timeout)
-    if r.status_code != 200:
-        raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:2000]}")
-
-
-def update_server(base_url: str, version: int, wait_s: float = 60.0) -> None:
-    """Bring one `vllm serve` server (sparrowrl backend, dev mode) to `version`: requests in flight
-    finish on the old weights, then the backend applies and verifies v. On failure the server keeps
-    what it served and is resumed."""
-    _post(f"{base_url}/pause?mode=wait")
-    try:
-        _post(f"{base_url}/start_weight_update")
-        _post(f"{base_url}/update_weights", {"update_info": {"version": version, "wait_s": wait_s}})
-        _post(f"{base_url}/finish_weight_update", {"weight_version": str(version)})
-        _post(f"{base_url}/reset_prefix_cache")
-    finally:
-        _post(f"{base_url}/resume")
+    wait_s: float = Field(60.0, gt=0, le=MAX_WAIT_S, description="how long a server may wait for a version to arrive")
 
 
 @functools.cache

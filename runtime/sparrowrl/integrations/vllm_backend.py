@@ -40,6 +40,7 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from sparrowrl.auth.signing import KEY_ENV, trust
 from sparrowrl.delta import DeltaError, state_hash
+from sparrowrl.integrations.vllm_client import MAX_WAIT_S
 from sparrowrl.integrations.vllm_layout import Layout, hf_shapes, owners, packed, tied_modules
 from sparrowrl.integrations.vllm_plugin import shield_llvmlite
 from sparrowrl.sync import Staged, Subscriber
@@ -47,7 +48,6 @@ from sparrowrl.sync import Staged, Subscriber
 shield_llvmlite()  # numba (the codec) is loaded now, before vLLM scans modules again
 
 ORIGIN_ENV = "SPARROWRL_ORIGIN"
-MAX_WAIT_S = 600.0
 RETRY_S = 2.0  # after a fetch that failed (every server refused or unreachable)
 MAX_STAGED = 8  # versions fetched ahead of the one served; past that the fetch loop waits
 STOP_S = 30.0  # for the fetch thread to end
