@@ -7,10 +7,6 @@ starts the store (v0: the checkpoint) and the origin, each later one publishes a
 drives the server's sparrowrl backend to it. The server must then name the last version, and the
 weights its backend reads back out of vLLM must hash to the Publisher's state hash."""
 
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,10 +18,10 @@ pytest.importorskip("trl", reason="TRL lives in the vLLM venv: make test-vllm")
 
 from datasets import Dataset  # noqa: E402
 from support.servers import TOKEN, free_port  # noqa: E402
+from support.vllm_serve import vllm_serve  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from sparrowrl.auth.signing import KEY_ENV, public_text, signing_key  # noqa: E402
 from sparrowrl.delta import state_hash  # noqa: E402
 from sparrowrl.integrations.trl import SparrowRLConfig, SparrowRLGRPOTrainer  # noqa: E402
 from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
@@ -33,7 +29,6 @@ from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  #
 pytestmark = pytest.mark.e2e
 
 STEPS = 3
-START_S = 300  # vLLM's three processes start in about a minute on a 2-core VM
 
 
 def distinct(completions, **_) -> list[float]:
@@ -47,41 +42,11 @@ def test_grpo_trainer_syncs_vllm_serve_through_sparrowrl(tmp_path, monkeypatch):
     folder = tmp_path / "model"
     tiny_qwen3(len(tok), 128, 2, 4, seed=0).to(torch.bfloat16).save_pretrained(folder)
     tok.save_pretrained(folder)
-    origin_port, port = free_port(), free_port()
+    origin_port = free_port()
     monkeypatch.setenv("SPARROWRL_TOKEN", TOKEN)  # the origin's secret, in the trainer
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        HF_HUB_OFFLINE="1",
-        SPARROWRL_ORIGIN=f"http://127.0.0.1:{origin_port}",
-        **{KEY_ENV: public_text(signing_key(TOKEN))},
-    )
     log = tmp_path / "vllm.log"
-    cmd = [
-        *(sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(folder)),
-        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager"),
-        *("--max-model-len", "128", "--max-num-seqs", "8", "--seed", "0", "--generation-config", "vllm"),
-        *("--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend": "sparrowrl"}'),
-        *("--worker-extension-cls", "sparrowrl.integrations.vllm_plugin.SparrowRLWorkerExtension"),
-    ]
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        while True:
-            assert proc.poll() is None, log.read_text()[-5000:]
-            assert time.monotonic() - t0 < START_S, f"not up after {START_S} s:\n{log.read_text()[-5000:]}"
-            try:
-                if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
-        print(f"vllm serve up in {time.monotonic() - t0:.1f} s")
-
+    flags = ("--max-model-len", "128", "--logprobs-mode", "processed_logprobs")
+    with vllm_serve(folder, log, f"http://127.0.0.1:{origin_port}", *flags) as base:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         v0 = policy_state(model)
         args = GRPOConfig(
@@ -124,17 +89,6 @@ def test_grpo_trainer_syncs_vllm_serve_through_sparrowrl(tmp_path, monkeypatch):
         # every step's completions came from the server
         assert log.read_text().count("POST /v1/completions") >= STEPS
         gen.close()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # the API server, engine core and worker
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(30)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        print(log.read_text()[-3000:])
 
 
 @pytest.mark.timeout(300)

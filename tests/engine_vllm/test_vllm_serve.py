@@ -10,10 +10,6 @@ changes. The backend's Prometheus metrics reach `/metrics`."""
 
 import copy
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,9 +19,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
 
-from support.servers import TOKEN, free_port  # noqa: E402
+from support.servers import TOKEN  # noqa: E402
+from support.vllm_serve import vllm_serve  # noqa: E402
 
-from sparrowrl.auth.signing import KEY_ENV, public_text, signing_key  # noqa: E402
 from sparrowrl.delta import state_hash  # noqa: E402
 from sparrowrl.delta.tensors import TensorSpec  # noqa: E402
 from sparrowrl.store.store import Store  # noqa: E402
@@ -37,7 +33,6 @@ pytestmark = pytest.mark.e2e
 N = 4  # versions published before the forger's
 UPDATES = (1, 2, 4)  # the versions the server is told to serve: v2 to v4 applies v3 and v4 at once
 PROMPT = "abcde"
-START_S = 300  # vLLM's three processes start in about a minute on a 2-core VM
 
 
 def forge(store: Store, old: dict, new: dict) -> None:
@@ -57,8 +52,8 @@ def step(model, opt, gen) -> None:
 class Server:
     """HTTP calls to the vLLM server."""
 
-    def __init__(self, port: int, model: str):
-        self.base, self.model = f"http://127.0.0.1:{port}", model
+    def __init__(self, base: str, model: str):
+        self.base, self.model = base, model
 
     def call(self, path: str, body: dict | None = None, method: str = "POST", timeout: float = 180):
         data = None if method == "GET" else json.dumps(body or {}).encode()
@@ -71,12 +66,6 @@ class Server:
                 return r.status, json.loads(text) if text else None
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
-
-    def healthy(self) -> bool:
-        try:
-            return self.call("/health", method="GET", timeout=5)[0] == 200
-        except OSError:  # not listening yet
-            return False
 
     def ok(self, path: str, body: dict | None = None, method: str = "POST"):
         status, answer = self.call(path, body, method)
@@ -129,116 +118,67 @@ def test_vllm_serve_follows_the_trainer_verified_and_refuses_a_forger(setup, tmp
     origin = pub.serve(TOKEN)
     states = [policy_state(model)]
     forger = None
-    port = free_port()
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        HF_HUB_OFFLINE="1",
-        SPARROWRL_ORIGIN=origin.url,
-        SPARROWRL_TOKEN=TOKEN,
-        PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prometheus"),  # the backend's metrics in /metrics
-        **{KEY_ENV: public_text(signing_key(TOKEN))},
-    )
-    (tmp_path / "prometheus").mkdir()
     log = tmp_path / "vllm.log"
-    # `vllm serve`'s own module: vllm-cpu's `vllm` command asks for the distribution "vllm" and fails
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",
-        "--model",
-        folder,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--enforce-eager",
-        "--max-model-len",
-        "256",
-        "--max-num-seqs",
-        "8",
-        "--seed",
-        "0",
-        "--generation-config",
-        "vllm",
-        "--weight-transfer-config",
-        '{"backend": "sparrowrl"}',
-        "--worker-extension-cls",
-        "sparrowrl.integrations.vllm_plugin.SparrowRLWorkerExtension",
-    ]
-    t0 = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(port, folder)
+    (tmp_path / "prometheus").mkdir()
     try:
-        while not server.healthy():
-            assert proc.poll() is None, log.read_text()[-5000:]
-            assert time.monotonic() - t0 < START_S, f"not up after {START_S} s:\n{log.read_text()[-5000:]}"
-            time.sleep(0.5)
-        print(f"vllm serve up in {time.monotonic() - t0:.1f} s")
-        # the weights vLLM loaded from the folder, read back out of its kernels, are the trainer's v0
-        assert server.status()["state_hash"] == state_hash(states[0]) == pub.state_hash
-        texts = [server.greedy()]
-        for v in range(1, N + 1):
-            step(model, opt, gen)
-            assert pub.publish() == v
-            states.append(policy_state(model))
-            if v not in UPDATES:
-                continue
-            t = time.monotonic()
-            assert server.update(v)[0] == 200
-            print(f"v{v}: pause to resume in {time.monotonic() - t:.2f} s")
-            assert server.version() == str(v)
+        with vllm_serve(
+            folder,
+            log,
+            origin.url,
+            *("--max-model-len", "256"),
+            SPARROWRL_TOKEN=TOKEN,
+            PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prometheus"),  # the backend's metrics in /metrics
+        ) as base:
+            server = Server(base, folder)
+            # the weights vLLM loaded from the folder, read back out of its kernels, are the trainer's v0
+            assert server.status()["state_hash"] == state_hash(states[0]) == pub.state_hash
+            texts = [server.greedy()]
+            for v in range(1, N + 1):
+                step(model, opt, gen)
+                assert pub.publish() == v
+                states.append(policy_state(model))
+                if v not in UPDATES:
+                    continue
+                t = time.monotonic()
+                assert server.update(v)[0] == 200
+                print(f"v{v}: pause to resume in {time.monotonic() - t:.2f} s")
+                assert server.version() == str(v)
+                s = server.status()
+                assert (s["version"], s["state_hash"]) == (v, state_hash(states[v])) == (v, pub.state_hash)
+                assert s["held_version"] == v and all(x > v for x in s["staged"]), s
+                texts.append(server.greedy())
+            assert texts[0] != texts[-1]  # the versions generate differently: the hash checks have teeth
+
+            # the forger's v4, with the trainer's v3 under it, which it cannot sign (it lacks the key): refused
+            forged = {n: t.clone() for n, t in states[N].items()}
+            forged["model.embed_tokens.weight"][:, :8] = 1.0
+            fake = Store.init(tmp_path / "forger", states[N], base_every=10, version=N)
+            forge(fake, states[N], forged)
+            forger = Origin(fake.path)  # loopback, admits anyone, signs nothing
+            server.ok("/init_weight_transfer_engine", {"init_info": {"origin": [forger.url]}})
+            status, answer = server.update(N + 1)
+            assert status != 200 and "unsigned" in str(answer), answer
+            assert server.version() == str(N)
             s = server.status()
-            assert (s["version"], s["state_hash"]) == (v, state_hash(states[v])) == (v, pub.state_hash)
-            assert s["held_version"] == v and all(x > v for x in s["staged"]), s
-            texts.append(server.greedy())
-        assert texts[0] != texts[-1]  # the versions generate differently: the hash checks have teeth
+            assert (s["version"], s["state_hash"]) == (N, state_hash(states[N]))
+            assert s["updates"]["failed"] == 1 and s["refused"].get(forger.url, 0) >= 1, s
+            assert server.greedy() == texts[-1]
+            assert "refused" in log.read_text() and forger.url in log.read_text()
 
-        # the forger's v4, with the trainer's v3 under it, which it cannot sign (it lacks the key): refused
-        forged = {n: t.clone() for n, t in states[N].items()}
-        forged["model.embed_tokens.weight"][:, :8] = 1.0
-        fake = Store.init(tmp_path / "forger", states[N], base_every=10, version=N)
-        forge(fake, states[N], forged)
-        forger = Origin(fake.path)  # loopback, admits anyone, signs nothing
-        server.ok("/init_weight_transfer_engine", {"init_info": {"origin": [forger.url]}})
-        status, answer = server.update(N + 1)
-        assert status != 200 and "unsigned" in str(answer), answer
-        assert server.version() == str(N)
-        s = server.status()
-        assert (s["version"], s["state_hash"]) == (N, state_hash(states[N]))
-        assert s["updates"]["failed"] == 1 and s["refused"].get(forger.url, 0) >= 1, s
-        assert server.greedy() == texts[-1]
-        assert "refused" in log.read_text() and forger.url in log.read_text()
-
-        # the trainer's own v4 from its origin: served again
-        step(model, opt, gen)
-        pub.publish()
-        server.ok("/init_weight_transfer_engine", {"init_info": {"origin": [origin.url]}})
-        assert server.update(N + 1)[0] == 200
-        assert server.version() == str(N + 1)
-        assert server.status()["state_hash"] == pub.state_hash
-        with urllib.request.urlopen(server.base + "/metrics", timeout=60) as r:
-            metrics = r.read().decode()
-        assert f'sparrowrl_weight_updates_total{{result="ok"}} {len(UPDATES) + 1}.0' in metrics, metrics[-3000:]
-        assert 'sparrowrl_weight_updates_total{result="failed"} 1.0' in metrics
-        assert f'sparrowrl_refused_answers_total{{server="{forger.url}"}}' in metrics
-        assert f"sparrowrl_served_version {N + 1}.0" in metrics
+            # the trainer's own v4 from its origin: served again
+            step(model, opt, gen)
+            pub.publish()
+            server.ok("/init_weight_transfer_engine", {"init_info": {"origin": [origin.url]}})
+            assert server.update(N + 1)[0] == 200
+            assert server.version() == str(N + 1)
+            assert server.status()["state_hash"] == pub.state_hash
+            with urllib.request.urlopen(server.base + "/metrics", timeout=60) as r:
+                metrics = r.read().decode()
+            assert f'sparrowrl_weight_updates_total{{result="ok"}} {len(UPDATES) + 1}.0' in metrics, metrics[-3000:]
+            assert 'sparrowrl_weight_updates_total{result="failed"} 1.0' in metrics
+            assert f'sparrowrl_refused_answers_total{{server="{forger.url}"}}' in metrics
+            assert f"sparrowrl_served_version {N + 1}.0" in metrics
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # the API server, engine core and worker
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(30)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
         origin.close()
         if forger is not None:
             forger.close()
-        print(log.read_text()[-3000:])
