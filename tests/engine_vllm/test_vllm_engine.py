@@ -18,10 +18,12 @@ import yaml
 
 pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
 
+from support.models import decisive_qwen3  # noqa: E402
+
 import sparrowrl.worker.engines.vllm as vllm_engine  # noqa: E402
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta  # noqa: E402
 from sparrowrl.delta.errors import DeltaError  # noqa: E402
-from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
+from sparrowrl.trainer.models import char_tokenizer, policy_state  # noqa: E402
 from sparrowrl.worker.engines import Prompt, Sampling  # noqa: E402
 from sparrowrl.worker.engines.hf import HFEngine  # noqa: E402
 
@@ -36,12 +38,7 @@ Q = "model.layers.0.self_attn.q_proj.weight"
 def trainer(tmp_path_factory):
     """A tiny Qwen3 with large weights, so that greedy choices are far from ties and depend on
     the context, and the folder a worker gets: config and tokenizer, no weights."""
-    tok = char_tokenizer()
-    model = tiny_qwen3(len(tok), 128, 2, 4, seed=0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 1.0 if "embed" in name else 0.2)
+    model, tok = decisive_qwen3()
     folder = tmp_path_factory.mktemp("model")
     model.config.save_pretrained(folder)
     tok.save_pretrained(folder)

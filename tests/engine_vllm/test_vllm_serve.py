@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
 
+from support.models import decisive_qwen3  # noqa: E402
 from support.servers import TOKEN  # noqa: E402
 from support.vllm_serve import vllm_serve  # noqa: E402
 
@@ -26,7 +27,7 @@ from sparrowrl.delta import state_hash  # noqa: E402
 from sparrowrl.delta.tensors import TensorSpec  # noqa: E402
 from sparrowrl.store.store import Store  # noqa: E402
 from sparrowrl.sync import Origin, Publisher  # noqa: E402
-from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
+from sparrowrl.trainer.models import policy_state  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -98,12 +99,7 @@ class Server:
 def setup(tmp_path_factory):
     """A tiny Qwen3 with large weights (greedy choices far from ties) saved in bf16, and the
     trainer's fp32 model it was saved from."""
-    tok = char_tokenizer()
-    model = tiny_qwen3(len(tok), 128, 2, 4, seed=0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 1.0 if "embed" in name else 0.2)
+    model, tok = decisive_qwen3()
     folder = tmp_path_factory.mktemp("model")
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)  # vLLM starts from the trainer's v0 bits
     tok.save_pretrained(folder)

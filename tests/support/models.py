@@ -21,3 +21,19 @@ def save_tiny(folder: Path, hidden: int = 32, seed: int = 0) -> Path:
     models.tiny_qwen3(len(tok), hidden, 1, 2, seed).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def decisive_qwen3():
+    """A tiny Qwen3 (hidden 128, 2 layers, 4 heads) with large weights, so that greedy choices are
+    far from ties and depend on the context, and its tokenizer: what the vLLM tests compare."""
+    import torch
+
+    from sparrowrl.trainer import models
+
+    tok = models.char_tokenizer()
+    model = models.tiny_qwen3(len(tok), 128, 2, 4, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1.0 if "embed" in name else 0.2)
+    return model, tok
