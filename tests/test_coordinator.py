@@ -179,3 +179,38 @@ def test_rollouts_start_when_the_quorum_has_called_in():
     assert c.work("w1", 0) == {"wait": True}
     assert "lease" in c.work("w2", 0)  # the second of two: everyone starts on batch 0
     assert "lease" in c.work("w1", 0)
+
+
+def test_a_thousand_workers_cost_a_few_passes_over_them_a_step():
+    """Scale, counted: a thousand measured workers asking at once for a balanced batch take
+    their shares of one solution, not a solve each (O(N²) a step), and committing a version
+    one by one checks whether all have staged it a few times, not once a commit. A commit wakes
+    no worker waiting for work; a publish does (`moves`)."""
+    n, clock = 1000, Clock()
+    c = Coordinator(n, n, 60, staleness=1, steps=4, split="balanced", quorum=n, clock=clock)
+    c.publish(0, "h0")
+    workers = [f"w{i:04d}" for i in range(n)]
+    for w in workers:
+        c.commit(w, 0, "h0", fetch_s=0.5)
+    probes = [(w, c.work(w, 0)["lease"]) for w in workers]  # batch 0: a probe group each, not measured yet
+    assert all(len(x["groups"]) == 1 for _, x in probes)
+    clock.t = 1.0
+    for w, x in probes:
+        sample = {"tokens": [3] * 4, "logprobs": [-1.0] * 4}
+        assert c.submit(x["id"], w, 0, "h0", {g: {"samples": [sample]} for g in x["groups"]}, 1.0)["admitted"] == 1
+    before = c.passes
+    leases = [c.work(w, 0)["lease"] for w in workers]  # batch 1, all at once
+    assert sorted(g for x in leases for g in x["groups"]) == list(range(n, 2 * n))  # every group, one each
+    assert all(len(x["groups"]) == 1 for x in leases)  # equal speeds: equal shares
+    assert c.passes - before == 1, c.passes - before
+    moves = c.moves
+    c.publish(1, "h1")
+    assert c.moves > moves
+    before, moves = c.passes, c.moves
+    staged = []
+    for w in workers:  # each commit, then the check the trainer makes at every request while a row waits
+        c.commit(w, 1, "h1", fetch_s=0.5)
+        staged.append(c.staged(1))
+    assert staged == [False] * (n - 1) + [True]
+    assert c.passes - before <= 3, c.passes - before
+    assert c.moves == moves

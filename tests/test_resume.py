@@ -207,6 +207,26 @@ def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):
     assert len(again.coord.live()) == 2000  # awaited, while they back off through the trainer's absence
 
 
+def test_a_journal_line_carries_only_the_results_it_admitted(tmp_path):
+    """Admitted results are journaled once, on the line of the request that admitted them: the
+    lines of later requests (a thousand commits a step with a thousand workers) do not carry them
+    again, so a step's journal grows with its requests, not with requests times results."""
+    run = Trainer(JOB, tmp_path, token="")
+
+    async def deliver(c):
+        lease = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
+        assert (await c.post_json("/v1/results", body(run, lease)))["admitted"] == 1
+
+    asyncio.run(over_http(run, deliver))
+    line = json.loads((tmp_path / "journal.jsonl").read_text().splitlines()[-1])
+    assert line["results"] == {"0": {"0": line["results"]["0"]["0"]}}  # the admitting line: its group only
+    run.coord.commit("w", 0, run.coord.hashes[0])
+    run.control.changed()
+    assert json.loads((tmp_path / "journal.jsonl").read_text().splitlines()[-1])["results"] == {}
+    again = restart(run)  # and the result is still there after a restart
+    assert list(again.coord.batches[0].results) == [0]
+
+
 def test_restarts_are_counted_and_cut_writes_swept(tmp_path):
     """Every process that started counts, also one killed before it journaled anything; the
     temporary folders of writes a kill cut short are removed (only ours, by their names)."""

@@ -12,6 +12,10 @@ How many groups a lease holds is the `split` policy's: `balanced` (default) size
 so that workers of unequal speed and links finish the batch together (schedule.py), `pull`
 gives every ask the same `groups_per_lease`, `even` gives each live worker an equal quota of
 each batch. `groups_per_lease` bounds every lease (a lease's results travel in one request).
+A balanced split over N workers costs O(N log N): with up to EXACT_SEATS workers every ask
+solves it afresh; with more, an ask takes its share of the batch's last solution (a `Plan`),
+solved again once it is SOLVE_EVERY_S old, or groups came back, or the asker is not in it. So a
+thousand workers asking at once after a publish cost a few solves, not a thousand (`passes`).
 
 It owns the job's state: leases, admitted results, commits, what each worker said of itself
 (its region, its fetch times, the answers it refused) and when rollouts began, all on one
@@ -23,6 +27,7 @@ them, see `resume.py`).
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -31,6 +36,8 @@ from sparrowrl.rollout import schedule
 from sparrowrl.rollout.schedule import Seat, Speed
 
 Split = Literal["balanced", "pull", "even"]
+EXACT_SEATS = 64  # up to this many measured workers, every ask solves the balanced split afresh
+SOLVE_EVERY_S = 0.5  # beyond, how old a batch's solution may be before an ask solves it again
 
 
 @dataclass
@@ -57,6 +64,19 @@ class Batch:
     @property
     def complete(self) -> bool:
         return len(self.results) == len(self.groups)
+
+
+@dataclass
+class Plan:
+    """A batch's balanced split as last solved: each worker's share not yet taken."""
+
+    made: float
+    pending: int  # the batch's pending groups the shares cover
+    shares: dict[str, int]
+
+    def fresh(self, now: float, pending: int) -> bool:
+        """Good for another ask: many workers (few are solved every ask), young, and no group came back."""
+        return len(self.shares) > EXACT_SEATS and now - self.made < SOLVE_EVERY_S and pending <= self.pending
 
 
 @dataclass
@@ -131,6 +151,13 @@ class Coordinator:
         self.fetched: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
         self.refused: dict[str, int] = {}  # worker → answers from its servers that did not verify (it says)
         self.begun = False  # rollouts have started (see `started`)
+        self.moves = 0  # bumps whenever a worker told to wait may have work now (see `work`)
+        self.passes = (
+            0  # passes over every worker (a balanced split solved, `staged` checked): what a scale test counts
+        )
+        self._plans: dict[int, Plan] = {}  # batch → its last balanced split
+        self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, lease id) of the leases handed out
+        self._not_staged: tuple[int, int] | None = None  # see `staged`
         self._events: list[list] = []  # changes since `changes()` was last called (the trainer journals them)
 
     @property
@@ -140,6 +167,7 @@ class Coordinator:
     def publish(self, version: int, state_hash: str, payload_bytes: int = 0) -> None:
         self.hashes[version] = state_hash
         self.published_at[version], self.payload[version] = self.clock(), payload_bytes
+        self.moves += 1  # a batch may open
 
     def min_version(self, batch: int) -> int:
         return batch - self.staleness
@@ -163,10 +191,18 @@ class Coordinator:
         return open_
 
     def expire(self) -> None:
+        """Drop the leases whose deadline has passed: a heap, so a call costs nothing while none has."""
         now = self.clock()
-        for lease in [x for x in self.leases.values() if x.deadline <= now]:
-            self.counts.leases_expired += 1
-            self._drop(lease)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, lid = heapq.heappop(self._deadlines)
+            lease = self.leases.get(lid)
+            if lease is not None and lease.deadline == deadline:  # not delivered or dropped since
+                self.counts.leases_expired += 1
+                self._drop(lease)
+
+    def _hand_out(self, lease: Lease) -> None:
+        self.leases[lease.id] = lease
+        heapq.heappush(self._deadlines, (lease.deadline, lease.id))
 
     def _drop(self, lease: Lease, refused: bool = False) -> None:
         del self.leases[lease.id]
@@ -178,6 +214,7 @@ class Coordinator:
         back = [g for g in lease.groups if g not in batch.results]
         self.counts.requeued += len(back)
         batch.pending = sorted(batch.pending + back)
+        self.moves += 1 if back else 0
 
     def work(self, worker: str, version: int, region: str | None = None) -> dict:
         """What `worker`, holding `version`, should do next: a lease, a version to reach first,
@@ -205,7 +242,7 @@ class Coordinator:
             groups, batch.pending = batch.pending[:n], batch.pending[n:]
             now = self.clock()
             lease = Lease(self.next_lease, worker, b, groups, now + self.lease_seconds, now)
-            self.leases[lease.id] = lease
+            self._hand_out(lease)
             batch.given[worker] = batch.given.get(worker, 0) + n
             self.next_lease += 1
             self._events.append(["lease", lease.id, worker, b, groups])
@@ -234,7 +271,7 @@ class Coordinator:
         wait counts from the first call, not from the trainer's start: workers that take long to
         load their model still start together."""
         if not self.begun and self._quorate():
-            self.begun = True
+            self.begun, self.moves = True, self.moves + 1
             self._events.append(["begun"])
         return self.begun
 
@@ -244,10 +281,12 @@ class Coordinator:
         return sorted(w for w, t in self.seen.items() if now - t < self.lease_seconds)
 
     def _size(self, worker: str, batch: Batch) -> int:
-        pending, live = len(batch.pending), self.live()
+        """How many of the batch's pending groups `worker` takes now (it takes them)."""
+        pending = len(batch.pending)
         if self.split == "pull":
             return min(self.per_lease, pending)
         if self.split == "even":
+            live = self.live()
             quota = schedule.even(len(batch.groups), len(live))
             mine = quota - batch.given.get(worker, 0)
             if mine <= 0:
@@ -258,25 +297,33 @@ class Coordinator:
         speed = self.speeds[worker]
         if speed.tokens_per_s is None or self.tokens_per_group is None:
             return min(schedule.PROBE, pending)
+        plan = self._plans.get(batch.index)
+        if plan is None or worker not in plan.shares or not plan.fresh(self.clock(), pending):
+            plan = self._plans[batch.index] = self._solve(batch)
+        n = min(plan.shares[worker], speed.cap, self.per_lease, pending)
+        plan.shares[worker] -= n
+        plan.pending -= n
+        return n
+
+    def _solve(self, batch: Batch) -> Plan:
+        """The balanced split of the batch's pending groups over the live measured workers."""
+        self.passes += 1
+        now, tpg = self.clock(), self.tokens_per_group
+        busy: dict[str, float] = {}  # worker → seconds until its leases are done (the longest)
+        for x in self.leases.values():
+            rate = self.speeds[x.worker].tokens_per_s if x.worker in self.speeds else None
+            if rate is not None:
+                busy[x.worker] = max(busy.get(x.worker, 0.0), len(x.groups) * tpg / rate - (now - x.start))
         seats = {
-            w: Seat(self._ready(w, batch.index), self.speeds[w].tokens_per_s)
-            for w in live
+            w: Seat(self._ready(w, batch.index, busy.get(w, 0.0)), self.speeds[w].tokens_per_s)
+            for w in self.live()
             if self.speeds[w].tokens_per_s is not None
         }
-        share = schedule.split(pending, self.tokens_per_group, seats)[worker]
-        return min(share, speed.cap, self.per_lease)
+        return Plan(now, len(batch.pending), schedule.split(len(batch.pending), tpg, seats))
 
-    def _ready(self, worker: str, b: int) -> float:
-        """Seconds until `worker` can start on batch b: its leases done, the batch's version fetched."""
-        now, speed, tpg = self.clock(), self.speeds[worker], self.tokens_per_group
-        busy = max(
-            [0.0]
-            + [
-                len(x.groups) * tpg / speed.tokens_per_s - (now - x.start)
-                for x in self.leases.values()
-                if x.worker == worker
-            ]
-        )
+    def _ready(self, worker: str, b: int, busy: float) -> float:
+        """Seconds until `worker` can start on batch b: its leases done (`busy`), the batch's version fetched."""
+        now, speed = self.clock(), self.speeds[worker]
         need = self.min_version(b)
         fetch = 0.0
         if self.commits.get(worker, (-1,))[0] < need and need in self.published_at:
@@ -345,7 +392,7 @@ class Coordinator:
         if new:
             batch.pending = [x for x in batch.pending if x not in new]
             if batch.complete:
-                batch.done = self.clock()
+                batch.done, self.moves = self.clock(), self.moves + 1  # perhaps the job is done
             batch.worker_seconds += generate_s or 0.0
             self._events.append(["worker_seconds", b, batch.worker_seconds])
         self.counts.admitted += len(new)
@@ -416,6 +463,7 @@ class Coordinator:
         if batch is None or not batch.complete or b != self.taken:
             return None
         del self.batches[b]
+        self._plans.pop(b, None)
         self.taken = b + 1
         self.delivered = {k: d for k, d in self.delivered.items() if d[2] > b}
         self.counts.batches_trained += 1
@@ -423,12 +471,21 @@ class Coordinator:
         return batch
 
     def staged(self, version: int) -> bool:
-        """Whether every live worker has staged `version` (or started past it)."""
+        """Whether every live worker has staged `version` (or started past it). Asked at every
+        request while a row waits: after a no with k workers missing, asked again only once k more
+        commits have come (each stages one worker at most), so a step costs a few O(workers)
+        checks, not one per commit."""
+        commits = self.counts.verified + self.counts.mismatched
+        if self._not_staged is not None and self._not_staged[0] == version and commits < self._not_staged[1]:
+            return False
+        self.passes += 1
         staged = self.fetched.get(version, {})
-        return all(
-            w in staged or self.first.get(w, -1) >= version or self.commits.get(w, (-1,))[0] >= version
+        missing = sum(
+            not (w in staged or self.first.get(w, -1) >= version or self.commits.get(w, (-1,))[0] >= version)
             for w in self.live()
         )
+        self._not_staged = (version, commits + missing) if missing else None
+        return not missing
 
     def transfer_s(self, version: int) -> float | None:
         """The slowest worker's seconds to stage `version`."""
@@ -547,7 +604,7 @@ class Coordinator:
         now = self.clock()
         for k, (worker, b, groups) in state["leases"].items():
             if b >= taken:
-                self.leases[int(k)] = Lease(int(k), worker, b, groups, now + self.lease_seconds, now)
+                self._hand_out(Lease(int(k), worker, b, groups, now + self.lease_seconds, now))
         for b in sorted({x.batch for x in self.leases.values()} | set(self.batches)):
             batch = self._batch(b)
             leased = {g for x in self.leases.values() if x.batch == b for g in x.groups}

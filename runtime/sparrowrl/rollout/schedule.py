@@ -19,6 +19,7 @@ Pure functions and plain data: the coordinator calls them, tests call them with 
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -98,8 +99,14 @@ def split(groups: int, tokens_per_group: float, seats: dict[str, Seat]) -> dict[
         s = seats[w]
         return s.ready_s + (shares[w] + 1) * tokens_per_group / s.tokens_per_s, s.ready_s, w
 
-    for _ in range(groups - sum(shares.values())):
-        shares[min(seats, key=finish_with_one_more)] += 1
+    left = groups - sum(shares.values())
+    if left:  # fewer than one a worker: a heap of who would finish one more first
+        heap = [finish_with_one_more(w) for w in seats]
+        heapq.heapify(heap)
+        for _ in range(left):
+            w = heapq.heappop(heap)[2]
+            shares[w] += 1
+            heapq.heappush(heap, finish_with_one_more(w))
     return shares
 
 

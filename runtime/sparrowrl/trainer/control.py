@@ -7,9 +7,13 @@ coordinator's decisions (coordinator.py):
     POST /v1/commit                  the version a worker now holds and its hash, checked
 
 Each handler parses, calls the coordinator once, journals, answers; the coordinator holds the
-job's state. Each POST acts once per idempotency key (`idempotent`). Every change to the
+job's state. Workers waiting for work wake only when work may have come (`Coordinator.moves`),
+not at every commit or result: a thousand long polls do not all run again at each of a thousand
+requests. An answer's `Server-Timing: wait;dur=MS` header says how long it waited on purpose
+(a long poll for work, a commit ahead of the store), so that a client can tell the trainer's own
+latency from the wait it asked for. Each POST acts once per idempotency key (`idempotent`). Every change to the
 coordinator goes through `changed`: the trainer journals it before the request is answered, and
-whoever waits wakes.
+whoever waits for it wakes.
 """
 
 from __future__ import annotations
@@ -78,11 +82,21 @@ def idempotent(model: type[messages.Body]):
             last = self.answers.get(slot)
             if key is None or last is None or last[0] != key:
                 last = self.answers[slot] = (key, asyncio.ensure_future(handler(self, body)))
-            return web.json_response(await asyncio.shield(last[1]))  # a dropped connection does not cancel it
+            answer, waited = await asyncio.shield(last[1])  # a dropped connection does not cancel it
+            return web.json_response(answer, headers={"Server-Timing": f"wait;dur={waited * 1000:.1f}"})
 
         return answer
 
     return wrap
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> float:
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(event.wait(), max(0.0, seconds))
+    except TimeoutError:
+        pass
+    return time.monotonic() - t0
 
 
 def _lease_of(raw: object) -> messages.LeaseOf | None:
@@ -106,6 +120,7 @@ class Control:
         self.spec, self.learner, self.coord, self.journal = spec, learner, coord, journal
         self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `idempotent`
         self._changed = asyncio.Event()
+        self._work, self._moves = asyncio.Event(), coord.moves  # see `until_work`
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -123,13 +138,20 @@ class Control:
         self.journal(admitted)
         self._changed.set()
         self._changed = asyncio.Event()
+        if self.coord.moves != self._moves:
+            self._moves = self.coord.moves
+            self._work.set()
+            self._work = asyncio.Event()
 
-    async def until_changed(self, seconds: float) -> None:
-        """Until the coordinator's state changes (a publish, a result, a commit), or `seconds`."""
-        try:
-            await asyncio.wait_for(self._changed.wait(), max(0.0, seconds))
-        except TimeoutError:
-            pass
+    async def until_changed(self, seconds: float) -> float:
+        """Until the coordinator's state changes (a publish, a result, a commit), or `seconds`;
+        the seconds it waited."""
+        return await _wait(self._changed, seconds)
+
+    async def until_work(self, seconds: float) -> float:
+        """Until work may have come for a worker told to wait (a publish, groups back in the
+        queue, a batch complete, rollouts started), or `seconds`; the seconds it waited."""
+        return await _wait(self._work, seconds)
 
     # ---- the routes ----
     async def h_job(self, request: web.Request) -> web.Response:
@@ -162,13 +184,13 @@ class Control:
         return web.FileResponse(self.learner.model_dir / name)
 
     @idempotent(messages.Work)
-    async def h_work(self, body: dict) -> dict:
-        deadline = time.monotonic() + 10  # a long poll: wait here for work rather than be asked again
+    async def h_work(self, body: dict) -> tuple[dict, float]:
+        deadline, waited = time.monotonic() + 10, 0.0  # a long poll: wait here for work rather than be asked again
         while True:
             ans = self.coord.work(body["worker"], body["version"], body["region"])
             if "wait" not in ans or time.monotonic() > deadline:
                 break
-            await self.until_changed(1.0)
+            waited += await self.until_work(1.0)  # and once a second: a lost worker's share frees up
         if "lease" in ans:
             self.changed()  # journaled before it is answered: a restarted trainer knows the lease
             ans["lease"]["prompts"] = [
@@ -179,20 +201,20 @@ class Control:
                 }
                 for g in ans["lease"]["groups"]
             ]
-        return ans
+        return ans, waited
 
     @idempotent(messages.Results)
-    async def h_results(self, body: dict) -> dict:
+    async def h_results(self, body: dict) -> tuple[dict, float]:
         results = body["results"]
         if bad := self._malformed(results):
             self.coord.refuse(body["lease"], body["worker"])
             self.changed()
-            return {"admitted": 0, "refused": bad}
+            return {"admitted": 0, "refused": bad}, 0.0
         ans = self.coord.submit(
             body["lease"], body["worker"], body["version"], body["state_hash"], results, body["generate_s"]
         )
         self.changed((ans["batch"], ans.pop("groups")) if ans["admitted"] else None)  # admitted: journaled first
-        return ans
+        return ans, 0.0
 
     def _malformed(self, results: dict[int, dict]) -> str | None:
         """Workers are not trusted: a result that would break the training step is refused."""
@@ -210,12 +232,12 @@ class Control:
         return None
 
     @idempotent(messages.Commit)
-    async def h_commit(self, body: dict) -> dict:
+    async def h_commit(self, body: dict) -> tuple[dict, float]:
         self.coord.heard(body["worker"])
-        deadline = time.monotonic() + 30
+        deadline, waited = time.monotonic() + 30, 0.0
         while body["version"] > self.coord.published and time.monotonic() < deadline:
             # a worker can hold a delta before the trainer has finished storing it
-            await self.until_changed(1.0)
+            waited += await self.until_changed(1.0)
         more_refused = body["refused"] > self.coord.refused.get(body["worker"], 0)
         ok = self.coord.commit(
             body["worker"], body["version"], body["state_hash"], body.get("fetch_s"), body["refused"]
@@ -227,4 +249,4 @@ class Control:
                 flush=True,
             )
         self.changed()
-        return {"verified": ok}
+        return {"verified": ok}, waited

@@ -12,6 +12,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from sparrowrl.rollout.coordinator import Coordinator, View
 from sparrowrl.spec.status import JobStatus, WorkerStatus
@@ -61,6 +62,7 @@ class Ledger:
         self.finished = False
         self.held = retention.Held.of(learner.store)  # as of the last prune (which runs in a thread)
         self.cost = None if rates is None else cost.Meter(rates)  # over every trainer process
+        self._recorded = False  # a row recorded since `state` last gave the rows
 
     def _written(self) -> dict[int, dict]:
         """Rows already written (by a previous process): kept; a line cut short is dropped."""
@@ -75,15 +77,20 @@ class Ledger:
         return {r["version"]: r for r in rows}
 
     # ---- across a restart ----
-    def state(self, sent: dict[str, int]) -> dict:
-        """`sent`: what this process's origin has sent."""
-        return {
+    def state(self, sent: dict[str, int], whole: bool = True) -> dict:
+        """`sent`: what this process's origin has sent. Not `whole`: the rows only when one was
+        recorded since the last call (a journal line at every request would repeat them while
+        they wait to be written; a line updates the snapshot's keys, see `Trainer.replay`)."""
+        state = {
             "seconds": self.seconds(),
             "sent": self._total(sent),
             "redone": self.redone,
             "dollars": 0.0 if self.cost is None else self.cost.dollars,
-            "rows": {v: r for v, r in self.rows.items() if v > self.written},
         }
+        if whole or self._recorded:
+            state["rows"] = {v: r for v, r in self.rows.items() if v > self.written}
+            self._recorded = False
+        return state
 
     def restore(self, state: dict) -> None:
         self.seconds_before, self.sent_before = state["seconds"], state["sent"]
@@ -96,15 +103,17 @@ class Ledger:
         """The training loop's time, over every trainer process of this state dir."""
         return self.seconds_before + (time.perf_counter() - self.t_loop if self.t_loop else 0.0)
 
-    def meter(self, live_regions: list[str | None]) -> None:
-        """The cost since the last call, at the rate of the workers live now (one region each)."""
+    def meter(self, live_regions: Callable[[], list[str | None]]) -> None:
+        """The cost since the last call, at the rate of the workers live now (one region each:
+        asked for only when the job has prices, since it runs at every request)."""
         if self.cost is not None:
-            self.cost.to(self.seconds(), live_regions)
+            self.cost.to(self.seconds(), live_regions())
 
     # ---- metrics.jsonl ----
     def record(self, partial: dict, extract_s: float | None, step_s: float | None) -> None:
         """A published version's row: the step's metrics, and what the store says it shipped."""
         p = self.learner.published(partial["version"])
+        self._recorded = True
         self.rows[partial["version"]] = {
             **partial,
             "extract_s": extract_s,

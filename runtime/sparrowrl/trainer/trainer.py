@@ -97,7 +97,7 @@ class Trainer:
             _fold_control(state)
             old = [["worker_seconds", *e[1:]] if e[0] == "gen" else e for e in events["control"]]
             Coordinator.replay(state["coordinator"], old)
-        state["ledger"] = events["ledger"]
+        state["ledger"].update(events["ledger"])  # a line's ledger has its rows only when they changed
 
     def _results(self, groups: tuple[int, list[int]] | None = None) -> resume.Results:
         """Admitted results of the batches not yet trained, and of those trained since the newest
@@ -115,16 +115,18 @@ class Trainer:
         self.journal.compact(self._state(), self._results())
 
     def _journal(self, admitted: tuple[int, list[int]] | None) -> None:
-        """Every change, before the request that made it is answered."""
+        """Every change, before the request that made it is answered, with the results it
+        admitted: only those (the snapshot and earlier lines hold the rest), so a line's size does
+        not grow with the results held."""
         self.ledger.flush(self.coord)
         self._meter()
         self.journal.append(
-            {"coordinator": self.coord.changes(), "ledger": self.ledger.state(self.served)},
-            self._results(admitted),
+            {"coordinator": self.coord.changes(), "ledger": self.ledger.state(self.served, whole=False)},
+            None if admitted is None else self._results(admitted),
         )
 
     def _meter(self) -> None:
-        self.ledger.meter([self.coord.regions.get(w) for w in self.coord.live()])
+        self.ledger.meter(lambda: [self.coord.regions.get(w) for w in self.coord.live()])
 
     def snapshot(self) -> ledger.Snapshot:
         self._meter()
