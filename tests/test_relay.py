@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import resource
 import shutil
 import subprocess
 import threading
@@ -18,6 +19,7 @@ from support.servers import (
     TOKEN,
     Server,
     free_port,
+    get,
     next_version,
     paused_publish,
     same,
@@ -410,3 +412,66 @@ def test_a_relay_behind_the_origins_pruned_versions_starts_again_from_its_newest
                 assert same(state, states[10]) and {s for _, s, _ in worker.stats.sources} == {relay.url}
 
     asyncio.run(go())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_relay_raises_its_soft_limit_of_open_files(history, tmp_path):
+    """Each stream of a worker holds a socket at the relay and, while a range is sent, the
+    file: 128 workers of 4 streams take about 1,000 descriptors. Started under a soft limit of
+    64 (1024 is a common default), a relay raises it to the hard limit and serves 96 streams
+    held open at once. Out of descriptors, it answers 503 (its index unreadable) or 404 (a file
+    it holds, as aiohttp answers an open that fails) and accepts no more connections: its
+    workers would fall back to the origin, across the WAN."""
+    path, _ = history
+    origin_port, relay_port = free_port(), free_port()
+    origin = start_server(path, origin_port)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    relay = subprocess.Popen(
+        [str(EXE), "relay", "--upstream", f"http://127.0.0.1:{origin_port}", "--port", str(relay_port)],
+        env=dict(os.environ, SPARROWRL_TOKEN=TOKEN),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)),
+    )
+    url = f"http://127.0.0.1:{relay_port}"
+    info = Store(path).versions[6]
+    first = (path / "deltas" / info.delta).read_bytes()[:1000]
+    try:
+
+        def ready() -> bool:
+            try:
+                return get(f"{url}/readyz") == 200
+            except OSError:  # not listening yet
+                return relay.poll() is not None
+
+        async def go():
+            await until(ready, "the relay syncs")
+            assert relay.poll() is None, relay.stdout.read()
+            timeout = aiohttp.ClientTimeout(total=30)
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            workers = [aiohttp.ClientSession(headers=auth, timeout=timeout) for _ in range(96)]
+            try:
+
+                async def stream(s: aiohttp.ClientSession) -> bytes:
+                    async with s.get(f"{url}/v1/versions") as r:  # its connection stays open
+                        assert r.status == 200
+                    await until(lambda: len(os.listdir(f"/proc/{relay.pid}/fd")) > 96, "96 streams open at once", 30)
+                    async with s.get(f"{url}/v1/versions/6/delta", headers={"Range": "bytes=0-999"}) as r:
+                        assert r.status == 206, await r.text()
+                        return await r.read()
+
+                assert await asyncio.gather(*(stream(s) for s in workers)) == [first] * 96
+            finally:
+                for s in workers:
+                    await s.close()
+
+        asyncio.run(go())
+        with open(f"/proc/{relay.pid}/limits") as f:
+            assert any(line.startswith("Max open files") and line.split()[3] == str(hard) for line in f)
+    finally:
+        relay.kill()
+        origin.kill()
+        relay.wait()
+        origin.wait()
