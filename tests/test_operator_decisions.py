@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import re
 from pathlib import Path
 
@@ -370,6 +371,67 @@ def test_weights_in_sync_and_a_hash_mismatch():
     ws = condition(job, "WeightsInSync")
     assert (ws["status"], ws["reason"]) == ("False", "HashMismatch") and "add-grpo-worker-us-1-0" in ws["message"]
     assert any(r == "HashMismatch" for _, r, _ in plan.events)
+
+
+def test_a_status_of_hundreds_of_workers_counts_them_all_and_lists_the_worst_64():
+    """The trainer lists every worker; the custom resource gets counts of them all and the worst
+    64, however many there are: mismatches, then stale ones, then the furthest behind, then those
+    refusing answers (not the first 64 by name), in a status far under a CR's size limit."""
+    w = World(members={})
+    job = body(placements=[{"region": f"r{i}", "replicas": 64} for i in range(8)], health={"onStale": "Ignore"})
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    names = [n for n in w.names() if "-worker-" in n]
+    assert len(names) == 512
+    last = names[-64:]  # the worst all sort last by name
+    mismatched, stale, behind, refusing = last[-3:], last[-9:-3], last[-20:-9], last[-24:-20]
+    workers = [
+        WorkerStatus(
+            name=n,
+            committed_version=2 if n in behind else 5,
+            staleness=3 if n in behind else 0,
+            last_verification="mismatch" if n in mismatched else "ok",
+            seconds_since_seen=400.0 if n in stale else 1.0,
+            refused_answers=7 if n in refusing else 0,
+        )
+        for n in names + ["add-grpo-worker-gone-0-0"]  # a pod gone, that the trainer still lists
+    ]
+    w.trainer = trainer_status([]).model_copy(update={"workers": workers})
+    w.step(job, 310)  # the trainer has been up past staleAfterSeconds (300)
+    progress = job["status"]["progress"]
+    listed = [x["name"] for x in progress["workers"]]
+    assert len(listed) == 64
+    assert listed[:3] == sorted(mismatched) and set(listed[3:9]) == set(stale) and set(listed[9:20]) == set(behind)
+    assert listed[20:24] == sorted(refusing) and listed[24] == names[0]  # then the rest, by name
+    assert progress["workers"][0] == {
+        "name": mismatched[0],
+        "committedVersion": 5,
+        "verification": "mismatch",
+        "behind": 0,
+    }
+    assert progress["workerCounts"] == {
+        "total": 513,
+        "live": 512,
+        "stale": 6,
+        "mismatched": 3,
+        "behind": 11,
+        "refusing": 4,
+        "byStaleness": {"current": 501, "one": 0, "two": 0, "threeOrMore": 11, "unknown": 0},
+    }
+    assert job["status"]["leases"]["staleWorkers"] == sorted(stale)
+    assert condition(job, "WeightsInSync")["reason"] == "HashMismatch"
+    w.trainer = trainer_status([]).model_copy(
+        update={
+            "workers": [
+                x.model_copy(update={"last_verification": "ok", "staleness": 0, "seconds_since_seen": 1.0})
+                for x in workers
+            ]
+        }
+    )
+    w.step(job, 320)
+    assert "512 workers within" in condition(job, "WeightsInSync")["message"]  # all of them, not the 64 listed
+    assert len(json.dumps(job["status"]).encode()) < 64 << 10
 
 
 def test_a_priced_jobs_cost_and_tokens_per_dollar_reach_the_status_and_its_column():

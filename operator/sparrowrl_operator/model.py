@@ -15,7 +15,7 @@ from sparrowrl.spec.kubespec import DNS_LABEL
 Count = Annotated[int, Field(ge=0, le=2**62)]
 Name = Annotated[str, Field(max_length=253)]
 Time = Annotated[str, Field(max_length=64, json_schema_extra={"format": "date-time"})]
-MAX_LISTED = 64  # workers and stale workers listed in a status: `kubectl describe` stays readable
+MAX_LISTED = 64  # workers and stale workers listed in a status (the worst first): `kubectl describe` stays readable
 
 
 class _Model(BaseModel):
@@ -71,6 +71,31 @@ class WorkerProgress(_Model):
     region: Name | None = None
     committed_version: Annotated[int, Field(ge=-1, le=10**8)] | None = None
     verification: Literal["ok", "mismatch"] | None = None
+    behind: Count | None = None  # versions behind the trainer's newest
+    stale: bool | None = None  # only when True
+    refused_answers: Count | None = None  # only when some: answers from its relay that did not verify
+
+
+class Staleness(_Model):
+    """Live workers by versions behind the trainer's newest."""
+
+    current: Count = 0
+    one: Count = 0
+    two: Count = 0
+    three_or_more: Count = 0
+    unknown: Count = 0  # nothing committed yet
+
+
+class WorkerCounts(_Model):
+    """Every worker counted, where `workers` lists only the worst MAX_LISTED."""
+
+    total: Count = 0  # in the trainer's status
+    live: Count = 0  # of those, with a pod that is not being deleted
+    stale: Count = 0  # live, running, not heard from for health.staleAfterSeconds
+    mismatched: Count = 0  # live, last commit's hash differed from the trainer's
+    behind: Count = 0  # live, beyond sync.staleness
+    refusing: Count = 0  # live, refused answers from their relay
+    by_staleness: Staleness = Staleness()
 
 
 class Progress(_Model):
@@ -88,7 +113,14 @@ class Progress(_Model):
     commits_mismatched: Count = 0
     cost_dollars: Annotated[float, Field(ge=0)] | None = None  # with the spec's costPerHour
     tokens_per_dollar: Annotated[float, Field(ge=0)] | None = None
-    workers: Annotated[list[WorkerProgress], Field(max_length=MAX_LISTED)] = []
+    worker_counts: WorkerCounts = WorkerCounts()
+    workers: Annotated[list[WorkerProgress], Field(max_length=MAX_LISTED)] = Field(
+        [],
+        description=(
+            "The worst live workers, at most 64: hash mismatches first, then stale ones, then those most "
+            "versions behind, then those with most refused answers; workerCounts counts them all."
+        ),
+    )
 
 
 class Display(_Model):

@@ -7,6 +7,7 @@ so running it twice does no harm (watches replay)."""
 from __future__ import annotations
 
 import datetime
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,6 +18,7 @@ from sparrowrl.spec.job import JobError, parse
 from sparrowrl.spec.kubespec import MANAGED_BY
 from sparrowrl.spec.layout import INVALID_EXIT, Process
 from sparrowrl.spec.status import JobStatus as TrainerStatus
+from sparrowrl.spec.status import WorkerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.conditions import find, is_true, reopen, set_condition
@@ -56,6 +58,8 @@ from sparrowrl_operator.model import (
     PlacementStatus,
     Progress,
     SparrowRLJobStatus,
+    Staleness,
+    WorkerCounts,
     WorkerProgress,
 )
 
@@ -592,8 +596,17 @@ class _Cycle:
 
     def current(self, cluster: Cluster, key: tuple) -> tuple[dict | None, list[dict]]:
         """The newest attempt's pod of a slot, and the older ones still there."""
-        pods = sorted((p for p in self.obs.pods.get(cluster, []) if slot_key(p) == key), key=attempt)
+        pods = self._slots.get((cluster, key), [])
         return (pods[-1], pods[:-1]) if pods else (None, [])
+
+    @functools.cached_property
+    def _slots(self) -> dict[tuple[Cluster, tuple], list[dict]]:
+        """Each slot's pods, oldest attempt first: indexed once, where a search per slot would
+        cost a job of thousands of workers millions of comparisons a cycle."""
+        out: dict[tuple[Cluster, tuple], list[dict]] = {}
+        for cluster, p in self.all_pods():
+            out.setdefault((cluster, slot_key(p)), []).append(p)
+        return {k: sorted(v, key=attempt) for k, v in out.items()}
 
     def trains_for(self, pod: dict) -> int | None:
         """The steps the trainer pod trains toward: what it says when it runs and answers (it may
@@ -918,7 +931,8 @@ class _Cycle:
         start, end = started_at(trainer), finished_at(pod)
         return bool(start and end) and since(end, self.obs.now) >= since(start, self.obs.now)
 
-    def stale_names(self) -> dict[str, float]:
+    @functools.cached_property
+    def _stale(self) -> dict[str, float]:
         """Workers whose pods run, that the trainer has not heard from for staleAfterSeconds. Not
         while the trainer itself has been up for less: a trainer that was down was heard by no one,
         and its workers are still backing off."""
@@ -931,6 +945,14 @@ class _Cycle:
         alive = {p["metadata"]["name"] for _, p in self.all_pods() if phase_of(p) == "Running" and not terminating(p)}
         return {w.name: w.seconds_since_seen for w in t.workers if w.name in alive and w.seconds_since_seen > limit}
 
+    def stale_names(self) -> dict[str, float]:
+        return self._stale  # once a cycle: asked for each pod
+
+    @functools.cached_property
+    def alive(self) -> set[str]:
+        """The names of the pods not being deleted, in every cluster answering."""
+        return {p["metadata"]["name"] for _, p in self.all_pods() if not terminating(p)}
+
     def stale(self, pod: dict) -> bool:
         return pod["metadata"]["name"] in self.stale_names()
 
@@ -938,9 +960,8 @@ class _Cycle:
         t = self.obs.trainer
         if t is None:
             return
-        alive = {p["metadata"]["name"] for _, p in self.all_pods() if not terminating(p)}
-        workers = sorted((w for w in t.workers if w.name in alive), key=lambda w: w.name)
         stale = self.stale_names()
+        listed, counts = worker_view(t, self.alive, stale, self.spec.sync.staleness)
         held_by_stale = sum(w.leases_held for w in t.workers if w.name in stale)
         self.update(
             progress=Progress(
@@ -956,23 +977,18 @@ class _Cycle:
                 commits_mismatched=t.commits_mismatched,
                 cost_dollars=rounded(t.cost_dollars, 4),
                 tokens_per_dollar=rounded(t.tokens_per_dollar, 1),
-                workers=[
-                    WorkerProgress(
-                        name=w.name,
-                        region=w.region,
-                        committed_version=w.committed_version,
-                        verification=w.last_verification,
-                    )
-                    for w in workers[:MAX_LISTED]
-                ],
+                worker_counts=counts,
+                workers=listed,
             ),
             leases=LeaseHealth(
                 active=t.leases_active,
                 healthy=max(t.leases_active - held_by_stale, 0),
                 expired=t.leases_expired,
                 requeued=t.prompt_groups_requeued,
-                stale_workers=sorted(stale)[:MAX_LISTED],
-                oldest_heartbeat_seconds=rounded(max((w.seconds_since_seen for w in workers), default=None), 1),
+                stale_workers=sorted(stale, key=lambda n: (-stale[n], n))[:MAX_LISTED],
+                oldest_heartbeat_seconds=rounded(
+                    max((w.seconds_since_seen for w in t.workers if w.name in self.alive), default=None), 1
+                ),
             ),
         )
 
@@ -1000,7 +1016,7 @@ class _Cycle:
                 "AllWorkersReporting",
                 f"{t.leases_active} leases active, {t.leases_expired} expired",
             )
-        alive = {w.name for w in self.status.progress.workers}
+        alive = self.alive  # every live worker, not only those the status lists
         reported = [w for w in t.workers if w.name in alive and w.committed_version is not None]
         bad = [w.name for w in reported if w.last_verification == "mismatch"]
         behind = [w.name for w in reported if (w.staleness or 0) > self.spec.sync.staleness]
@@ -1048,6 +1064,56 @@ class _Cycle:
                 tokens_per_dollar=None if p.tokens_per_dollar is None else human_count(p.tokens_per_dollar),
             )
         )
+
+
+def worker_view(
+    t: TrainerStatus, alive: set[str], stale: dict[str, float], sync_staleness: int
+) -> tuple[list[WorkerProgress], WorkerCounts]:
+    """The trainer's workers as the status shows them: every live one counted, and the worst
+    MAX_LISTED listed (a hash mismatch, then stale, then most versions behind, then most refused
+    answers, then longest unheard), so a status of thousands of workers stays small and shows
+    what needs looking at. Workers whose pods are gone are left out: the trainer still lists
+    them for a while."""
+    live = [w for w in t.workers if w.name in alive]
+
+    def badness(w: WorkerStatus) -> tuple:
+        return (
+            w.last_verification != "mismatch",
+            w.name not in stale,
+            -(w.staleness or 0),
+            -w.refused_answers,
+            -w.seconds_since_seen,
+            w.name,
+        )
+
+    by = {"current": 0, "one": 0, "two": 0, "three_or_more": 0, "unknown": 0}
+    for w in live:
+        if w.committed_version is None or w.staleness is None:
+            by["unknown"] += 1
+        else:
+            by[("current", "one", "two")[w.staleness] if w.staleness < 3 else "three_or_more"] += 1
+    counts = WorkerCounts(
+        total=len(t.workers),
+        live=len(live),
+        stale=sum(w.name in stale for w in live),
+        mismatched=sum(w.last_verification == "mismatch" for w in live),
+        behind=sum(w.committed_version is not None and (w.staleness or 0) > sync_staleness for w in live),
+        refusing=sum(w.refused_answers > 0 for w in live),
+        by_staleness=Staleness(**by),
+    )
+    listed = [
+        WorkerProgress(
+            name=w.name,
+            region=w.region,
+            committed_version=w.committed_version,
+            verification=w.last_verification,
+            behind=w.staleness,
+            stale=True if w.name in stale else None,
+            refused_answers=w.refused_answers or None,
+        )
+        for w in sorted(live, key=badness)[:MAX_LISTED]
+    ]
+    return listed, counts
 
 
 def reconcile(body: dict, observed: Observed, image: str, backoff: Backoff = Backoff()) -> Plan:
