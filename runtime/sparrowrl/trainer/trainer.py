@@ -26,7 +26,7 @@ from sparrowrl.trainer import cost, ledger, resume, retention
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.outputs import Outputs
-from sparrowrl.transport.http import add_health, listen
+from sparrowrl.transport.http import add_health, listen, more_open_files
 from sparrowrl.transport.metrics import add_metrics
 from sparrowrl.transport.server import SERVED, make_app
 
@@ -270,6 +270,7 @@ async def serve(
 ) -> None:
     """`check`: the job's data and reward read and checked, answering /healthz meanwhile (a large
     data set takes minutes, which no probe of the pod can know in advance)."""
+    more_open_files("trainer")  # a long poll per worker
     early = web.AppRunner(starting_app())
     await early.setup()
     await listen(early, host, port)

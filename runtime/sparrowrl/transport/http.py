@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import resource
 import ssl
 from pathlib import Path
 from typing import Callable
@@ -93,3 +94,22 @@ def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
             f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key ({e})"
         ) from None
     return ctx
+
+
+def more_open_files(who: str) -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit, and say so; (before,
+    after). A relay holds a socket per worker's stream and, while a range is sent, the file:
+    about 8 descriptors per worker at 4 streams (hack/scale_relay.py: 1,036 at 128 workers); a
+    trainer holds a long poll per worker. A soft limit of 1024 (a common default, containerd 2's
+    among them) then runs out: a relay near 120 workers answers 503 (its index unreadable) or
+    404 (aiohttp's answer when an open fails), and its workers fall back to the origin across
+    the WAN; a trainer refuses workers' connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit above what the kernel allows: keep the soft one
+            return soft, soft
+        print(f"{who}: open files limit raised from {soft:,} to {hard:,}", flush=True)
+        return soft, hard
+    return soft, soft

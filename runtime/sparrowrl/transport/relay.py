@@ -23,7 +23,6 @@ import dataclasses
 import hashlib
 import os
 import re
-import resource
 import time
 import traceback
 import uuid
@@ -35,7 +34,7 @@ from sparrowrl.auth.signing import trust
 from sparrowrl.store.store import Store, StoreError, Version
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.failover import FetchError
-from sparrowrl.transport.http import add_health
+from sparrowrl.transport.http import add_health, more_open_files
 from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.transport.server import SERVED, listing_json, make_app, over
 from sparrowrl.transport.streams import Piece
@@ -451,30 +450,11 @@ class Relay:
             table.close("the relay dropped it (pruned, or restarted its mirror)")
 
 
-def more_open_files() -> tuple[int, int]:
-    """Raise this process's soft limit of open files to its hard limit; (before, after). Each
-    stream of a worker holds a socket here and, while a range is sent, the file: about 8
-    descriptors per worker at 4 streams (hack/scale_relay.py: 1,036 at 128 workers). A soft limit
-    of 1024 (a common default, containerd 2's among them) then runs out near 120 workers: the
-    relay answers 503 (its index unreadable) or 404 (a file it holds, aiohttp's answer when an
-    open fails), and its workers fall back to the origin, across the WAN."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):  # a hard limit above what the kernel allows: keep the soft one
-            return soft, soft
-        return soft, hard
-    return soft, soft
-
-
 def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None = None) -> web.Application:
     """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it. Raises the process's limit of open files (`more_open_files`)."""
-    before, after = more_open_files()
-    if after != before:
-        print(f"relay: open files limit raised from {before:,} to {after:,}", flush=True)
+    more_open_files("relay")
     app = make_app(relay.mirror, token, arriving=relay.arriving, trust=trust(token), written_here=True)  # no signer
     add_health(app, relay.synced.is_set)  # ready once it has listed upstream and mirrors its versions
 
