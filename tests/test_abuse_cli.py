@@ -4,6 +4,7 @@ command runs as a child under an address-space limit and a deadline (tests/suppo
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -263,12 +264,25 @@ def test_a_file_beside_the_job_does_not_shadow_the_standard_library(tmp_path):
 # ---------------------------------------------------------------- stores: a bad version is refused, nothing lost
 
 
+def v0() -> dict:
+    return {"a": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), "b": torch.ones(5)}
+
+
+@pytest.fixture(scope="module")
+def made_store(tmp_path_factory):
+    """`sparrowrl store init` of v0, once: each start of the CLI imports torch again (seconds)."""
+    d = tmp_path_factory.mktemp("store")
+    save_file(v0(), d / "v0.safetensors")
+    assert sparrowrl("store", "init", d / "s", d / "v0.safetensors").returncode == 0
+    return d
+
+
 @pytest.fixture
-def store(tmp_path):
-    t = {"a": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), "b": torch.ones(5)}
-    save_file(t, tmp_path / "v0.safetensors")
-    assert sparrowrl("store", "init", tmp_path / "s", tmp_path / "v0.safetensors").returncode == 0
-    return tmp_path / "s", t
+def store(made_store, tmp_path):
+    """A copy of that store and its v0 in this test's folder, which the test may change."""
+    shutil.copytree(made_store / "s", tmp_path / "s")
+    shutil.copy(made_store / "v0.safetensors", tmp_path)
+    return tmp_path / "s", v0()
 
 
 @pytest.mark.parametrize(
