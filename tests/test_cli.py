@@ -1,4 +1,5 @@
-"""The command line, run as real processes on real files."""
+"""The command line on real files: as real processes, and in this process (typer's runner) where a
+test runs many commands: each start of the command imports torch again (seconds)."""
 
 import json
 import subprocess
@@ -17,6 +18,19 @@ EXE = Path(sys.executable).parent / "sparrowrl"
 
 def run(*args, ok=True):
     p = subprocess.run([str(EXE), *map(str, args)], capture_output=True, text=True, timeout=300)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def here(*args, ok=True) -> subprocess.CompletedProcess:
+    """`run`, with the command in this process."""
+    from typer.testing import CliRunner
+
+    from sparrowrl.cli.main import app
+
+    r = CliRunner().invoke(app, list(map(str, args)), catch_exceptions=False)
+    p = subprocess.CompletedProcess(["sparrowrl", *map(str, args)], r.exit_code, r.stdout, r.stderr)
     if ok:
         assert p.returncode == 0, p.stderr
     return p
@@ -115,29 +129,28 @@ def test_shard_folders(rng, tmp_path):
         assert same_file(tmp_path / "out" / f.name, f)
 
 
-@pytest.mark.e2e
 def test_store_commands(files, rng):
     store = files / "store"
-    run("store", "init", store, files / "old.safetensors", "--base-every", "2")
+    here("store", "init", store, files / "old.safetensors", "--base-every", "2")
     prev = files / "new.safetensors"
-    assert run("store", "add", store, prev).stdout.strip() == "1"
+    assert here("store", "add", store, prev).stdout.strip() == "1"
     state = load_file(str(prev))
     for v in (2, 3):
         state = {k: mutate(rng, t, 0.01) for k, t in state.items()}
         save_file(state, files / f"v{v}.safetensors")
-        assert run("store", "add", store, files / f"v{v}.safetensors").stdout.strip() == str(v)
-    run("store", "materialize", store, 3, "-o", files / "m3.safetensors")
+        assert here("store", "add", store, files / f"v{v}.safetensors").stdout.strip() == str(v)
+    here("store", "materialize", store, 3, "-o", files / "m3.safetensors")
     assert same_file(files / "m3.safetensors", files / "v3.safetensors")
-    listing = json.loads(run("store", "ls", store, "--json").stdout)
+    listing = json.loads(here("store", "ls", store, "--json").stdout)
     assert [v["version"] for v in listing] == [0, 1, 2, 3] and listing[2]["base"]
-    assert "state hash" in run("store", "ls", store).stdout
-    plan = json.loads(run("store", "plan", store, "--from", "1", "--to", "3").stdout)
+    assert "state hash" in here("store", "ls", store).stdout
+    plan = json.loads(here("store", "plan", store, "--from", "1", "--to", "3").stdout)
     assert (plan["route"], plan["deltas"]) == ("chain", [2, 3])  # two 1% deltas are less than a base
-    plan = json.loads(run("store", "plan", store, "--to", "3").stdout)
+    plan = json.loads(here("store", "plan", store, "--to", "3").stdout)
     assert (plan["route"], plan["base"], plan["deltas"]) == ("base", 2, [3])  # from nothing: the nearest base
-    run("store", "prune", store, "--keep", "1")
-    assert [v["version"] for v in json.loads(run("store", "ls", store, "--json").stdout)] == [2, 3]
-    p = run("store", "materialize", store, 0, "-o", files / "m0.safetensors", ok=False)
+    here("store", "prune", store, "--keep", "1")
+    assert [v["version"] for v in json.loads(here("store", "ls", store, "--json").stdout)] == [2, 3]
+    p = here("store", "materialize", store, 0, "-o", files / "m0.safetensors", ok=False)
     assert p.returncode == 1 and "version 0 is not in the store" in p.stderr
 
 
