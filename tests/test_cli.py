@@ -76,19 +76,18 @@ def test_diff_apply_inspect(files):
     assert "changed" in run("delta", "inspect", files / "d.spd").stdout
 
 
-@pytest.mark.e2e
 def test_apply_refuses_and_writes_nothing(files):
-    run("delta", "diff", files / "old.safetensors", files / "new.safetensors", "-o", files / "d.spd")
+    here("delta", "diff", files / "old.safetensors", files / "new.safetensors", "-o", files / "d.spd")
     data = bytearray((files / "d.spd").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (files / "bad.spd").write_bytes(bytes(data))
-    p = run("delta", "apply", files / "old.safetensors", files / "bad.spd", "-o", files / "out.safetensors", ok=False)
+    p = here("delta", "apply", files / "old.safetensors", files / "bad.spd", "-o", files / "out.safetensors", ok=False)
     assert p.returncode == 1
     assert p.stderr.count("\n") == 1 and "checksum mismatch" in p.stderr
     assert not (files / "out.safetensors").exists()
     assert [f.name for f in files.iterdir() if f.name.startswith(".")] == []  # no temp leftovers
     # wrong base: applying to NEW instead of OLD
-    p = run("delta", "apply", files / "new.safetensors", files / "d.spd", "-o", files / "out.safetensors", ok=False)
+    p = here("delta", "apply", files / "new.safetensors", files / "d.spd", "-o", files / "out.safetensors", ok=False)
     assert p.returncode == 1 and "base hash mismatch" in p.stderr and not (files / "out.safetensors").exists()
 
 
@@ -106,7 +105,6 @@ def test_diff_refuses_mismatched_shapes(files, rng):
     assert not (files / "d.spd").exists()
 
 
-@pytest.mark.e2e
 def test_shard_folders(rng, tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
     for d in (old, new):
@@ -121,9 +119,9 @@ def test_shard_folders(rng, tmp_path):
 
     merged = {**lf(str(old / "model-00002-of-00002.safetensors")), **lf(str(old / "model-00001-of-00002.safetensors"))}
     save_file(merged, tmp_path / "merged.safetensors")
-    run("delta", "diff", tmp_path / "merged.safetensors", new, "-o", tmp_path / "m.spd")
-    run("delta", "diff", old, new, "-o", tmp_path / "d.spd")
-    run("delta", "apply", old, tmp_path / "d.spd", "-o", tmp_path / "out")
+    here("delta", "diff", tmp_path / "merged.safetensors", new, "-o", tmp_path / "m.spd")
+    here("delta", "diff", old, new, "-o", tmp_path / "d.spd")
+    here("delta", "apply", old, tmp_path / "d.spd", "-o", tmp_path / "out")
     assert (tmp_path / "out" / "config.json").read_text() == '{"model_type": "tiny"}'
     for f in sorted(new.glob("*.safetensors")):
         assert same_file(tmp_path / "out" / f.name, f)
