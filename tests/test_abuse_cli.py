@@ -52,6 +52,17 @@ def write_job(path, **spec):
     return path
 
 
+def here(*args):
+    """The CLI in this process (typer's runner), for the commands a case runs after the refused
+    one, to show that what was refused left everything working: each start of the CLI as a
+    process imports torch again (seconds)."""
+    from typer.testing import CliRunner
+
+    from sparrowrl.cli.main import app
+
+    return CliRunner().invoke(app, list(map(str, args)), catch_exceptions=False)
+
+
 def tree(path) -> dict:
     """Every file under `path` with its bytes: what must survive a refused command."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
@@ -301,10 +312,10 @@ def test_store_add_refuses_another_tensor_table_and_the_store_stays_whole(store,
     before = tree(path)
     refused(sparrowrl("store", "add", path, tmp_path / "bad.safetensors"), *words)
     assert {k: v for k, v in tree(path).items() if k != ".lock"} == before  # .lock: the writers' lock
-    save_file({**t, "b": t["b"] * 2}, tmp_path / "v1.safetensors")
-    p = sparrowrl("store", "add", path, tmp_path / "v1.safetensors")
-    assert p.returncode == 0 and p.stdout.strip() == "1", p.stderr
-    assert sparrowrl("store", "materialize", path, "1", "-o", tmp_path / "out.safetensors").returncode == 0
+    save_file({**t, "b": t["b"] * 2}, tmp_path / "v1.safetensors")  # and takes the next version as before
+    p = here("store", "add", path, tmp_path / "v1.safetensors")
+    assert p.exit_code == 0 and p.stdout.strip() == "1", p.stderr
+    assert here("store", "materialize", path, "1", "-o", tmp_path / "out.safetensors").exit_code == 0
 
 
 @pytest.mark.parametrize(
