@@ -1,6 +1,7 @@
 """Abuse from the command line, as a careless or hostile user would try it: every case is
 refused with one line naming the problem, and nothing that was there before is lost. Each
-command runs as a child under an address-space limit and a deadline (tests/support/bounded.py)."""
+command runs in a child under an address-space limit and a deadline (tests/support/bounded.py);
+the commands of one case may share one child."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import torch
 import yaml
 from conftest import zstd_frame
 from safetensors.torch import save_file
-from support.bounded import limit_memory, refused, sparrowrl
+from support.bounded import limit_memory, refused, sparrowrl, sparrowrl_each
 
 from sparrowrl.cli import runner
 from sparrowrl.spec.job import JobError, parse
@@ -152,19 +153,20 @@ def test_yaml_alias_expansion_is_bounded(tmp_path):
 def test_job_and_task_files_are_bounded_and_regular(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_text("# " + "x" * (2 << 20))
-    refused(sparrowrl("run", big), "a job file is 2,097,154 bytes (limit 1,048,576)")
     os.mkfifo(tmp_path / "fifo")
-    refused(sparrowrl("run", tmp_path / "fifo", timeout=60), "a job file must be a regular file")
+    with open(tmp_path / "huge.jsonl", "wb") as fh:
+        fh.truncate(300 << 20)  # sparse: no disk used
+    cases = [(["run", big], ["a job file is 2,097,154 bytes (limit 1,048,576)"])]
+    cases.append((["run", tmp_path / "fifo"], ["a job file must be a regular file"]))
     for jsonl, reason in (
         (tmp_path / "fifo", "must be a regular file"),
         ("/dev/zero", "must be a regular file"),
         (tmp_path / "huge.jsonl", "(limit 268,435,456)"),
     ):
-        if jsonl == tmp_path / "huge.jsonl":
-            with open(jsonl, "wb") as fh:
-                fh.truncate(300 << 20)  # sparse: no disk used
-        f = write_job(tmp_path / "j.yaml", task={"jsonl": str(jsonl)})
-        refused(sparrowrl("run", f, "--run-dir", tmp_path / "r", timeout=60), "spec.task", reason)
+        f = write_job(tmp_path / f"j{len(cases)}.yaml", task={"jsonl": str(jsonl)})
+        cases.append((["run", f, "--run-dir", tmp_path / "r"], ["spec.task", reason]))
+    for p, (_, words) in zip(sparrowrl_each(*(c for c, _ in cases)), cases, strict=True):
+        refused(p, *words)
     assert not (tmp_path / "r").exists()
 
 
@@ -380,14 +382,18 @@ def test_outputs_that_are_not_regular_files_are_never_replaced(store, tmp_path):
         ).returncode
         == 0
     )
-    for kind, out in specials(tmp_path).items():
+    cases = [
+        (kind, out, args)
+        for kind, out in specials(tmp_path).items()
         for args in (
             ["delta", "diff", tmp_path / "v0.safetensors", tmp_path / "v1.safetensors", "-o", out],
             ["delta", "apply", tmp_path / "v0.safetensors", tmp_path / "d.spd", "-o", out],
             ["store", "materialize", path, "0", "-o", out],
-        ):
-            refused(sparrowrl(*args, timeout=60), str(out), "not replaced")
-            assert unchanged(out, kind), (kind, args)
+        )
+    ]
+    for p, (kind, out, args) in zip(sparrowrl_each(*(args for _, _, args in cases), timeout=180), cases, strict=True):
+        refused(p, str(out), "not replaced")
+        assert unchanged(out, kind), (kind, args)
     assert (tmp_path / "folder" / "keep").read_text() == "x"
 
 
