@@ -403,31 +403,30 @@ def test_a_folder_output_is_replaced_only_by_a_checkpoint_of_the_same_files(tmp_
     save_file(t, tmp_path / "base" / "model.safetensors")
     (tmp_path / "base" / "config.json").write_text("{}")
     save_file({"w": t["w"] * 2}, tmp_path / "new.safetensors")
-    assert (
-        sparrowrl(
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("years of work")
+    shutil.copytree(tmp_path / "home", tmp_path / "home2")
+    save_file(t, tmp_path / "home2" / "downloaded.safetensors")  # a checkpoint among other files is still theirs
+    made, *applied = sparrowrl_each(
+        [
             "delta",
             "diff",
             tmp_path / "base" / "model.safetensors",
             tmp_path / "new.safetensors",
             "-o",
             tmp_path / "d.spd",
-        ).returncode
-        == 0
+        ],
+        *(
+            ["delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / o]
+            for o in ("home", "home2", "out", "out")
+        ),
     )
-    (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "thesis.tex").write_text("years of work")
-    refused(
-        sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
-        "holds 'thesis.tex', which this checkpoint does not; not replaced",
-    )
-    save_file(t, tmp_path / "home" / "downloaded.safetensors")  # a checkpoint among other files is still theirs
-    refused(
-        sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
-        "holds 'downloaded.safetensors', which this checkpoint does not",
-    )
-    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["downloaded.safetensors", "thesis.tex"]
-    assert sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "out").returncode == 0
-    assert sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "out").returncode == 0
+    assert made.returncode == 0, made.stderr
+    refused(applied[0], "holds 'thesis.tex', which this checkpoint does not; not replaced")
+    refused(applied[1], "holds 'downloaded.safetensors', which this checkpoint does not")
+    assert [p.name for p in (tmp_path / "home").iterdir()] == ["thesis.tex"]
+    assert sorted(p.name for p in (tmp_path / "home2").iterdir()) == ["downloaded.safetensors", "thesis.tex"]
+    assert applied[2].returncode == 0 and applied[3].returncode == 0, (applied[2].stderr, applied[3].stderr)
 
 
 def test_a_symlinked_output_is_written_through(store, tmp_path):
