@@ -442,54 +442,32 @@ def test_fifos_given_as_files_and_a_missing_ca_file_are_named(tmp_path, store):
     save_file({"w": torch.ones(2)}, tmp_path / "ck" / "a.safetensors")
     os.mkfifo(tmp_path / "ck" / "b.safetensors")
     save_file({"w": torch.ones(2)}, tmp_path / "new.safetensors")
-    refused(
-        sparrowrl("delta", "diff", tmp_path / "ck", tmp_path / "new.safetensors", "-o", tmp_path / "d.spd", timeout=60),
-        "b.safetensors: not a regular file",
-    )
-    refused(
-        sparrowrl(
-            "fetch",
-            "https://127.0.0.1:9",
-            "--version",
-            "0",
-            "-o",
-            tmp_path / "o.safetensors",
-            "--ca-cert",
-            tmp_path / "none.pem",
-        ),
-        "--ca-cert",
-        "none.pem",
-    )
     os.mkfifo(tmp_path / "cert.pem")
-    refused(
-        sparrowrl(
-            "serve",
-            store[0],
-            "--port",
-            "9",
-            "--tls-cert",
-            tmp_path / "cert.pem",
-            "--tls-key",
-            tmp_path / "cert.pem",
-            timeout=60,
-        ),
-        "--tls-cert",
-        "a PEM file must be a regular file",
+    pem = tmp_path / "cert.pem"
+    diff, fetch, serve = sparrowrl_each(
+        ["delta", "diff", tmp_path / "ck", tmp_path / "new.safetensors", "-o", tmp_path / "d.spd"],
+        ["fetch", "https://127.0.0.1:9", "--version", "0", "-o", tmp_path / "o.safetensors"]
+        + ["--ca-cert", tmp_path / "none.pem"],
+        ["serve", store[0], "--port", "9", "--tls-cert", pem, "--tls-key", pem],
     )
+    refused(diff, "b.safetensors: not a regular file")
+    refused(fetch, "--ca-cert", "none.pem")
+    refused(serve, "--tls-cert", "a PEM file must be a regular file")
 
 
 # ---------------------------------------------------------------- inputs read whole
 
 
 def test_a_delta_that_is_endless_or_larger_than_memory_is_refused_before_reading(tmp_path):
-    refused(sparrowrl("delta", "inspect", "/dev/zero", timeout=60), "a delta must be a regular file")
     os.mkfifo(tmp_path / "fifo")
-    refused(sparrowrl("delta", "inspect", tmp_path / "fifo", timeout=60), "a delta must be a regular file")
     with open(tmp_path / "huge.spd", "wb") as f:
         f.truncate(1 << 40)  # sparse: no disk used, and more than this machine's memory
-    refused(
-        sparrowrl("delta", "inspect", tmp_path / "huge.spd", timeout=60), "a delta is 1,099,511,627,776 bytes (limit"
+    zero, fifo, huge = sparrowrl_each(
+        *(["delta", "inspect", d] for d in ("/dev/zero", tmp_path / "fifo", tmp_path / "huge.spd"))
     )
+    refused(zero, "a delta must be a regular file")
+    refused(fifo, "a delta must be a regular file")
+    refused(huge, "a delta is 1,099,511,627,776 bytes (limit")
 
 
 def test_a_packed_header_too_large_to_parse_in_the_memory_free_is_refused_unread(tmp_path):
