@@ -1,9 +1,11 @@
 """Abuse from the command line, as a careless or hostile user would try it: every case is
 refused with one line naming the problem, and nothing that was there before is lost. Each
-command runs as a child under an address-space limit and a deadline (tests/support/bounded.py)."""
+command runs in a child under an address-space limit and a deadline (tests/support/bounded.py);
+the commands of one case may share one child."""
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import torch
 import yaml
 from conftest import zstd_frame
 from safetensors.torch import save_file
-from support.bounded import limit_memory, refused, sparrowrl
+from support.bounded import limit_memory, refused, sparrowrl, sparrowrl_each
 
 from sparrowrl.cli import runner
 from sparrowrl.spec.job import JobError, parse
@@ -49,6 +51,17 @@ def job(**spec) -> dict:
 def write_job(path, **spec):
     path.write_text(yaml.safe_dump(job(**spec)))
     return path
+
+
+def here(*args):
+    """The CLI in this process (typer's runner), for the commands a case runs after the refused
+    one, to show that what was refused left everything working: each start of the CLI as a
+    process imports torch again (seconds)."""
+    from typer.testing import CliRunner
+
+    from sparrowrl.cli.main import app
+
+    return CliRunner().invoke(app, list(map(str, args)), catch_exceptions=False)
 
 
 def tree(path) -> dict:
@@ -140,19 +153,20 @@ def test_yaml_alias_expansion_is_bounded(tmp_path):
 def test_job_and_task_files_are_bounded_and_regular(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_text("# " + "x" * (2 << 20))
-    refused(sparrowrl("run", big), "a job file is 2,097,154 bytes (limit 1,048,576)")
     os.mkfifo(tmp_path / "fifo")
-    refused(sparrowrl("run", tmp_path / "fifo", timeout=60), "a job file must be a regular file")
+    with open(tmp_path / "huge.jsonl", "wb") as fh:
+        fh.truncate(300 << 20)  # sparse: no disk used
+    cases = [(["run", big], ["a job file is 2,097,154 bytes (limit 1,048,576)"])]
+    cases.append((["run", tmp_path / "fifo"], ["a job file must be a regular file"]))
     for jsonl, reason in (
         (tmp_path / "fifo", "must be a regular file"),
         ("/dev/zero", "must be a regular file"),
         (tmp_path / "huge.jsonl", "(limit 268,435,456)"),
     ):
-        if jsonl == tmp_path / "huge.jsonl":
-            with open(jsonl, "wb") as fh:
-                fh.truncate(300 << 20)  # sparse: no disk used
-        f = write_job(tmp_path / "j.yaml", task={"jsonl": str(jsonl)})
-        refused(sparrowrl("run", f, "--run-dir", tmp_path / "r", timeout=60), "spec.task", reason)
+        f = write_job(tmp_path / f"j{len(cases)}.yaml", task={"jsonl": str(jsonl)})
+        cases.append((["run", f, "--run-dir", tmp_path / "r"], ["spec.task", reason]))
+    for p, (_, words) in zip(sparrowrl_each(*(c for c, _ in cases)), cases, strict=True):
+        refused(p, *words)
     assert not (tmp_path / "r").exists()
 
 
@@ -263,12 +277,25 @@ def test_a_file_beside_the_job_does_not_shadow_the_standard_library(tmp_path):
 # ---------------------------------------------------------------- stores: a bad version is refused, nothing lost
 
 
+def v0() -> dict:
+    return {"a": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), "b": torch.ones(5)}
+
+
+@pytest.fixture(scope="module")
+def made_store(tmp_path_factory):
+    """`sparrowrl store init` of v0, once: each start of the CLI imports torch again (seconds)."""
+    d = tmp_path_factory.mktemp("store")
+    save_file(v0(), d / "v0.safetensors")
+    assert sparrowrl("store", "init", d / "s", d / "v0.safetensors").returncode == 0
+    return d
+
+
 @pytest.fixture
-def store(tmp_path):
-    t = {"a": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), "b": torch.ones(5)}
-    save_file(t, tmp_path / "v0.safetensors")
-    assert sparrowrl("store", "init", tmp_path / "s", tmp_path / "v0.safetensors").returncode == 0
-    return tmp_path / "s", t
+def store(made_store, tmp_path):
+    """A copy of that store and its v0 in this test's folder, which the test may change."""
+    shutil.copytree(made_store / "s", tmp_path / "s")
+    shutil.copy(made_store / "v0.safetensors", tmp_path)
+    return tmp_path / "s", v0()
 
 
 @pytest.mark.parametrize(
@@ -287,10 +314,10 @@ def test_store_add_refuses_another_tensor_table_and_the_store_stays_whole(store,
     before = tree(path)
     refused(sparrowrl("store", "add", path, tmp_path / "bad.safetensors"), *words)
     assert {k: v for k, v in tree(path).items() if k != ".lock"} == before  # .lock: the writers' lock
-    save_file({**t, "b": t["b"] * 2}, tmp_path / "v1.safetensors")
-    p = sparrowrl("store", "add", path, tmp_path / "v1.safetensors")
-    assert p.returncode == 0 and p.stdout.strip() == "1", p.stderr
-    assert sparrowrl("store", "materialize", path, "1", "-o", tmp_path / "out.safetensors").returncode == 0
+    save_file({**t, "b": t["b"] * 2}, tmp_path / "v1.safetensors")  # and takes the next version as before
+    p = here("store", "add", path, tmp_path / "v1.safetensors")
+    assert p.exit_code == 0 and p.stdout.strip() == "1", p.stderr
+    assert here("store", "materialize", path, "1", "-o", tmp_path / "out.safetensors").exit_code == 0
 
 
 @pytest.mark.parametrize(
@@ -355,14 +382,18 @@ def test_outputs_that_are_not_regular_files_are_never_replaced(store, tmp_path):
         ).returncode
         == 0
     )
-    for kind, out in specials(tmp_path).items():
+    cases = [
+        (kind, out, args)
+        for kind, out in specials(tmp_path).items()
         for args in (
             ["delta", "diff", tmp_path / "v0.safetensors", tmp_path / "v1.safetensors", "-o", out],
             ["delta", "apply", tmp_path / "v0.safetensors", tmp_path / "d.spd", "-o", out],
             ["store", "materialize", path, "0", "-o", out],
-        ):
-            refused(sparrowrl(*args, timeout=60), str(out), "not replaced")
-            assert unchanged(out, kind), (kind, args)
+        )
+    ]
+    for p, (kind, out, args) in zip(sparrowrl_each(*(args for _, _, args in cases), timeout=180), cases, strict=True):
+        refused(p, str(out), "not replaced")
+        assert unchanged(out, kind), (kind, args)
     assert (tmp_path / "folder" / "keep").read_text() == "x"
 
 
@@ -372,31 +403,30 @@ def test_a_folder_output_is_replaced_only_by_a_checkpoint_of_the_same_files(tmp_
     save_file(t, tmp_path / "base" / "model.safetensors")
     (tmp_path / "base" / "config.json").write_text("{}")
     save_file({"w": t["w"] * 2}, tmp_path / "new.safetensors")
-    assert (
-        sparrowrl(
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("years of work")
+    shutil.copytree(tmp_path / "home", tmp_path / "home2")
+    save_file(t, tmp_path / "home2" / "downloaded.safetensors")  # a checkpoint among other files is still theirs
+    made, *applied = sparrowrl_each(
+        [
             "delta",
             "diff",
             tmp_path / "base" / "model.safetensors",
             tmp_path / "new.safetensors",
             "-o",
             tmp_path / "d.spd",
-        ).returncode
-        == 0
+        ],
+        *(
+            ["delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / o]
+            for o in ("home", "home2", "out", "out")
+        ),
     )
-    (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "thesis.tex").write_text("years of work")
-    refused(
-        sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
-        "holds 'thesis.tex', which this checkpoint does not; not replaced",
-    )
-    save_file(t, tmp_path / "home" / "downloaded.safetensors")  # a checkpoint among other files is still theirs
-    refused(
-        sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "home"),
-        "holds 'downloaded.safetensors', which this checkpoint does not",
-    )
-    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["downloaded.safetensors", "thesis.tex"]
-    assert sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "out").returncode == 0
-    assert sparrowrl("delta", "apply", tmp_path / "base", tmp_path / "d.spd", "-o", tmp_path / "out").returncode == 0
+    assert made.returncode == 0, made.stderr
+    refused(applied[0], "holds 'thesis.tex', which this checkpoint does not; not replaced")
+    refused(applied[1], "holds 'downloaded.safetensors', which this checkpoint does not")
+    assert [p.name for p in (tmp_path / "home").iterdir()] == ["thesis.tex"]
+    assert sorted(p.name for p in (tmp_path / "home2").iterdir()) == ["downloaded.safetensors", "thesis.tex"]
+    assert applied[2].returncode == 0 and applied[3].returncode == 0, (applied[2].stderr, applied[3].stderr)
 
 
 def test_a_symlinked_output_is_written_through(store, tmp_path):
@@ -412,54 +442,32 @@ def test_fifos_given_as_files_and_a_missing_ca_file_are_named(tmp_path, store):
     save_file({"w": torch.ones(2)}, tmp_path / "ck" / "a.safetensors")
     os.mkfifo(tmp_path / "ck" / "b.safetensors")
     save_file({"w": torch.ones(2)}, tmp_path / "new.safetensors")
-    refused(
-        sparrowrl("delta", "diff", tmp_path / "ck", tmp_path / "new.safetensors", "-o", tmp_path / "d.spd", timeout=60),
-        "b.safetensors: not a regular file",
-    )
-    refused(
-        sparrowrl(
-            "fetch",
-            "https://127.0.0.1:9",
-            "--version",
-            "0",
-            "-o",
-            tmp_path / "o.safetensors",
-            "--ca-cert",
-            tmp_path / "none.pem",
-        ),
-        "--ca-cert",
-        "none.pem",
-    )
     os.mkfifo(tmp_path / "cert.pem")
-    refused(
-        sparrowrl(
-            "serve",
-            store[0],
-            "--port",
-            "9",
-            "--tls-cert",
-            tmp_path / "cert.pem",
-            "--tls-key",
-            tmp_path / "cert.pem",
-            timeout=60,
-        ),
-        "--tls-cert",
-        "a PEM file must be a regular file",
+    pem = tmp_path / "cert.pem"
+    diff, fetch, serve = sparrowrl_each(
+        ["delta", "diff", tmp_path / "ck", tmp_path / "new.safetensors", "-o", tmp_path / "d.spd"],
+        ["fetch", "https://127.0.0.1:9", "--version", "0", "-o", tmp_path / "o.safetensors"]
+        + ["--ca-cert", tmp_path / "none.pem"],
+        ["serve", store[0], "--port", "9", "--tls-cert", pem, "--tls-key", pem],
     )
+    refused(diff, "b.safetensors: not a regular file")
+    refused(fetch, "--ca-cert", "none.pem")
+    refused(serve, "--tls-cert", "a PEM file must be a regular file")
 
 
 # ---------------------------------------------------------------- inputs read whole
 
 
 def test_a_delta_that_is_endless_or_larger_than_memory_is_refused_before_reading(tmp_path):
-    refused(sparrowrl("delta", "inspect", "/dev/zero", timeout=60), "a delta must be a regular file")
     os.mkfifo(tmp_path / "fifo")
-    refused(sparrowrl("delta", "inspect", tmp_path / "fifo", timeout=60), "a delta must be a regular file")
     with open(tmp_path / "huge.spd", "wb") as f:
         f.truncate(1 << 40)  # sparse: no disk used, and more than this machine's memory
-    refused(
-        sparrowrl("delta", "inspect", tmp_path / "huge.spd", timeout=60), "a delta is 1,099,511,627,776 bytes (limit"
+    zero, fifo, huge = sparrowrl_each(
+        *(["delta", "inspect", d] for d in ("/dev/zero", tmp_path / "fifo", tmp_path / "huge.spd"))
     )
+    refused(zero, "a delta must be a regular file")
+    refused(fifo, "a delta must be a regular file")
+    refused(huge, "a delta is 1,099,511,627,776 bytes (limit")
 
 
 def test_a_packed_header_too_large_to_parse_in_the_memory_free_is_refused_unread(tmp_path):

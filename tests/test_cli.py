@@ -1,4 +1,5 @@
-"""The command line, run as real processes on real files."""
+"""The command line on real files: as real processes, and in this process (typer's runner) where a
+test runs many commands: each start of the command imports torch again (seconds)."""
 
 import json
 import subprocess
@@ -17,6 +18,19 @@ EXE = Path(sys.executable).parent / "sparrowrl"
 
 def run(*args, ok=True):
     p = subprocess.run([str(EXE), *map(str, args)], capture_output=True, text=True, timeout=300)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def here(*args, ok=True) -> subprocess.CompletedProcess:
+    """`run`, with the command in this process."""
+    from typer.testing import CliRunner
+
+    from sparrowrl.cli.main import app
+
+    r = CliRunner().invoke(app, list(map(str, args)), catch_exceptions=False)
+    p = subprocess.CompletedProcess(["sparrowrl", *map(str, args)], r.exit_code, r.stdout, r.stderr)
     if ok:
         assert p.returncode == 0, p.stderr
     return p
@@ -62,19 +76,18 @@ def test_diff_apply_inspect(files):
     assert "changed" in run("delta", "inspect", files / "d.spd").stdout
 
 
-@pytest.mark.e2e
 def test_apply_refuses_and_writes_nothing(files):
-    run("delta", "diff", files / "old.safetensors", files / "new.safetensors", "-o", files / "d.spd")
+    here("delta", "diff", files / "old.safetensors", files / "new.safetensors", "-o", files / "d.spd")
     data = bytearray((files / "d.spd").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (files / "bad.spd").write_bytes(bytes(data))
-    p = run("delta", "apply", files / "old.safetensors", files / "bad.spd", "-o", files / "out.safetensors", ok=False)
+    p = here("delta", "apply", files / "old.safetensors", files / "bad.spd", "-o", files / "out.safetensors", ok=False)
     assert p.returncode == 1
     assert p.stderr.count("\n") == 1 and "checksum mismatch" in p.stderr
     assert not (files / "out.safetensors").exists()
     assert [f.name for f in files.iterdir() if f.name.startswith(".")] == []  # no temp leftovers
     # wrong base: applying to NEW instead of OLD
-    p = run("delta", "apply", files / "new.safetensors", files / "d.spd", "-o", files / "out.safetensors", ok=False)
+    p = here("delta", "apply", files / "new.safetensors", files / "d.spd", "-o", files / "out.safetensors", ok=False)
     assert p.returncode == 1 and "base hash mismatch" in p.stderr and not (files / "out.safetensors").exists()
 
 
@@ -92,7 +105,6 @@ def test_diff_refuses_mismatched_shapes(files, rng):
     assert not (files / "d.spd").exists()
 
 
-@pytest.mark.e2e
 def test_shard_folders(rng, tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
     for d in (old, new):
@@ -107,37 +119,36 @@ def test_shard_folders(rng, tmp_path):
 
     merged = {**lf(str(old / "model-00002-of-00002.safetensors")), **lf(str(old / "model-00001-of-00002.safetensors"))}
     save_file(merged, tmp_path / "merged.safetensors")
-    run("delta", "diff", tmp_path / "merged.safetensors", new, "-o", tmp_path / "m.spd")
-    run("delta", "diff", old, new, "-o", tmp_path / "d.spd")
-    run("delta", "apply", old, tmp_path / "d.spd", "-o", tmp_path / "out")
+    here("delta", "diff", tmp_path / "merged.safetensors", new, "-o", tmp_path / "m.spd")
+    here("delta", "diff", old, new, "-o", tmp_path / "d.spd")
+    here("delta", "apply", old, tmp_path / "d.spd", "-o", tmp_path / "out")
     assert (tmp_path / "out" / "config.json").read_text() == '{"model_type": "tiny"}'
     for f in sorted(new.glob("*.safetensors")):
         assert same_file(tmp_path / "out" / f.name, f)
 
 
-@pytest.mark.e2e
 def test_store_commands(files, rng):
     store = files / "store"
-    run("store", "init", store, files / "old.safetensors", "--base-every", "2")
+    here("store", "init", store, files / "old.safetensors", "--base-every", "2")
     prev = files / "new.safetensors"
-    assert run("store", "add", store, prev).stdout.strip() == "1"
+    assert here("store", "add", store, prev).stdout.strip() == "1"
     state = load_file(str(prev))
     for v in (2, 3):
         state = {k: mutate(rng, t, 0.01) for k, t in state.items()}
         save_file(state, files / f"v{v}.safetensors")
-        assert run("store", "add", store, files / f"v{v}.safetensors").stdout.strip() == str(v)
-    run("store", "materialize", store, 3, "-o", files / "m3.safetensors")
+        assert here("store", "add", store, files / f"v{v}.safetensors").stdout.strip() == str(v)
+    here("store", "materialize", store, 3, "-o", files / "m3.safetensors")
     assert same_file(files / "m3.safetensors", files / "v3.safetensors")
-    listing = json.loads(run("store", "ls", store, "--json").stdout)
+    listing = json.loads(here("store", "ls", store, "--json").stdout)
     assert [v["version"] for v in listing] == [0, 1, 2, 3] and listing[2]["base"]
-    assert "state hash" in run("store", "ls", store).stdout
-    plan = json.loads(run("store", "plan", store, "--from", "1", "--to", "3").stdout)
+    assert "state hash" in here("store", "ls", store).stdout
+    plan = json.loads(here("store", "plan", store, "--from", "1", "--to", "3").stdout)
     assert (plan["route"], plan["deltas"]) == ("chain", [2, 3])  # two 1% deltas are less than a base
-    plan = json.loads(run("store", "plan", store, "--to", "3").stdout)
+    plan = json.loads(here("store", "plan", store, "--to", "3").stdout)
     assert (plan["route"], plan["base"], plan["deltas"]) == ("base", 2, [3])  # from nothing: the nearest base
-    run("store", "prune", store, "--keep", "1")
-    assert [v["version"] for v in json.loads(run("store", "ls", store, "--json").stdout)] == [2, 3]
-    p = run("store", "materialize", store, 0, "-o", files / "m0.safetensors", ok=False)
+    here("store", "prune", store, "--keep", "1")
+    assert [v["version"] for v in json.loads(here("store", "ls", store, "--json").stdout)] == [2, 3]
+    p = here("store", "materialize", store, 0, "-o", files / "m0.safetensors", ok=False)
     assert p.returncode == 1 and "version 0 is not in the store" in p.stderr
 
 

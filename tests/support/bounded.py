@@ -4,6 +4,7 @@ down with it."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
@@ -49,6 +50,40 @@ def sparrowrl(
         env=dict(os.environ, **(env or {})),
         preexec_fn=limit_memory,
     )
+
+
+# one child for several commands: typer's runner in it, each command's exit code and output
+# (with the traceback of an error the command let through, as a process would print it)
+EACH = """
+import json, sys, traceback
+from typer.testing import CliRunner
+from sparrowrl.cli.main import app
+done = []
+for args in json.loads(sys.argv[1]):
+    r = CliRunner().invoke(app, args)
+    crash = "" if r.exception is None or isinstance(r.exception, SystemExit) else "".join(
+        traceback.format_exception(*r.exc_info))
+    done.append([r.exit_code, r.stdout, r.stderr + crash])
+print(json.dumps(done))
+"""
+
+
+def sparrowrl_each(*commands, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Each of `commands` (the CLI's arguments) run one after another in one bounded child: a
+    start of the CLI imports torch again (seconds), and a case of several commands needs it once."""
+    argvs = [[str(a) for a in c] for c in commands]
+    p = subprocess.run(
+        [sys.executable, "-P", "-c", EACH, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit_memory,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [
+        subprocess.CompletedProcess(a, code, out, err)
+        for a, (code, out, err) in zip(argvs, json.loads(p.stdout.splitlines()[-1]))
+    ]
 
 
 def refused(p: subprocess.CompletedProcess, *words: str) -> str:
