@@ -176,7 +176,7 @@ def simulate(split, rates, fetch_s, steps=6, per_step=32, per_lease=4, tokens_pe
     c = Coordinator(per_step, per_lease, lease_seconds=1e6, staleness=0, steps=steps, split=split, clock=clock)
     c.publish(0, "h0", payload_bytes=1000)
     arrived = {w: {0: 0.0} for w in rates}
-    events, waiting, times = [], set(), []
+    events, waiting, times, ahead = [], set(), [], set()  # ahead: told to reach a version not yet published
 
     def at(t, kind, w, data=None):
         heapq.heappush(events, (t, len(events) + len(times) * 10**6, kind, w, data))
@@ -192,6 +192,9 @@ def simulate(split, rates, fetch_s, steps=6, per_step=32, per_lease=4, tokens_pe
             for x in rates:
                 arrived[x][data] = t + fetch_s[x]
                 at(t + fetch_s[x], "commit", x, data)
+                if x in ahead:  # its fetcher has it then, and it asks again
+                    at(t + fetch_s[x], "ask", x)
+            ahead.clear()
         elif kind == "commit":
             c.commit(w, data, f"h{data}", fetch_s=fetch_s[w])
             continue
@@ -210,8 +213,10 @@ def simulate(split, rates, fetch_s, steps=6, per_step=32, per_lease=4, tokens_pe
             if "lease" in ans:
                 seconds = len(ans["lease"]["groups"]) * tokens_per_group / rates[w]
                 at(t + seconds, "deliver", w, (ans["lease"], version))
-            elif "update" in ans:
+            elif "update" in ans and ans["update"] in arrived[w]:
                 at(arrived[w][ans["update"]], "ask", w)
+            elif "update" in ans:
+                ahead.add(w)
             elif "wait" in ans:
                 waiting.add(w)
             continue

@@ -220,7 +220,9 @@ class Coordinator:
         """What `worker`, holding `version`, should do next: a lease, a version to reach first,
         `wait` (rollouts have not started, or everything is leased: ask again when something
         changes), or `done` with the final version, which the worker should still commit and
-        verify."""
+        verify. A worker with nothing to do until the next version, which is sure to come (its
+        batch is complete), is told to reach it: its own fetcher waits for the publish, on a
+        relay, rather than a thousand long polls here all waking at it, answered one by one."""
         self.expire()
         self.heard(worker)
         if region and self.regions.get(worker) != region:
@@ -247,7 +249,15 @@ class Coordinator:
             self.next_lease += 1
             self._events.append(["lease", lease.id, worker, b, groups])
             return {"lease": {"id": lease.id, "batch": b, "groups": groups, "deadline_s": self.lease_seconds}}
+        coming = self.published + 1  # the oldest version the next batch allows
+        if version < coming and coming + self.staleness < self.steps and self._trains(coming):
+            return {"update": coming}
         return {"wait": True}
+
+    def _trains(self, version: int) -> bool:
+        """Whether `version` will be published whatever becomes of the leases out: its batch is complete."""
+        b = version - 1
+        return b < self.taken or (b in self.batches and self.batches[b].complete)
 
     # ---- how many groups a lease holds ----
     def heard(self, worker: str) -> None:
