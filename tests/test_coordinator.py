@@ -217,11 +217,15 @@ def test_a_thousand_workers_cost_a_few_passes_over_them_a_step():
 
 
 def test_a_worker_idle_until_a_version_sure_to_come_is_told_to_reach_it():
-    """Rather than a long poll here that a thousand workers would all wake from at the publish,
-    a worker with nothing to do until the next version goes to fetch it, once that version is
-    sure to come: its batch is complete. Before, a lease of that batch could still come back."""
-    c, _ = coord(staleness=1, steps=3, per_step=2, per_lease=2)
-    a, _ = c.work("w", 0)["lease"], c.work("w", 0)["lease"]  # batches 0 and 1
-    assert c.work("w", 0) == {"wait": True}  # batch 2 needs v1, and batch 0's lease may expire
-    assert c.submit(a["id"], "w", 0, "h0", result(a))["admitted"] == 2
-    assert c.work("w", 0) == {"update": 1}  # v1 is not published yet, and will be
+    """In a job of many workers, rather than a long poll here that they would all wake from at
+    the publish, a worker with nothing to do until the next version goes to fetch it, once that
+    version is sure to come: its batch is complete. Before, a lease of that batch could still
+    come back. A job of 64 workers or fewer waits here, as it always has."""
+    for others, ahead in ((0, {"wait": True}), (64, {"update": 1})):
+        c, _ = coord(staleness=1, steps=3, per_step=2, per_lease=2)
+        for i in range(others):
+            c.heard(f"x{i}")
+        a, _ = c.work("w", 0)["lease"], c.work("w", 0)["lease"]  # batches 0 and 1
+        assert c.work("w", 0) == {"wait": True}  # batch 2 needs v1, and batch 0's lease may expire
+        assert c.submit(a["id"], "w", 0, "h0", result(a))["admitted"] == 2
+        assert c.work("w", 0) == ahead  # v1 is not published yet, and will be

@@ -203,6 +203,9 @@ class Coordinator:
     def _hand_out(self, lease: Lease) -> None:
         self.leases[lease.id] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lease.id))
+        if len(self._deadlines) > 2 * len(self.leases) + 64:  # delivered leases' entries, with long leases
+            self._deadlines = [(x.deadline, x.id) for x in self.leases.values()]
+            heapq.heapify(self._deadlines)
 
     def _drop(self, lease: Lease, refused: bool = False) -> None:
         del self.leases[lease.id]
@@ -220,9 +223,10 @@ class Coordinator:
         """What `worker`, holding `version`, should do next: a lease, a version to reach first,
         `wait` (rollouts have not started, or everything is leased: ask again when something
         changes), or `done` with the final version, which the worker should still commit and
-        verify. A worker with nothing to do until the next version, which is sure to come (its
-        batch is complete), is told to reach it: its own fetcher waits for the publish, on a
-        relay, rather than a thousand long polls here all waking at it, answered one by one."""
+        verify. In a job of `many` workers, a worker with nothing to do until the next version,
+        which is sure to come (its batch is complete), is told to reach it: its own fetcher waits
+        for the publish, on a relay, rather than a thousand long polls here all waking at it,
+        answered one by one (it asks again within UPDATE_WAIT_S meanwhile, worker.py)."""
         self.expire()
         self.heard(worker)
         if region and self.regions.get(worker) != region:
@@ -250,9 +254,15 @@ class Coordinator:
             self._events.append(["lease", lease.id, worker, b, groups])
             return {"lease": {"id": lease.id, "batch": b, "groups": groups, "deadline_s": self.lease_seconds}}
         coming = self.published + 1  # the oldest version the next batch allows
-        if version < coming and coming + self.staleness < self.steps and self._trains(coming):
+        if self.many and version < coming and coming + self.staleness < self.steps and self._trains(coming):
             return {"update": coming}
         return {"wait": True}
+
+    @property
+    def many(self) -> bool:
+        """More workers than EXACT_SEATS have called: the shortcuts of scale apply (a job of fewer
+        behaves as it always has)."""
+        return len(self.seen) > EXACT_SEATS
 
     def _trains(self, version: int) -> bool:
         """Whether `version` will be published whatever becomes of the leases out: its batch is complete."""
@@ -482,12 +492,17 @@ class Coordinator:
 
     def staged(self, version: int) -> bool:
         """Whether every live worker has staged `version` (or started past it). Asked at every
-        request while a row waits: after a no with k workers missing, asked again only once k more
-        commits have come (each stages one worker at most), so a step costs a few O(workers)
-        checks, not one per commit."""
+        request while a row waits: in a job of `many` workers, after a no with k workers missing,
+        asked again only once k more commits have come (each stages one worker at most), so a step
+        costs a few O(workers) checks, not one per commit."""
         commits = self.counts.verified + self.counts.mismatched
-        if self._not_staged is not None and self._not_staged[0] == version and commits < self._not_staged[1]:
-            return False
+        if (
+            self.many
+            and self._not_staged is not None
+            and self._not_staged[0] == version
+            and commits < self._not_staged[1]
+        ):
+            return False  # a worker going stale can make it true too: the next scan sees it
         self.passes += 1
         staged = self.fetched.get(version, {})
         missing = sum(

@@ -7,9 +7,9 @@ coordinator's decisions (coordinator.py):
     POST /v1/commit                  the version a worker now holds and its hash, checked
 
 Each handler parses, calls the coordinator once, journals, answers; the coordinator holds the
-job's state. Workers waiting for work wake only when work may have come (`Coordinator.moves`),
-not at every commit or result: a thousand long polls do not all run again at each of a thousand
-requests. An answer's `Server-Timing: wait;dur=MS` header says how long it waited on purpose
+job's state. In a job of many workers, those waiting for work wake only when work may have come
+(`Coordinator.moves`), not at every commit or result: a thousand long polls do not all run again
+at each of a thousand requests. An answer's `Server-Timing: wait;dur=MS` header says how long it waited on purpose
 (a long poll for work, a commit ahead of the store), so that a client can tell the trainer's own
 latency from the wait it asked for. Each POST acts once per idempotency key (`idempotent`). Every change to the
 coordinator goes through `changed`: the trainer journals it before the request is answered, and
@@ -138,7 +138,7 @@ class Control:
         self.journal(admitted)
         self._changed.set()
         self._changed = asyncio.Event()
-        if self.coord.moves != self._moves:
+        if self.coord.moves != self._moves or not self.coord.many:  # a small job's waiters wake at every change
             self._moves = self.coord.moves
             self._work.set()
             self._work = asyncio.Event()

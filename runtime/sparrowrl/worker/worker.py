@@ -34,6 +34,7 @@ from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.worker.engines import Engine, Prompt, Sampling, make_engine
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
+UPDATE_WAIT_S = 10.0  # how long a worker waits for a version it was told to reach before it asks again
 ATTEMPTS = 40  # about four minutes of backoff per request: a trainer pod restarting, pulled, rescheduled
 
 
@@ -134,13 +135,19 @@ class Worker:
             self.known = v
             self.arrived.set()
 
-    async def commit_staged(self, at_least: int = -1) -> None:
-        """At a batch boundary: apply what is staged, in order, up to the newest."""
+    async def commit_staged(self, at_least: int = -1, within: float | None = None) -> None:
+        """At a batch boundary: apply what is staged, in order, up to the newest, once `at_least`
+        is staged; or, `within` seconds on, what is staged by then (the trainer may name a version
+        it has not published yet: the worker asks again meanwhile, so the trainer hears from it)."""
+        deadline = None if within is None else time.monotonic() + within
         while self.known < at_least or self.version + 1 not in self.staged and self.version < at_least:
             self.arrived.clear()
             arrived = asyncio.create_task(self.arrived.wait())
-            await asyncio.wait({arrived, self.fetch}, return_when=asyncio.FIRST_COMPLETED)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = await asyncio.wait({arrived, self.fetch}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             arrived.cancel()
+            if not done:
+                break
             if self.fetch.done():
                 self.fetch.result()  # a fetch that gave up ends the worker with its error
                 raise FetchError("the fetcher stopped")
@@ -166,7 +173,7 @@ class Worker:
                     await self.commit_staged(at_least=ans["done"])
                     return
                 if "update" in ans:
-                    await self.commit_staged(at_least=ans["update"])
+                    await self.commit_staged(at_least=ans["update"], within=UPDATE_WAIT_S)
                 elif "lease" in ans:
                     await self.rollout(ans["lease"], job)
 
