@@ -119,9 +119,9 @@ class Proc:
 class Fleet:
     """N simulated workers and one real subscriber, against one trainer."""
 
-    def __init__(self, url: str, n: int, per_group_s: float, group_size: int, new_tokens: int, store: Path):
+    def __init__(self, url: str, n: int, per_group_s: float, group_size: int, new_tokens: int):
         self.url, self.n, self.per_group_s = url, n, per_group_s
-        self.group_size, self.new_tokens, self.store = group_size, new_tokens, store
+        self.group_size, self.new_tokens = group_size, new_tokens
         signer = Signer(SECRET)
         self.tokens = {f"w{i:05d}": mint(signer, "worker", f"w{i:05d}") for i in range(n)}
         self.key = public_text(signer.key)
@@ -131,7 +131,7 @@ class Fleet:
         self.new_version = asyncio.Condition()
         self.lat: dict[str, list[float]] = {r: [] for r in ROUTES}  # seconds, less the trainer's stated wait
         self.measuring = False
-        self.counts = {"leases": 0, "groups": 0, "admitted": 0, "refused": 0, "verified": 0, "mismatched": 0}
+        self.counts = {"admitted": 0, "refused": 0, "verified": 0, "mismatched": 0}
         self.errors: list[str] = []
         self.rng = random.Random(0)
 
@@ -203,8 +203,6 @@ class Fleet:
             elif "lease" in ans:
                 lease = ans["lease"]
                 t0 = time.perf_counter()
-                self.counts["leases"] += 1
-                self.counts["groups"] += len(lease["groups"])
                 # the paced generation, each lease within JITTER of its mean (completions differ in length)
                 await asyncio.sleep(self.per_group_s * len(lease["groups"]) * self.rng.uniform(1 - JITTER, 1 + JITTER))
                 results = {
@@ -253,7 +251,7 @@ async def status_probe(s: aiohttp.ClientSession, url: str) -> tuple[int, float]:
 
 async def drive(url: str, d: Path, n: int, a: argparse.Namespace, proc: Proc) -> dict:
     per_group_s = a.gen_s * n / a.groups
-    fleet = Fleet(url, n, per_group_s, a.group_size, a.new_tokens, d / "state" / "store")
+    fleet = Fleet(url, n, per_group_s, a.group_size, a.new_tokens)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
@@ -378,7 +376,6 @@ def trainer_run(n: int, a: argparse.Namespace, root: Path) -> dict:
         "trainer_peak_rss_bytes": rss,
         "trainer_fds_at_end": fds,
         "journal_bytes_per_step": (j[last] - j[first]) / steps_between if last in j and first in j else None,
-        "journal_at": j,
         "status_bytes": pct(out["status_bytes"], 0.5),
         "status_ms": {
             "p50": 1000 * pct(out["status_s"], 0.5) if out["status_s"] else None,
@@ -428,7 +425,7 @@ def main() -> None:
     out: dict = {"quick": a.quick, "machine": {"cpus": os.cpu_count()}}
     only = set(a.only or ("trainer", "relay", "operator"))
     with tempfile.TemporaryDirectory(prefix="sparrowrl-scale-") as tmp:
-        root = Path(os.environ.get("SCALE_KEEP") or tmp)
+        root = Path(tmp)
         if "trainer" in only:
             print(
                 f"trainer: {a.groups} groups a step generated in {a.gen_s} s by the fleet, {a.steps} steps "
