@@ -8,8 +8,10 @@
    and applies through the relay-less origin), lease, wait out a paced generation, and post
    results. The fleet's speed is fixed: P prompt groups a step, generated in GEN_S seconds by
    the whole fleet, whatever N; so the trainer trains the same batch at every size, and only
-   the number of workers changes. The first WARM steps are left out (the scheduler probes
-   new workers, leases ramp up).
+   the number of workers changes. Each lease takes its mean time within ±`--jitter` (25%):
+   with one group a worker, a step then waits on the slowest of N groups, the fleet's own
+   stragglers; `--jitter 0` leaves the trainer's share alone. The first WARM steps are left
+   out (the scheduler probes new workers, leases ramp up).
 
    Latency is the trainer's own: a request's time less the wait it asked for (a long poll for
    work, a commit ahead of the store), which the trainer states in its `Server-Timing` header.
@@ -17,6 +19,7 @@
 2. A relay under fan-out (scale_relay.py); 3. the operator under many jobs (scale_operator.py).
 
     python3 hack/bench_scale.py --quick --out /tmp/scale.json     # under 10 minutes
+    python3 hack/bench_scale.py --quick --only trainer --jitter 0 --out /tmp/steady.json
     python3 hack/bench_scale.py --out docs/bench_scale.json --plot docs/bench_scale.png
 """
 
@@ -50,12 +53,12 @@ from sparrowrl.auth.tokens import mint  # noqa: E402
 from sparrowrl.cli.runner import free_port  # noqa: E402
 from sparrowrl.delta import state_hash  # noqa: E402
 from sparrowrl.sync import Subscriber  # noqa: E402
+from sparrowrl.transport.http import freeze_heap  # noqa: E402
 
 EXE = str(Path(sys.executable).parent / "sparrowrl")
 SECRET = "bench-scale-" + secrets.token_hex(8)
 VOCAB = range(3, 52)  # the tiny model's character tokens (models.char_tokenizer)
 ROUTES = ("/v1/work", "/v1/results", "/v1/commit")
-JITTER = 0.25  # a lease's generation time is its mean times 1 ± this, uniformly
 FETCH_S = 3.0  # a worker holds a version up to this long (uniformly) after the real subscriber: a real
 # model's delta across regions (docs/benchmarks.md projects 0.8 s for 8B at 1 Gbit/s, 3.4 s at 0.25)
 
@@ -119,8 +122,8 @@ class Proc:
 class Fleet:
     """N simulated workers and one real subscriber, against one trainer."""
 
-    def __init__(self, url: str, n: int, per_group_s: float, group_size: int, new_tokens: int):
-        self.url, self.n, self.per_group_s = url, n, per_group_s
+    def __init__(self, url: str, n: int, per_group_s: float, group_size: int, new_tokens: int, jitter: float):
+        self.url, self.n, self.per_group_s, self.jitter = url, n, per_group_s, jitter
         self.group_size, self.new_tokens = group_size, new_tokens
         signer = Signer(SECRET)
         self.tokens = {f"w{i:05d}": mint(signer, "worker", f"w{i:05d}") for i in range(n)}
@@ -130,6 +133,7 @@ class Fleet:
         self.fetch_s: dict[int, float] = {}
         self.new_version = asyncio.Condition()
         self.lat: dict[str, list[float]] = {r: [] for r in ROUTES}  # seconds, less the trainer's stated wait
+        self.work_lat: dict[str, list[float]] = {}  # /v1/work's, by answer: lease, update, wait, done
         self.measuring = False
         self.counts = {"admitted": 0, "refused": 0, "verified": 0, "mismatched": 0}
         self.errors: list[str] = []
@@ -152,7 +156,9 @@ class Fleet:
                 await asyncio.sleep(0.5)
                 continue
             if self.measuring:
-                self.lat[route].append(time.perf_counter() - t0 - waited)
+                self.lat[route].append(took := time.perf_counter() - t0 - waited)
+                if route == "/v1/work":
+                    self.work_lat.setdefault(next(iter(ans)), []).append(took)
             return ans
         raise AssertionError
 
@@ -203,8 +209,9 @@ class Fleet:
             elif "lease" in ans:
                 lease = ans["lease"]
                 t0 = time.perf_counter()
-                # the paced generation, each lease within JITTER of its mean (completions differ in length)
-                await asyncio.sleep(self.per_group_s * len(lease["groups"]) * self.rng.uniform(1 - JITTER, 1 + JITTER))
+                # the paced generation, each lease within `jitter` of its mean (completions differ in length)
+                spread = self.rng.uniform(1 - self.jitter, 1 + self.jitter)
+                await asyncio.sleep(self.per_group_s * len(lease["groups"]) * spread)
                 results = {
                     str(g): {
                         "samples": [
@@ -251,7 +258,7 @@ async def status_probe(s: aiohttp.ClientSession, url: str) -> tuple[int, float]:
 
 async def drive(url: str, d: Path, n: int, a: argparse.Namespace, proc: Proc) -> dict:
     per_group_s = a.gen_s * n / a.groups
-    fleet = Fleet(url, n, per_group_s, a.group_size, a.new_tokens)
+    fleet = Fleet(url, n, per_group_s, a.group_size, a.new_tokens, a.jitter)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
@@ -270,6 +277,7 @@ async def drive(url: str, d: Path, n: int, a: argparse.Namespace, proc: Proc) ->
         follower = asyncio.create_task(fleet.follow(base))
         lags: list[float] = []
         lagging = asyncio.create_task(lag(lags))
+        freeze_heap()  # the modules imported: the collector's full passes over them would pause this loop
         workers = [asyncio.create_task(fleet.worker(s, w)) for w in fleet.tokens]
         status_sizes, status_s, journal, cpu, marks, last_probe = [], [], {}, {}, {}, 0.0
         t0 = time.perf_counter()
@@ -357,6 +365,7 @@ def trainer_run(n: int, a: argparse.Namespace, root: Path) -> dict:
         "workers": n,
         "groups_per_step": a.groups,
         "per_group_s": fleet.per_group_s,
+        "jitter": fleet.jitter,
         "requests_per_s": requests / span if span else None,
         "latency_ms": {
             r: {
@@ -367,6 +376,10 @@ def trainer_run(n: int, a: argparse.Namespace, root: Path) -> dict:
             }
             for r, xs in fleet.lat.items()
             if xs
+        },
+        "work_by_answer_ms": {
+            k: {"n": len(xs), "p50": 1000 * pct(xs, 0.5), "p99": 1000 * pct(xs, 0.99)}
+            for k, xs in sorted(fleet.work_lat.items())
         },
         "step_s": statistics.mean(r["step_s"] for r in measured),
         "step_s_each": [round(r["step_s"], 3) for r in measured],
@@ -406,6 +419,11 @@ def show(r: dict) -> None:
         f"{r['status_ms']['p50'] or 0:.1f} ms  lost {r['groups_lost']}",
         flush=True,
     )
+    by = r["work_by_answer_ms"]
+    print(
+        "         /v1/work by answer: "
+        + ", ".join(f"{k} {x['p50']:.1f}/{x['p99']:.1f} ms ({x['n']})" for k, x in by.items())
+    )
 
 
 def main() -> None:
@@ -414,6 +432,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="*", help="the fleet sizes (default: by --quick)")
     ap.add_argument("--only", choices=("trainer", "relay", "operator"), nargs="*")
     ap.add_argument("--out", type=Path, default=Path("bench_scale.json"))
+    ap.add_argument(
+        "--jitter",
+        type=float,
+        default=0.25,
+        help="each lease takes its mean time times 1 ± this, uniformly (0: every lease its mean)",
+    )
     ap.add_argument("--plot", type=Path)
     a = ap.parse_args()
     a.workers = a.workers or ([10, 100, 1000] if a.quick else [10, 100, 1000, 4000])
@@ -428,7 +452,8 @@ def main() -> None:
         root = Path(tmp)
         if "trainer" in only:
             print(
-                f"trainer: {a.groups} groups a step generated in {a.gen_s} s by the fleet, {a.steps} steps "
+                f"trainer: {a.groups} groups a step generated in {a.gen_s} s (±{a.jitter:.0%} a lease) by the fleet, "
+                f"{a.steps} steps "
                 f"(the first {a.warm} left out)",
                 flush=True,
             )

@@ -241,3 +241,42 @@ def test_worker_names_are_bounded(trainer, monkeypatch):
 
     asyncio.run(go())
     assert sorted(trainer.coord.seen) == ["a", "b"]
+
+
+@pytest.mark.timeout(120)
+def test_the_trainer_serves_with_its_long_lived_heap_out_of_the_collectors_passes(tmp_path):
+    """A full collection walks every object the collector tracks, on the event loop's thread. A
+    trainer's imports and model are hundreds of thousands of objects (a 200-300 ms stall of every
+    request, every few seconds, at a thousand workers: hack/bench_scale.py). Once it serves, they
+    are frozen: a full pass walks what came after, a small fraction of them."""
+    import gc
+
+    from support.servers import free_port, get
+
+    from sparrowrl.trainer import trainer as trainer_process
+
+    url = f"http://127.0.0.1:{(port := free_port())}/readyz"
+
+    async def ready() -> bool:
+        try:
+            return await asyncio.to_thread(get, url) == 200
+        except OSError:  # not listening yet
+            return False
+
+    async def go():
+        job = asyncio.create_task(trainer_process.serve(parse(SPEC).spec, tmp_path, "127.0.0.1", port, token=""))
+        try:
+            deadline = asyncio.get_running_loop().time() + 60
+            while not await ready():
+                assert not job.done(), job.exception()
+                assert asyncio.get_running_loop().time() < deadline, "the trainer did not serve within 60 s"
+                await asyncio.sleep(0.05)
+            frozen, walked = gc.get_freeze_count(), len(gc.get_objects())
+            assert frozen > 100_000 and walked * 10 < frozen, (frozen, walked)
+        finally:
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+            gc.unfreeze()
+
+    gc.unfreeze()  # whatever another test left frozen
+    asyncio.run(go())

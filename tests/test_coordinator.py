@@ -220,12 +220,16 @@ def test_a_worker_idle_until_a_version_sure_to_come_is_told_to_reach_it():
     """In a job of many workers, rather than a long poll here that they would all wake from at
     the publish, a worker with nothing to do until the next version goes to fetch it, once that
     version is sure to come: its batch is complete. Before, a lease of that batch could still
-    come back. A job of 64 workers or fewer waits here, as it always has."""
+    come back. A job of 64 workers or fewer waits here, as it always has. The batch's
+    completion wakes no waiter (`moves`): a thousand woken at once would all be answered while
+    the learner starts on it; each learns of it at its next look."""
     for others, ahead in ((0, {"wait": True}), (64, {"update": 1})):
         c, _ = coord(staleness=1, steps=3, per_step=2, per_lease=2)
         for i in range(others):
             c.heard(f"x{i}")
         a, _ = c.work("w", 0)["lease"], c.work("w", 0)["lease"]  # batches 0 and 1
         assert c.work("w", 0) == {"wait": True}  # batch 2 needs v1, and batch 0's lease may expire
+        moves = c.moves
         assert c.submit(a["id"], "w", 0, "h0", result(a))["admitted"] == 2
+        assert c.moves == moves  # batch 0 complete: no work for waiters, who learn of it at their next look
         assert c.work("w", 0) == ahead  # v1 is not published yet, and will be

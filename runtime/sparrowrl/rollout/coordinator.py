@@ -151,7 +151,11 @@ class Coordinator:
         self.fetched: dict[int, dict[str, float]] = {}  # version → worker → seconds to stage it
         self.refused: dict[str, int] = {}  # worker → answers from its servers that did not verify (it says)
         self.begun = False  # rollouts have started (see `started`)
-        self.moves = 0  # bumps whenever a worker told to wait may have work now (see `work`)
+        # bumps whenever a worker told to wait may have work now (see `work`). A batch complete
+        # gives none: what a waiter learns then (reach a version not yet published, or done) can
+        # wait for its next look, once a second each; woken at once, a thousand of them were
+        # answered one by one while the learner started on that batch, in 100-200 ms
+        self.moves = 0
         self.passes = (
             0  # passes over every worker (a balanced split solved, `staged` checked): what a scale test counts
         )
@@ -412,7 +416,7 @@ class Coordinator:
         if new:
             batch.pending = [x for x in batch.pending if x not in new]
             if batch.complete:
-                batch.done, self.moves = self.clock(), self.moves + 1  # perhaps the job is done
+                batch.done = self.clock()  # not a move: see `moves`
             batch.worker_seconds += generate_s or 0.0
             self._events.append(["worker_seconds", b, batch.worker_seconds])
         self.counts.admitted += len(new)

@@ -91,9 +91,12 @@ def idempotent(model: type[messages.Body]):
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> float:
+    """Until `event` is set or `seconds` pass; the seconds it waited. A timeout scope, not
+    `wait_for`'s task per waiter: a thousand waiters wake at once, each in fewer steps."""
     t0 = time.monotonic()
     try:
-        await asyncio.wait_for(event.wait(), max(0.0, seconds))
+        async with asyncio.timeout(max(0.0, seconds)):
+            await event.wait()
     except TimeoutError:
         pass
     return time.monotonic() - t0
@@ -150,7 +153,7 @@ class Control:
 
     async def until_work(self, seconds: float) -> float:
         """Until work may have come for a worker told to wait (a publish, groups back in the
-        queue, a batch complete, rollouts started), or `seconds`; the seconds it waited."""
+        queue, rollouts started), or `seconds`; the seconds it waited."""
         return await _wait(self._work, seconds)
 
     # ---- the routes ----

@@ -26,7 +26,7 @@ from sparrowrl.trainer import cost, ledger, resume, retention
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.outputs import Outputs
-from sparrowrl.transport.http import add_health, listen, more_open_files
+from sparrowrl.transport.http import add_health, freeze_heap, listen, more_open_files
 from sparrowrl.transport.metrics import add_metrics
 from sparrowrl.transport.server import SERVED, make_app
 
@@ -279,6 +279,7 @@ async def serve(
         if check is not None:
             await asyncio.to_thread(check)
         run = await asyncio.to_thread(Trainer, spec, state_dir, token)
+        freeze_heap()  # what the model and the modules hold, out of the collector's passes
     finally:
         await early.cleanup()  # the port is free again, for the trainer's own server at once
     runner = web.AppRunner(run.app(metrics_port, host))
