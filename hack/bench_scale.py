@@ -432,6 +432,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="*", help="the fleet sizes (default: by --quick)")
     ap.add_argument("--only", choices=("trainer", "relay", "operator"), nargs="*")
     ap.add_argument("--out", type=Path, default=Path("bench_scale.json"))
+    ap.add_argument("--steps", type=int, help="steps measured, after the warm-up (default: 4 with --quick, else 5)")
     ap.add_argument(
         "--jitter",
         type=float,
@@ -442,7 +443,8 @@ def main() -> None:
     a = ap.parse_args()
     a.workers = a.workers or ([10, 100, 1000] if a.quick else [10, 100, 1000, 4000])
     a.groups = max(a.workers)  # every worker has a group a step at the largest size
-    a.steps, a.warm = (6, 2) if a.quick else (8, 3)
+    a.warm = 2 if a.quick else 3
+    a.steps = a.warm + (a.steps or (4 if a.quick else 5))
     a.gen_s, a.group_size, a.new_tokens = 8.0, 2, 4
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a connection per simulated worker

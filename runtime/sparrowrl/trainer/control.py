@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import random
 import time
 from typing import Callable
 
@@ -193,7 +194,10 @@ class Control:
             ans = self.coord.work(body["worker"], body["version"], body["region"])
             if "wait" not in ans or time.monotonic() > deadline:
                 break
-            waited += await self.until_work(1.0)  # and once a second: a lost worker's share frees up
+            # and about once a second, each waiter at its own time: a lost worker's share frees up,
+            # a complete batch (not a move) is learnt of, and a herd woken at once does not look
+            # again at once
+            waited += await self.until_work(random.uniform(0.5, 1.5))
         if "lease" in ans:
             self.changed()  # journaled before it is answered: a restarted trainer knows the lease
             ans["lease"]["prompts"] = [
