@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -178,34 +179,46 @@ class Fleet:
             await self.new_version.wait_for(lambda: max(self.hashes, default=-1) >= v)
 
     async def worker(self, s: aiohttp.ClientSession, name: str) -> None:
+        """As `worker.py` does: a version is fetched in the background (here: it is staged 0 to
+        FETCH_S seconds after the real subscriber has it) and committed between leases once
+        staged; a worker told to update, or that the job is done, waits for it."""
         version = -1
+        fetch: dict[int, float] = {}  # version → seconds this worker stages it after the subscriber
 
-        async def commit_to(v: int) -> None:
+        def staged_at(v: int) -> float:
+            if v not in fetch:
+                fetch[v] = self.rng.uniform(0, FETCH_S)
+            return self.seen_at[v] + fetch[v]
+
+        async def commit(upto: int) -> None:
             nonlocal version
-            await self.until_version(v)
-            fetch_s = self.rng.uniform(0, FETCH_S)  # workers stage a version at different times
-            await asyncio.sleep(max(0.0, self.seen_at[max(self.hashes)] + fetch_s - time.perf_counter()))
-            newest = max(self.hashes)  # a starting worker takes the newest; then every version in order
-            for u in [newest] if version < 0 else range(version + 1, newest + 1):
-                ans = await self.post(
-                    s,
-                    "/v1/commit",
-                    name,
-                    {"worker": name, "version": u, "state_hash": self.hashes[u], "fetch_s": self.fetch_s[u] + fetch_s},
-                )
+            for u in [upto] if version < 0 else range(version + 1, upto + 1):
+                body = {"worker": name, "version": u, "state_hash": self.hashes[u]}
+                body["fetch_s"] = self.fetch_s[u] + staged_at(u) - self.seen_at[u]
+                ans = await self.post(s, "/v1/commit", name, body)
                 self.counts["verified" if ans["verified"] else "mismatched"] += 1
                 version = u
 
-        await commit_to(0)
+        async def reach(v: int) -> None:
+            await self.until_version(v)
+            upto = max(self.hashes) if version < 0 else v  # a starting worker takes the newest
+            wanted = [upto] if version < 0 else range(version + 1, upto + 1)
+            await asyncio.sleep(max(0.0, max((staged_at(u) for u in wanted), default=0.0) - time.perf_counter()))
+            await commit(upto)
+
+        await reach(0)
         while True:
-            if max(self.hashes) > version:  # what is staged is committed between leases
-                await commit_to(max(self.hashes))
+            upto = version  # what is staged by now, in order
+            while upto + 1 in self.hashes and staged_at(upto + 1) <= time.perf_counter():
+                upto += 1
+            if upto > version:
+                await commit(upto)
             ans = await self.post(s, "/v1/work", name, {"worker": name, "version": version, "region": "r0"})
             if "done" in ans:
-                await commit_to(ans["done"])
+                await reach(ans["done"])
                 return
             if "update" in ans:
-                await commit_to(ans["update"])
+                await reach(ans["update"])
             elif "lease" in ans:
                 lease = ans["lease"]
                 t0 = time.perf_counter()
@@ -307,6 +320,7 @@ async def drive(url: str, d: Path, n: int, a: argparse.Namespace, proc: Proc) ->
                 status_s.append(secs)
         follower.cancel()
         lagging.cancel()
+        gc.unfreeze()  # this run's session, tasks and subscriber: collectable again
         print()
     return {
         "lag": lags,
@@ -441,10 +455,12 @@ def main() -> None:
     )
     ap.add_argument("--plot", type=Path)
     a = ap.parse_args()
+    if a.steps is not None and a.steps < 1:
+        ap.error("--steps: at least 1")
     a.workers = a.workers or ([10, 100, 1000] if a.quick else [10, 100, 1000, 4000])
     a.groups = max(a.workers)  # every worker has a group a step at the largest size
     a.warm = 2 if a.quick else 3
-    a.steps = a.warm + (a.steps or (4 if a.quick else 5))
+    a.steps = a.warm + (a.steps if a.steps is not None else 4 if a.quick else 5)
     a.gen_s, a.group_size, a.new_tokens = 8.0, 2, 4
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a connection per simulated worker

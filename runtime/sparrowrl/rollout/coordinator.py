@@ -153,7 +153,7 @@ class Coordinator:
         self.begun = False  # rollouts have started (see `started`)
         # bumps whenever a worker told to wait may have work now (see `work`). A batch complete
         # gives none: what a waiter learns then (reach a version not yet published, or done) can
-        # wait for its next look, once a second each; woken at once, a thousand of them were
+        # wait for its next look, every 0.5-1.5 s each; woken at once, a thousand of them were
         # answered one by one while the learner started on that batch, in 100-200 ms
         self.moves = 0
         self.passes = (

@@ -33,6 +33,7 @@ from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.transport.http import PRINCIPAL
 
+LOOK = random.Random()  # when each long poll for work looks again (see `h_work`)
 MAX_WORKERS = 1 << 16  # distinct worker names the trainer keeps track of (a job has 4096 at most at once;
 # replaced pods come back under new names)
 
@@ -197,7 +198,7 @@ class Control:
             # and about once a second, each waiter at its own time: a lost worker's share frees up,
             # a complete batch (not a move) is learnt of, and a herd woken at once does not look
             # again at once
-            waited += await self.until_work(random.uniform(0.5, 1.5))
+            waited += await self.until_work(LOOK.uniform(0.5, 1.5))
         if "lease" in ans:
             self.changed()  # journaled before it is answered: a restarted trainer knows the lease
             ans["lease"]["prompts"] = [
