@@ -117,13 +117,12 @@ def more_open_files(who: str) -> tuple[int, int]:
     return soft, soft
 
 
-def freeze_heap() -> int:
+def freeze_heap() -> None:
     """Move every object allocated so far (the modules imported, a loaded model) out of the
-    cyclic garbage collector's reach, once a server has started; how many. A full collection
-    walks every object it tracks, on the event loop's thread: in a trainer, 450,000 and more
-    (torch, transformers, pydantic), 200-300 ms a pass, every few seconds at a thousand workers,
-    each pass a stall of every request in flight. What is frozen is still freed by its
-    reference count; only cycles among it would stay, and these live as long as the process."""
+    cyclic garbage collector's reach, before a server takes requests. A full collection walks
+    every object it tracks, on the event loop's thread: in a trainer, 450,000 and more (torch,
+    transformers, pydantic), 200-300 ms a pass, every few seconds at a thousand workers, each
+    pass a stall of every request in flight. What is frozen is still freed by its reference
+    count; only what it later drops in reference cycles is never collected (a few kB)."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
