@@ -1,10 +1,13 @@
 """The scheduler: how a batch is split among workers of unequal speed and links (a table of
 cases for the pure functions), and the coordinator's leases under each split policy."""
 
+import statistics
+
 import pytest
+from support import fleet
 
 from sparrowrl.rollout import schedule
-from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.rollout.coordinator import Coordinator, Plan
 from sparrowrl.rollout.schedule import Seat, Speed
 
 
@@ -52,21 +55,44 @@ def test_split_without_workers_or_groups():
         schedule.finish_time(5, 10, {})
 
 
-def test_speed_drops_at_once_and_rises_by_half():
+def test_speed_is_its_last_leases_and_starts_afresh_when_it_collapses():
     s = Speed()
-    assert s.tokens_per_s is None and s.cap == schedule.PROBE
+    assert s.tokens_per_s is None and s.cap == schedule.PROBE and s.noise is None
     s.generated(100, 1.0, 1)
-    assert (s.tokens_per_s, s.cap) == (100, 2)
-    s.generated(300, 1.0, 2)  # faster than estimated: halfway
+    assert (s.tokens_per_s, s.cap, s.noise) == (100, 2, None)
+    s.generated(300, 1.0, 2)  # tokens over seconds of its leases
     assert (s.tokens_per_s, s.cap) == (200, 4)
-    s.generated(50, 1.0, 4)  # missed its estimate: the measured rate at once
-    assert s.tokens_per_s == 50
+    assert s.noise == pytest.approx(((100 - 200) ** 2 + (300 - 200) ** 2) / 1 / 2)
+    s.generated(150, 1.5, 4)  # slower, but within RESET of the estimate: one lease of three
+    assert s.tokens_per_s == pytest.approx(550 / 3.5)
+    for _ in range(schedule.WINDOW):  # the window forgets the oldest
+        s.generated(120, 1.0, 4)
+    assert (s.tokens_per_s, s.noise) == (pytest.approx(120), pytest.approx(0))
+    s.generated(50, 1.0, 4)  # under half the estimate: the machine changed, the window starts afresh
+    assert (s.tokens_per_s, s.noise) == (50, None)
     for bad in ((0, 1.0), (10, 0.0), (10, float("nan")), (10, float("inf"))):
         s.generated(*bad, 1)
         assert s.tokens_per_s == 50
     assert s.fetch_s(1000) == 0.0  # link not measured yet
     s.fetched(1000, 2.0)
     assert s.fetch_s(1000) == 2.0
+
+
+def test_shrink_pulls_noise_to_the_fleet_and_keeps_true_differences():
+    # identical workers whose leases were noisy: the spread of their rates is all noise
+    noisy = {"a": 90.0, "b": 110.0, "c": 95.0, "d": 105.0}
+    assert schedule.shrink(noisy, dict.fromkeys(noisy, 100.0)) == dict.fromkeys(noisy, pytest.approx(100.0))
+    # 4:1 workers measured precisely: kept, bar a shade
+    apart = {"f1": 40.0, "f2": 40.0, "s1": 10.0, "s2": 10.0}
+    got = schedule.shrink(apart, dict.fromkeys(apart, 0.01))
+    assert got == {w: pytest.approx(r, rel=1e-3) for w, r in apart.items()}
+    # in between: the noisier a rate, the more it is pulled in; one lease counts as 4 x the mean noise
+    mixed = {"a": 50.0, "b": 150.0, "c": 100.0}
+    got = schedule.shrink(mixed, {"a": 100.0, "b": None, "c": 100.0})
+    assert 50 < got["a"] < 100 < got["b"] < 150 and got["b"] - 100 < 100 - got["a"]
+    # too few to tell noise from spread, or nothing known of the noise: unchanged
+    assert schedule.shrink({"a": 1.0, "b": 2.0}, {"a": 9.0, "b": 9.0}) == {"a": 1.0, "b": 2.0}
+    assert schedule.shrink(mixed, dict.fromkeys(mixed)) == mixed
 
 
 class Clock:
@@ -239,3 +265,36 @@ def test_balanced_split_finishes_batches_within_10_percent_of_ideal():
         steady[split] = max(times[1:])
     assert steady["balanced"] <= 1.1 * ideal
     assert steady["balanced"] < steady["pull"] < steady["even"]
+
+
+def test_a_stale_plan_moves_the_last_planned_group_to_an_idle_asker_who_finishes_it_sooner():
+    tpg = 10.0
+    ends = [(-2.0, "a"), (-1.5, "b")]  # a: 2 groups from 0 s, b: 1 group from 0.5 s, at 10 tokens/s
+    plan = Plan(0.0, 3, {"a": 2, "b": 1, "c": 0, "d": 0}, dict.fromkeys("abcd", 10.0), ends)
+    assert plan.steal(1.0, tpg)  # c would finish one group at 1.0 s: a's second group
+    assert (plan.shares, plan.pending) == ({"a": 1, "b": 1, "c": 0, "d": 0}, 2)
+    assert plan.steal(1.2, tpg)  # a now ends at 1.0 s, b at 1.5 s
+    assert plan.shares["b"] == 0
+    assert not plan.steal(1.2, tpg)  # a, the last holder, ends sooner
+    plan.shares["a"] = 0  # a took its share
+    assert not plan.steal(0.1, tpg) and plan.pending == 1  # nothing planned is left to move
+
+
+def test_a_thousand_workers_step_within_10_percent_of_ten_under_lease_noise():
+    """The fleet of `hack/bench_scale.py` in virtual time: a thousand groups a step, each lease
+    within ±25% of its mean time, so a thousand identical workers look unequal. A thousand
+    workers step within 10% of ten, losing no group (before the window, the shrink and the
+    steal: 1.27x)."""
+    ten = fleet.mean_step(10)
+    runs = [fleet.run(1000, seed=s) for s in range(3)]
+    assert sum(r.lost for r in runs) == 0
+    assert statistics.mean(r.step_s for r in runs) <= 1.1 * ten, (ten, [r.steps_s for r in runs])
+
+
+def test_a_thousand_workers_half_of_them_4x_slower_still_split_by_speed():
+    """Shrinking rates toward the fleet must not erase true differences: with half the fleet
+    4x slower, the balanced split still beats first come, first served, a group at a time."""
+    slowness = {"slowness": lambda i: 4.0 if i % 2 else 1.0, "seeds": 1, "steps": 9}
+    balanced = fleet.mean_step(1000, **slowness)
+    pull = fleet.mean_step(1000, split="pull", groups_per_lease=1, **slowness)
+    assert balanced < 0.9 * pull, (balanced, pull)

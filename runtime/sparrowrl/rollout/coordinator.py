@@ -73,10 +73,27 @@ class Plan:
     made: float
     pending: int  # the batch's pending groups the shares cover
     shares: dict[str, int]
+    rates: dict[str, float]  # the tokens/s it took each worker at
+    ends: list[tuple[float, str]] = field(default_factory=list)  # a heap of (-planned finish, holder)
 
     def fresh(self, now: float, pending: int) -> bool:
         """Good for another ask: many workers (few are solved every ask), young, and no group came back."""
         return len(self.shares) > EXACT_SEATS and now - self.made < SOLVE_EVERY_S and pending <= self.pending
+
+    def steal(self, finish: float, tokens_per_group: float) -> bool:
+        """Move one group from the holder planned to finish last to an asker who would finish
+        it at `finish`, if that is sooner. A solution stands for SOLVE_EVERY_S, and the workers
+        it gave nothing ask meanwhile: idle, while the last groups wait for workers still busy."""
+        while self.ends and self.shares.get(self.ends[0][1], 0) <= 0:  # taken since
+            heapq.heappop(self.ends)
+        if not self.ends or finish >= -self.ends[0][0]:
+            return False
+        end, holder = heapq.heappop(self.ends)
+        self.shares[holder] -= 1
+        if self.shares[holder]:
+            heapq.heappush(self.ends, (end + tokens_per_group / self.rates[holder], holder))
+        self.pending -= 1
+        return True
 
 
 @dataclass
@@ -325,12 +342,17 @@ class Coordinator:
         if plan is None or worker not in plan.shares or not plan.fresh(self.clock(), pending):
             plan = self._plans[batch.index] = self._solve(batch)
         n = min(plan.shares[worker], speed.cap, self.per_lease, pending)
+        if not n and self.many:  # the asker is idle (a worker asks between leases)
+            mine = self.clock() + self._ready(worker, batch.index, 0.0) + self.tokens_per_group / plan.rates[worker]
+            return int(plan.steal(mine, self.tokens_per_group))
         plan.shares[worker] -= n
         plan.pending -= n
         return n
 
     def _solve(self, batch: Batch) -> Plan:
-        """The balanced split of the batch's pending groups over the live measured workers."""
+        """The balanced split of the batch's pending groups over the live measured workers. With
+        many workers, their rates are shrunk toward the fleet's (schedule.shrink), and the plan
+        keeps its holders' planned finishes for `Plan.steal`."""
         self.passes += 1
         now, tpg = self.clock(), self.tokens_per_group
         busy: dict[str, float] = {}  # worker → seconds until its leases are done (the longest)
@@ -338,12 +360,16 @@ class Coordinator:
             rate = self.speeds[x.worker].tokens_per_s if x.worker in self.speeds else None
             if rate is not None:
                 busy[x.worker] = max(busy.get(x.worker, 0.0), len(x.groups) * tpg / rate - (now - x.start))
-        seats = {
-            w: Seat(self._ready(w, batch.index, busy.get(w, 0.0)), self.speeds[w].tokens_per_s)
-            for w in self.live()
-            if self.speeds[w].tokens_per_s is not None
-        }
-        return Plan(now, len(batch.pending), schedule.split(len(batch.pending), tpg, seats))
+        rates = {w: r for w in self.live() if (r := self.speeds[w].tokens_per_s) is not None}
+        if self.many:
+            rates = schedule.shrink(rates, {w: self.speeds[w].noise for w in rates})
+        seats = {w: Seat(self._ready(w, batch.index, busy.get(w, 0.0)), r) for w, r in rates.items()}
+        shares = schedule.split(len(batch.pending), tpg, seats)
+        ends = (
+            [(-(now + seats[w].ready_s + k * tpg / rates[w]), w) for w, k in shares.items() if k] if self.many else []
+        )
+        heapq.heapify(ends)
+        return Plan(now, len(batch.pending), shares, rates, ends)
 
     def _ready(self, worker: str, b: int, busy: float) -> float:
         """Seconds until `worker` can start on batch b: its leases done (`busy`), the batch's version fetched."""
