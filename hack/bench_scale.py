@@ -135,6 +135,7 @@ class Fleet:
         self.new_version = asyncio.Condition()
         self.lat: dict[str, list[float]] = {r: [] for r in ROUTES}  # seconds, less the trainer's stated wait
         self.work_lat: dict[str, list[float]] = {}  # /v1/work's, by answer: lease, update, wait, done
+        self.lease_groups: dict[int, int] = {}  # groups in a lease → leases measured
         self.measuring = False
         self.counts = {"admitted": 0, "refused": 0, "verified": 0, "mismatched": 0}
         self.errors: list[str] = []
@@ -222,6 +223,9 @@ class Fleet:
             elif "lease" in ans:
                 lease = ans["lease"]
                 t0 = time.perf_counter()
+                if self.measuring:
+                    k = len(lease["groups"])
+                    self.lease_groups[k] = self.lease_groups.get(k, 0) + 1
                 # the paced generation, each lease within `jitter` of its mean (completions differ in length)
                 spread = self.rng.uniform(1 - self.jitter, 1 + self.jitter)
                 await asyncio.sleep(self.per_group_s * len(lease["groups"]) * spread)
@@ -395,6 +399,7 @@ def trainer_run(n: int, a: argparse.Namespace, root: Path) -> dict:
             k: {"n": len(xs), "p50": 1000 * pct(xs, 0.5), "p99": 1000 * pct(xs, 0.99)}
             for k, xs in sorted(fleet.work_lat.items())
         },
+        "leases_by_groups": dict(sorted(fleet.lease_groups.items())),
         "step_s": statistics.mean(r["step_s"] for r in measured),
         "step_s_each": [round(r["step_s"], 3) for r in measured],
         "train_s": statistics.mean(r.get("train_s", 0.0) for r in measured),
@@ -437,6 +442,8 @@ def show(r: dict) -> None:
     print(
         "         /v1/work by answer: "
         + ", ".join(f"{k} {x['p50']:.1f}/{x['p99']:.1f} ms ({x['n']})" for k, x in by.items())
+        + "; leases by groups: "
+        + ", ".join(f"{k}: {n}" for k, n in r["leases_by_groups"].items())
     )
 
 

@@ -57,10 +57,11 @@ def reasons(cluster) -> set[str]:
 
 @pytest.mark.timeout(120)
 def test_a_job_spans_clusters_and_its_delete_cleans_them():
-    with clusters("home", "east") as (home, east), operator(home):
+    with clusters("home", "east") as (home, east), operator(home) as op:
         add_member(home, east, "east")
         connected(home, "east")
-        m = "grpo-" + home.create(copy.deepcopy(JOB))["metadata"]["uid"][:5]  # names in a member carry the uid's start
+        uid = home.create(copy.deepcopy(JOB))["metadata"]["uid"]
+        m = "grpo-" + uid[:5]  # names in a member carry the uid's start
         until(
             lambda: names(east, "sparrowrl") == {f"{m}-relay-eu-0", f"{m}-worker-eu-0-0", f"{m}-worker-eu-1-0"},
             30,
@@ -93,6 +94,9 @@ def test_a_job_spans_clusters_and_its_delete_cleans_them():
             "the member's objects deleted",
         )
         until(lambda: home.get(JOBS, "default", "grpo") is None, 30, "the finalizer released")
+        assert (
+            uid not in op._locks and uid not in op._written
+        )  # an operator of many jobs over time keeps nothing of this one
 
 
 @pytest.mark.timeout(120)

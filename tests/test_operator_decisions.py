@@ -321,6 +321,29 @@ def test_a_stale_worker_is_reported_and_replaced():
     assert condition(job, "LeasesHealthy")["status"] == "True"
 
 
+def test_a_stale_worker_gets_one_event_and_many_get_one_between_them():
+    """Not an Event per stale worker per cycle (4,000 stale workers made 4,000 every cycle):
+    one as each goes stale while the status can name them all, then one when their count changes."""
+    stale = lambda plan: [m for _, r, m in plan.events if r == "StaleWorker"]  # noqa: E731
+    places = [{"region": "us", "replicas": 40}, {"region": "eu", "cluster": "eu-west", "replicas": 40}]
+    w, job = World(), body(placements=places, health={"staleAfterSeconds": 60, "onStale": "Ignore"})
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    workers = [n for c in (None, "eu-west") for n in w.names(c) if "-worker-" in n]
+    assert len(workers) == 80
+    w.trainer = trainer_status([(n, 61.0, "ok") for n in workers[:2]])
+    assert len(stale(w.step(job, 70))) == 2
+    assert stale(w.step(job, 80)) == []  # still the same two
+    w.trainer = trainer_status([(n, 61.0, "ok") for n in workers[:3]])
+    assert [m.split()[1] for m in stale(w.step(job, 90))] == [workers[2]]
+    w.trainer = trainer_status([(n, 61.0, "ok") for n in workers])  # more than the status lists
+    (many,) = stale(w.step(job, 100))
+    assert many.startswith("80 workers not heard from")
+    assert stale(w.step(job, 110)) == []
+    assert job["status"]["progress"]["workerCounts"]["stale"] == 80
+
+
 def test_no_worker_is_stale_while_the_trainer_has_just_started():
     """After a trainer restart every worker looks silent: they were backing off while it was down."""
     w, job = World(), body()

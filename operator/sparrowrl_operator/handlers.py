@@ -238,6 +238,8 @@ class Operator:
         cluster's go with their owner). A member that does not answer is left to the sweep."""
         uid = body["metadata"]["uid"]
         self._written.pop(uid, None)
+        with self._guard:
+            self._locks.pop(uid, None)
         self.say_retained(body)
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)

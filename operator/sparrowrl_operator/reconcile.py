@@ -992,6 +992,21 @@ class _Cycle:
             ),
         )
 
+    def stale_events(self, stale: dict[str, float]) -> None:
+        """An Event per worker as it goes stale, not one per stale worker per cycle: 4,000 stale
+        workers made 4,000 Events every cycle. The last status lists up to MAX_LISTED stale
+        workers; beyond that many, one Event says how many when the count changes."""
+        on_stale = self.spec.health.on_stale
+        before = self.prev.leases.stale_workers
+        if len(stale) <= MAX_LISTED and len(before) < MAX_LISTED:  # the last status named them all
+            for n in sorted(set(stale) - set(before)):
+                self.event(STALE, f"worker {n} not heard from for {stale[n]:.0f} s; health.onStale is {on_stale}", True)
+        elif len(stale) != self.prev.progress.worker_counts.stale:
+            worst = ", ".join(f"{n} ({s:.0f} s)" for n, s in sorted(stale.items(), key=lambda x: -x[1])[:8])
+            self.event(
+                STALE, f"{len(stale)} workers not heard from, the longest {worst}; health.onStale is {on_stale}", True
+            )
+
     def health(self) -> None:
         t = self.obs.trainer
         if t is None:
@@ -1000,12 +1015,7 @@ class _Cycle:
         if stale:
             names = ", ".join(f"{n} ({s:.0f} s)" for n, s in sorted(stale.items())[:8])
             self.transition("LeasesHealthy", False, "StaleWorkers", f"not heard from: {names}", warning=True)
-            for n in sorted(stale):
-                self.event(
-                    STALE,
-                    f"worker {n} not heard from for {stale[n]:.0f} s; health.onStale is {self.spec.health.on_stale}",
-                    warning=True,
-                )
+            self.stale_events(stale)
             if self.spec.health.on_stale == "FailJob":
                 self.fail("StaleWorkers", f"not heard from: {names}; health.onStale is FailJob")
                 self.finish()

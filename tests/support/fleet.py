@@ -45,6 +45,7 @@ def run(
     train_s: float = 1.0,
     seed: int = 0,
     warm: int = 3,
+    payload: int = 10**6,
 ) -> Run:
     rng = random.Random(seed)
     clock = [0.0]
@@ -133,14 +134,14 @@ def run(
         def publish() -> None:
             training[0] = False
             published[b + 1] = clock[0]
-            c.publish(b + 1, str(b + 1))
+            c.publish(b + 1, str(b + 1), payload)
             wake()
             learn()
 
         at(clock[0] + train_s, publish)
 
     published[0] = 0.0
-    c.publish(0, "0")
+    c.publish(0, "0", payload)
     for w in names:
         staged[(w, 0)] = 0.0
 
