@@ -19,7 +19,7 @@ from sparrowrl.auth.signing import Verifier, parse_public
 from sparrowrl.auth.tokens import Gate, Principal
 from sparrowrl.spec.status import JobStatus as TrainerStatus
 from sparrowrl.spec.status import WorkerStatus
-from sparrowrl_operator.builders import merge, stored
+from sparrowrl_operator.builders import credentials, merge, stored
 from sparrowrl_operator.conditions import set_condition
 from sparrowrl_operator.constants import ROLE_LABEL
 from sparrowrl_operator.handlers import merge_patch, union
@@ -157,6 +157,10 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     gate = Gate(None, Verifier(parse_public(mine["trainer-key"])))  # as the relay checks its workers
     assert gate.principal(f"Bearer {mine['token']}") == Principal("worker", "add-grpo-u-1-worker-ap-0-*")
     assert Gate.of("tok", None).principal(f"Bearer {mine['token']}") is not None  # from the secret the trainer holds
+    before = credentials.cache_info()
+    w.step(job, 10)  # a cycle builds each slot's Secret again (to judge drift), and signs nothing again
+    after = credentials.cache_info()
+    assert after.hits >= before.hits + len(secrets) - 1 and after.misses == before.misses
     env = {
         e["name"]: e["valueFrom"]["secretKeyRef"]
         for e in w.pods["ap-south"]["add-grpo-u-1-worker-ap-0-0"]["spec"]["containers"][0]["env"]
