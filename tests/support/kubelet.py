@@ -700,6 +700,7 @@ class Kubelet:
 
     async def _sync_services(self, services: list[dict[str, Any]]) -> None:
         wanted: dict[tuple[str, int], tuple[Gate, tuple[str, str], int]] = {}
+        announce: list[tuple[tuple[str, str], list[dict]]] = []  # load balancers' addresses, once they listen
         self._services = {}
         for svc in services:
             spec, meta = svc["spec"], svc["metadata"]
@@ -712,9 +713,7 @@ class Kubelet:
                     self._load_balancers[meta["uid"]] = next(self._lb_ips)
                 ingress = [{"ip": self._load_balancers[meta["uid"]]}]
                 if svc.get("status", {}).get("loadBalancer", {}).get("ingress") != ingress:
-                    await self._api(
-                        "PATCH", path("v1/services", *key, "status"), {"status": {"loadBalancer": {"ingress": ingress}}}
-                    )
+                    announce.append((key, ingress))
             for port in spec.get("ports", []):
                 if port.get("protocol", "TCP") != "TCP":
                     continue
@@ -733,6 +732,10 @@ class Kubelet:
                 self.errors.append(f"cannot listen on {address} for Service {key}: {e}")
                 continue
             self._listening[address] = gate
+        for key, ingress in announce:  # a client that reads the address finds it listening
+            await self._api(
+                "PATCH", path("v1/services", *key, "status"), {"status": {"loadBalancer": {"ingress": ingress}}}
+            )
         await self._write_hosts()
 
     def _endpoint(self, key: tuple[str, str], port: int) -> tuple[str, int] | None:
