@@ -341,6 +341,10 @@ def test_a_stale_worker_gets_one_event_and_many_get_one_between_them():
     assert stale(w.step(job, 80)) == []  # still the same two
     w.trainer = trainer_status([(n, 61.0, "ok") for n in workers[:3]])
     assert [m.split()[1] for m in stale(w.step(job, 90))] == [workers[2]]
+    w.trainer = trainer_status([(n, 61.0, "ok") for n in workers[:64]])  # as many as the status names
+    assert len(stale(w.step(job, 95))) == 61
+    w.trainer = trainer_status([(n, 61.0, "ok") for n in workers[1:65]])  # one back, one more gone
+    assert [m.split()[1] for m in stale(w.step(job, 97))] == [workers[64]]
     w.trainer = trainer_status([(n, 61.0, "ok") for n in workers])  # more than the status lists
     (many,) = stale(w.step(job, 100))
     assert many.startswith("80 workers not heard from")

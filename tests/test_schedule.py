@@ -1,6 +1,7 @@
 """The scheduler: how a batch is split among workers of unequal speed and links (a table of
 cases for the pure functions), and the coordinator's leases under each split policy."""
 
+import math
 import statistics
 
 import pytest
@@ -62,7 +63,7 @@ def test_speed_is_its_last_leases_and_starts_afresh_when_it_collapses():
     assert (s.tokens_per_s, s.cap, s.noise) == (100, 2, None)
     s.generated(300, 1.0, 2)  # tokens over seconds of its leases
     assert (s.tokens_per_s, s.cap) == (200, 4)
-    assert s.noise == pytest.approx(((100 - 200) ** 2 + (300 - 200) ** 2) / 1 / 2)
+    assert s.noise == pytest.approx(math.log(3) ** 2 / 4)  # the log-rates' variance over their count
     s.generated(150, 1.5, 4)  # slower, but within RESET of the estimate: one lease of three
     assert s.tokens_per_s == pytest.approx(550 / 3.5)
     for _ in range(schedule.WINDOW):  # the window forgets the oldest
@@ -81,15 +82,22 @@ def test_speed_is_its_last_leases_and_starts_afresh_when_it_collapses():
 def test_shrink_pulls_noise_to_the_fleet_and_keeps_true_differences():
     # identical workers whose leases were noisy: the spread of their rates is all noise
     noisy = {"a": 90.0, "b": 110.0, "c": 95.0, "d": 105.0}
-    assert schedule.shrink(noisy, dict.fromkeys(noisy, 100.0)) == dict.fromkeys(noisy, pytest.approx(100.0))
+    middle = math.exp(sum(map(math.log, noisy.values())) / 4)
+    assert schedule.shrink(noisy, dict.fromkeys(noisy, 0.01)) == dict.fromkeys(noisy, pytest.approx(middle))
     # 4:1 workers measured precisely: kept, bar a shade
     apart = {"f1": 40.0, "f2": 40.0, "s1": 10.0, "s2": 10.0}
-    got = schedule.shrink(apart, dict.fromkeys(apart, 0.01))
+    got = schedule.shrink(apart, dict.fromkeys(apart, 1e-4))
     assert got == {w: pytest.approx(r, rel=1e-3) for w, r in apart.items()}
-    # in between: the noisier a rate, the more it is pulled in; one lease counts as 4 x the mean noise
-    mixed = {"a": 50.0, "b": 150.0, "c": 100.0}
-    got = schedule.shrink(mixed, {"a": 100.0, "b": None, "c": 100.0})
-    assert 50 < got["a"] < 100 < got["b"] < 150 and got["b"] - 100 < 100 - got["a"]
+    # ten truly 4x slower among a thousand barely widen the fleet's spread, and stay slow
+    fleet_rates = {f"w{i}": (25.0 if i < 10 else 100.0 * (1 + 0.05 * ((i % 3) - 1))) for i in range(1000)}
+    got = schedule.shrink(fleet_rates, dict.fromkeys(fleet_rates, 0.05**2))
+    assert all(got[f"w{i}"] < 100 / 3 for i in range(10))
+    assert all(95 < got[w] < 105 for w in list(got)[10:])
+    # the noisier a rate, the more it is pulled in; one of one lease is kept as measured
+    mixed = {"a": 50.0, "b": 150.0, "c": 100.0, "d": 120.0, "e": 90.0}
+    got = schedule.shrink(mixed, {"a": 0.2, "b": None, "c": 0.01, "d": 0.01, "e": 0.01})
+    assert got["b"] == 150.0 and 50 < got["a"] < 100
+    assert math.log(got["a"] / 50) > abs(math.log(got["d"] / 120))
     # too few to tell noise from spread, or nothing known of the noise: unchanged
     assert schedule.shrink({"a": 1.0, "b": 2.0}, {"a": 9.0, "b": 9.0}) == {"a": 1.0, "b": 2.0}
     assert schedule.shrink(mixed, dict.fromkeys(mixed)) == mixed
@@ -298,3 +306,12 @@ def test_a_thousand_workers_half_of_them_4x_slower_still_split_by_speed():
     balanced = fleet.mean_step(1000, **slowness)
     pull = fleet.mean_step(1000, split="pull", groups_per_lease=1, **slowness)
     assert balanced < 0.9 * pull, (balanced, pull)
+
+
+def test_ten_workers_4x_slower_among_a_thousand_keep_their_rate():
+    """Ten truly slow workers barely widen the fleet's spread, and each delivers a lease in
+    four steps: shrunk to the fleet's rate, they were handed the last groups of batches, and
+    the step took 1.6x that of an identical fleet. Kept slow, they cost little."""
+    same = fleet.mean_step(1000, seeds=1, steps=9)
+    few = fleet.mean_step(1000, seeds=1, steps=9, slowness=lambda i: 4.0 if i % 100 == 1 else 1.0)
+    assert few < 1.15 * same, (few, same)

@@ -147,11 +147,12 @@ def credentials_secret(job: JobRef, role: Process, secret: str, namespace: str, 
     }
 
 
-@functools.lru_cache(maxsize=1 << 13)
+@functools.lru_cache(maxsize=1 << 15)
 def credentials(secret: str, kind: str, name: str) -> tuple[str, str]:
     """A role's token and the trainer's public key. Signing is deterministic, so a cycle that
-    applies a slot's Secret again need not sign it again: a 4,000-worker job signed 4,000
-    tokens every cycle."""
+    builds a slot's Secret again need not sign it again: a 4,000-worker job signed 4,000
+    tokens every cycle. The bound holds the slots of 8 jobs of 4,096 workers (a few MB); past
+    it, cycles sign again, as before."""
     signer = Signer(secret)
     return mint(signer, kind, name), public_text(signer.key)
 

@@ -237,9 +237,10 @@ class Operator:
         """On delete, behind the finalizer: the job's objects in member clusters (the home
         cluster's go with their owner). A member that does not answer is left to the sweep."""
         uid = body["metadata"]["uid"]
-        self._written.pop(uid, None)
-        with self._guard:
-            self._locks.pop(uid, None)
+        with self.lock(uid):  # after a cycle under way, which would write `_written` again
+            self._written.pop(uid, None)
+            with self._guard:
+                self._locks.pop(uid, None)
         self.say_retained(body)
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)

@@ -997,8 +997,8 @@ class _Cycle:
         workers made 4,000 Events every cycle. The last status lists up to MAX_LISTED stale
         workers; beyond that many, one Event says how many when the count changes."""
         on_stale = self.spec.health.on_stale
-        before = self.prev.leases.stale_workers
-        if len(stale) <= MAX_LISTED and len(before) < MAX_LISTED:  # the last status named them all
+        before, named_all = self.prev.leases.stale_workers, self.prev.progress.worker_counts.stale <= MAX_LISTED
+        if len(stale) <= MAX_LISTED and named_all:
             for n in sorted(set(stale) - set(before)):
                 self.event(STALE, f"worker {n} not heard from for {stale[n]:.0f} s; health.onStale is {on_stale}", True)
         elif len(stale) != self.prev.progress.worker_counts.stale:

@@ -342,7 +342,7 @@ class Coordinator:
         if plan is None or worker not in plan.shares or not plan.fresh(self.clock(), pending):
             plan = self._plans[batch.index] = self._solve(batch)
         n = min(plan.shares[worker], speed.cap, self.per_lease, pending)
-        if not n and self.many:  # the asker is idle (a worker asks between leases)
+        if not n:  # the asker is idle (a worker asks between leases); a plan of few workers has no `ends`
             mine = self.clock() + self._ready(worker, batch.index, 0.0) + self.tokens_per_group / plan.rates[worker]
             return int(plan.steal(mine, self.tokens_per_group))
         plan.shares[worker] -= n
@@ -350,9 +350,9 @@ class Coordinator:
         return n
 
     def _solve(self, batch: Batch) -> Plan:
-        """The balanced split of the batch's pending groups over the live measured workers. With
-        many workers, their rates are shrunk toward the fleet's (schedule.shrink), and the plan
-        keeps its holders' planned finishes for `Plan.steal`."""
+        """The balanced split of the batch's pending groups over the live measured workers. Beyond
+        EXACT_SEATS of them, their rates are shrunk toward the fleet's (schedule.shrink), and the
+        plan keeps its holders' planned finishes for `Plan.steal`."""
         self.passes += 1
         now, tpg = self.clock(), self.tokens_per_group
         busy: dict[str, float] = {}  # worker → seconds until its leases are done (the longest)
@@ -361,13 +361,12 @@ class Coordinator:
             if rate is not None:
                 busy[x.worker] = max(busy.get(x.worker, 0.0), len(x.groups) * tpg / rate - (now - x.start))
         rates = {w: r for w in self.live() if (r := self.speeds[w].tokens_per_s) is not None}
-        if self.many:
+        many = len(rates) > EXACT_SEATS
+        if many:
             rates = schedule.shrink(rates, {w: self.speeds[w].noise for w in rates})
         seats = {w: Seat(self._ready(w, batch.index, busy.get(w, 0.0)), r) for w, r in rates.items()}
         shares = schedule.split(len(batch.pending), tpg, seats)
-        ends = (
-            [(-(now + seats[w].ready_s + k * tpg / rates[w]), w) for w, k in shares.items() if k] if self.many else []
-        )
+        ends = [(-(now + seats[w].ready_s + k * tpg / rates[w]), w) for w, k in shares.items() if k] if many else []
         heapq.heapify(ends)
         return Plan(now, len(batch.pending), shares, rates, ends)
 

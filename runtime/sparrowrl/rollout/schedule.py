@@ -4,8 +4,8 @@ the batch together.
 A worker's expected finish is when it can start (its outstanding leases done, the batch's
 version fetched) plus its share's tokens over its generation rate. `split` equalizes that over
 the live workers (water-filling), and the coordinator hands the asking worker its share, a
-lease at a time. Every ask solves again from what is then known, so a worker that turned out
-slower than estimated is caught at its next ask. Three rules:
+lease at a time. Every ask solves again from what is then known (beyond EXACT_SEATS workers, a
+solution stands for half a second). Three rules:
 
 - only a worker that holds an eligible version gets work (the coordinator tells the others to
   update first);
@@ -15,7 +15,8 @@ slower than estimated is caught at its next ask. Three rules:
   or unlucky lease moves it little; a lease at under RESET of that rate starts the window
   afresh (the machine changed, or is shared now), so a collapse is caught at once. With many
   workers, the coordinator shrinks each rate toward the fleet's by how noisy its window is
-  (`shrink`): workers that only look different get equal shares, ones truly slower keep theirs.
+  (`shrink`): workers that only look different get equal shares, ones truly slower keep theirs,
+  and a rate of one lease (new, or just collapsed) is taken as it is.
 
 An earlier rule took a slower lease's rate at once and a faster one by half. On a fleet of
 identical workers with ±25% lease noise that spread estimates ±12% and handed the last groups
@@ -58,14 +59,14 @@ class Speed:
 
     @property
     def noise(self) -> float | None:
-        """The variance of its rate as an estimate: its leases' rates' variance over their
-        count. None with fewer than two leases."""
+        """The variance of the log of its rate as an estimate (a lease's noise is relative to
+        its rate): its leases' log-rates' variance over their count. None with fewer than two."""
         n = len(self.leases)
         if n < 2:
             return None
-        rates = [t / s for t, s in self.leases]
-        mean = sum(rates) / n
-        return sum((r - mean) ** 2 for r in rates) / (n - 1) / n
+        logs = [math.log(t / s) for t, s in self.leases]
+        mean = sum(logs) / n
+        return sum((x - mean) ** 2 for x in logs) / (n - 1) / n
 
     def fetched(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or not math.isfinite(seconds) or seconds <= 0:
@@ -135,21 +136,25 @@ def split(groups: int, tokens_per_group: float, seats: dict[str, Seat]) -> dict[
 
 
 def shrink(rates: dict[str, float], noise: dict[str, float | None]) -> dict[str, float]:
-    """Each rate pulled toward the fleet's mean by how much of its distance is noise (the
-    James-Stein estimator): the fleet's spread of rates, less the mean noise, is the true
-    spread B; a rate of noise v keeps B / (B + v) of its distance from the mean. Identical
-    workers (B = 0) all get the mean; a truly slower one (B >> v) keeps its rate. A rate
-    without a noise (one lease) counts as four times the mean noise. Needs a fleet to measure
-    its spread: the coordinator uses it beyond EXACT_SEATS workers."""
-    known = [v for v in noise.values() if v is not None]
-    if len(rates) < 3 or not known:
+    """Each rate pulled toward the fleet's by how much of its distance is noise, on a log scale
+    (the James-Stein estimator): the spread of the fleet's log-rates, less their mean noise, is
+    the true spread B; a log-rate of noise v keeps B / (B + v) of its distance from the mean.
+    Identical workers (B = 0) all get the mean. A rate without a noise (one lease: a new worker,
+    one that just collapsed, or one so slow it has delivered one lease yet) is kept as
+    measured, and counts neither in the mean nor in B. Needs a fleet to measure its spread: the
+    coordinator uses it beyond EXACT_SEATS workers."""
+    known = {w: v for w, v in noise.items() if v is not None and w in rates}
+    if len(known) < 3:
         return dict(rates)
-    pooled = sum(known) / len(known)
-    v = {w: pooled * 4 if noise.get(w) is None else noise[w] for w in rates}
-    mean = sum(rates.values()) / len(rates)
-    spread = sum((r - mean) ** 2 for r in rates.values()) / (len(rates) - 1)
-    b = max(0.0, spread - sum(v.values()) / len(v))
-    return {w: mean + (b / (b + v[w]) if b + v[w] > 0 else 0.0) * (r - mean) for w, r in rates.items()}
+    logs = {w: math.log(rates[w]) for w in known}
+    mean = sum(logs.values()) / len(logs)
+    spread = sum((x - mean) ** 2 for x in logs.values()) / (len(logs) - 1)
+    b = max(0.0, spread - sum(known.values()) / len(known))
+    out = dict(rates)
+    for w, x in logs.items():
+        v = known[w]
+        out[w] = math.exp(mean + (b / (b + v) if b + v > 0 else 0.0) * (x - mean))
+    return out
 
 
 def even(groups: int, workers: int) -> int:
