@@ -71,7 +71,7 @@ def test_speed_is_its_last_leases_and_starts_afresh_when_it_collapses():
     assert (s.tokens_per_s, s.noise) == (pytest.approx(120), pytest.approx(0))
     s.generated(50, 1.0, 4)  # under half the estimate: the machine changed, the window starts afresh
     assert (s.tokens_per_s, s.noise) == (50, None)
-    for bad in ((0, 1.0), (10, 0.0), (10, float("nan")), (10, float("inf"))):
+    for bad in ((0, 1.0), (10, 0.0), (10, float("nan")), (10, float("inf")), (10, 5e-324)):
         s.generated(*bad, 1)
         assert s.tokens_per_s == 50
     assert s.fetch_s(1000) == 0.0  # link not measured yet
