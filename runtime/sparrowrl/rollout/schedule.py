@@ -48,9 +48,12 @@ class Speed:
     leases: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of its last WINDOW leases
 
     def generated(self, tokens: int, seconds: float, groups: int) -> None:
-        if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0 or not math.isfinite(tokens / seconds):
-            return  # 5e-324 seconds passes a bound on seconds, and one infinite rate would poison the fleet's mean
-        if self.tokens_per_s is not None and tokens / seconds < RESET * self.tokens_per_s:
+        rate = tokens / seconds if tokens > 0 and math.isfinite(seconds) and seconds > 0 else math.inf
+        if not math.isfinite(
+            rate
+        ):  # 5e-324 seconds passes a bound on seconds; an infinite rate would poison the fleet's mean
+            return
+        if self.tokens_per_s is not None and rate < RESET * self.tokens_per_s:
             self.leases.clear()
         self.leases.append((tokens, seconds))
         del self.leases[:-WINDOW]
