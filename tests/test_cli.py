@@ -197,3 +197,37 @@ def test_check_names_what_the_trainer_would_not_find(tmp_path, monkeypatch):
     assert p.exit_code == 3 and "holds the state of another job (spec.seed differs)" in p.stderr, p.output
     (tmp_path / "state" / "job.json").write_text(json.dumps(mine))  # its own: the trainer resumes from it
     assert check(hub, jsonl="inputs/data.jsonl", reward="inputs/score.py:score").exit_code == 0
+
+
+def test_status_of_a_path_that_is_no_run_dir_or_of_an_ended_run_is_one_line(tmp_path):
+    """`sparrowrl status RUN_DIR`: a path that is neither a run dir nor a URL, and a run whose
+    trainer is gone after writing its summary, say so in one line (urllib's "unknown url type"
+    came with a traceback; a refused connection named only the trainer's old port)."""
+    import socket
+
+    missing, file = tmp_path / "runs" / "demo", tmp_path / "notes.txt"
+    file.write_text("x")
+    for path, what in ((missing, "no such run dir"), (file, "not a run dir (a folder)")):
+        p = here("status", path, ok=False)
+        assert p.returncode == 1 and p.stderr == f"error: {path}: {what}, and not a URL (http://HOST:PORT)\n"
+    p = here("status", "http://127.0.0.1:abc", ok=False)
+    assert (
+        p.returncode == 1
+        and p.stderr == "error: http://127.0.0.1:abc: not a URL http://HOST:PORT (nonnumeric port: 'abc')\n"
+    )
+
+    ended = tmp_path / "run"  # what a `sparrowrl run` leaves (cli/runner.py): its trainer's port is closed
+    ended.mkdir()
+    with socket.socket() as closed:  # bound, not listening: a connection is refused, and no one else takes it
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        (ended / "token").write_text("secret\n")
+        (ended / "processes.json").write_text(
+            json.dumps({"trainer": 1, "relays": {}, "workers": {}, "urls": {"trainer": url}})
+        )
+        p = here("status", ended, ok=False)
+        assert p.returncode == 1 and p.stderr == f"error: {url}/v1/status: [Errno 111] Connection refused\n"  # stopped
+        (ended / "summary.json").write_text("{}")
+        p = here("status", ended, ok=False)
+        assert p.returncode == 1
+        assert p.stderr == f"error: {ended}: the run has ended; its results are in {ended}/summary.json\n"

@@ -2,6 +2,7 @@
 
 import importlib.util
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -188,3 +189,76 @@ def test_task_fields_are_checked(task, reason):
     with pytest.raises(JobError) as e:
         parse(job(task=task))
     assert reason in str(e.value), str(e.value)
+
+
+def cli(*args):
+    """The command in this process (typer's runner): exit code and stderr."""
+    from typer.testing import CliRunner
+
+    from sparrowrl.cli.main import app
+
+    r = CliRunner().invoke(app, list(map(str, args)), catch_exceptions=False)
+    return r.exit_code, r.stderr
+
+
+def test_a_job_file_of_several_documents_is_read_for_its_one_sparrowrljob(tmp_path):
+    """examples/k8s/job-volumes.yaml: a claim, a ConfigMap and the job, as `kubectl apply -f`
+    takes them. `sparrowrl run` and `check` read the job and ignore the others (docs/operator.md:
+    the same YAML runs under both); none or two jobs is one line naming the file and the count."""
+    volumes = Path("examples/k8s/job-volumes.yaml")
+    j = load(volumes)
+    assert j.metadata.name == "chat-grpo" and j.spec.model.path == str(volumes.resolve().parent / "inputs/model")
+    code, err = cli("check", volumes)  # past loading: the model is on the claim, not here
+    assert code == 3 and err.strip() == f"error: {volumes}: spec.model.path: {j.spec.model.path} is not a folder"
+
+    claim, config, spec = yaml.safe_load_all(volumes.read_text())
+    f = tmp_path / "j.yaml"
+    for docs, count in (
+        ([claim, config], "0 of its 2 YAML documents (PersistentVolumeClaim, ConfigMap)"),
+        ([spec, claim, spec], "2 of its 3 YAML documents (SparrowRLJob, PersistentVolumeClaim, SparrowRLJob)"),
+    ):
+        f.write_text(yaml.safe_dump_all(docs))
+        code, err = cli("run", f, "--run-dir", tmp_path / "run")
+        assert code == 1 and err.strip() == f"error: {f}: {count} are a SparrowRLJob; a job file holds exactly one"
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_alias_bound_covers_every_document_of_a_job_file(tmp_path):
+    """Documents not read are still expanded by whoever reads them (kubectl): the bound on YAML
+    values once aliases are expanded holds for the file, not for its job alone."""
+    many = "kind: ConfigMap\ndata:\n  l0: &l0 [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]\n"
+    many += "".join(f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in (1, 2, 3))
+    many += f"  l4: [{', '.join(['*l3'] * 5)}]\n"  # about 68,000 values
+    one = yaml.safe_dump(job(), sort_keys=False)
+    f = tmp_path / "j.yaml"
+    f.write_text(f"{many}---\n{one}")
+    assert load(f).metadata.name == "t"  # one such document is within the bound
+    f.write_text(f"{many}---\n{many}---\n{one}")
+    with pytest.raises(JobError, match=r"more than 100,000 YAML values once its aliases are expanded"):
+        load(f)
+
+
+@pytest.mark.parametrize(
+    "text, at, why",
+    [
+        (
+            "spec:\n  steps: 1\n model: x\n",  # indented less than its siblings
+            "line 3, column 2",
+            "expected <block end>, but found '<block mapping start>' (while parsing a block mapping at line 1, "
+            "column 1)",
+        ),
+        (
+            "spec: [1, 2\n",  # a bracket never closed
+            "line 2, column 1",
+            "expected ',' or ']', but got '<stream end>' (while parsing a flow sequence at line 1, column 7)",
+        ),
+        ("spec:\n\tsteps: 1\n", "line 2, column 1", "found character '\\t' that cannot start any token"),
+        ("kind: SparrowRLJob\nmetadata: name: x\n", "line 2, column 15", "mapping values are not allowed here"),
+    ],
+)
+def test_a_yaml_syntax_error_is_one_line_with_its_line_and_column(tmp_path, text, at, why):
+    f = tmp_path / "job.yaml"
+    f.write_text(text)
+    code, err = cli("run", f, "--run-dir", tmp_path / "run")
+    assert code == 1 and err.strip() == f"error: {f}: not valid YAML at {at}: {why}", err
+    assert not (tmp_path / "run").exists()

@@ -242,6 +242,26 @@ def test_restarts_are_counted_and_cut_writes_swept(tmp_path):
     assert again.ledger.restarts == 3 and not cut.exists() and (stranger / "f").exists()
 
 
+def test_a_planned_resume_is_not_a_restart(tmp_path):
+    """A trainer started on its state dir to go on (its job's steps raised, as `sparrowrl run
+    --resume --steps` and a cluster's edited job do, or after its predecessor finished) counts in
+    `resumes`; only one started after a trainer died counts in `restarts`."""
+    died(Trainer(JOB, tmp_path, token=""))  # killed: the next is a restart
+    run = died(Trainer(JOB, tmp_path, token=""))
+    assert (run.ledger.restarts, run.ledger.resumes) == (1, 0)
+    more = parse({**SPEC, "spec": {**SPEC["spec"], "steps": 3}}).spec
+    run = Trainer(more, tmp_path, token="")
+    assert (run.ledger.restarts, run.ledger.resumes, run.ledger.planned) == (1, 1, True)
+    run = Trainer(more, died(run).state_dir, token="")  # the raise was journaled: this one is a restart
+    assert (run.ledger.restarts, run.ledger.resumes, run.ledger.planned) == (2, 1, False)
+    run.ledger.finished = True  # as the end of the training loop journals it
+    run.control.changed()
+    run = Trainer(more, died(run).state_dir, token="")
+    assert (run.ledger.restarts, run.ledger.resumes, run.ledger.planned) == (2, 2, True)
+    snap = run.snapshot()
+    assert (snap.restarts, snap.resumes) == (2, 2)
+
+
 def test_a_stale_partial_delta_is_removed(tmp_path):
     """A delta a killed trainer was writing would keep its readers waiting: gone on restart."""
     died(Trainer(JOB, tmp_path, token=""))

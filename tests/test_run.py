@@ -293,10 +293,14 @@ def test_children_stop_when_the_runner_is_killed(tmp_path):
 
 
 def test_a_finished_run_goes_on_with_more_steps(tmp_path):
-    """`--resume --steps 4` on a finished 2-step run: the trainer goes on from its state to v4.
-    What was published stays as it was; fewer steps or another job's settings are refused first."""
+    """`--resume --steps 4` on a finished 2-step run: the trainer goes on from its state to v4, a
+    planned resume, not a restart. What was published stays as it was; fewer steps or another
+    job's settings are refused first. `sparrowrl status` of the ended run points to its summary."""
     spec = job("sparse", steps=2, topology={"regions": [{"name": "a", "workers": 1, "relay": False}]})
     _, out = run(tmp_path, "more", spec)
+    ended = subprocess.run([EXE, "status", str(out)], capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 1, ended
+    assert ended.stderr == f"error: {out}: the run has ended; its results are in {out}/summary.json\n"
     published = {v: (x.state_hash, x.delta_sha256) for v, x in Store(out / "store").versions.items()}
     f = tmp_path / "more.yaml"
 
@@ -308,7 +312,8 @@ def test_a_finished_run_goes_on_with_more_steps(tmp_path):
     r = again("--steps", "4")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
-    assert s["steps"] == 4 and s["final_version"] == 4 and s["trainer_restarts"] == 1 and s["weights_mismatch"] == 0
+    assert s["steps"] == 4 and s["final_version"] == 4 and s["weights_mismatch"] == 0
+    assert s["trainer_restarts"] == 0 and s["trainer_resumes"] == 1
     store = Store(out / "store")
     assert sorted(store.versions) == list(range(min(store.versions), 5))  # v0, v1 pruned once nobody needed them
     for v, x in store.versions.items():  # what was published stays as it was (the oldest kept needs no delta)
@@ -317,7 +322,8 @@ def test_a_finished_run_goes_on_with_more_steps(tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     log = (out / "logs" / "trainer.log").read_text()
-    assert "trainer: step 2/2" in log and "resumed at v2" in log and "trainer: step 4/4" in log  # one log, followed on
+    assert "trainer: step 2/2" in log and "trainer: step 4/4" in log  # one log, followed on
+    assert "resumed at v2 (planned resume 1)" in log
 
     for args, why in (
         (["--steps", "3"], "spec.steps is 3, below the 4 it was made for"),
@@ -378,7 +384,8 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, 
     assert "trainer restarts │ 1" in " ".join(stdout.split())
 
     s = json.loads((out / "summary.json").read_text())
-    assert s["trainer_restarts"] == 1 and s["steps"] == steps and s["final_version"] == steps
+    assert s["trainer_restarts"] == 1 and s["trainer_resumes"] == 0 and s["steps"] == steps
+    assert s["final_version"] == steps
     assert s["prompt_groups_admitted"] == 8 * steps and s["prompt_groups_lost"] == 0  # each group trained once
     # a delivery discarded late is not trained: a lease that expired (this shared
     # 2-core VM can slow a worker past its lease) came back after its groups were handed out again

@@ -708,6 +708,7 @@ def status(
 ) -> None:
     """A job's status, as its trainer reports it (GET /v1/status); the token comes from SPARROWRL_TOKEN,
     or from the run dir."""
+    import http.client
     import os
     import urllib.error
     import urllib.request
@@ -719,17 +720,21 @@ def status(
 
     ctx = _trusting(ca_cert)
     token = os.environ.get("SPARROWRL_TOKEN")
-    if Path(url).is_dir():
+    run_dir = Path(url) if Path(url).is_dir() else None
+    if run_dir is not None:
         try:
-            token = (Path(url) / "token").read_text().strip()
-            url = json.loads((Path(url) / "processes.json").read_text())["urls"]["trainer"]
+            token = (run_dir / "token").read_text().strip()
+            url = json.loads((run_dir / "processes.json").read_text())["urls"]["trainer"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             _fail(ValueError(f"{url}: not the run dir of a `sparrowrl run` in progress ({e})"))
+    elif url.partition("://")[0].lower() not in ("http", "https"):  # urllib would say "unknown url type"
+        what = "not a run dir (a folder)" if Path(url).exists() else "no such run dir"
+        _fail(ValueError(f"{url}: {what}, and not a URL (http://HOST:PORT)"))
 
-    req = urllib.request.Request(
-        f"{url.rstrip('/')}/v1/status", headers={"Authorization": f"Bearer {token}"} if token else {}
-    )
     try:  # one GET: this command needs no runtime (torch, aiohttp) installed
+        req = urllib.request.Request(
+            f"{url.rstrip('/')}/v1/status", headers={"Authorization": f"Bearer {token}"} if token else {}
+        )
         with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
             s = JobStatus.model_validate_json(r.read(16 << 20))
     except urllib.error.HTTPError as e:
@@ -740,9 +745,13 @@ def status(
             )
         )
     except (urllib.error.URLError, OSError) as e:
+        if run_dir is not None and (run_dir / "summary.json").is_file():  # written as the trainer finishes
+            _fail(ValueError(f"{run_dir}: the run has ended; its results are in {run_dir / 'summary.json'}"))
         _fail(ValueError(f"{url}/v1/status: {getattr(e, 'reason', e)}"))
     except ValidationError as e:
         _fail(ValueError(f"{url}/v1/status: not a job's status ({first_problem(e)})"))
+    except (ValueError, http.client.InvalidURL) as e:  # a URL urllib cannot use: "nonnumeric port: 'abc'"
+        _fail(ValueError(f"{url}: not a URL http://HOST:PORT ({e})"))
     if as_json:
         print(s.model_dump_json(indent=1))
         return

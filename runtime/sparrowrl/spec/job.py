@@ -675,20 +675,56 @@ def _expanded_size(data: object, limit: int) -> int:
     return n
 
 
+def _yaml_error(path: str | Path, e: yaml.YAMLError) -> JobError:
+    """pyyaml's message on one line, where it is in the file 1-based (pyyaml's marks count from 0)."""
+
+    def one(text: object) -> str:
+        return " ".join(str(text).split())
+
+    if isinstance(e, yaml.reader.ReaderError):  # a byte that is not UTF-8, or a control character
+        return JobError(f"{path}: not valid YAML at offset {e.position}: {str(e).splitlines()[0]}")
+    if not isinstance(e, yaml.MarkedYAMLError) or (e.problem_mark or e.context_mark) is None:
+        return JobError(f"{path}: not valid YAML ({one(e)})")
+    mark = e.problem_mark or e.context_mark
+    why = one(e.problem or e.context)
+    if e.context and e.problem and e.context_mark is not None:  # where the construct the problem breaks began
+        why += f" ({one(e.context)} at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
+    return JobError(f"{path}: not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {why}")
+
+
+def _the_job(path: str | Path, docs: list) -> object:
+    """The one SparrowRLJob of a file of several YAML documents (a job beside the claims and
+    ConfigMaps it mounts, as `kubectl apply -f` takes it); the others are ignored."""
+    if len(docs) <= 1:  # a file of one document is the job: its fields are checked and named
+        return docs[0] if docs else None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "SparrowRLJob"]
+    if len(jobs) != 1:
+        kinds = ", ".join(str(d.get("kind") if isinstance(d, dict) else type(d).__name__)[:64] for d in docs[:8])
+        raise JobError(
+            f"{path}: {len(jobs)} of its {len(docs)} YAML documents ({kinds}{', ...' if len(docs) > 8 else ''}) "
+            f"are a SparrowRLJob; a job file holds exactly one"
+        )
+    return jobs[0]
+
+
 def load(path: str | Path) -> SparrowRLJob:
+    """A job file: one YAML document, or several of which one is a SparrowRLJob (`_the_job`)."""
     try:
         raw = read_bounded(path, MAX_JOB_BYTES, "a job file")
     except ValueError as e:
         raise JobError(str(e)) from None
     try:
-        data = yaml.safe_load(raw)
+        docs = [d for d in yaml.safe_load_all(raw) if d is not None]  # `---` at the end is an empty document
     except yaml.YAMLError as e:
-        raise JobError(f"{path}: not valid YAML ({e})") from None
+        raise _yaml_error(path, e) from None
     except RecursionError:
         raise JobError(f"{path}: YAML nested too deeply") from None
-    if _expanded_size(data, MAX_YAML_NODES) > MAX_YAML_NODES:
-        raise JobError(f"{path}: more than {MAX_YAML_NODES:,} YAML values once its aliases are expanded")
-    job = parse(data, str(path))
+    values = 0  # over every document: the ones not read are expanded by whoever reads them
+    for d in docs:
+        values += _expanded_size(d, MAX_YAML_NODES - values)
+        if values > MAX_YAML_NODES:
+            raise JobError(f"{path}: more than {MAX_YAML_NODES:,} YAML values once its aliases are expanded")
+    job = parse(_the_job(path, docs), str(path))
     base = Path(path).resolve().parent  # relative paths in a job file are relative to the file
     spec = job.spec
     updates = {}

@@ -42,11 +42,12 @@ class Snapshot:
     rows: list[dict]  # one per published version, in order
     seconds: float  # the training loop's, over every trainer process
     sent: dict[str, int]  # bytes the origin sent, by kind
-    restarts: int
+    restarts: int  # unplanned: trainer processes started again after one died
     redone: int  # steps trained again after restarts
     finished: bool
     store: retention.Held | None = None  # what the trainer's store holds
     dollars: float | None = None  # what the job has cost so far; None: the spec gives no prices
+    resumes: int = 0  # planned: trainer processes started to go on from a finished job, or with more steps
 
 
 class Ledger:
@@ -54,7 +55,10 @@ class Ledger:
         self.path, self.learner = state_dir / "metrics.jsonl", learner
         self.rows = self._written()  # version → metrics row
         self.written = max(self.rows, default=0)  # rows 1..written are in metrics.jsonl
-        self.restarts = learner.restarts  # trainer processes before this one, on this state dir
+        self.starts = learner.restarts  # trainer processes before this one, on this state dir
+        self.resumes = 0  # of those starts, the planned ones (`restore`): the others are restarts
+        self.restarts = self.starts
+        self.planned = False  # this start is a planned resume
         self.seconds_before = 0.0  # the training loop's time in those processes
         self.t_loop: float | None = None  # when this process's training loop started
         self.sent_before = {"delta": 0, "base": 0}  # what earlier processes' origins sent
@@ -86,6 +90,9 @@ class Ledger:
             "sent": self._total(sent),
             "redone": self.redone,
             "dollars": 0.0 if self.cost is None else self.cost.dollars,
+            "resumes": self.resumes,
+            "finished": self.finished,
+            "steps": self.learner.spec.steps,
         }
         if whole or self._recorded:
             state["rows"] = {v: r for v, r in self.rows.items() if v > self.written}
@@ -96,6 +103,14 @@ class Ledger:
         self.seconds_before, self.sent_before = state["seconds"], state["sent"]
         self.rows.update({int(v): r for v, r in state["rows"].items() if int(v) > self.written})
         self.redone = state.get("redone", 0)  # journals from before steps were trained again have none
+        # this start is planned when the process that journaled last had finished its steps, or
+        # when the steps are raised (`sparrowrl run --resume --steps`, or a cluster's job edited);
+        # a trainer that died is started again with the journal as it left it: a restart
+        # (journals from before resumes were told apart have none of these)
+        steps = self.learner.spec.steps
+        self.planned = bool(state.get("finished", False) or state.get("steps", steps) < steps)
+        self.resumes = state.get("resumes", 0) + self.planned
+        self.restarts = self.starts - self.resumes
         if self.cost is not None:  # journals from before costs have none
             self.cost.dollars, self.cost.at = state.get("dollars", 0.0), self.seconds_before
 
@@ -153,6 +168,7 @@ class Ledger:
             finished=self.finished,
             store=self.held,
             dollars=None if self.cost is None else self.cost.dollars,
+            resumes=self.resumes,
         )
 
 
@@ -255,7 +271,12 @@ def metrics(snap: Snapshot) -> list:
             "Bytes the origin sent, by kind",
             by=("kind", {"delta": s.origin_sent_delta_bytes, "base": s.origin_sent_base_bytes}),
         ),
-        family("counter", "trainer_restarts", "Trainer processes before this one on its state dir", s.trainer_restarts),
+        family(
+            "counter",
+            "trainer_restarts",
+            "Trainer processes started again after one died, on its state dir (not planned resumes)",
+            s.trainer_restarts,
+        ),
         family("counter", "steps_redone", "Steps trained again after a restart, from their checkpoint", snap.redone),
         family(
             "gauge",
@@ -340,6 +361,7 @@ def summary(s: Snapshot) -> dict:
         "prompt_groups_requeued": c.requeued,
         "leases_expired": c.leases_expired,
         "trainer_restarts": s.restarts,
+        "trainer_resumes": s.resumes,
         "steps_redone": s.redone,
         "reward_failed": reward_failed(rows),
         "tokens_per_second": sum(r["tokens"] for r in rows) / s.seconds,

@@ -78,9 +78,11 @@ class Trainer:
             return
         _fold_control(state)
         self.coord.restore(state["coordinator"], taken=version, results=results)
-        self.ledger.restore(state["ledger"])
+        book = self.ledger
+        book.restore(state["ledger"])
+        why = f"planned resume {book.resumes}" if book.planned else f"restart {book.restarts}"
         print(
-            f"trainer: resumed at v{version} (restart {self.ledger.restarts}), {len(self.coord.leases)} leases "
+            f"trainer: resumed at v{version} ({why}), {len(self.coord.leases)} leases "
             f"live, {sum(len(b.results) for b in self.coord.batches.values())} groups admitted for coming steps",
             flush=True,
         )
