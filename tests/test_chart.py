@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import kubernetes_validate
@@ -108,6 +110,43 @@ def test_deployment_values(helm):
     assert "--debug" in c["command"] and c["command"][-2:] == ["-m", "sparrowrl_operator.main"]
     assert c["image"].endswith(":dev")
     assert {"name": "SPARROWRL_RUNTIME_IMAGE", "value": "r.io/rt:7"} in c["env"]
+
+
+def test_the_readmes_quick_start_builds_pushes_and_installs_the_users_images(helm):
+    """No image is published: a user's first cluster step builds both for their registry, pushes
+    them, and installs the chart with those names, before any job is applied."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"\n## On Kubernetes\n.*?```bash\n(.*?)```", readme, re.S).group(1)
+    lines = [line.split("  #")[0].strip() for line in block.replace("\\\n", " ").splitlines()]
+    env = dict(a.split("=", 1) for a in shlex.split(next(x for x in lines if x.startswith("export ")))[1:])
+    runtime = f"{env['REGISTRY']}/sparrowrl-runtime:{env['TAG']}"
+    operator = f"{env['REGISTRY']}/sparrowrl-operator:{env['TAG']}"
+
+    def words(line: str) -> list[str]:
+        return [re.sub(r"\$(\w+)", lambda m: env[m.group(1)], w) for w in shlex.split(line)]
+
+    build = next(i for i, x in enumerate(lines) if x.startswith("make "))
+    install = next(i for i, x in enumerate(lines) if x.startswith("helm install "))
+    assert build < install < next(i for i, x in enumerate(lines) if x.startswith("kubectl apply"))
+    ran = subprocess.run(["make", "-n", *words(lines[build])[1:]], cwd=ROOT, capture_output=True, text=True, check=True)
+    for cmd in (
+        f"docker build -f runtime/Dockerfile -t {runtime} .",
+        f"docker build -f operator/Dockerfile -t {operator} .",
+        f"docker push {runtime}",
+        f"docker push {operator}",
+    ):
+        assert cmd in ran.stdout.splitlines()
+    args = words(lines[install])
+    sets = [x for i, a in enumerate(args) if a == "--set" for x in ("--set", args[i + 1])]
+    (c,) = only(render(helm, *sets), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == operator
+    assert {"name": "SPARROWRL_RUNTIME_IMAGE", "value": runtime} in c["env"]
+
+
+def test_make_images_without_the_container_tool_says_so_in_one_line():
+    ran = subprocess.run(["make", "images", "CONTAINER=no-such-builder"], cwd=ROOT, capture_output=True, text=True)
+    assert ran.returncode != 0
+    assert "make: no-such-builder is not installed; CONTAINER=podman" in ran.stderr.splitlines()[0]
 
 
 def grants(objs: list[dict]):

@@ -6,6 +6,7 @@ read out of its packed kernels), must hash to the trainer's version, and greedy 
 equal the hf engine's on the same weights. A lease is sampled in one call, each group as it
 would be alone; top-k, top-p and stop strings follow the same rules as in the hf engine."""
 
+import copy
 import io
 import json
 import subprocess
@@ -58,7 +59,9 @@ def load(engine, state) -> None:
 
 
 def versions(model, n: int):
-    """The bf16 policy after each of n AdamW steps, with a -0.0 kept in a fused weight."""
+    """The bf16 policy after each of n AdamW steps, with a -0.0 kept in a fused weight. A copy
+    trains: every test sees the module's model as built, whatever ran before it."""
+    model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -155,14 +158,17 @@ def test_samples_carry_logprobs_at_the_sampling_temperature(trainer, engines):
     (samples,) = engine.generate([Prompt(PROMPTS[0], 7)], s)
     assert [samples] == engine.generate([Prompt(PROMPTS[0], 7)], s)  # seeded
     assert len({tuple(x.tokens) for x in samples}) > 1
-    ref, raw = [], []  # mean absolute differences from the hf model's log-probs at T = 2 and at T = 1
+    off, apart = [], []  # per token: vLLM's from the hf model's at T = 2; the hf model's at T = 2 from T = 1
     for x in samples:
-        for lp, at_t, at_1 in zip(
-            x.logprobs, hf_logprobs(hf, PROMPTS[0], x.tokens, 2.0), hf_logprobs(hf, PROMPTS[0], x.tokens, 1.0)
-        ):
-            ref.append(abs(lp - at_t))
-            raw.append(abs(lp - at_1))
-    assert sum(ref) / len(ref) < 0.1 < 0.3 < sum(raw) / len(raw)  # bf16 kernels differ a little
+        at_t, at_1 = hf_logprobs(hf, PROMPTS[0], x.tokens, 2.0), hf_logprobs(hf, PROMPTS[0], x.tokens, 1.0)
+        off += [abs(a - b) for a, b in zip(x.logprobs, at_t)]
+        apart += [abs(a - b) for a, b in zip(at_t, at_1)]
+    off, apart = sum(off) / len(off), sum(apart) / len(apart)
+    # The check has teeth: at T = 2 and at T = 1 these tokens' log-probs differ clearly (0.22 here).
+    # vLLM's are T = 2's: within half that of them, however far this CPU's bf16 kernels put the
+    # two engines apart (hack/engine_mismatch.py measures it; a bound taken from one CPU is not one).
+    assert apart > 0.1
+    assert off < apart / 2
 
 
 def test_a_lease_is_one_call_and_each_group_samples_as_it_would_alone(trainer, engines):
@@ -199,9 +205,12 @@ def test_a_tiny_top_p_samples_the_argmax_with_the_full_distributions_logprobs(tr
         for p, group in zip(PROMPTS, engine.generate(prompts, s)):
             for x in group:
                 assert x.tokens == vllm_greedy(engine, p, 8)
-                # vLLM's processed log-probs (the truncated distribution) would be 0 for every token
-                assert x.logprobs == pytest.approx(hf_logprobs(hf, p, x.tokens, 2.0), abs=0.1)
-                assert sum(x.logprobs) < -0.1
+                # vLLM's processed log-probs (of the truncated distribution) would be 0 for every
+                # token. The full distribution's sum clearly below 0, and vLLM's nearer it than 0,
+                # whatever this CPU's bf16 kernels put between the two engines.
+                full = sum(hf_logprobs(hf, p, x.tokens, 2.0))
+                assert full < -0.5
+                assert abs(sum(x.logprobs) - full) < -full / 2
 
 
 def test_a_stop_string_ends_a_completion_as_in_the_hf_engine(trainer, engines):

@@ -6,7 +6,9 @@ Both engines sample alike: temperature, then top-k, then top-p (nucleus), and a 
 at its first EOS, at the token that completes a stop string in its text (kept: the trainer
 scores exactly the tokens sampled), or at `max_new_tokens`. The behaviour log-probs are of the
 full distribution at the sampling temperature, not of the top-k/top-p truncated one: what the
-trainer recomputes for the importance ratio (`trainer/grpo.py` `token_logprobs`)."""
+trainer's own log-probs (`trainer/grpo.py` `token_logprobs`) are divided by in the importance
+ratio. They are the engine's numbers, not the trainer's: bf16 kernels put them a little apart
+(docs/rl.md, the engine mismatch)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ gathers the ranks' shards and reassembles them.
 A lease is one `LLM.generate` call: every group's n samples, each group with a seed of its own.
 The model's logits come out divided by the sampling temperature (in float32, as vLLM's sampler
 divides them) and vLLM samples at temperature 1 with top-k and top-p: the same draws, and its
-raw log-probs are then those of the full distribution at the temperature, which is what the
-trainer recomputes. vLLM's processed log-probs would be of the truncated distribution.
+raw log-probs are then those of the full distribution at the temperature, as the trainer's own
+are. vLLM's processed log-probs would be of the truncated distribution.
 """
 
 from __future__ import annotations
