@@ -2,6 +2,7 @@
 test runs many commands: each start of the command imports torch again (seconds)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -231,3 +232,32 @@ def test_status_of_a_path_that_is_no_run_dir_or_of_an_ended_run_is_one_line(tmp_
         p = here("status", ended, ok=False)
         assert p.returncode == 1
         assert p.stderr == f"error: {ended}: the run has ended; its results are in {ended}/summary.json\n"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_readme_lists_every_command_and_every_option_of_run():
+    """The README's command list is where a user looks first: a command, or a way to run a job,
+    that is not there is one they do not find."""
+    from typer.main import get_command
+
+    from sparrowrl.cli.main import app
+
+    block = re.search(r"\n## Command line\n+```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    lines = block.splitlines()
+    top = get_command(app)
+    for name, cmd in top.commands.items():
+        for path in [f"{name} {sub}" for sub in cmd.commands] if hasattr(cmd, "commands") else [name]:
+            assert any(line.startswith(f"sparrowrl {path} ") for line in lines), f"sparrowrl {path}"
+    run = " ".join(line for line in lines if line.startswith("sparrowrl run "))
+    for opt in (p for p in top.commands["run"].params if p.param_type_name == "option"):
+        assert all(o in run for o in opt.opts), opt.opts
+
+
+def test_the_limits_name_every_kind_of_weights_file_a_model_folder_may_hold():
+    from sparrowrl.trainer.models import WEIGHTS
+
+    row = next(line for line in (ROOT / "docs/limits.md").read_text().splitlines() if line.startswith("| `model.path`"))
+    for pattern in WEIGHTS:
+        assert f"`{pattern}`" in row or pattern in row, pattern

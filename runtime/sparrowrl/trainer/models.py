@@ -68,14 +68,17 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: torch.dty
     )
 
 
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")  # what a model folder's weights are named (docs/limits.md)
+
+
 def check(path: str | Path, tokenizer: str | Path | None = None, field: str = "model.path") -> None:
     """A model folder the trainer could not load, named before any process starts (ValueError,
     naming `field`: model.hub for a download): its config and tokenizer are read, and it must hold weights."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"{field}: {folder} is not a folder")
-    if not [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]:
-        raise ValueError(f"{field}: {folder} holds no weights (*.safetensors or pytorch_model*.bin)")
+    if not any(f for pattern in WEIGHTS for f in folder.glob(pattern)):
+        raise ValueError(f"{field}: {folder} holds no weights ({' or '.join(WEIGHTS)})")
     try:
         AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
