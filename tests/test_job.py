@@ -205,7 +205,7 @@ def test_a_job_file_of_several_documents_is_read_for_its_one_sparrowrljob(tmp_pa
     """examples/k8s/job-volumes.yaml: a claim, a ConfigMap and the job, as `kubectl apply -f`
     takes them. `sparrowrl run` and `check` read the job and ignore the others (docs/operator.md:
     the same YAML runs under both); none or two jobs is one line naming the file and the count."""
-    volumes = Path("examples/k8s/job-volumes.yaml")
+    volumes = Path(__file__).resolve().parents[1] / "examples/k8s/job-volumes.yaml"
     j = load(volumes)
     assert j.metadata.name == "chat-grpo" and j.spec.model.path == str(volumes.resolve().parent / "inputs/model")
     code, err = cli("check", volumes)  # past loading: the model is on the claim, not here
