@@ -274,7 +274,7 @@ def main() -> None:
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_e2e needs root for its network namespaces: sudo python3 hack/bench_e2e.py ...")
-    model = {"hidden": 256, "layers": 4, "heads": 4, "warmupSteps": 150}
+    model = {"hidden": 256, "layers": 4, "heads": 4, "warmupSteps": 300}  # decaying: as 150 at a constant rate
     cfg = {
         "quick": a.quick,
         "steps": 12 if a.quick else 24,

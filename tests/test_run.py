@@ -32,7 +32,7 @@ def job(mode: str, **spec) -> dict:
         "spec": {
             "steps": STEPS,
             "seed": 7,
-            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 30}},
+            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 60}},
             "task": {"builtin": "add"},
             "grpo": {"learningRate": 1e-3, "groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
             "rollout": {"groupsPerLease": 1},

@@ -5,6 +5,7 @@ prompt rendered, with the tokenizer's chat template or as text."""
 
 from __future__ import annotations
 
+import math
 import string
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -169,9 +170,15 @@ def warm_up(
 ) -> None:
     """Stand in for pretraining: teach a model made from scratch the task's answers, but let half
     of them run on (`7` as `7=7`), so that it knows the answers and often fails to stop, the kind
-    of habit RL post-training removes."""
+    of habit RL post-training removes.
+
+    The rate decays to 0 (cosine): where a constant rate stops, the model is still moving fast,
+    and that point depends on the last bits of the CPU's sums as much as on the seed (AVX2 and
+    AVX-512 kernels started RL from models 0.03 apart in reward, and ended it 0.10 apart); one
+    that has settled does not (docs/rl.md, the tiny model's warm-up)."""
     tok = prompts.tok
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     for s in range(steps):
         exs = [task.example(10**9 + s * batch + i) for i in range(batch)]  # far beyond any RL prompt
         answers = [e.answer if i % 2 else f"{e.answer}={e.answer}" for i, e in enumerate(exs)]
@@ -186,3 +193,4 @@ def warm_up(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        sched.step()
