@@ -190,3 +190,18 @@ def test_the_device_a_job_asks_for():
     for field, value in [("microBatchTokens", 0), ("lrSchedule", "step"), ("minLrRatio", 1.5), ("warmupSteps", -1)]:
         with pytest.raises(JobError, match=rf"spec.grpo.{field}: "):
             parse(_job(**{field: value}))
+
+
+def test_a_warm_up_of_no_steps_leaves_the_model_as_made_and_one_of_two_moves_it():
+    """warmupSteps may be 0 (a job that wants the model as made); the decaying rate must not
+    divide by it."""
+    from sparrowrl.trainer import tasks
+
+    tok = models.char_tokenizer()
+    prompts = models.Prompts(tok)
+    model = models.tiny_qwen3(len(tok), 16, 1, 2, 0)
+    made = {n: p.detach().clone() for n, p in model.named_parameters()}
+    models.warm_up(model, prompts, tasks.Add(0, prompts), 0)
+    assert all(torch.equal(p, made[n]) for n, p in model.named_parameters())
+    models.warm_up(model, prompts, tasks.Add(0, prompts), 2, batch=4)
+    assert not all(torch.equal(p, made[n]) for n, p in model.named_parameters())

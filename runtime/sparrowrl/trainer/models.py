@@ -178,7 +178,7 @@ def warm_up(
     that has settled does not (docs/rl.md, the tiny model's warm-up)."""
     tok = prompts.tok
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(steps, 1))))
     for s in range(steps):
         exs = [task.example(10**9 + s * batch + i) for i in range(batch)]  # far beyond any RL prompt
         answers = [e.answer if i % 2 else f"{e.answer}={e.answer}" for i, e in enumerate(exs)]
