@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test test-unit lint test-vllm demo bench has-container images images-gpu push-images clean
+.PHONY: test test-unit lint test-vllm demo bench has-container has-registry images images-gpu push-images push-images-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -61,7 +61,8 @@ bench: $(STAMP)
 
 # The images a cluster runs, tagged for a registry of yours (docs/operator.md, Images):
 #   make images push-images REGISTRY=registry.example.com/you [TAG=0.1.0] [CONTAINER=podman]
-# then give the chart those names (README, On Kubernetes). images-gpu: the runtime's CUDA variant.
+# then give the chart those names (README, On Kubernetes). images-gpu, push-images-gpu: the
+# runtime's CUDA variant, $(TAG)-gpu.
 REGISTRY ?= ghcr.io/sparrowrl
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 CONTAINER ?= docker
@@ -70,6 +71,10 @@ OPERATOR_IMAGE := $(REGISTRY)/sparrowrl-operator:$(TAG)
 has-container:
 	@command -v $(CONTAINER) >/dev/null || { echo "make: $(CONTAINER) is not installed; CONTAINER=podman (or buildah) builds the same images" >&2; exit 1; }
 
+# pushing goes to a registry the user names: never to the default by accident
+has-registry:
+	@test "$(origin REGISTRY)" != file || { echo "make: give REGISTRY=registry.example.com/you, a registry you push to" >&2; exit 1; }
+
 images: has-container
 	$(CONTAINER) build -f runtime/Dockerfile -t $(RUNTIME_IMAGE) .
 	$(CONTAINER) build -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
@@ -77,9 +82,12 @@ images: has-container
 images-gpu: has-container
 	$(CONTAINER) build -f runtime/Dockerfile -t $(RUNTIME_IMAGE)-gpu --build-arg VARIANT=gpu .
 
-push-images: has-container
+push-images: has-registry images
 	$(CONTAINER) push $(RUNTIME_IMAGE)
 	$(CONTAINER) push $(OPERATOR_IMAGE)
+
+push-images-gpu: has-registry images-gpu
+	$(CONTAINER) push $(RUNTIME_IMAGE)-gpu
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache runs

@@ -6,6 +6,7 @@ its values schema refuses bad values by name. helm comes from hack/get-helm.sh (
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -128,7 +129,13 @@ def test_the_readmes_quick_start_builds_pushes_and_installs_the_users_images(hel
     build = next(i for i, x in enumerate(lines) if x.startswith("make "))
     install = next(i for i, x in enumerate(lines) if x.startswith("helm install "))
     assert build < install < next(i for i, x in enumerate(lines) if x.startswith("kubectl apply"))
-    ran = subprocess.run(["make", "-n", *words(lines[build])[1:]], cwd=ROOT, capture_output=True, text=True, check=True)
+    ran = subprocess.run(
+        ["make", "-n", *words(lines[build])[1:], "CONTAINER=docker"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     for cmd in (
         f"docker build -f runtime/Dockerfile -t {runtime} .",
         f"docker build -f operator/Dockerfile -t {operator} .",
@@ -143,10 +150,14 @@ def test_the_readmes_quick_start_builds_pushes_and_installs_the_users_images(hel
     assert {"name": "SPARROWRL_RUNTIME_IMAGE", "value": runtime} in c["env"]
 
 
-def test_make_images_without_the_container_tool_says_so_in_one_line():
+def test_make_images_without_the_container_tool_or_a_push_without_a_registry_says_so_in_one_line():
     ran = subprocess.run(["make", "images", "CONTAINER=no-such-builder"], cwd=ROOT, capture_output=True, text=True)
     assert ran.returncode != 0
     assert "make: no-such-builder is not installed; CONTAINER=podman" in ran.stderr.splitlines()[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("REGISTRY", "MAKEFLAGS", "MFLAGS")}
+    for target in ("push-images", "push-images-gpu"):  # the default registry is not the user's
+        ran = subprocess.run(["make", target], cwd=ROOT, capture_output=True, text=True, env=env)
+        assert ran.returncode != 0 and ran.stderr.splitlines()[0].startswith("make: give REGISTRY="), ran.stderr
 
 
 def grants(objs: list[dict]):

@@ -232,6 +232,9 @@ def test_status_of_a_path_that_is_no_run_dir_or_of_an_ended_run_is_one_line(tmp_
         p = here("status", ended, ok=False)
         assert p.returncode == 1
         assert p.stderr == f"error: {ended}: the run has ended; its results are in {ended}/summary.json\n"
+        (ended / "processes.json").unlink()  # a run dir that lost it: its summary says the same
+        p = here("status", ended, ok=False)
+        assert p.stderr == f"error: {ended}: the run has ended; its results are in {ended}/summary.json\n"
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_control import SPEC, serve
 
-from sparrowrl.spec.job import parse
+from sparrowrl.spec.job import PLANNED_RESUME, parse
 from sparrowrl.store.store import Store
 from sparrowrl.trainer.resume import Journal, ResumeError
 from sparrowrl.trainer.trainer import Trainer
@@ -260,6 +260,12 @@ def test_a_planned_resume_is_not_a_restart(tmp_path):
     assert (run.ledger.restarts, run.ledger.resumes, run.ledger.planned) == (2, 2, True)
     snap = run.snapshot()
     assert (snap.restarts, snap.resumes) == (2, 2)
+    (tmp_path / PLANNED_RESUME).write_text("sparrowrl run --resume\n")  # a stopped run, the same steps
+    run = Trainer(more, died(run).state_dir, token="")
+    assert (run.ledger.restarts, run.ledger.resumes, run.ledger.planned) == (2, 3, True)
+    assert not (tmp_path / PLANNED_RESUME).exists()  # taken as it starts: a trainer dying after it is restarted
+    run = Trainer(more, died(run).state_dir, token="")
+    assert (run.ledger.restarts, run.ledger.resumes, run.ledger.planned) == (3, 3, False)
 
 
 def test_a_stale_partial_delta_is_removed(tmp_path):

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from support.servers import EXE
 
 from sparrowrl.delta import state_hash
+from sparrowrl.spec.job import PLANNED_RESUME
 from sparrowrl.store.store import Store
 from sparrowrl.trainer import models
 
@@ -324,6 +325,7 @@ def test_a_finished_run_goes_on_with_more_steps(tmp_path):
     log = (out / "logs" / "trainer.log").read_text()
     assert "trainer: step 2/2" in log and "trainer: step 4/4" in log  # one log, followed on
     assert "resumed at v2 (planned resume 1)" in log
+    assert not (out / PLANNED_RESUME).exists()  # the trainer took it
 
     for args, why in (
         (["--steps", "3"], "spec.steps is 3, below the 4 it was made for"),

@@ -726,6 +726,8 @@ def status(
             token = (run_dir / "token").read_text().strip()
             url = json.loads((run_dir / "processes.json").read_text())["urls"]["trainer"]
         except (OSError, ValueError, KeyError, TypeError) as e:
+            if (run_dir / "summary.json").is_file():
+                _fail(ValueError(f"{run_dir}: the run has ended; its results are in {run_dir / 'summary.json'}"))
             _fail(ValueError(f"{url}: not the run dir of a `sparrowrl run` in progress ({e})"))
     elif url.partition("://")[0].lower() not in ("http", "https"):  # urllib would say "unknown url type"
         what = "not a run dir (a folder)" if Path(url).exists() else "no such run dir"

@@ -27,7 +27,7 @@ from sparrowrl.auth import tokens
 from sparrowrl.auth.signing import KEY_ENV
 from sparrowrl.cli import report
 from sparrowrl.spec import layout
-from sparrowrl.spec.job import JobSpec, SparrowRLJob, state_mismatch
+from sparrowrl.spec.job import PLANNED_RESUME, JobSpec, SparrowRLJob, state_mismatch
 from sparrowrl.spec.layout import Process
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
@@ -51,6 +51,7 @@ OUTPUTS = (
     "trainer",
     "journal.jsonl",
     "starts",
+    PLANNED_RESUME,
     ".trainer.lock",
     ".processes.json.tmp",
 )
@@ -254,6 +255,8 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     spec = job.spec
     kept = _token(run_dir) if resume else None
     claim_run_dir(run_dir, job, overwrite, resume)
+    if resume:
+        (run_dir / PLANNED_RESUME).write_text("sparrowrl run --resume\n")
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
     token = os.environ.get("SPARROWRL_TOKEN") or kept or secrets.token_hex(16)
     fd = os.open(run_dir / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # for `sparrowrl status RUN_DIR`

@@ -409,6 +409,11 @@ def _at(spec: dict, dotted: str):
     return spec
 
 
+# In a trainer's state dir: its next start is a planned resume (`sparrowrl run --resume`), which
+# counts in trainer_resumes and not as a restart. The trainer takes it (removes it) as it starts.
+PLANNED_RESUME = "planned-resume"
+
+
 def state_mismatch(saved: dict, spec: dict) -> str | None:
     """Why a state made for the job `saved` cannot go on under `spec` (both job specs as JSON),
     or None. More steps is the same job trained on; anything else it belongs to is not."""
@@ -699,7 +704,9 @@ def _the_job(path: str | Path, docs: list) -> object:
         return docs[0] if docs else None
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "SparrowRLJob"]
     if len(jobs) != 1:
-        kinds = ", ".join(str(d.get("kind") if isinstance(d, dict) else type(d).__name__)[:64] for d in docs[:8])
+        kinds = ", ".join(
+            " ".join(str(d.get("kind") if isinstance(d, dict) else type(d).__name__).split())[:64] for d in docs[:8]
+        )
         raise JobError(
             f"{path}: {len(jobs)} of its {len(docs)} YAML documents ({kinds}{', ...' if len(docs) > 8 else ''}) "
             f"are a SparrowRLJob; a job file holds exactly one"

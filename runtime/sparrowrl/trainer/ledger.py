@@ -99,18 +99,19 @@ class Ledger:
             self._recorded = False
         return state
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict, planned: bool = False) -> None:
+        """`planned`: this start was asked for (`sparrowrl run --resume`)."""
         self.seconds_before, self.sent_before = state["seconds"], state["sent"]
         self.rows.update({int(v): r for v, r in state["rows"].items() if int(v) > self.written})
         self.redone = state.get("redone", 0)  # journals from before steps were trained again have none
-        # this start is planned when the process that journaled last had finished its steps, or
-        # when the steps are raised (`sparrowrl run --resume --steps`, or a cluster's job edited);
-        # a trainer that died is started again with the journal as it left it: a restart
-        # (journals from before resumes were told apart have none of these)
+        # this start is planned when asked for, when the process that journaled last had finished
+        # its steps, or when the steps are raised (a cluster's job edited); a trainer that died is
+        # started again with the journal as it left it: a restart (journals from before resumes
+        # were told apart have none of these)
         steps = self.learner.spec.steps
-        self.planned = bool(state.get("finished", False) or state.get("steps", steps) < steps)
+        self.planned = planned or bool(state.get("finished", False) or state.get("steps", steps) < steps)
         self.resumes = state.get("resumes", 0) + self.planned
-        self.restarts = self.starts - self.resumes
+        self.restarts = max(0, self.starts - self.resumes)  # `starts` lost to a kill counts from 1
         if self.cost is not None:  # journals from before costs have none
             self.cost.dollars, self.cost.at = state.get("dollars", 0.0), self.seconds_before
 

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sparrowrl.spec.job import state_mismatch
+from sparrowrl.spec.job import PLANNED_RESUME, state_mismatch
 from sparrowrl.store.checkpoint_io import atomic_path
 
 # what a trainer writes in its state dir; a folder holding any of them without job.json is not ours
@@ -42,6 +42,7 @@ OWNED = (
     "job.json",
     ".trainer.lock",
     "starts",
+    PLANNED_RESUME,
     "trainer",
     "journal.jsonl",
     "store",
@@ -104,6 +105,16 @@ def claim(state_dir: Path, spec: dict) -> tuple[int, IO]:
         before = 1  # killed between its mark and its count
     _count(state_dir, before + 1)
     return before, held
+
+
+def take_planned(state_dir: Path) -> bool:
+    """Whether this start was planned (`PLANNED_RESUME`); taken at once, so that a trainer that
+    dies after it is started again as a restart."""
+    try:
+        (state_dir / PLANNED_RESUME).unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _mark(mark: Path, spec: dict) -> None:

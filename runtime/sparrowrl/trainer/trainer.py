@@ -71,6 +71,7 @@ class Trainer:
         """Take over from the previous trainer process on this state dir, if there was one."""
         path = self.state_dir / "journal.jsonl"
         state, results = resume.Journal.read(path, self.replay)
+        planned = resume.take_planned(self.state_dir)
         version = self.learner.version
         if state is None:
             if self.learner.store.newest:  # the results of the steps since the checkpoint are gone
@@ -79,7 +80,7 @@ class Trainer:
         _fold_control(state)
         self.coord.restore(state["coordinator"], taken=version, results=results)
         book = self.ledger
-        book.restore(state["ledger"])
+        book.restore(state["ledger"], planned)
         why = f"planned resume {book.resumes}" if book.planned else f"restart {book.restarts}"
         print(
             f"trainer: resumed at v{version} ({why}), {len(self.coord.leases)} leases "
