@@ -411,8 +411,10 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, 
     # which version generated each group (staleness 1), which timing decides
     assert last > first + 0.03, (first, last)
 
-    store = Store(out / "store")  # pruned as it went: the bases before the one its workers' chains start from
-    assert 20 <= min(store.versions) == s["store_versions_pruned"] and sorted(store.versions)[-1] == steps
+    # pruned as it went: the bases before the one its workers' chains start from (baseEvery 10). A
+    # live worker that lags holds its base back (retention.py): on a loaded 2-core VM one did, to v10
+    store = Store(out / "store")
+    assert 10 <= min(store.versions) == s["store_versions_pruned"] and sorted(store.versions)[-1] == steps
     assert sorted(store.versions) == list(range(min(store.versions), steps + 1))
     files = [*(store.path / "deltas").iterdir(), *(store.path / "bases").iterdir()]
     assert sum(f.stat().st_size for f in files) == s["store_bytes"]  # also what a kill mid-prune left
