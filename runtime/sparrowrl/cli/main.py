@@ -721,13 +721,18 @@ def status(
     ctx = _trusting(ca_cert)
     token = os.environ.get("SPARROWRL_TOKEN")
     run_dir = Path(url) if Path(url).is_dir() else None
+
+    def if_ended() -> None:
+        """A run dir whose trainer has written its summary (as it finishes) is a run that ended."""
+        if run_dir is not None and (run_dir / "summary.json").is_file():
+            _fail(ValueError(f"{run_dir}: the run has ended; its results are in {run_dir / 'summary.json'}"))
+
     if run_dir is not None:
         try:
             token = (run_dir / "token").read_text().strip()
             url = json.loads((run_dir / "processes.json").read_text())["urls"]["trainer"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            if (run_dir / "summary.json").is_file():
-                _fail(ValueError(f"{run_dir}: the run has ended; its results are in {run_dir / 'summary.json'}"))
+            if_ended()
             _fail(ValueError(f"{url}: not the run dir of a `sparrowrl run` in progress ({e})"))
     elif url.partition("://")[0].lower() not in ("http", "https"):  # urllib would say "unknown url type"
         what = "not a run dir (a folder)" if Path(url).exists() else "no such run dir"
@@ -747,8 +752,7 @@ def status(
             )
         )
     except (urllib.error.URLError, OSError) as e:
-        if run_dir is not None and (run_dir / "summary.json").is_file():  # written as the trainer finishes
-            _fail(ValueError(f"{run_dir}: the run has ended; its results are in {run_dir / 'summary.json'}"))
+        if_ended()
         _fail(ValueError(f"{url}/v1/status: {getattr(e, 'reason', e)}"))
     except ValidationError as e:
         _fail(ValueError(f"{url}/v1/status: not a job's status ({first_problem(e)})"))
