@@ -91,6 +91,17 @@ def full_snapshot() -> ledger.Snapshot:
         "dense_bytes": 100,
         "changed_fraction": 0.01,
         **{f"{p}_s": 1.0 for p in ledger.PHASES},
+        "skipped": "nonfinite",
+        "entropy": 1.2,
+        **{f"clip_{b}": 0.01 for b in ledger.CLIPS},
+        **{f"is_{k}": 0.5 for k in ("weight_mean", "weight_min", "weight_max", "masked", "truncated", "ess")},
+        **{f"mismatch_{k}": 0.1 for k in ("mean", "max", "kl")},
+        "zero_variance_groups": 0.25,
+        "completion_len_min": 1,
+        "completion_len_max": 8,
+        "by_age": {"0": {"samples": 3, "tokens": 9, "mismatch_max": 0.2, "refused": 0, "mismatch_mean": 0.1}},
+        "by_worker": {"w": {"samples": 3, "tokens": 9, "mismatch_max": 0.2, "refused": 1, "mismatch_mean": 0.1}},
+        "refused_samples": {"w": {"logprob_gap": 1}},
     }
     return ledger.Snapshot(
         c.view(), 10, [row], 5.0, {"delta": 1, "base": 2}, 0, 0, False, Held(pruned=1, versions=2, bytes=3), 0.5
@@ -428,6 +439,26 @@ def test_the_dashboard_shows_what_the_issue_asks_for(helm):
     assert {"sparrowrl_worker_refused_answers_total", "sparrowrl_refused_answers_total"} <= read["Refused answers"]
     assert {"sparrowrl_sent_bytes_total", "sparrowrl_received_bytes_total"} <= read["Bytes per relay"]
     assert read["Tokens per dollar"] == {"sparrowrl_tokens_per_dollar"}
+    # what the objective shows of each step (issue 45): every series of it is on a panel
+    learning = {
+        "sparrowrl_entropy",
+        "sparrowrl_clip_fraction",
+        "sparrowrl_is_weight_mean",
+        "sparrowrl_is_weight_min",
+        "sparrowrl_is_weight_max",
+        "sparrowrl_is_masked",
+        "sparrowrl_is_truncated",
+        "sparrowrl_is_ess",
+        "sparrowrl_mismatch",
+        "sparrowrl_mismatch_kl",
+        "sparrowrl_mismatch_by_age",
+        "sparrowrl_worker_mismatch",
+        "sparrowrl_zero_variance_groups",
+        "sparrowrl_completion_length",
+        "sparrowrl_worker_refused_samples_total",
+        "sparrowrl_steps_skipped_total",
+    }
+    assert learning <= set().union(*read.values()) and learning <= set(EXPORTED)
     ids = [p["id"] for p in d["panels"]]
     assert len(set(ids)) == len(ids)
     for p in d["panels"]:  # on the 24-column grid, and every query through the chosen data source

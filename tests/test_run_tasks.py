@@ -10,6 +10,8 @@ import pytest
 import yaml
 from support.servers import EXE
 
+from sparrowrl.trainer import rewards
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 TEMPLATE = (
@@ -76,15 +78,18 @@ def judge(prompt, completion, answer, mode, where):
         return math.nan
     if mode == "none":
         return None
+    if mode == "huge":
+        return 1e300
     return float(completion[:1] == answer[:1])
 """
 
 
 def test_a_reward_that_raises_hangs_or_returns_nan_stops_nothing(tmp_path):
-    """Each batch holds one group of each mode: 4 samples of each kind of failure per step."""
+    """Each batch holds one group of each mode: 4 samples of each kind of failure per step. A
+    reward beyond MAX_REWARD would overflow the advantages: it counts as a failure too."""
     pids = tmp_path / "pids"
     pids.mkdir()
-    modes = ["ok", "raise", "hang", "nan", "none"]
+    modes = ["ok", "raise", "hang", "nan", "none", "huge"]
     (tmp_path / "qa.jsonl").write_text(
         "".join(
             json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i), "mode": m, "where": str(pids)}) + "\n"
@@ -96,16 +101,17 @@ def test_a_reward_that_raises_hangs_or_returns_nan_stops_nothing(tmp_path):
         model={"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 10}},
         task={"jsonl": "qa.jsonl", "reward": "rw:judge", "rewardWorkers": 4, "rewardTimeoutSeconds": 1},
     )
-    spec["spec"]["grpo"]["promptsPerStep"] = 5
+    spec["spec"]["grpo"]["promptsPerStep"] = 6
     r = run(tmp_path, spec)
     assert r.returncode == 0, r.stderr[-3000:]
     s, rows = results(tmp_path / "run")
     assert s["steps"] == 2 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 3
     for x in rows:
-        assert x["reward_failed"] == {"raised": 4, "timeout": 4, "nonfinite": 4, "nonnumber": 4}, x
-    assert s["reward_failed"] == {"raised": 8, "timeout": 8, "nonfinite": 8, "nonnumber": 8}
+        assert x["reward_failed"] == dict.fromkeys(rewards.FAILURES, 4), x
+        assert x["loss"] is not None and x["skipped"] != "nonfinite", x  # 1e300 reached no advantage
+    assert s["reward_failed"] == dict.fromkeys(rewards.FAILURES, 8)
     log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
-    for kind in ("raised", "timeout", "nonfinite", "nonnumber"):
+    for kind in rewards.FAILURES:
         assert log.count(f"a call failed ({kind})") == 1, log[-3000:]
     assert "RuntimeError: cannot judge" in log and "no answer in 1 s" in log
     called = [int(p.name) for p in pids.iterdir()]
@@ -171,7 +177,7 @@ def test_a_pretrained_folder_then_the_same_model_and_data_from_the_hub(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     s, rows = results(tmp_path / "run")
     assert s["steps"] == steps and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * (steps + 1)
-    assert s["reward_failed"] == {"raised": 0, "timeout": 0, "nonfinite": 0, "nonnumber": 0}
+    assert s["reward_failed"] == dict.fromkeys(rewards.FAILURES, 0)
     lrs = [x["lr"] for x in rows]
     assert lrs[0] < lrs[2] == pytest.approx(1e-3) and lrs[2] > lrs[steps // 2] > lrs[-1]  # warm-up, then cosine
     first, last = (sum(x["reward_mean"] for x in part) / len(part) for part in (rows[:4], rows[-4:]))
@@ -200,7 +206,7 @@ def test_a_pretrained_folder_then_the_same_model_and_data_from_the_hub(tmp_path)
         asked = len(hub.requests)
     s, rows = results(tmp_path / "hub")
     assert s["steps"] == 2 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 3
-    assert s["reward_failed"] == {"raised": 0, "timeout": 0, "nonfinite": 0, "nonnumber": 0}  # "scale" came along
+    assert s["reward_failed"] == dict.fromkeys(rewards.FAILURES, 0)  # "scale" came along
     assert Store(tmp_path / "hub" / "store").versions[0].state_hash == v0  # the same weights, bit for bit
     log = (tmp_path / "hub" / "logs" / "trainer.log").read_text()
     assert log.count("downloading model me/pretrained") == 1 and log.count("downloading dataset me/sums") == 1

@@ -206,12 +206,10 @@ def _micro(rank: int, world: int, port: int, out: str) -> None:
                 None,
                 rows,
                 adv,
+                torch.full((len(rows),), world / tokens),
                 batches,
                 pad_id=0,
-                temperature=1.0,
-                clip=0.2,
-                kl_coef=0.0,
-                tokens=tokens / world,
+                objective=grpo.Objective(),
                 device=torch.device("cpu"),
             )
             return batches, {n: p.grad.full_tensor() for n, p in model.named_parameters()}

@@ -150,6 +150,8 @@ def test_a_failed_builtin_call_scores_zero_and_is_counted():
     assert rewards.call(tasks.numeric, ("", "3", "3", {})) == ("ok", 1.0)
     assert rewards.call(lambda *a: float("nan"), ("", "", "", {})) == ("nonfinite", "returned nan")
     assert rewards.call(lambda *a: "1", ("", "", "", {}))[0] == "nonnumber"
+    assert rewards.call(lambda *a: -1e7, ("", "", "", {})) == ("outofrange", "returned -1e+07, beyond ±1e+06")
+    assert rewards.call(lambda *a: -1e6, ("", "", "", {})) == ("ok", -1e6)
     assert rewards.call(lambda *a: 1 / 0, ("", "", "", {})) == ("raised", "ZeroDivisionError: division by zero")
     assert rewards.call(lambda *a, **k: True, ("", "", "", {"x": 1})) == ("ok", 1.0)
 
@@ -272,11 +274,10 @@ def test_reward_failures_add_up_in_the_summary_and_in_prometheus():
         redone=0,
         finished=False,
     )
-    assert ledger.summary(snap)["reward_failed"] == {"raised": 3, "timeout": 4, "nonfinite": 0, "nonnumber": 0}
+    assert ledger.summary(snap)["reward_failed"] == {**dict.fromkeys(rewards.FAILURES, 0), "raised": 3, "timeout": 4}
     (family,) = (m for m in ledger.metrics(snap) if m.name == "sparrowrl_reward_failures")
     assert {s.labels["kind"]: s.value for s in family.samples} == {
+        **dict.fromkeys(rewards.FAILURES, 0),
         "raised": 3,
         "timeout": 4,
-        "nonfinite": 0,
-        "nonnumber": 0,
     }

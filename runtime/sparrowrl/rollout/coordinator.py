@@ -437,7 +437,7 @@ class Coordinator:
         new = {g: r for g, r in results.items() if batch is not None and g not in batch.results}
         self.counts.discarded_late += len(results) - len(new)
         for g, r in new.items():
-            batch.results[g] = {**r, "version": version}
+            batch.results[g] = {**r, "version": version, "worker": worker, "lease": lease_id}
         if new:
             batch.pending = [x for x in batch.pending if x not in new]
             if batch.complete:

@@ -243,14 +243,112 @@ class TaskSpec(_Spec):
         return self
 
 
+class BehaviourSpec(_Spec):
+    """The behaviour weight w = π_prox/μ: the trainer's policy before the step over the policy
+    the worker sampled with (stale, another engine's kernels, or a worker's false numbers)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.floor) || (has(self.cap) ? self.cap : 2.0) > self.floor",
+                    "message": "floor must be below cap",
+                }
+            ]
+        }
+    )
+    correction: Literal["off", "truncate", "mask"] = Field(
+        "truncate",
+        description=(
+            "truncate: w clamped to [floor, cap] (TIS; TRL's *_truncate, verl's rollout_is); mask: w outside "
+            "[floor, cap] weighs 0 (MIS; TRL's *_mask, verl's rejection sampling); off: w = 1, the samples taken as "
+            "the trainer's own (TRL's vllm_importance_sampling_correction: false)."
+        ),
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token", description="w per token, or per sample as the geometric mean of its tokens' weights."
+    )
+    cap: float = Field(2.0, gt=1, le=1e4, description="The upper bound of w (TRL: vllm_importance_sampling_clip_max).")
+    floor: float = Field(0.0, ge=0, lt=1, description="The lower bound of w (TRL: vllm_importance_sampling_clip_min).")
+    refuse_gap: float = Field(
+        1.0,
+        gt=0,
+        le=1e4,
+        description=(
+            "A sample whose reported log-probs differ from the trainer's by more than this many nats per token on "
+            "average is not trained, and is counted against its worker: more than staleness and engine noise explain."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _floor_below_cap(self) -> BehaviourSpec:
+        if self.floor >= self.cap:
+            raise ValueError(f"floor ({self.floor}) must be below cap ({self.cap})")
+        return self
+
+
 class GrpoSpec(_Spec):
     learning_rate: float = Field(1e-5, gt=0, le=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     group_size: int = Field(8, ge=2, le=256)
     prompts_per_step: int = Field(16, ge=1, le=4096)
-    clip: float = Field(0.2, gt=0, lt=1)
-    kl_coef: float = Field(0.0, ge=0, le=100)
+    clip: float = Field(
+        0.2, gt=0, lt=1, description="PPO's clip: r = π_θ/π_prox below 1 − clip stops pulling (TRL: epsilon)."
+    )
+    clip_high: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="r above 1 + clipHigh stops pushing (DAPO's clip-higher; TRL: epsilon_high); default: clip.",
+    )
+    dual_clip: float | None = Field(
+        3.0,
+        gt=1,
+        le=1e4,
+        description=(
+            "With a negative advantage, r counts at most this much (dual clip; TRL: delta, verl: clip_ratio_c); "
+            "null: no bound."
+        ),
+    )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="sequence: one ratio per sample, the geometric mean of its tokens' (GSPO; TRL: "
+        "importance_sampling_level).",
+    )
+    loss_aggregation: Literal["token", "sequence", "constant"] = Field(
+        "token",
+        description=(
+            "token: the mean over the batch's tokens (TRL's dapo, verl's token-mean); sequence: each sample's mean, "
+            "then their mean (TRL's grpo, verl's seq-mean-token-mean); constant: the sum over samples x "
+            "maxNewTokens (Dr. GRPO; TRL's dr_grpo, verl's seq-mean-token-sum-norm)."
+        ),
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Advantages are rewards less their group's mean, divided by the group's std, the batch's, or 1 "
+        "(TRL: scale_rewards).",
+    )
+    zero_variance_groups: Literal["skip", "train"] = Field(
+        "skip",
+        description=(
+            "A group whose samples all scored alike teaches nothing: skip leaves it out of the step (and its "
+            "tokens out of the loss's divisor), counted; train keeps it, as TRL does."
+        ),
+    )
+    updates_per_batch: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Optimizer updates on each batch, clipped against the policy before the first (TRL: "
+        "num_iterations, verl: ppo_epochs).",
+    )
+    behaviour: BehaviourSpec = BehaviourSpec()
+    entropy_coef: float = Field(0.0, ge=0, le=10, description="An entropy bonus (verl: entropy_coeff).")
+    kl_coef: float = Field(0.0, ge=0, le=100, description="KL to the initial model (TRL: beta).")
+    kl_estimator: Literal["k1", "k2", "k3", "low-var-kl"] = Field(
+        "k3", description="How the KL is estimated from samples (verl: kl_loss_type kl, mse, k3, low_var_kl)."
+    )
     temperature: float = Field(1.0, ge=0.01, le=100)
     top_p: float = Field(
         1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose probability reaches topP."
@@ -419,6 +517,10 @@ def state_mismatch(saved: dict, spec: dict) -> str | None:
     or None. More steps is the same job trained on; anything else it belongs to is not."""
     if not isinstance(saved, dict):
         return "job.json holds no job spec"
+    try:  # a state written before a field was added holds no value for it: the default's
+        saved = {**saved, **JobSpec.model_validate(saved).model_dump(mode="json")}
+    except ValidationError:
+        pass
     for field in BELONGS:
         if _at(saved, field) != _at(spec, field):
             return f"spec.{field} differs"

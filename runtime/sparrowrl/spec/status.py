@@ -27,6 +27,7 @@ class WorkerStatus(_Status):
     leases_held: Count = 0
     stale: bool = False  # not heard from within a lease period
     refused_answers: Count = 0  # from its relay (or the origin) that did not verify: forged, altered or malformed
+    refused_samples: Count = 0  # its samples not trained: their log-probs were further from the trainer's than allowed
 
 
 class JobStatus(_Status):
@@ -50,6 +51,8 @@ class JobStatus(_Status):
     origin_sent_delta_bytes: Count = 0
     origin_sent_base_bytes: Count = 0
     trainer_restarts: Count = 0
+    steps_skipped: Count = 0  # steps that changed no weight: nothing to train, every sample refused, not finite
+    samples_refused: Count = 0  # samples not trained: their worker's log-probs were false
     cost_dollars: Annotated[float, Field(ge=0)] | None = None  # with the spec's costPerHour
     tokens_per_dollar: Annotated[float, Field(ge=0)] | None = None  # completion tokens trained on
     workers: Annotated[list[WorkerStatus], Field(max_length=4096)] = []
@@ -79,9 +82,21 @@ def table(s: JobStatus, url: str) -> Table:
     t.add_row("commits verified / mismatched", f"{s.commits_verified} / {s.commits_mismatched}")
     t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")
     t.add_row("trainer restarts", str(s.trainer_restarts))
+    t.add_row("steps skipped / samples refused", f"{s.steps_skipped} / {s.samples_refused}")
     if s.cost_dollars is not None:
         t.add_row("cost, tokens per dollar", f"${s.cost_dollars:,.4f}, {num(s.tokens_per_dollar, ',.0f')}")
-    w = Table("worker", "region", "committed", "behind", "verified", "last heard", "leases", "refused", title="workers")
+    w = Table(
+        "worker",
+        "region",
+        "committed",
+        "behind",
+        "verified",
+        "last heard",
+        "leases",
+        "refused",
+        "false",
+        title="workers",
+    )
     for x in s.workers:
         w.add_row(
             x.name + (" (stale)" if x.stale else ""),
@@ -92,6 +107,7 @@ def table(s: JobStatus, url: str) -> Table:
             f"{x.seconds_since_seen:.1f} s ago",
             str(x.leases_held),
             str(x.refused_answers),
+            str(x.refused_samples),
         )
     grid = Table.grid()
     grid.add_row(t)

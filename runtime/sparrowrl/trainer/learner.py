@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import math
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -58,6 +59,7 @@ def device(choice: str, world: int = 1) -> torch.device:
 
 
 T = TypeVar("T")
+SKIPPED = ("nothing_to_train", "all_refused", "nonfinite")  # why a step changed no weight
 
 
 class Learner:
@@ -213,81 +215,187 @@ class Learner:
             dist.broadcast_object_list([(method, args)], src=0)
 
     def train(self, batch: Batch, scored: tuple[list[list[float]], dict[str, int]] | None = None) -> dict:
-        """One optimizer step on a complete batch; returns its metrics. Rank 0 scores the batch
-        and hands the rewards (`scored`) to the others. Each rank takes every N-th group; the
-        loss is normalized by the whole batch's tokens, so the ranks' averaged gradient is the
-        one-rank gradient."""
+        """One step on a complete batch (`grpo.updatesPerBatch` optimizer updates); returns its
+        metrics. Rank 0 scores the batch and hands the rewards (`scored`) to the others. Each rank
+        takes every N-th group; every row's loss weight is the whole batch's, so the ranks'
+        averaged gradient is the one-rank gradient. A step that has nothing to train, or whose
+        loss or gradient is not finite, changes no weight: it is skipped, and says why."""
         g = self.spec.grpo
         t0 = time.perf_counter()
         rewards, failed = scored or self._score(batch)
         self._lead("train", batch, (rewards, failed))
-        rows, tokens, mine = [], 0, []  # mine: (group, sample) of this rank's rows
+        r = torch.tensor(rewards, dtype=torch.float32)  # finite and bounded (rewards.MAX_REWARD)
+        varied = (r.max(1).values != r.min(1).values).tolist()
+        trained = [v or g.zero_variance_groups == "train" for v in varied]
+        rows, mine, lengths = [], [], []  # mine: (group, sample) of this rank's rows
         for i, group in enumerate(batch.groups):
-            res = batch.results[group]
             p = self.prompt_ids(group)
-            for j, s in enumerate(res["samples"]):
+            for j, s in enumerate(batch.results[group]["samples"]):
                 if i % self.world == self.rank:
                     rows.append((p, s["tokens"], s["logprobs"]))
                     mine.append((i, j))
-                tokens += len(s["tokens"])
-        r = torch.tensor(rewards, dtype=torch.float32)
-        adv = grpo.advantages(r)[[i for i, _ in mine], [j for _, j in mine]].to(self.device)
-        self.opt.zero_grad(set_to_none=True)
-        loss, stats = self._backward(rows, adv)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm)
+                lengths.append((len(s["tokens"]), trained[i]))
+        n = sum(t for _, t in lengths)  # samples trained, over every rank
+        tokens = sum(k for k, t in lengths if t)
+        adv = grpo.advantages(r, g.scale_rewards)[[i for i, _ in mine], [j for _, j in mine]].to(self.device)
+        how = (g.loss_aggregation, g.max_new_tokens)
+        scale = torch.tensor(  # times the ranks, whose gradients are averaged
+            [
+                self.world * grpo.row_weight(len(c), n, tokens, *how) * trained[i]
+                for (i, _), (_, c, _) in zip(mine, rows)
+            ],
+            device=self.device,
+        )
         rate = lr.rate(self.version, g, self.spec.steps)  # step `version` makes version + 1
         for group in self.opt.param_groups:
             group["lr"] = rate
-        self.opt.step()
+        prox = self._proximal(rows) if g.updates_per_batch > 1 and n else None
+        skipped = None if n else "nothing_to_train"
+        total, seen, losses, norms = grpo.Stats(), None, [], []
+        for _ in range(g.updates_per_batch if n else 0):
+            self.opt.zero_grad(set_to_none=True)
+            loss, stats = self._backward(rows, adv, scale, prox)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm)
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            seen = seen or self._rows(stats.rows)
+            stats.rows = []
+            total.add(stats)
+            losses.append(loss)
+            norms.append(norm)
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                skipped = "nonfinite"
+            elif not any(trained[i] and not x[3] for (i, _), x in seen.items()):
+                skipped = "all_refused"
+            if skipped:
+                self.opt.zero_grad(set_to_none=True)
+                break
+            self.opt.step()
         self.version += 1
         return {
             "reward_mean": float(r.mean()),
             "reward_exact": float((r == 1).float().mean()),
-            "loss": loss,
-            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "loss": _finite(sum(losses) / max(len(losses), 1)),
+            "grad_norm": _finite(sum(norms) / max(len(norms), 1)),
             "lr": rate,
-            "tokens": tokens,
+            "tokens": sum(k for k, _ in lengths),
             "train_s": time.perf_counter() - t0,
-            **stats,
+            "skipped": skipped,
+            **self._diagnostics(total),
+            **self._behaviour(batch, seen or {}, trained),
+            "zero_variance_groups": 1.0 - sum(varied) / len(varied),
+            "completion_len_min": min(k for k, _ in lengths),
+            "completion_len_max": max(k for k, _ in lengths),
             "behaviour_versions": sorted({res["version"] for res in batch.results.values()}),
             "reward_failed": failed,
         }
 
-    def _backward(self, rows: list[grpo.Row], adv: torch.Tensor) -> tuple[float, dict[str, float]]:
+    def _proximal(self, rows: list[grpo.Row]) -> list[torch.Tensor]:
+        g = self.spec.grpo
+        return grpo.proximal(
+            self.model,
+            rows,
+            self._batches(rows),
+            pad_id=self.tok.pad_token_id,
+            temperature=g.temperature,
+            device=self.device,
+            bf16=self._bf16(),
+        )
+
+    def _batches(self, rows: list[grpo.Row]) -> list[list[int]]:
+        budget = self.spec.grpo.micro_batch_tokens
+        return grpo.micro_batches(rows, budget) if self.world == 1 else shard.micro_batches(rows, budget)
+
+    def _bf16(self) -> bool:
+        return self.world == 1 and self.device.type == "cuda"  # the sharded ranks' is FSDP2's policy
+
+    def _backward(
+        self, rows: list[grpo.Row], adv: torch.Tensor, scale: torch.Tensor, prox: list[torch.Tensor] | None
+    ) -> tuple[float, grpo.Stats]:
         """The gradient of this rank's rows, in micro-batches of `grpo.microBatchTokens` (one pass
         without it); the loss and its stats, over the whole batch (every rank) as one pass gives
-        them: stats are means over the batch's completion tokens."""
-        g = self.spec.grpo
-        n = float(self._sum(torch.tensor(float(sum(len(c) for _, c, _ in rows)), device=self.device)))
-        batches = (
-            grpo.micro_batches(rows, g.micro_batch_tokens)
-            if self.world == 1
-            else shard.micro_batches(rows, g.micro_batch_tokens)
-        )
-        loss, sums = grpo.accumulate(
+        them (rows: every rank's, as (rank, index) → row stats)."""
+        loss, stats = grpo.accumulate(
             self.model,
             self.ref,
             rows,
             adv,
-            batches,
+            scale,
+            self._batches(rows),
             pad_id=self.tok.pad_token_id,
-            temperature=g.temperature,
-            clip=g.clip,
-            kl_coef=g.kl_coef,
-            tokens=n / self.world,
+            objective=grpo.Objective.of(self.spec.grpo),
             device=self.device,
-            bf16=self.world == 1 and self.device.type == "cuda",  # the sharded ranks' is FSDP2's policy
+            bf16=self._bf16(),
+            prox=prox,
         )
         if self.world > 1:
-            sums = {k: float(self._sum(torch.tensor(s, device=self.device))) for k, s in sums.items()}
-        return float(self._sum(loss)) / self.world, {k: s / max(n, 1.0) for k, s in sums.items()}
+            stats.sums = {k: float(self._sum(torch.tensor(v, device=self.device))) for k, v in stats.sums.items()}
+            stats.highs = {
+                k: float(self._sum(torch.tensor(v, device=self.device), dist.ReduceOp.MAX))
+                for k, v in stats.highs.items()
+            }
+            every: list = [None] * self.world
+            dist.all_gather_object(every, stats.rows)
+            stats.rows = [(rank, x) for rank, part in enumerate(every) for x in part]
+        else:
+            stats.rows = [(0, x) for x in stats.rows]
+        return float(self._sum(loss)) / self.world, stats
 
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` summed over the ranks."""
+    def _rows(self, rows: list[tuple[int, tuple]]) -> dict[tuple[int, int], tuple]:
+        """Every rank's row stats by (group, sample): rank k's rows are the batch's groups k,
+        k + N, ..., their samples in order."""
+        per_rank = [[x for rank, x in rows if rank == k] for k in range(self.world)]
+        n = self.spec.grpo.group_size
+        return {(k + self.world * (m // n), m % n): x for k, part in enumerate(per_rank) for m, x in enumerate(part)}
+
+    def _diagnostics(self, st: grpo.Stats) -> dict[str, float]:
+        """The step's means over its completion tokens (and every update of it)."""
+        s, h = st.sums, st.highs
+        n = max(s.get("tokens", 0.0), 1.0)
+        out = {k: s[k] / n for k in ("entropy", "clip_low", "clip_high", "clip_dual", "kl") if k in s}
+        if "tokens" not in s:
+            return out
+        return {
+            **out,
+            "is_weight_mean": s["weight"] / n,
+            "is_weight_min": -h.get("weight_neg", -1.0),
+            "is_weight_max": h.get("weight", 1.0),
+            "is_masked": s["masked"] / n,
+            "is_truncated": s.get("truncated", 0.0) / n,
+            "is_ess": s["weight_applied"] ** 2 / (n * s["weight_applied_sq"]) if s["weight_applied_sq"] else 0.0,
+            "mismatch_mean": s["gap"] / n,
+            "mismatch_max": h.get("gap", 0.0),
+            "mismatch_kl": s["mismatch_kl"] / n,
+        }
+
+    def _behaviour(self, batch: Batch, seen: dict[tuple[int, int], tuple], trained: list[bool]) -> dict:
+        """The samples' gaps between the worker's log-probs and the trainer's, by the age of the
+        version that sampled them and by worker; and the refused samples, by worker and reason."""
+        by_age: dict[str, dict] = {}
+        by_worker: dict[str, dict] = {}
+        refused: dict[str, dict[str, int]] = {}
+        for (i, _), (t, gap, top, no) in sorted(seen.items()):
+            res = batch.results[batch.groups[i]]
+            worker = res.get("worker", "unknown")  # results journaled before workers were kept have none
+            for key, into in ((str(batch.index - res["version"]), by_age), (worker, by_worker)):
+                d = into.setdefault(key, {"samples": 0, "tokens": 0, "gap": 0.0, "mismatch_max": 0.0, "refused": 0})
+                d["samples"] += 1
+                d["tokens"] += t
+                d["gap"] += gap
+                d["mismatch_max"] = max(d["mismatch_max"], top)
+                d["refused"] += no
+            if no:
+                refused.setdefault(worker, {}).setdefault("logprob_gap", 0)
+                refused[worker]["logprob_gap"] += 1
+        for d in (*by_age.values(), *by_worker.values()):
+            d["mismatch_mean"] = d.pop("gap") / max(d["tokens"], 1)
+        return {"by_age": by_age, "by_worker": by_worker, "refused_samples": refused}
+
+    def _sum(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """`x` summed over the ranks (or reduced by `op`)."""
         if self.world == 1:
             return x
         x = x.detach().clone().float()
-        dist.all_reduce(x)
+        dist.all_reduce(x, op)
         return x
 
     def checkpoint(self) -> Callable[[], None]:
@@ -352,6 +460,11 @@ class Learner:
             self.scorer.close()
         if self.ranks is not None:
             self.ranks.stop(lambda: self._lead("stop"))
+
+
+def _finite(x: float) -> float | None:
+    """A metric as JSON can carry it: None for a non-finite one."""
+    return x if math.isfinite(x) else None
 
 
 def follow(spec: JobSpec, state_dir: Path, restarts: int) -> None:

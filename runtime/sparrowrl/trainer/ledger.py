@@ -17,7 +17,7 @@ from typing import Callable
 from sparrowrl.rollout.coordinator import Coordinator, View
 from sparrowrl.spec.status import JobStatus, WorkerStatus
 from sparrowrl.trainer import cost, resume, retention
-from sparrowrl.trainer.learner import Learner
+from sparrowrl.trainer.learner import SKIPPED, Learner
 from sparrowrl.trainer.rewards import FAILURES
 from sparrowrl.transport.metrics import family
 
@@ -31,6 +31,28 @@ def reward_failed(rows: list[dict]) -> dict[str, int]:
         for kind, n in r.get("reward_failed", {}).items():  # rows written before rewards were counted have none
             total[kind] = total.get(kind, 0) + n
     return total
+
+
+def refused_samples(rows: list[dict]) -> dict[tuple[str, str], int]:
+    """Samples not trained because their worker's log-probs were false, by (worker, reason)."""
+    total: dict[tuple[str, str], int] = {}
+    for r in rows:
+        for worker, reasons in (r.get("refused_samples") or {}).items():
+            for why, n in reasons.items():
+                total[worker, why] = total.get((worker, why), 0) + n
+    return total
+
+
+def skipped_steps(rows: list[dict]) -> dict[str, int]:
+    """Steps that changed no weight, by why (learner.SKIPPED)."""
+    total = dict.fromkeys(SKIPPED, 0)
+    for r in rows:
+        if r.get("skipped"):
+            total[r["skipped"]] = total.get(r["skipped"], 0) + 1
+    return total
+
+
+CLIPS = ("low", "high", "dual")
 
 
 @dataclass(frozen=True)
@@ -178,11 +200,15 @@ def step_line(row: dict, steps: int) -> str:
     kl = f" kl {row['kl']:.4f}" if "kl" in row else ""
     lr = f" lr {row['lr']:.3g}" if "lr" in row else ""
     failed = sum((row.get("reward_failed") or {}).values())
+    refused = sum(n for reasons in (row.get("refused_samples") or {}).values() for n in reasons.values())
+    loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
     return (
-        f"trainer: step {row['version']}/{steps} reward {row['reward_mean']:.3f} loss {row['loss']:.4f}{kl}{lr} "
+        f"trainer: step {row['version']}/{steps} reward {row['reward_mean']:.3f} loss {loss}{kl}{lr} "
         f"len {row['completion_tokens_mean']:.1f} {row['tokens'] / max(row['step_s'], 1e-9):,.0f} tok/s "
         f"payload {row['payload_bytes']:,} B ({row['changed_fraction']:.2%} changed) {row['step_s']:.2f} s"
         + (f" rewards failed {failed}" if failed else "")
+        + (f" samples refused {refused}" if refused else "")
+        + (f" SKIPPED ({row['skipped']}): no weight changed" if row.get("skipped") else "")
     )
 
 
@@ -193,6 +219,9 @@ def tokens_per_dollar(s: Snapshot) -> float | None:
 
 def status(s: Snapshot) -> JobStatus:
     rows, job, c = s.rows, s.job, s.job.counts
+    refused: dict[str, int] = {}
+    for (worker, _), n in refused_samples(rows).items():
+        refused[worker] = refused.get(worker, 0) + n
     workers = [
         WorkerStatus(
             name=w.name,
@@ -204,6 +233,7 @@ def status(s: Snapshot) -> JobStatus:
             leases_held=w.leases,
             stale=not w.live,
             refused_answers=w.refused,
+            refused_samples=refused.get(w.name, 0),
         )
         for w in job.workers
     ]
@@ -228,6 +258,8 @@ def status(s: Snapshot) -> JobStatus:
         origin_sent_delta_bytes=s.sent["delta"],
         origin_sent_base_bytes=s.sent["base"],
         trainer_restarts=s.restarts,
+        steps_skipped=sum(skipped_steps(rows).values()),
+        samples_refused=sum(refused.values()),
         cost_dollars=s.dollars,
         tokens_per_dollar=tokens_per_dollar(s),
         workers=workers,
@@ -289,6 +321,101 @@ def metrics(snap: Snapshot) -> list:
         family("gauge", "loss", "The last step's policy loss", last.get("loss")),
         family("gauge", "kl", "The last step's KL to the reference (with grpo.klCoef > 0)", last.get("kl")),
         family("gauge", "learning_rate", "The last step's learning rate", last.get("lr")),
+        # the objective's diagnostics (docs/rl.md, "What a step shows")
+        family("gauge", "entropy", "The last step's mean entropy over completion tokens", last.get("entropy")),
+        family(
+            "gauge",
+            "is_weight_mean",
+            "The last step's mean behaviour weight pi_prox/mu, before truncation or masking",
+            last.get("is_weight_mean"),
+        ),
+        family("gauge", "is_weight_min", "The last step's least behaviour weight", last.get("is_weight_min")),
+        family(
+            "gauge",
+            "is_weight_max",
+            "The last step's greatest behaviour weight (its log clamped to 20)",
+            last.get("is_weight_max"),
+        ),
+        family(
+            "gauge",
+            "is_masked",
+            "Share of the last step's tokens of behaviour weight 0 (masked, or their sample refused)",
+            last.get("is_masked"),
+        ),
+        family(
+            "gauge",
+            "is_truncated",
+            "Share of the last step's tokens whose weight was truncated",
+            last.get("is_truncated"),
+        ),
+        family(
+            "gauge",
+            "is_ess",
+            "Effective sample size of the last step's applied behaviour weights, over tokens (1: all equal)",
+            last.get("is_ess"),
+        ),
+        family(
+            "gauge",
+            "mismatch",
+            "The last step's |log pi_prox - log mu| per token (the worker's log-probs against the trainer's): mean "
+            "and max",
+            by=("stat", {k: last[f"mismatch_{k}"] for k in ("mean", "max") if last.get(f"mismatch_{k}") is not None}),
+        ),
+        family("gauge", "mismatch_kl", "The last step's KL(mu || pi_prox) per token (k3)", last.get("mismatch_kl")),
+        family(
+            "gauge",
+            "zero_variance_groups",
+            "Share of the last step's groups whose samples all scored alike",
+            last.get("zero_variance_groups"),
+        ),
+        family(
+            "gauge",
+            "completion_length",
+            "The last step's completion lengths in tokens: min, mean and max",
+            by=(
+                "stat",
+                {
+                    k: last[f]
+                    for k, f in (
+                        ("min", "completion_len_min"),
+                        ("mean", "completion_tokens_mean"),
+                        ("max", "completion_len_max"),
+                    )
+                    if last.get(f) is not None
+                },
+            ),
+        ),
+        family(
+            "gauge",
+            "clip_fraction",
+            "Share of the last step's tokens whose PPO ratio was clipped, by bound",
+            by=("bound", {b: last[f"clip_{b}"] for b in CLIPS if last.get(f"clip_{b}") is not None}),
+        ),
+        family(
+            "gauge",
+            "mismatch_by_age",
+            "The last step's mean |log pi_prox - log mu| per token, by the age of the sampling version",
+            by=("age", {a: d["mismatch_mean"] for a, d in (last.get("by_age") or {}).items()}),
+        ),
+        family(
+            "gauge",
+            "worker_mismatch",
+            "The last step's mean |log pi_prox - log mu| per token of a worker's samples",
+            by=("worker", {w: d["mismatch_mean"] for w, d in (last.get("by_worker") or {}).items()}),
+        ),
+        family(
+            "counter",
+            "worker_refused_samples",
+            "Samples not trained: their worker's log-probs were further from the trainer's than grpo.behaviour."
+            "refuseGap, by worker and reason",
+            by=(("worker", "reason"), refused_samples(snap.rows)),
+        ),
+        family(
+            "counter",
+            "steps_skipped",
+            "Steps that changed no weight, by reason (nothing_to_train, all_refused, nonfinite)",
+            by=("reason", skipped_steps(snap.rows)),
+        ),
         family(
             "gauge", "completion_tokens", "The last step's mean completion length", last.get("completion_tokens_mean")
         ),
@@ -365,6 +492,8 @@ def summary(s: Snapshot) -> dict:
         "trainer_resumes": s.resumes,
         "steps_redone": s.redone,
         "reward_failed": reward_failed(rows),
+        "steps_skipped": skipped_steps(rows),
+        "samples_refused": {f"{w}/{why}": n for (w, why), n in sorted(refused_samples(rows).items())},
         "tokens_per_second": sum(r["tokens"] for r in rows) / s.seconds,
         "seconds": s.seconds,
         "final_version": s.job.published,

@@ -7,7 +7,7 @@ pool of worker processes (spawned; each loads the reward from its file itself), 
 process at a time, so a batch's calls run in parallel, each bounded by a timeout.
 
 A call that raises, outlives its timeout (its process is killed and replaced), or returns a
-non-finite number or something that is not a number scores its sample 0.0: a sample that could
+non-finite number, one beyond ±MAX_REWARD, or something that is not a number scores its sample 0.0: a sample that could
 not be scored earns nothing, as a wrong answer, and its group's other samples still count. Each
 failure is counted by kind (FAILURES) for the step's metrics, and the first of each kind is
 logged with its message, once.
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from sparrowrl.trainer import tasks
 
-FAILURES = ("raised", "timeout", "nonfinite", "nonnumber")
+FAILURES = ("raised", "timeout", "nonfinite", "nonnumber", "outofrange")
+MAX_REWARD = 1e6  # beyond, a reward is a bug in it: its square must stay finite in float32, as advantages take it
 START_SECONDS = 120.0  # a worker process that has not loaded the reward by then is replaced
 
 Item = tuple[str, str, str, dict]  # prompt (rendered), completion, answer, the example's other fields
@@ -46,6 +47,8 @@ def call(fn: tasks.Reward, item: Item) -> Outcome:
         return "nonnumber", f"returned {type(r).__name__} {str(r)[:100]!r}, not a number"
     if not math.isfinite(r := float(r)):
         return "nonfinite", f"returned {r}"
+    if abs(r) > MAX_REWARD:
+        return "outofrange", f"returned {r:g}, beyond ±{MAX_REWARD:g}"
     return "ok", r
 
 

@@ -179,6 +179,7 @@ class Trainer:
             self.trained[b] = batch.results
             wait = time.perf_counter() - t0
             m = await asyncio.to_thread(learner.train, batch)
+            self._warn(b, batch, m)
             generate_s = batch.worker_seconds / max(1, len(self.coord.live()))
             partial = {
                 "version": b + 1,
@@ -232,6 +233,24 @@ class Trainer:
         (self.state_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         book.finished = True
         control.changed()
+
+    @staticmethod
+    def _warn(b: int, batch, m: dict) -> None:
+        """A step that changed no weight, with the leases that fed it; samples refused, by worker."""
+        if m["skipped"]:
+            fed = sorted({(r.get("lease", -1), r.get("worker", "unknown")) for r in batch.results.values()})
+            print(
+                f"trainer: step {b} skipped ({m['skipped']}), no weight changed; its leases: "
+                + ", ".join(f"{lease} of {worker}" for lease, worker in fed),
+                flush=True,
+            )
+        for worker, reasons in m["refused_samples"].items():
+            gap = m["by_worker"][worker]["mismatch_mean"]
+            print(
+                f"trainer: step {b}: refused {sum(reasons.values())} samples of worker {worker} "
+                f"({', '.join(reasons)}: its log-probs are {gap:.3g} nats per token from the trainer's on average)",
+                flush=True,
+            )
 
     async def _checkpoint(self) -> None:
         """Checkpoint the learner's weights; the write goes on beside the next steps (one at a

@@ -5,10 +5,11 @@ verification, and samples a lease's groups of completions with their behaviour l
 Both engines sample alike: temperature, then top-k, then top-p (nucleus), and a completion ends
 at its first EOS, at the token that completes a stop string in its text (kept: the trainer
 scores exactly the tokens sampled), or at `max_new_tokens`. The behaviour log-probs are of the
-full distribution at the sampling temperature, not of the top-k/top-p truncated one: what the
-trainer's own log-probs (`trainer/grpo.py` `token_logprobs`) are divided by in the importance
-ratio. They are the engine's numbers, not the trainer's: bf16 kernels put them a little apart
-(docs/rl.md, the engine mismatch)."""
+full distribution at the sampling temperature, not of the top-k/top-p truncated one, as the
+trainer computes its own (`trainer/grpo.py` `token_logprobs`): they divide the trainer's in the
+behaviour weight, and the trainer refuses a sample whose numbers are too far from its own. They
+are the engine's numbers, not the trainer's: bf16 kernels put them a little apart (docs/rl.md,
+the engine mismatch and the objective)."""
 
 from __future__ import annotations
 
