@@ -73,6 +73,16 @@ def test_defaults_sample_as_one_plain_seeded_generate_per_group(folder):
         for s, row, lp in zip(samples, seq.tolist(), logp.tolist()):
             k = next((i + 1 for i, t in enumerate(row) if t in e.eos), len(row))
             assert (s.tokens, s.logprobs) == (row[:k], lp[:k])
+            assert s.finish == ("eos" if s.tokens[-1] in e.eos else "length")
+
+
+def test_each_sample_says_why_it_ended(folder):
+    e = engine(folder)
+    got = [x for g in e.generate(PROMPTS, Sampling(n=8, max_new_tokens=60, temperature=1.0)) for x in g]
+    assert {x.finish for x in got} == {"eos", "length"}  # both kinds of end are among these
+    for x in got:
+        assert x.finish == ("eos" if x.tokens[-1] in e.eos else "length")
+        assert x.finish == "eos" or len(x.tokens) == 60
 
 
 def test_a_group_samples_alike_alone_or_in_a_lease(folder):
@@ -116,6 +126,7 @@ def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it(folder):
             stopped += 1
             assert (after.tokens, after.logprobs) == (before.tokens[:k], before.logprobs[:k])
             assert stop in text(after.tokens) and stop not in text(after.tokens[:-1])
+            assert after.finish == "stop" and before.finish != "stop"
     assert stopped
 
 
@@ -136,6 +147,7 @@ def test_max_model_len_bounds_prompt_and_completion(folder):
     e = engine(folder, max_model_len=9)
     (samples,) = e.generate([PROMPTS[0]], Sampling(n=4, max_new_tokens=8, temperature=1.0))
     assert max(len(x.tokens) for x in samples) <= 9 - len(PROMPTS[0].ids)
+    assert all(x.finish == ("eos" if x.tokens[-1] in e.eos else "length") for x in samples)
     with pytest.raises(ValueError, match="maxModelLen"):
         engine(folder, max_model_len=6).generate([PROMPTS[0]], Sampling(n=2, max_new_tokens=8, temperature=1.0))
 

@@ -4,6 +4,7 @@ a restart, and the device a job asks for."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -301,3 +302,43 @@ def test_accumulate_with_the_proximal_policy_given_is_the_one_pass_step():
     )
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, want[n], rtol=1e-4, atol=1e-7), n
+
+
+def test_truncated_samples_are_read_from_their_tokens_masked_and_shaped(tmp_path):
+    """The trainer reads why a completion ended from its tokens, not from the worker's word: a
+    sample without EOS at maxNewTokens is truncated (masked with maskTruncated), and a worker
+    that says otherwise has that sample refused; overlong shaping takes reward by length."""
+    spec = parse(_job(learningRate=1e-3, maskTruncated=True, overlongBuffer=2, overlongPenalty=0.5)).spec
+    learner, twin = Learner(spec, tmp_path / "s"), Learner(spec, tmp_path / "twin")
+    assert [learner._overlong(k) for k in (1, 2, 3, 4)] == [0.0, 0.0, -0.25, -0.5]  # maxNewTokens 4
+    batch = _worker(_batch(learner, 0), "w")
+    eos = learner.tok.eos_token_id
+    for g in batch.groups:
+        for s in batch.results[g]["samples"]:
+            s["finish"] = "eos"
+    cut = batch.results[batch.groups[0]]["samples"][0]
+    cut["tokens"], cut["logprobs"], cut["finish"] = cut["tokens"][:3] + [7], cut["logprobs"][:3] + [-1.0], "length"
+    liar = batch.results[batch.groups[1]]["samples"][2]
+    assert liar["tokens"][-1] == eos
+    liar["finish"] = "length"  # its tokens end with EOS
+    assert [learner._finish(s["tokens"]) for s in (cut, liar)] == ["length", "eos"]
+    other = copy.deepcopy(batch)  # the same, but for the behaviour log-probs of those two samples
+    for g, j in ((0, 0), (1, 2)):
+        s = other.results[other.groups[g]]["samples"][j]
+        s["logprobs"] = [x - 0.3 for x in s["logprobs"]]
+    m = learner.train(batch)
+    assert m["truncated"] == pytest.approx(1 / 6)
+    assert m["refused_samples"] == {"w": {"finish_claim": 1}} and m["by_worker"]["w"]["refused"] == 1
+    assert m["skipped"] is None
+    # the truncated sample and the liar's weigh nothing: what their log-probs say changes no weight
+    m2 = twin.train(other)
+    assert m2["loss"] == m["loss"]
+    assert all(torch.equal(w, _weights(learner)[n]) for n, w in _weights(twin).items())
+
+
+def test_stop_strings_are_read_from_the_text(tmp_path):
+    learner = Learner(parse(_job(stop=["9"])).spec, tmp_path / "s")
+    tok = learner.tok
+    assert learner._finish(tok("12", add_special_tokens=False).input_ids) == "length"
+    assert learner._finish(tok("19", add_special_tokens=False).input_ids) == "stop"
+    assert learner._finish(tok("1", add_special_tokens=False).input_ids + [tok.eos_token_id]) == "eos"

@@ -97,6 +97,7 @@ def full_snapshot() -> ledger.Snapshot:
         **{f"is_{k}": 0.5 for k in ("weight_mean", "weight_min", "weight_max", "masked", "truncated", "ess")},
         **{f"mismatch_{k}": 0.1 for k in ("mean", "max", "kl")},
         "zero_variance_groups": 0.25,
+        "truncated": 0.125,
         "completion_len_min": 1,
         "completion_len_max": 8,
         "by_age": {"0": {"samples": 3, "tokens": 9, "mismatch_max": 0.2, "refused": 0, "mismatch_mean": 0.1}},
@@ -455,6 +456,7 @@ def test_the_dashboard_shows_what_the_issue_asks_for(helm):
         "sparrowrl_worker_mismatch",
         "sparrowrl_zero_variance_groups",
         "sparrowrl_completion_length",
+        "sparrowrl_truncated",
         "sparrowrl_worker_refused_samples_total",
         "sparrowrl_steps_skipped_total",
     }

@@ -239,7 +239,14 @@ def test_a_stop_string_ends_a_completion_as_in_the_hf_engine(trainer, engines):
         else:
             stopped += 1
             assert (after.tokens, after.logprobs) == (before.tokens[:k], before.logprobs[:k])
+            assert after.finish == "stop" and before.finish != "stop"
     assert stopped
+    # why each ended, as the trainer reads it from the tokens (learner._finish): EOS, or the length
+    long = [x for g in engine.generate(prompts, Sampling(n=8, max_new_tokens=60, temperature=1.0)) for x in g]
+    assert {x.finish for x in long} == {"eos", "length"}
+    for x in [*long, *plain]:
+        assert x.finish == ("eos" if x.tokens[-1] in engine.eos else "length"), x
+        assert x.finish == "eos" or len(x.tokens) in (16, 60)
     # greedy (top-k 1) with a stop string from the greedy text: both engines cut at the same token
     greedy, checked = Sampling(2, 12, 1.0, top_k=1), 0
     for p in PROMPTS:

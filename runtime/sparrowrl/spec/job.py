@@ -247,16 +247,6 @@ class BehaviourSpec(_Spec):
     """The behaviour weight w = π_prox/μ: the trainer's policy before the step over the policy
     the worker sampled with (stale, another engine's kernels, or a worker's false numbers)."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!has(self.floor) || (has(self.cap) ? self.cap : 2.0) > self.floor",
-                    "message": "floor must be below cap",
-                }
-            ]
-        }
-    )
     correction: Literal["off", "truncate", "mask"] = Field(
         "truncate",
         description=(
@@ -269,7 +259,12 @@ class BehaviourSpec(_Spec):
         "token", description="w per token, or per sample as the geometric mean of its tokens' weights."
     )
     cap: float = Field(2.0, gt=1, le=1e4, description="The upper bound of w (TRL: vllm_importance_sampling_clip_max).")
-    floor: float = Field(0.0, ge=0, lt=1, description="The lower bound of w (TRL: vllm_importance_sampling_clip_min).")
+    floor: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="The lower bound of w, below 1 as cap is above (TRL: vllm_importance_sampling_clip_min).",
+    )
     refuse_gap: float = Field(
         1.0,
         gt=0,
@@ -280,14 +275,19 @@ class BehaviourSpec(_Spec):
         ),
     )
 
-    @model_validator(mode="after")
-    def _floor_below_cap(self) -> BehaviourSpec:
-        if self.floor >= self.cap:
-            raise ValueError(f"floor ({self.floor}) must be below cap ({self.cap})")
-        return self
-
 
 class GrpoSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.overlongBuffer) || self.overlongBuffer <= "
+                    "(has(self.maxNewTokens) ? self.maxNewTokens : 8)",
+                    "message": "overlongBuffer must not exceed maxNewTokens",
+                }
+            ]
+        }
+    )
     learning_rate: float = Field(1e-5, gt=0, le=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
@@ -336,6 +336,26 @@ class GrpoSpec(_Spec):
             "tokens out of the loss's divisor), counted; train keeps it, as TRL does."
         ),
     )
+    mask_truncated: bool = Field(
+        False,
+        description=(
+            "A completion cut at maxNewTokens (the trainer's reading of its tokens, not the worker's word) is not "
+            "trained; its reward still counts in its group's advantages (TRL: mask_truncated_completions)."
+        ),
+    )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description=(
+            "DAPO's overlong shaping: a completion longer than maxNewTokens − overlongBuffer tokens loses "
+            "overlongPenalty × (its excess / overlongBuffer) of reward, before advantages (verl: "
+            "overlong_buffer.len); 0: none."
+        ),
+    )
+    overlong_penalty: float = Field(
+        1.0, gt=0, le=1e6, description="The most reward overlong shaping takes (verl: overlong_buffer.penalty_factor)."
+    )
     updates_per_batch: int = Field(
         1,
         ge=1,
@@ -349,6 +369,15 @@ class GrpoSpec(_Spec):
     kl_estimator: Literal["k1", "k2", "k3", "low-var-kl"] = Field(
         "k3", description="How the KL is estimated from samples (verl: kl_loss_type kl, mse, k3, low_var_kl)."
     )
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> GrpoSpec:
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(
+                f"overlongBuffer ({self.overlong_buffer}) must not exceed maxNewTokens ({self.max_new_tokens})"
+            )
+        return self
+
     temperature: float = Field(1.0, ge=0.01, le=100)
     top_p: float = Field(
         1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose probability reaches topP."

@@ -31,6 +31,9 @@ class Work(Body):
 class Sample(Body):
     tokens: Annotated[list[StrictInt], Field(max_length=4096)]
     logprobs: Annotated[list[Annotated[float, Field(ge=-1e4, le=0)]], Field(max_length=4096)]
+    finish: Literal["eos", "stop", "length"] | None = (
+        None  # why it ended, as its engine says; None: a worker before it said
+    )
 
 
 class Group(Body):

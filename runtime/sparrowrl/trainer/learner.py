@@ -112,6 +112,8 @@ class Learner:
             self.version = newest
             self.saved.load(newest, self.model, self.opt)
         self.model.train()
+        eos = self.model.config.eos_token_id
+        self.eos = {self.tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # as engines end
         self.dense_bytes = sum(t.numel * 2 for t in self.table)
         self.model_dir = state_dir / "model"
         if rank == 0:  # workers build the architecture from this folder; the weights come from the store
@@ -224,25 +226,42 @@ class Learner:
         t0 = time.perf_counter()
         rewards, failed = scored or self._score(batch)
         self._lead("train", batch, (rewards, failed))
+        samples = [batch.results[group]["samples"] for group in batch.groups]
+        ends = [[self._finish(s["tokens"]) for s in group] for group in samples]  # the trainer's reading
         r = torch.tensor(rewards, dtype=torch.float32)  # finite and bounded (rewards.MAX_REWARD)
-        varied = (r.max(1).values != r.min(1).values).tolist()
-        trained = [v or g.zero_variance_groups == "train" for v in varied]
+        shaped = r + torch.tensor([[self._overlong(len(s["tokens"])) for s in group] for group in samples])
+        varied = (shaped.max(1).values != shaped.min(1).values).tolist()
+        claims = {  # (group, sample) whose worker said it ended otherwise than its tokens show
+            (i, j)
+            for i, group in enumerate(samples)
+            for j, s in enumerate(group)
+            if s.get("finish") not in (None, ends[i][j])  # None: a worker from before workers said
+        }
+        trained = [
+            [
+                (v or g.zero_variance_groups == "train")
+                and not (g.mask_truncated and ends[i][j] == "length")
+                and (i, j) not in claims
+                for j in range(len(group))
+            ]
+            for i, (v, group) in enumerate(zip(varied, samples))
+        ]
         rows, mine, lengths = [], [], []  # mine: (group, sample) of this rank's rows
         for i, group in enumerate(batch.groups):
             p = self.prompt_ids(group)
-            for j, s in enumerate(batch.results[group]["samples"]):
+            for j, s in enumerate(samples[i]):
                 if i % self.world == self.rank:
                     rows.append((p, s["tokens"], s["logprobs"]))
                     mine.append((i, j))
-                lengths.append((len(s["tokens"]), trained[i]))
+                lengths.append((len(s["tokens"]), trained[i][j]))
         n = sum(t for _, t in lengths)  # samples trained, over every rank
         tokens = sum(k for k, t in lengths if t)
-        adv = grpo.advantages(r, g.scale_rewards)[[i for i, _ in mine], [j for _, j in mine]].to(self.device)
+        adv = grpo.advantages(shaped, g.scale_rewards)[[i for i, _ in mine], [j for _, j in mine]].to(self.device)
         how = (g.loss_aggregation, g.max_new_tokens)
         scale = torch.tensor(  # times the ranks, whose gradients are averaged
             [
-                self.world * grpo.row_weight(len(c), n, tokens, *how) * trained[i]
-                for (i, _), (_, c, _) in zip(mine, rows)
+                self.world * grpo.row_weight(len(c), n, tokens, *how) * trained[i][j]
+                for (i, j), (_, c, _) in zip(mine, rows)
             ],
             device=self.device,
         )
@@ -264,7 +283,7 @@ class Learner:
             norms.append(norm)
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 skipped = "nonfinite"
-            elif not any(trained[i] and not x[3] for (i, _), x in seen.items()):
+            elif not any(trained[i][j] and not x[3] for (i, j), x in seen.items()):
                 skipped = "all_refused"
             if skipped:
                 self.opt.zero_grad(set_to_none=True)
@@ -281,8 +300,9 @@ class Learner:
             "train_s": time.perf_counter() - t0,
             "skipped": skipped,
             **self._diagnostics(total),
-            **self._behaviour(batch, seen or {}, trained),
+            **self._behaviour(batch, seen or {}, claims),
             "zero_variance_groups": 1.0 - sum(varied) / len(varied),
+            "truncated": sum(e == "length" for group in ends for e in group) / len(lengths),
             "completion_len_min": min(k for k, _ in lengths),
             "completion_len_max": max(k for k, _ in lengths),
             "behaviour_versions": sorted({res["version"] for res in batch.results.values()}),
@@ -367,25 +387,47 @@ class Learner:
             "mismatch_kl": s["mismatch_kl"] / n,
         }
 
-    def _behaviour(self, batch: Batch, seen: dict[tuple[int, int], tuple], trained: list[bool]) -> dict:
+    def _finish(self, tokens: list[int]) -> str:
+        """Why a completion ended, read from its tokens as the engines end them (engines.FINISH)."""
+        if tokens[-1] in self.eos:
+            return "eos"
+        stop = self.spec.grpo.stop
+        if stop and any(x in models.completion_text(self.tok, tokens) for x in stop):
+            return "stop"
+        return "length"
+
+    def _overlong(self, length: int) -> float:
+        """DAPO's overlong shaping: what a completion of `length` tokens loses of its reward."""
+        g = self.spec.grpo
+        over = length - (g.max_new_tokens - g.overlong_buffer)
+        return -g.overlong_penalty * over / g.overlong_buffer if g.overlong_buffer and over > 0 else 0.0
+
+    def _behaviour(self, batch: Batch, seen: dict[tuple[int, int], tuple], claims: set[tuple[int, int]]) -> dict:
         """The samples' gaps between the worker's log-probs and the trainer's, by the age of the
-        version that sampled them and by worker; and the refused samples, by worker and reason."""
+        version that sampled them and by worker; and the refused samples, by worker and reason
+        (`claims`: those whose worker said they ended otherwise than their tokens show)."""
         by_age: dict[str, dict] = {}
         by_worker: dict[str, dict] = {}
         refused: dict[str, dict[str, int]] = {}
-        for (i, _), (t, gap, top, no) in sorted(seen.items()):
-            res = batch.results[batch.groups[i]]
+        for i, group in enumerate(batch.groups):
+            res = batch.results[group]
             worker = res.get("worker", "unknown")  # results journaled before workers were kept have none
-            for key, into in ((str(batch.index - res["version"]), by_age), (worker, by_worker)):
-                d = into.setdefault(key, {"samples": 0, "tokens": 0, "gap": 0.0, "mismatch_max": 0.0, "refused": 0})
-                d["samples"] += 1
-                d["tokens"] += t
-                d["gap"] += gap
-                d["mismatch_max"] = max(d["mismatch_max"], top)
-                d["refused"] += no
-            if no:
-                refused.setdefault(worker, {}).setdefault("logprob_gap", 0)
-                refused[worker]["logprob_gap"] += 1
+            for j in range(len(res["samples"])):
+                gapped = (i, j) in seen and seen[i, j][3]
+                why = [w for w, yes in (("logprob_gap", gapped), ("finish_claim", (i, j) in claims)) if yes]
+                for w in why:
+                    refused.setdefault(worker, {}).setdefault(w, 0)
+                    refused[worker][w] += 1
+                if (i, j) not in seen:  # a step with nothing to train makes no pass
+                    continue
+                t, gap, top, _ = seen[i, j]
+                for key, into in ((str(batch.index - res["version"]), by_age), (worker, by_worker)):
+                    d = into.setdefault(key, {"samples": 0, "tokens": 0, "gap": 0.0, "mismatch_max": 0.0, "refused": 0})
+                    d["samples"] += 1
+                    d["tokens"] += t
+                    d["gap"] += gap
+                    d["mismatch_max"] = max(d["mismatch_max"], top)
+                    d["refused"] += bool(why)
         for d in (*by_age.values(), *by_worker.values()):
             d["mismatch_mean"] = d.pop("gap") / max(d["tokens"], 1)
         return {"by_age": by_age, "by_worker": by_worker, "refused_samples": refused}

@@ -370,6 +370,12 @@ def metrics(snap: Snapshot) -> list:
         ),
         family(
             "gauge",
+            "truncated",
+            "Share of the last step's completions cut at maxNewTokens (read from their tokens)",
+            last.get("truncated"),
+        ),
+        family(
+            "gauge",
             "completion_length",
             "The last step's completion lengths in tokens: min, mean and max",
             by=(

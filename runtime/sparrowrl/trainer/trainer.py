@@ -245,10 +245,11 @@ class Trainer:
                 flush=True,
             )
         for worker, reasons in m["refused_samples"].items():
-            gap = m["by_worker"][worker]["mismatch_mean"]
+            gap = m["by_worker"].get(worker, {}).get("mismatch_mean")
+            why = ", ".join(f"{n} {w}" for w, n in reasons.items())
             print(
-                f"trainer: step {b}: refused {sum(reasons.values())} samples of worker {worker} "
-                f"({', '.join(reasons)}: its log-probs are {gap:.3g} nats per token from the trainer's on average)",
+                f"trainer: step {b}: refused {sum(reasons.values())} samples of worker {worker} ({why})"
+                + (f"; its log-probs are {gap:.3g} nats per token from the trainer's on average" if gap else ""),
                 flush=True,
             )
 

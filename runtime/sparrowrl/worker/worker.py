@@ -195,7 +195,7 @@ class Worker:
             self.engine.generate, [Prompt(p["ids"], p["seed"]) for p in lease["prompts"]], sampling
         )
         results = {
-            p["group"]: {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs} for s in samples]}
+            p["group"]: {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs, "finish": s.finish} for s in samples]}
             for p, samples in zip(lease["prompts"], groups, strict=True)
         }
         if self.pace:

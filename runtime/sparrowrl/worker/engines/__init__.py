@@ -18,11 +18,14 @@ from typing import Protocol
 
 import torch
 
+FINISH = ("eos", "stop", "length")  # why a completion ended: an EOS token, a stop string, or its length
+
 
 @dataclass
 class Sample:
     tokens: list[int]  # completion token ids, ending with EOS or a stop string unless cut at max_new_tokens
     logprobs: list[float]  # behaviour log-probs of those tokens at the sampling temperature
+    finish: str  # one of FINISH: "length" is a completion cut at max_new_tokens (or at maxModelLen)
 
 
 @dataclass(frozen=True)

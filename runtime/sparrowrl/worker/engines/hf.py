@@ -73,10 +73,14 @@ class HFEngine:
         logp = logp.gather(-1, seq[..., None]).squeeze(-1)
         samples = []
         for i, (row, lp) in enumerate(zip(seq.tolist(), logp.tolist())):
-            k = next((j + 1 for j, t in enumerate(row) if t in self.eos), len(row))
-            if stops is not None:
-                k = min(k, stops.ends.get(i, k))
-            samples.append(Sample(row[:k], lp[:k]))
+            eos = next((j + 1 for j, t in enumerate(row) if t in self.eos), None)
+            stop = stops.ends.get(i) if stops is not None else None
+            if eos is not None and (stop is None or eos <= stop):
+                samples.append(Sample(row[:eos], lp[:eos], "eos"))
+            elif stop is not None:
+                samples.append(Sample(row[:stop], lp[:stop], "stop"))
+            else:  # generate pads rows that ended before the longest: none here ended
+                samples.append(Sample(row, lp, "length"))
         return samples
 
 

@@ -157,9 +157,20 @@ class VLLMEngine:
         ]
         outs = self.llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params, use_tqdm=False)
         return [
-            [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in out.outputs]
+            [
+                Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)], _finish(o))
+                for o in out.outputs
+            ]
             for out in outs
         ]
+
+
+def _finish(o) -> str:
+    """vLLM's reason as FINISH has it: "length" (max_tokens or the model's length), a stop string
+    (stop_reason is the string), or EOS (no stop_reason, or the stop token id it ended on)."""
+    if o.finish_reason == "length":
+        return "length"
+    return "stop" if isinstance(o.stop_reason, str) else "eos"
 
 
 def _spread(seed: int) -> int:
