@@ -406,8 +406,9 @@ def test_weights_in_sync_and_a_hash_mismatch():
 
 def test_a_status_of_hundreds_of_workers_counts_them_all_and_lists_the_worst_64():
     """The trainer lists every worker; the custom resource gets counts of them all and the worst
-    64, however many there are: mismatches, then stale ones, then the furthest behind, then those
-    refusing answers (not the first 64 by name), in a status far under a CR's size limit."""
+    64, however many there are: mismatches, then those with most refused samples, then stale ones,
+    then the furthest behind, then those refusing answers (not the first 64 by name), in a status
+    far under a CR's size limit."""
     w = World(members={})
     job = body(placements=[{"region": f"r{i}", "replicas": 64} for i in range(8)], health={"onStale": "Ignore"})
     w.step(job, 0)
@@ -417,6 +418,7 @@ def test_a_status_of_hundreds_of_workers_counts_them_all_and_lists_the_worst_64(
     assert len(names) == 512
     last = names[-64:]  # the worst all sort last by name
     mismatched, stale, behind, refusing = last[-3:], last[-9:-3], last[-20:-9], last[-24:-20]
+    untrusted = {last[-26]: 2, last[-25]: 9}  # refused samples: the more, the worse
     workers = [
         WorkerStatus(
             name=n,
@@ -425,6 +427,7 @@ def test_a_status_of_hundreds_of_workers_counts_them_all_and_lists_the_worst_64(
             last_verification="mismatch" if n in mismatched else "ok",
             seconds_since_seen=400.0 if n in stale else 1.0,
             refused_answers=7 if n in refusing else 0,
+            refused_samples=untrusted.get(n, 0),
         )
         for n in names + ["add-grpo-worker-gone-0-0"]  # a pod gone, that the trainer still lists
     ]
@@ -433,8 +436,16 @@ def test_a_status_of_hundreds_of_workers_counts_them_all_and_lists_the_worst_64(
     progress = job["status"]["progress"]
     listed = [x["name"] for x in progress["workers"]]
     assert len(listed) == 64
-    assert listed[:3] == sorted(mismatched) and set(listed[3:9]) == set(stale) and set(listed[9:20]) == set(behind)
-    assert listed[20:24] == sorted(refusing) and listed[24] == names[0]  # then the rest, by name
+    assert listed[:3] == sorted(mismatched) and listed[3:5] == [last[-25], last[-26]]
+    assert set(listed[5:11]) == set(stale) and set(listed[11:22]) == set(behind)
+    assert listed[22:26] == sorted(refusing) and listed[26] == names[0]  # then the rest, by name
+    assert progress["workers"][3] == {
+        "name": last[-25],
+        "committedVersion": 5,
+        "verification": "ok",
+        "behind": 0,
+        "refusedSamples": 9,
+    }
     assert progress["workers"][0] == {
         "name": mismatched[0],
         "committedVersion": 5,
@@ -448,6 +459,7 @@ def test_a_status_of_hundreds_of_workers_counts_them_all_and_lists_the_worst_64(
         "mismatched": 3,
         "behind": 11,
         "refusing": 4,
+        "untrusted": 2,
         "byStaleness": {"current": 501, "one": 0, "two": 0, "threeOrMore": 11, "unknown": 0},
     }
     assert job["status"]["leases"]["staleWorkers"] == sorted(stale)
@@ -463,6 +475,131 @@ def test_a_status_of_hundreds_of_workers_counts_them_all_and_lists_the_worst_64(
     w.step(job, 320)
     assert "512 workers within" in condition(job, "WeightsInSync")["message"]  # all of them, not the 64 listed
     assert len(json.dumps(job["status"]).encode()) < 64 << 10
+
+
+def refused_status(refused: dict[str, int], names: list[str], **job) -> TrainerStatus:
+    """The trainer's status with each of `names` reporting, `refused` its samples refused per worker."""
+    t = trainer_status([(n, 1.0, "ok") for n in names])
+    workers = [w.model_copy(update={"refused_samples": refused.get(w.name, 0)}) for w in t.workers]
+    return t.model_copy(update={"workers": workers, "samples_refused": sum(refused.values()), **job})
+
+
+def dropped_by_crd(status: dict) -> list[str]:
+    """The fields of a written status that the CRD's schema lacks: a real API server drops them."""
+    crd = yaml.safe_load((ROOT / "crds" / "sparrowrl.dev_sparrowrljobs.yaml").read_text())
+    out: list[str] = []
+
+    def walk(schema: dict, obj, at: str) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                if k not in schema.get("properties", {}):
+                    out.append(f"{at}.{k}")
+                else:
+                    walk(schema["properties"][k], v, f"{at}.{k}")
+        elif isinstance(obj, list):
+            for x in obj:
+                walk(schema["items"], x, f"{at}[]")
+
+    walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"], status, "status")
+    return out
+
+
+def refused_events(plan: Plan) -> list[tuple[str, str]]:
+    return [(t, m) for t, r, m in plan.events if r == "SamplesRefused"]
+
+
+def test_a_worker_sending_false_samples_is_named_in_a_condition_an_event_and_the_listing():
+    """The trainer refuses samples whose log-probs are false; the worker that sent them shows in
+    WorkersTrusted, in one Warning as its count grows (not every cycle), and first in the listing
+    after hash mismatches. The run goes on: the phase is not the condition's."""
+    w, job = World(), body()
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    liar, other = "add-grpo-worker-us-1-0", "add-grpo-worker-us-0-0"
+    w.trainer = refused_status({}, [other, liar])
+    plan = w.step(job, 5)
+    wt = condition(job, "WorkersTrusted")
+    assert (wt["status"], wt["reason"]) == ("True", "AllSamplesTrusted") and refused_events(plan) == []
+    assert job["status"]["progress"]["workerCounts"]["untrusted"] == 0
+
+    w.trainer = refused_status({liar: 3}, [other, liar])
+    plan = w.step(job, 15)
+    wt = condition(job, "WorkersTrusted")
+    assert (wt["status"], wt["reason"]) == ("False", "FalseSamples") and f"{liar} (3)" in wt["message"]
+    assert other not in wt["message"]
+    ((kind, message),) = refused_events(plan)
+    assert kind == "Warning" and message.startswith(f"worker {liar} has had 3 samples refused")
+    assert "kubectl logs add-grpo-trainer-0" in message
+    assert ("Warning", "FalseSamples") in [(t, r) for t, r, _ in plan.events]  # the condition going False
+    progress = job["status"]["progress"]
+    assert progress["workers"][0] == {
+        "name": liar,
+        "committedVersion": 5,
+        "verification": "ok",
+        "behind": 0,
+        "refusedSamples": 3,
+    }
+    assert all("refusedSamples" not in x for x in progress["workers"][1:])
+    assert progress["workerCounts"]["untrusted"] == 1 and progress["samplesRefused"] == 3
+    assert job["status"]["phase"] == "Running"  # not a failure of the job
+    assert dropped_by_crd(job["status"]) == []
+
+    plan = w.step(job, 25)  # the same count: no Event again, the condition holds
+    assert refused_events(plan) == [] and "FalseSamples" not in [r for _, r, _ in plan.events]
+    assert condition(job, "WorkersTrusted")["reason"] == "FalseSamples"
+
+    w.trainer = refused_status({liar: 5}, [other, liar])
+    ((_, message),) = refused_events(w.step(job, 35))
+    assert message.startswith(f"worker {liar} has had 5 samples refused (2 since the last count)")
+
+    w.pods[None][liar]["metadata"]["deletionTimestamp"] = stamp(at(40))  # its pod going: the trainer still lists it
+    plan = w.step(job, 45)
+    assert condition(job, "WorkersTrusted")["status"] == "True" and refused_events(plan) == []
+    assert job["status"]["progress"]["workerCounts"]["untrusted"] == 0
+
+
+def test_false_samples_get_an_event_per_worker_and_many_workers_one_between_them():
+    """As the stale workers: one Event per worker while the status lists them all, then one
+    Event when the job's refused samples grow, however many workers send them."""
+    places = [{"region": "us", "replicas": 40}, {"region": "eu", "cluster": "eu-west", "replicas": 40}]
+    w, job = World(), body(placements=places)
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    workers = [n for c in (None, "eu-west") for n in w.names(c) if "-worker-" in n]
+    assert len(workers) == 80
+    w.trainer = refused_status({n: 1 for n in workers[:3]}, workers)
+    assert sorted(m.split()[1] for _, m in refused_events(w.step(job, 10))) == sorted(workers[:3])
+    w.trainer = refused_status({n: 1 for n in workers}, workers)  # more than the status lists
+    (many,) = refused_events(w.step(job, 20))
+    assert many[1].startswith("80 workers had samples refused") and "77 more since the last count" in many[1]
+    assert refused_events(w.step(job, 30)) == []
+    w.trainer = refused_status({n: 1 + (n == workers[5]) for n in workers}, workers)
+    (more,) = refused_events(w.step(job, 40))
+    assert more[1].startswith("80 workers had samples refused, the most: " + workers[5] + " (2)")
+    assert job["status"]["progress"]["workerCounts"]["untrusted"] == 80
+    assert "and 72 more" in condition(job, "WorkersTrusted")["message"]
+
+
+def test_skipped_steps_reach_the_status_with_an_event_as_they_grow():
+    w, job = World(), body()
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    names = ["add-grpo-worker-us-0-0"]
+    skipped = lambda plan: [(t, m) for t, r, m in plan.events if r == "StepsSkipped"]  # noqa: E731
+    w.trainer = refused_status({}, names)
+    assert skipped(w.step(job, 5)) == [] and job["status"]["progress"]["stepsSkipped"] == 0
+    w.trainer = refused_status({}, names, steps_skipped=2)
+    ((kind, message),) = skipped(w.step(job, 15))
+    assert kind == "Normal" and message.startswith("2 more steps changed no weight (2 of 5 so far)")
+    assert job["status"]["progress"]["stepsSkipped"] == 2
+    assert skipped(w.step(job, 25)) == []
+    w.trainer = refused_status({}, names, steps_skipped=3)
+    ((_, message),) = skipped(w.step(job, 35))
+    assert message.startswith("1 more step changed no weight (3 of 5 so far)")
+    assert job["status"]["phase"] == "Running"
 
 
 def test_a_priced_jobs_cost_and_tokens_per_dollar_reach_the_status_and_its_column():

@@ -47,3 +47,5 @@ ADOPTED = "Adopted"  # a state claim retained from an earlier job of the same na
 CLAIM_CONFLICT = "StateClaimConflict"
 TTL_EXPIRED = "TTLExpired"
 RETAINED = "StateRetained"
+SAMPLES_REFUSED = "SamplesRefused"  # a worker's samples refused by the trainer: their log-probs were false
+STEPS_SKIPPED = "StepsSkipped"  # trainer steps that changed no weight

@@ -74,6 +74,7 @@ class WorkerProgress(_Model):
     behind: Count | None = None  # versions behind the trainer's newest
     stale: bool | None = None  # only when True
     refused_answers: Count | None = None  # only when some: answers from its relay that did not verify
+    refused_samples: Count | None = None  # only when some: its samples the trainer refused, their log-probs false
 
 
 class Staleness(_Model):
@@ -95,6 +96,7 @@ class WorkerCounts(_Model):
     mismatched: Count = 0  # live, last commit's hash differed from the trainer's
     behind: Count = 0  # live, beyond sync.staleness
     refusing: Count = 0  # live, refused answers from their relay
+    untrusted: Count = 0  # live, had samples refused by the trainer (their log-probs were false): WorkersTrusted
     by_staleness: Staleness = Staleness()
 
 
@@ -111,14 +113,17 @@ class Progress(_Model):
     changed_fraction: Annotated[float, Field(ge=0, le=1)] | None = None
     commits_verified: Count = 0
     commits_mismatched: Count = 0
+    steps_skipped: Count = 0  # steps that changed no weight
+    samples_refused: Count = 0  # samples not trained: their worker's log-probs were false
     cost_dollars: Annotated[float, Field(ge=0)] | None = None  # with the spec's costPerHour
     tokens_per_dollar: Annotated[float, Field(ge=0)] | None = None
     worker_counts: WorkerCounts = WorkerCounts()
     workers: Annotated[list[WorkerProgress], Field(max_length=MAX_LISTED)] = Field(
         [],
         description=(
-            "The worst live workers, at most 64: hash mismatches first, then stale ones, then those most "
-            "versions behind, then those with most refused answers; workerCounts counts them all."
+            "The worst live workers, at most 64: hash mismatches first, then those with most refused samples, "
+            "then stale ones, then those most versions behind, then those with most refused answers; "
+            "workerCounts counts them all."
         ),
     )
 

@@ -39,10 +39,12 @@ from sparrowrl_operator.constants import (
     RESTARTED,
     RESUMED,
     ROLE_LABEL,
+    SAMPLES_REFUSED,
     SLOT_LABEL,
     STALE,
     STEPS_ANNOTATION,
     STEPS_RAISED,
+    STEPS_SKIPPED,
     SUCCEEDED,
     SUSPENDED,
     TRAINER_PORT,
@@ -231,6 +233,11 @@ def human_count(x: float) -> str:
             return f"{x:.0f}" if not unit else f"{x:.1f}{unit}"
         x /= 1000
     return f"{x * 1e15:.2g}"
+
+
+def counted(n: int, what: str) -> str:
+    """`1 sample`, `3 samples`."""
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def human_bytes(n: int) -> str:
@@ -477,6 +484,7 @@ class _Cycle:
             return
         self.progress()
         self.health()
+        self.trust()
 
     def deadlines(self) -> bool:
         rp, active = self.spec.run_policy, since(self.status.active_since, self.obs.now)
@@ -975,6 +983,8 @@ class _Cycle:
                 changed_fraction=rounded(t.last_changed_fraction, 5),
                 commits_verified=t.commits_verified,
                 commits_mismatched=t.commits_mismatched,
+                steps_skipped=t.steps_skipped,
+                samples_refused=t.samples_refused,
                 cost_dollars=rounded(t.cost_dollars, 4),
                 tokens_per_dollar=rounded(t.tokens_per_dollar, 1),
                 worker_counts=counts,
@@ -1054,6 +1064,76 @@ class _Cycle:
                 f"{self.spec.sync.staleness} version(s) of v{t.version}, each commit hash-verified",
             )
 
+    def trainer_logs(self) -> str:
+        """The command that shows the running trainer's log."""
+        pod, _ = self.current(None, ("trainer", None, None))
+        name = pod["metadata"]["name"] if pod else builders.pod_name(self.job, Process("trainer", "trainer"), 0)
+        return f"kubectl logs {name}"
+
+    def trust(self) -> None:
+        """WorkersTrusted, from the trainer's count of each live worker's refused samples: samples
+        whose log-probs were further from the trainer's than grpo.behaviour.refuseGap, from a
+        worker sending false numbers (compromised, broken or buggy). Not a failure, and no part of
+        the phase: the run goes on, those samples are not trained. A count is the trainer's over
+        the job, for the worker's pod name, so the condition holds while that pod lives. Then the
+        steps that changed no weight, with an Event when there are more."""
+        t = self.obs.trainer
+        if t is None:
+            return
+        refused = {w.name: w.refused_samples for w in t.workers if w.name in self.alive and w.refused_samples}
+        if refused:
+            worst = sorted(refused, key=lambda n: (-refused[n], n))
+            names = ", ".join(f"{n} ({refused[n]})" for n in worst[:8])
+            more = f" and {len(worst) - 8} more" if len(worst) > 8 else ""
+            self.transition(
+                "WorkersTrusted",
+                False,
+                "FalseSamples",
+                f"samples refused, their log-probs further from the trainer's than grpo.behaviour.refuseGap: "
+                f"{names}{more}",
+                warning=True,
+            )
+            self.refused_events(refused, worst)
+        else:
+            self.condition("WorkersTrusted", True, "AllSamplesTrusted", "no live worker has had a sample refused")
+        grew = t.steps_skipped - self.prev.progress.steps_skipped
+        if grew > 0:
+            self.event(
+                STEPS_SKIPPED,
+                f"{counted(grew, 'more step')} changed no weight ({t.steps_skipped} of {t.step} so far): nothing "
+                "to train (every group scored alike), every sample refused, or a loss not finite; "
+                f"{self.trainer_logs()} says which, step by step",
+            )  # Normal: a solved task's batches have nothing to train, which is no fault
+
+    def refused_events(self, refused: dict[str, int], worst: list[str]) -> None:
+        """An Event per worker as its refused samples grow, not one per such worker per cycle. The
+        last status's listing holds each one's last count while it lists every such worker (they
+        sort right after hash mismatches); beyond that, one Event when the job's count grows."""
+        prev, logs = self.prev.progress, self.trainer_logs()
+        before = {w.name: w.refused_samples for w in prev.workers if w.refused_samples}
+        named_all = len(before) == prev.worker_counts.untrusted
+        names_all = sum(bool(w.refused_samples) for w in self.status.progress.workers) == len(refused)
+        if named_all and names_all:
+            for n in worst:
+                if refused[n] > before.get(n, 0):
+                    self.event(
+                        SAMPLES_REFUSED,
+                        f"worker {n} has had {counted(refused[n], 'sample')} refused ({refused[n] - before.get(n, 0)} "
+                        "since the last count): their log-probs were further from the trainer's than "
+                        f"grpo.behaviour.refuseGap, so they are not trained; {logs} says which steps "
+                        f"(`refused N samples of worker {n}`)",
+                        True,
+                    )
+        elif (t := self.obs.trainer) is not None and t.samples_refused > prev.samples_refused:
+            most = ", ".join(f"{n} ({refused[n]})" for n in worst[:8])
+            self.event(
+                SAMPLES_REFUSED,
+                f"{counted(len(refused), 'worker')} had samples refused, the most: {most}; "
+                f"{t.samples_refused - prev.samples_refused} more since the last count, {t.samples_refused} in all: "
+                f"their log-probs were further from the trainer's than grpo.behaviour.refuseGap; {logs} says which",
+                True,
+            )
+
     def display(self) -> None:
         s, p = self.status, self.status.progress
         placements = s.placements
@@ -1080,15 +1160,16 @@ def worker_view(
     t: TrainerStatus, alive: set[str], stale: dict[str, float], sync_staleness: int
 ) -> tuple[list[WorkerProgress], WorkerCounts]:
     """The trainer's workers as the status shows them: every live one counted, and the worst
-    MAX_LISTED listed (a hash mismatch, then stale, then most versions behind, then most refused
-    answers, then longest unheard), so a status of thousands of workers stays small and shows
-    what needs looking at. Workers whose pods are gone are left out: the trainer still lists
-    them for a while."""
+    MAX_LISTED listed (a hash mismatch, then most refused samples (false log-probs), then stale,
+    then most versions behind, then most refused answers, then longest unheard), so a status of
+    thousands of workers stays small and shows what needs looking at. Workers whose pods are gone
+    are left out: the trainer still lists them for a while."""
     live = [w for w in t.workers if w.name in alive]
 
     def badness(w: WorkerStatus) -> tuple:
         return (
             w.last_verification != "mismatch",
+            -w.refused_samples,
             w.name not in stale,
             -(w.staleness or 0),
             -w.refused_answers,
@@ -1109,6 +1190,7 @@ def worker_view(
         mismatched=sum(w.last_verification == "mismatch" for w in live),
         behind=sum(w.committed_version is not None and (w.staleness or 0) > sync_staleness for w in live),
         refusing=sum(w.refused_answers > 0 for w in live),
+        untrusted=sum(w.refused_samples > 0 for w in live),
         by_staleness=Staleness(**by),
     )
     listed = [
@@ -1120,6 +1202,7 @@ def worker_view(
             behind=w.staleness,
             stale=True if w.name in stale else None,
             refused_answers=w.refused_answers or None,
+            refused_samples=w.refused_samples or None,
         )
         for w in sorted(live, key=badness)[:MAX_LISTED]
     ]
