@@ -105,7 +105,17 @@ def full_snapshot() -> ledger.Snapshot:
         "refused_samples": {"w": {"logprob_gap": 1}},
     }
     return ledger.Snapshot(
-        c.view(), 10, [row], 5.0, {"delta": 1, "base": 2}, 0, 0, False, Held(pruned=1, versions=2, bytes=3), 0.5
+        c.view(),
+        10,
+        [row],
+        5.0,
+        {"delta": 1, "base": 2},
+        0,
+        0,
+        False,
+        Held(pruned=1, versions=2, bytes=3),
+        0.5,
+        evals=({"version": 1, "prompts": 8, "samples": 4, "decoding": "sampled", "pass_at_1": 0.5, "pass_at_k": 0.75},),
     )
 
 
@@ -457,6 +467,8 @@ def test_the_dashboard_shows_what_the_issue_asks_for(helm):
         "sparrowrl_zero_variance_groups",
         "sparrowrl_completion_length",
         "sparrowrl_truncated",
+        "sparrowrl_eval_pass_at_1",
+        "sparrowrl_eval_pass_at_k",
         "sparrowrl_worker_refused_samples_total",
         "sparrowrl_steps_skipped_total",
     }

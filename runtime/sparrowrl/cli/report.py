@@ -15,7 +15,12 @@ PHASES = ("generate_s", "train_s", "extract_s", "transfer_s", "wait_s")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_rows(run_dir / "metrics.jsonl")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """A JSONL file's rows; none if it is not there (eval.jsonl, without task.eval)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def plots(run_dir: Path, mode: str) -> list[Path]:
@@ -65,6 +70,39 @@ def plots(run_dir: Path, mode: str) -> list[Path]:
     ax.set(xlabel="version", ylabel="bytes", title="Payload per step")
     ax.legend()
     out.append(_save(fig, run_dir / "payload.png"))
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    for key, label in (("mismatch_mean", "mean |log π_prox − log μ|"), ("mismatch_kl", "KL(μ ‖ π_prox)")):
+        top.plot(v, [r.get(key) for r in rows], lw=1, label=label)
+    top.set(ylabel="nats per token", title="What the workers sampled, against the trainer's policy")
+    top.legend(fontsize=8)
+    for key, label in (
+        ("entropy", "entropy (nats)"),
+        ("is_masked", "behaviour weight 0 (share)"),
+        ("is_truncated", "behaviour weight truncated (share)"),
+        ("zero_variance_groups", "zero-variance groups (share)"),
+        ("truncated", "completions cut at maxNewTokens (share)"),
+    ):
+        bottom.plot(v, [r.get(key) for r in rows], lw=1, label=label)
+    bottom.set(xlabel="version", title="The objective, per step")
+    bottom.legend(fontsize=8)
+    out.append(_save(fig, run_dir / "objective.png"))
+
+    evals = read_rows(run_dir / "eval.jsonl")
+    if evals:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ev = [r["version"] for r in evals]
+        ax.plot(ev, [r["pass_at_1"] for r in evals], marker="o", label="pass@1")
+        if "pass_at_k" in evals[-1]:
+            ax.plot(ev, [r.get("pass_at_k") for r in evals], marker="s", label=f"pass@{evals[-1]['samples']}")
+        ax.set(
+            xlabel="version",
+            ylabel="held-out",
+            ylim=(0, 1.02),
+            title=f"Held-out eval: {evals[-1]['prompts']} prompts, {evals[-1]['decoding']}",
+        )
+        ax.legend()
+        out.append(_save(fig, run_dir / "eval.png"))
     return out
 
 

@@ -178,6 +178,45 @@ class DatasetSpec(_Spec):
     )
 
 
+class EvalSpec(_Spec):
+    """Held-out prompts that workers generate at a version and the trainer scores, never trains on."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.jsonl) || !has(self.dataset)",
+                    "message": "give eval.jsonl or eval.dataset, not both",
+                }
+            ]
+        }
+    )
+    jsonl: Text | None = Field(None, description="A file of held-out examples, as task.jsonl's.")
+    dataset: DatasetSpec | None = Field(None, description="A data set of held-out examples, as task.dataset's.")
+    prompts: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description=(
+            "How many: the first of the file or data set, or, for a built-in task without either, examples "
+            "training never draws."
+        ),
+    )
+    every: int = Field(10, ge=1, le=10_000_000, description="Every this many versions (and at v0 and the last).")
+    samples: int = Field(
+        1, ge=1, le=256, description="Samples per prompt: pass@1 over them, and pass@k for k = samples."
+    )
+    decoding: Literal["greedy", "sampled"] = Field(
+        "greedy", description="greedy: the most likely token each time; sampled: as rollouts sample (grpo's settings)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalSpec:
+        if self.jsonl is not None and self.dataset is not None:
+            raise ValueError("give eval.jsonl or eval.dataset, not both")
+        return self
+
+
 class TaskSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
@@ -186,7 +225,12 @@ class TaskSpec(_Spec):
                     "rule": "(has(self.builtin) ? 1 : 0) + (has(self.jsonl) ? 1 : 0) + (has(self.dataset) ? 1 : 0) "
                     "== 1",
                     "message": "give exactly one of task.builtin, task.jsonl and task.dataset",
-                }
+                },
+                {
+                    "rule": "!has(self.eval) || has(self.eval.jsonl) || has(self.eval.dataset) || has(self.builtin)",
+                    "message": "eval: give eval.jsonl or eval.dataset (held-out examples are drawn only for a "
+                    "built-in task)",
+                },
             ]
         }
     )
@@ -236,10 +280,19 @@ class TaskSpec(_Spec):
         description="A user's reward call that takes longer is stopped; its sample scores 0 and is counted.",
     )
 
+    eval: EvalSpec | None = Field(
+        None, description="Held-out evaluation: pass@1 (and pass@k) per version, in metrics, status and plots."
+    )
+
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
         if sum(x is not None for x in (self.builtin, self.jsonl, self.dataset)) != 1:
             raise ValueError("give exactly one of task.builtin, task.jsonl and task.dataset")
+        e = self.eval
+        if e is not None and e.jsonl is None and e.dataset is None and self.builtin is None:
+            raise ValueError(
+                "eval: give eval.jsonl or eval.dataset (held-out examples are drawn only for a built-in task)"
+            )
         return self
 
 
@@ -875,6 +928,13 @@ def load(path: str | Path) -> SparrowRLJob:
     if spec.task.reward and ":" in spec.task.reward:  # user code: a file beside the job, never a module on the path
         module, fn = spec.task.reward.rsplit(":", 1)
         task["reward"] = f"{base / (module if module.endswith('.py') else module + '.py')}:{fn}"
+    ev = spec.task.eval
+    if ev and ev.jsonl and not Path(ev.jsonl).is_absolute():
+        task["eval"] = ev = ev.model_copy(update={"jsonl": str(base / ev.jsonl)})
+    if ev and ev.dataset and not Path(ev.dataset.path).is_absolute() and (base / ev.dataset.path).exists():
+        task["eval"] = ev.model_copy(
+            update={"dataset": ev.dataset.model_copy(update={"path": str(base / ev.dataset.path)})}
+        )
     if task:
         updates["task"] = spec.task.model_copy(update=task)
     if spec.model.path and not Path(spec.model.path).is_absolute():

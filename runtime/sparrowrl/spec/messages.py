@@ -83,6 +83,15 @@ class Job(BaseModel):
     streams: Annotated[int, Field(ge=1, le=64)]
 
 
+class EvalSampling(BaseModel):
+    """An eval lease's sampling (task.eval), read by workers, which check it: `samples` per prompt,
+    greedy or as the job samples."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    samples: Annotated[int, Field(ge=1, le=256)]
+    greedy: bool
+
+
 MAX_LEASE_TOKENS = 1 << 22  # a lease's results travel in one request
 TOKEN_BYTES = 48  # a token id and its log-prob in JSON, with room to spare
 

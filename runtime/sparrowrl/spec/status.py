@@ -51,6 +51,9 @@ class JobStatus(_Status):
     origin_sent_delta_bytes: Count = 0
     origin_sent_base_bytes: Count = 0
     trainer_restarts: Count = 0
+    eval_version: Version | None = None  # the version the last held-out eval (task.eval) was of
+    eval_pass_at_1: Annotated[float, Field(ge=0, le=1)] | None = None
+    eval_pass_at_k: Annotated[float, Field(ge=0, le=1)] | None = None  # k = task.eval.samples, when above 1
     steps_skipped: Count = 0  # steps that changed no weight: nothing to train, every sample refused, not finite
     samples_refused: Count = 0  # samples not trained: their worker's log-probs were false
     cost_dollars: Annotated[float, Field(ge=0)] | None = None  # with the spec's costPerHour
@@ -83,6 +86,9 @@ def table(s: JobStatus, url: str) -> Table:
     t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")
     t.add_row("trainer restarts", str(s.trainer_restarts))
     t.add_row("steps skipped / samples refused", f"{s.steps_skipped} / {s.samples_refused}")
+    if s.eval_version is not None:
+        k = "" if s.eval_pass_at_k is None else f", pass@k {s.eval_pass_at_k:.3f}"
+        t.add_row("held-out eval", f"v{s.eval_version}: pass@1 {s.eval_pass_at_1:.3f}{k}")
     if s.cost_dollars is not None:
         t.add_row("cost, tokens per dollar", f"${s.cost_dollars:,.4f}, {num(s.tokens_per_dollar, ',.0f')}")
     w = Table(

@@ -28,9 +28,11 @@ from aiohttp import web
 
 from sparrowrl.auth.tokens import acts_as
 from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.rollout.evals import Evals
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer.learner import Learner
+from sparrowrl.trainer.tasks import HELD_OUT
 from sparrowrl.transport.http import PRINCIPAL
 
 LOOK = random.Random()  # when each long poll for work looks again (see `h_work`)
@@ -121,8 +123,10 @@ class Control:
         learner: Learner,
         coord: Coordinator,
         journal: Callable[[tuple[int, list[int]] | None], None],
+        evals: Evals | None = None,
     ):
         self.spec, self.learner, self.coord, self.journal = spec, learner, coord, journal
+        self.evals = evals  # task.eval's rounds: leased before training work, never journaled
         self.answers: dict[tuple[str, str], tuple[str | None, asyncio.Future]] = {}  # see `idempotent`
         self._changed = asyncio.Event()
         self._work, self._moves = asyncio.Event(), coord.moves  # see `until_work`
@@ -141,12 +145,16 @@ class Control:
     def changed(self, admitted: tuple[int, list[int]] | None = None) -> None:
         """The coordinator's state changed: journal it, then wake whoever waits for a change."""
         self.journal(admitted)
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self.wake()
         if self.coord.moves != self._moves or not self.coord.many:  # a small job's waiters wake at every change
             self._moves = self.coord.moves
             self._work.set()
             self._work = asyncio.Event()
+
+    def wake(self) -> None:
+        """Wake whoever waits for a change, with nothing to journal (an eval round's results)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def until_changed(self, seconds: float) -> float:
         """Until the coordinator's state changes (a publish, a result, a commit), or `seconds`;
@@ -190,6 +198,14 @@ class Control:
 
     @idempotent(messages.Work)
     async def h_work(self, body: dict) -> tuple[dict, float]:
+        if self.evals is not None and (lease := self.evals.work(body["worker"], body["version"])) is not None:
+            e = self.spec.task.eval
+            lease["prompts"] = [
+                {"group": i, "ids": self.learner.eval_ids(i), "seed": group_seed(self.spec.seed, HELD_OUT + i)}
+                for i in lease.pop("prompts")
+            ]
+            lease["eval"] = {"samples": e.samples, "greedy": e.decoding == "greedy"}
+            return {"lease": lease}, 0.0
         deadline, waited = time.monotonic() + 10, 0.0  # a long poll: wait here for work rather than be asked again
         while True:
             ans = self.coord.work(body["worker"], body["version"], body["region"])
@@ -214,6 +230,8 @@ class Control:
     @idempotent(messages.Results)
     async def h_results(self, body: dict) -> tuple[dict, float]:
         results = body["results"]
+        if self.evals is not None and self.evals.is_lease(body["lease"]):
+            return self._eval_results(body), 0.0
         if bad := self._malformed(results):
             self.coord.refuse(body["lease"], body["worker"])
             self.changed()
@@ -224,13 +242,28 @@ class Control:
         self.changed((ans["batch"], ans.pop("groups")) if ans["admitted"] else None)  # admitted: journaled first
         return ans, 0.0
 
-    def _malformed(self, results: dict[int, dict]) -> str | None:
+    def _eval_results(self, body: dict) -> dict:
+        """An eval lease's samples: checked as training results are, then kept for scoring."""
+        if self.coord.hashes.get(body["version"]) != body["state_hash"]:
+            ans = {
+                "admitted": 0,
+                "refused": f"state hash {body['state_hash'][:16]} is not the trainer's v{body['version']}",
+            }
+        elif bad := self._malformed(body["results"], self.spec.task.eval.samples):
+            ans = {"admitted": 0, "refused": bad}
+        else:
+            ans = self.evals.submit(body["lease"], body["worker"], body["version"], body["results"])
+        self.wake()  # the training loop scores a round once it is complete
+        return ans
+
+    def _malformed(self, results: dict[int, dict], per_group: int | None = None) -> str | None:
         """Workers are not trusted: a result that would break the training step is refused."""
         g, vocab = self.spec.grpo, len(self.learner.tok)
+        n = per_group or g.group_size
         for group, r in results.items():
             samples = r["samples"]
-            if len(samples) != g.group_size:
-                return f"group {group}: {len(samples)} samples, the job's group size is {g.group_size}"
+            if len(samples) != n:
+                return f"group {group}: {len(samples)} samples, the job's group size is {n}"
             for x in samples:
                 t, lp = x["tokens"], x["logprobs"]
                 if not 1 <= len(t) <= g.max_new_tokens or len(t) != len(lp):

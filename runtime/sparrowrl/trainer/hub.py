@@ -71,6 +71,10 @@ def sources(spec: JobSpec) -> list[Source]:
         out.append(Source("model.hub", "model", spec.model.hub.repo, spec.model.hub.revision))
     if spec.task.dataset and (name := dataset_repo(spec.task.dataset.path)) is not None:
         out.append(Source("task.dataset.path", "dataset", name, "main"))
+    ev = spec.task.eval
+    if ev and ev.dataset and (name := dataset_repo(ev.dataset.path)) is not None:
+        if not any(s.kind == "dataset" and s.repo == name for s in out):  # one download for both
+            out.append(Source("task.eval.dataset.path", "dataset", name, "main"))
     return out
 
 
@@ -90,8 +94,14 @@ def localize(spec: JobSpec, state_dir: Path) -> JobSpec:
         if src.kind == "model":
             updates["model"] = spec.model.model_copy(update={"path": folder, "hub": None})
         else:
-            dataset = spec.task.dataset.model_copy(update={"path": folder})
-            updates["task"] = spec.task.model_copy(update={"dataset": dataset})
+            task = updates.get("task", spec.task)
+            fields = {}
+            if task.dataset and dataset_repo(task.dataset.path) == src.repo:
+                fields["dataset"] = task.dataset.model_copy(update={"path": folder})
+            ev = task.eval
+            if ev and ev.dataset and dataset_repo(ev.dataset.path) == src.repo:
+                fields["eval"] = ev.model_copy(update={"dataset": ev.dataset.model_copy(update={"path": folder})})
+            updates["task"] = task.model_copy(update=fields)
     return spec.model_copy(update=updates) if updates else spec
 
 

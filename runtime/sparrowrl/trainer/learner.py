@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from sparrowrl.rollout import evals
 from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
@@ -90,6 +91,7 @@ class Learner:
         self.task, reward = tasks.for_job(local, self.prompts)
         if rank == 0 and self.task.skipped:
             print(f"trainer: task: {self.task.skipped}", flush=True)
+        self.held_out = tasks.held_out(local, self.prompts, self.task) if rank == 0 else []  # task.eval
         keep = spec.trainer.checkpoint.keep
         self.saved = (
             resume.Checkpoints(state_dir / "trainer", keep)
@@ -194,6 +196,36 @@ class Learner:
 
     def prompt(self, group: int) -> tasks.Example:
         return self.task.example(group)
+
+    def eval_ids(self, i: int) -> list[int]:
+        """Eval prompt `i` as token ids: what an eval lease carries."""
+        return self.prompts.ids(self.held_out[i].prompt)
+
+    def evaluate(self, version: int, results: dict[int, dict]) -> dict:
+        """An eval round's row: its samples scored with the job's reward (rank 0's scorer), pass@1
+        (the share of samples that score 1) and, with several samples per prompt, pass@k for k
+        of them."""
+        e = self.spec.task.eval
+        items = []
+        for i, res in sorted(results.items()):
+            ex = self.held_out[i]
+            for s in res["samples"]:
+                items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
+        flat, failed = self.scorer.score(items)
+        n = e.samples
+        correct = [sum(r >= 1.0 for r in flat[i : i + n]) for i in range(0, len(flat), n)]
+        row = {
+            "version": version,
+            "prompts": len(correct),
+            "samples": n,
+            "decoding": e.decoding,
+            "pass_at_1": sum(c / n for c in correct) / len(correct),
+            "reward_mean": sum(flat) / len(flat),
+            "reward_failed": failed,
+        }
+        if n > 1:
+            row["pass_at_k"] = sum(evals.pass_at(n, c, n) for c in correct) / len(correct)
+        return row
 
     def prompt_ids(self, group: int) -> list[int]:
         """The group's prompt as token ids: what its lease carries, and what the step scores."""

@@ -70,6 +70,7 @@ class Snapshot:
     store: retention.Held | None = None  # what the trainer's store holds
     dollars: float | None = None  # what the job has cost so far; None: the spec gives no prices
     resumes: int = 0  # planned: trainer processes started to go on from a finished job, or with more steps
+    evals: tuple[dict, ...] = ()  # task.eval's rows, by version
 
 
 class Ledger:
@@ -89,6 +90,8 @@ class Ledger:
         self.held = retention.Held.of(learner.store)  # as of the last prune (which runs in a thread)
         self.cost = None if rates is None else cost.Meter(rates)  # over every trainer process
         self._recorded = False  # a row recorded since `state` last gave the rows
+        self.eval_path = state_dir / "eval.jsonl"
+        self.evals = self._read(self.eval_path)  # written as each round is scored: a restart keeps them
 
     def _written(self) -> dict[int, dict]:
         """Rows already written (by a previous process): kept; a line cut short is dropped."""
@@ -101,6 +104,23 @@ class Ledger:
         with resume.atomic_path(self.path) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return {r["version"]: r for r in rows}
+
+    @staticmethod
+    def _read(path: Path) -> list[dict]:
+        """The rows of a JSONL file a previous process wrote; a line cut short ends them."""
+        rows = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+        return rows
+
+    def record_eval(self, row: dict) -> None:
+        """An eval round's row, written at once (eval.jsonl)."""
+        self.evals.append(row)
+        with open(self.eval_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     # ---- across a restart ----
     def state(self, sent: dict[str, int], whole: bool = True) -> dict:
@@ -192,6 +212,7 @@ class Ledger:
             store=self.held,
             dollars=None if self.cost is None else self.cost.dollars,
             resumes=self.resumes,
+            evals=tuple(self.evals),
         )
 
 
@@ -258,6 +279,9 @@ def status(s: Snapshot) -> JobStatus:
         origin_sent_delta_bytes=s.sent["delta"],
         origin_sent_base_bytes=s.sent["base"],
         trainer_restarts=s.restarts,
+        eval_version=s.evals[-1]["version"] if s.evals else None,
+        eval_pass_at_1=s.evals[-1]["pass_at_1"] if s.evals else None,
+        eval_pass_at_k=s.evals[-1].get("pass_at_k") if s.evals else None,
         steps_skipped=sum(skipped_steps(rows).values()),
         samples_refused=sum(refused.values()),
         cost_dollars=s.dollars,
@@ -368,6 +392,19 @@ def metrics(snap: Snapshot) -> list:
             "Share of the last step's groups whose samples all scored alike",
             last.get("zero_variance_groups"),
         ),
+        family(
+            "gauge",
+            "eval_pass_at_1",
+            "The last eval's pass@1 on task.eval's held-out prompts (the share of samples that score 1)",
+            s.eval_pass_at_1,
+        ),
+        family(
+            "gauge",
+            "eval_pass_at_k",
+            "The last eval's pass@k, k = task.eval.samples (with more than one sample per prompt)",
+            s.eval_pass_at_k,
+        ),
+        family("gauge", "eval_version", "The version the last eval was of", s.eval_version),
         family(
             "gauge",
             "truncated",
@@ -499,6 +536,7 @@ def summary(s: Snapshot) -> dict:
         "steps_redone": s.redone,
         "reward_failed": reward_failed(rows),
         "steps_skipped": skipped_steps(rows),
+        **({"eval_first": s.evals[0], "eval_last": s.evals[-1]} if s.evals else {}),
         "samples_refused": {f"{w}/{why}": n for (w, why), n in sorted(refused_samples(rows).items())},
         "tokens_per_second": sum(r["tokens"] for r in rows) / s.seconds,
         "seconds": s.seconds,

@@ -49,6 +49,7 @@ OWNED = (
     "model",
     "hub",
     "metrics.jsonl",
+    "eval.jsonl",
     "summary.json",
     "final",
     "exports",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import random
@@ -362,3 +363,26 @@ def for_job(spec: JobSpec, prompts: Prompts) -> tuple[Task, str]:
     name = t.reward or task.default_reward
     check_reward(reward_function(name), name, task.field_sets)
     return task, name
+
+
+HELD_OUT = 1 << 42  # a built-in task's eval examples are drawn from here on: beyond any training group
+
+
+def held_out(spec: JobSpec, prompts: Prompts, task: Task) -> list[Example]:
+    """The job's eval examples (`task.eval`), read, rendered and checked as the task's are: the
+    first `prompts` of its file or data set, in order; or for a built-in task without either,
+    examples at indices training never reaches (its problems may recur: a small task has few).
+    Its reward must take their fields. None asked: []."""
+    e, t = spec.task.eval, spec.task
+    if e is None:
+        return []
+    if e.jsonl:
+        rows = Rows(spec.seed, prompts, itertools.islice(jsonl(e.jsonl), e.prompts), t, f"eval {e.jsonl}").rows
+    elif e.dataset:
+        what, data = dataset(e.dataset)
+        rows = Rows(spec.seed, prompts, itertools.islice(data, e.prompts), t, f"eval dataset {what}").rows
+    else:
+        rows = [task.example(HELD_OUT + i) for i in range(e.prompts)]
+    name = t.reward or task.default_reward
+    check_reward(reward_function(name), name, {frozenset(x.fields) for x in rows})
+    return rows

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from sparrowrl.auth.signing import Signer
 from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.rollout.evals import Evals
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer import cost, ledger, resume, retention
@@ -57,7 +58,11 @@ class Trainer:
         )
         for v, entry in self.learner.store.versions.items():
             self.coord.publish(v, entry.state_hash, self.learner.published(v)["payload_bytes"])
-        self.control = Control(spec, self.learner, self.coord, self._journal)
+        e = spec.task.eval
+        self.evals = None if e is None else Evals(e.prompts, e.every, spec.steps, s.groups_per_lease, s.lease_seconds)
+        if self.evals is not None:
+            self.evals.open(self.learner.store.newest)  # v0's round, or the round due at a restart's newest
+        self.control = Control(spec, self.learner, self.coord, self._journal, self.evals)
         self.ledger = ledger.Ledger(state_dir, self.learner, cost.Rates.of(spec))
         self.served = {"delta": 0, "base": 0}  # what this process's origin sent (its server counts)
         self.outputs = Outputs(spec, state_dir)
@@ -210,6 +215,8 @@ class Trainer:
                 self.coord.publish(
                     b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
                 )
+                if self.evals is not None:
+                    self.evals.open(b + 1)
                 book.record(partial, extract_s, time.perf_counter() - t0)
                 self._journal(None)  # the row, before the next step: a restart records only the newest again
                 print(ledger.step_line(book.rows[b + 1], self.spec.steps), flush=True)
@@ -218,13 +225,19 @@ class Trainer:
                 book.held = await asyncio.to_thread(retention.prune, learner.store, oldest)
             if (b + 1) % every == 0 or b + 1 == self.spec.steps:
                 await self._checkpoint()
+            await self._score_evals()
             control.changed()
         if self.writing is not None:
             await self.writing
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and self.coord.behind(self.spec.steps):
+        while time.monotonic() < deadline and (
+            self.coord.behind(self.spec.steps) or (self.evals is not None and self.evals.waiting(self.spec.steps))
+        ):
             await control.until_changed(deadline - time.monotonic())
+        if self.evals is not None:
+            self.evals.close()
+            await self._score_evals()
         book.flush(self.coord, final=True)
         self.outputs.close()
         learner.save(self.state_dir / "final")
@@ -233,6 +246,19 @@ class Trainer:
         (self.state_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         book.finished = True
         control.changed()
+
+    async def _score_evals(self) -> None:
+        """Score the eval rounds that are complete (or closed), between steps: the reward's
+        processes are the learner's, which is not training now."""
+        for r in self.evals.ready() if self.evals is not None else []:
+            row = await asyncio.to_thread(self.learner.evaluate, r.version, r.results)
+            self.ledger.record_eval(row)
+            k = f", pass@{row['samples']} {row['pass_at_k']:.3f}" if "pass_at_k" in row else ""
+            print(
+                f"trainer: eval v{row['version']}: pass@1 {row['pass_at_1']:.3f}{k} reward {row['reward_mean']:.3f} "
+                f"({row['prompts']} prompts x {row['samples']}, {row['decoding']})",
+                flush=True,
+            )
 
     @staticmethod
     def _warn(b: int, batch, m: dict) -> None:

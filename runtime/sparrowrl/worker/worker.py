@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -25,6 +26,7 @@ from pydantic import BaseModel, Field
 from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
 from sparrowrl.delta import state_hash
+from sparrowrl.spec import messages
 from sparrowrl.spec.messages import Job
 from sparrowrl.sync import Staged, Subscriber
 from sparrowrl.transport.client import Client
@@ -170,8 +172,10 @@ class Worker:
                     "/v1/work", {"worker": self.name, "version": self.version, "region": self.region}
                 )
                 if "done" in ans:
+                    if self.version >= ans["done"]:
+                        return
                     await self.commit_staged(at_least=ans["done"])
-                    return
+                    continue  # once more at the final version: its held-out eval (task.eval) may be due
                 if "update" in ans:
                     await self.commit_staged(at_least=ans["update"], within=UPDATE_WAIT_S)
                 elif "lease" in ans:
@@ -191,6 +195,9 @@ class Worker:
             top_k=job["top_k"],
             stop=tuple(job["stop"]),
         )
+        if "eval" in lease:  # held-out prompts (task.eval): scored, never trained
+            e = messages.parse(messages.EvalSampling, lease["eval"])
+            sampling = replace(sampling, n=e.samples, **({"top_k": 1, "top_p": 1.0} if e.greedy else {}))
         groups = await self._run(
             self.engine.generate, [Prompt(p["ids"], p["seed"]) for p in lease["prompts"]], sampling
         )
