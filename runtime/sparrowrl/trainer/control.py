@@ -263,7 +263,8 @@ class Control:
         for group, r in results.items():
             samples = r["samples"]
             if len(samples) != n:
-                return f"group {group}: {len(samples)} samples, the job's group size is {n}"
+                what = "the job's group size" if per_group is None else "task.eval.samples"
+                return f"group {group}: {len(samples)} samples, {what} is {n}"
             for x in samples:
                 t, lp = x["tokens"], x["logprobs"]
                 if not 1 <= len(t) <= g.max_new_tokens or len(t) != len(lp):
