@@ -662,7 +662,9 @@ def run(
     out.print(report.summary_table(s))
     out.print(
         f"results in {run_dir}/: metrics.jsonl, summary.json, processes.json, reward.png, step_time.png, "
-        f"payload.png, final/ (the trained model)",
+        f"payload.png, objective.png, "
+        + ("eval.jsonl, eval.png, " if j.spec.task.eval else "")
+        + "final/ (the trained model)",
         highlight=False,
     )
 
