@@ -175,3 +175,24 @@ def test_a_data_set_folder_from_the_hub_reads_as_a_local_one(stand_in, tmp_path)
         (f"{a}+{a}=", str(2 * a), {"level": a % 2}) for a in range(5)
     ]
     assert "me/qa" in what
+
+
+def test_a_held_out_data_set_from_the_hub_is_fetched_with_the_others_and_read_in_order(stand_in, tmp_path):
+    """task.eval.dataset names a data set on the hub: fetched into the state dir as the training
+    data set is (one download when both name the same), and read in file order, the first
+    `prompts` of it."""
+    spec = job({"tiny": {}}, {"builtin": "add", "eval": {"dataset": {"path": "me/qa"}, "prompts": 3}})
+    state = tmp_path / "state"
+    learner = Learner(spec, state)
+    learner.stop()
+    learner.held.close()
+    assert [(x.prompt, x.answer) for x in learner.held_out] == [(f"{a}+{a}=", str(2 * a)) for a in range(3)]
+    assert (state / "hub" / "datasets" / "me" / "qa" / "main" / "data" / "train.jsonl").is_file()
+    both = job({"tiny": {}}, {"dataset": {"path": "me/qa"}, "eval": {"dataset": {"path": "me/qa"}}})
+    assert [s.field for s in hub.sources(both)] == ["task.dataset.path"]
+    local = hub.localize(both, state)
+    assert (
+        local.task.dataset.path
+        == local.task.eval.dataset.path
+        == str(state / "hub" / "datasets" / "me" / "qa" / "main")
+    )

@@ -73,7 +73,7 @@ def test_failures_score_zero_are_counted_by_kind_and_logged_once(reward, tmp_pat
         ]
         got, failed = s.score(items)
         assert got == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-        assert failed == {"raised": 2, "timeout": 1, "nonfinite": 1, "nonnumber": 1}
+        assert failed == {"raised": 2, "timeout": 1, "nonfinite": 1, "nonnumber": 1, "outofrange": 0}
         (hung,) = (int(p) for p in os.listdir(pids))
         assert not alive(hung)  # killed, and replaced:
         assert s.score([("p", "2", "2", {})] * 4) == ([1.0] * 4, dict.fromkeys(rewards.FAILURES, 0))

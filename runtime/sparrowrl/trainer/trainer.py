@@ -266,7 +266,7 @@ class Trainer:
         if m["skipped"]:
             fed = sorted({(r.get("lease", -1), r.get("worker", "unknown")) for r in batch.results.values()})
             print(
-                f"trainer: step {b} skipped ({m['skipped']}), no weight changed; its leases: "
+                f"trainer: no weight changed at step {b + 1} ({m['skipped']}); its leases: "
                 + ", ".join(f"{lease} of {worker}" for lease, worker in fed),
                 flush=True,
             )
@@ -274,7 +274,7 @@ class Trainer:
             gap = m["by_worker"].get(worker, {}).get("mismatch_mean")
             why = ", ".join(f"{n} {w}" for w, n in reasons.items())
             print(
-                f"trainer: step {b}: refused {sum(reasons.values())} samples of worker {worker} ({why})"
+                f"trainer: refused {sum(reasons.values())} samples of worker {worker} at step {b + 1} ({why})"
                 + (f"; its log-probs are {gap:.3g} nats per token from the trainer's on average" if gap else ""),
                 flush=True,
             )
