@@ -95,12 +95,7 @@ class Ledger:
 
     def _written(self) -> dict[int, dict]:
         """Rows already written (by a previous process): kept; a line cut short is dropped."""
-        rows = []
-        for line in self.path.read_text().splitlines() if self.path.exists() else []:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                break
+        rows = self._read(self.path)
         with resume.atomic_path(self.path) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return {r["version"]: r for r in rows}
