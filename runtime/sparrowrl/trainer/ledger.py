@@ -91,24 +91,25 @@ class Ledger:
         self.cost = None if rates is None else cost.Meter(rates)  # over every trainer process
         self._recorded = False  # a row recorded since `state` last gave the rows
         self.eval_path = state_dir / "eval.jsonl"
-        self.evals = self._read(self.eval_path)  # written as each round is scored: a restart keeps them
+        self.evals = (
+            self._kept(self.eval_path) if self.eval_path.exists() else []
+        )  # written as each round is scored: a restart keeps them
 
     def _written(self) -> dict[int, dict]:
-        """Rows already written (by a previous process): kept; a line cut short is dropped."""
-        rows = self._read(self.path)
-        with resume.atomic_path(self.path) as tmp:
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return {r["version"]: r for r in rows}
+        return {r["version"]: r for r in self._kept(self.path)}
 
     @staticmethod
-    def _read(path: Path) -> list[dict]:
-        """The rows of a JSONL file a previous process wrote; a line cut short ends them."""
+    def _kept(path: Path) -> list[dict]:
+        """The rows a previous process wrote to a JSONL file, kept; a line a kill cut short is
+        dropped from the file too, so that the rows appended after it are read again."""
         rows = []
         for line in path.read_text().splitlines() if path.exists() else []:
             try:
                 rows.append(json.loads(line))
             except ValueError:
                 break
+        with resume.atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return rows
 
     def record_eval(self, row: dict) -> None:
