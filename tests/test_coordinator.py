@@ -2,7 +2,7 @@
 
 import json
 
-from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.rollout.coordinator import REFILL, Coordinator
 
 
 class Clock:
@@ -233,3 +233,66 @@ def test_a_worker_idle_until_a_version_sure_to_come_is_told_to_reach_it():
         assert c.submit(a["id"], "w", 0, "h0", result(a))["admitted"] == 2
         assert c.moves == moves  # batch 0 complete: no work for waiters, who learn of it at their next look
         assert c.work("w", 0) == ahead  # v1 is not published yet, and will be
+
+
+def scores(groups, flat=()):
+    """The trainer's verdict on admitted groups: those in `flat` scored alike (zero variance)."""
+    return {g: ([0.0, 1.0], {}, g not in flat) for g in groups}
+
+
+def test_refills_replace_zero_variance_groups_within_the_batch_and_its_bound():
+    """DAPO's dynamic sampling: a batch waits for its groups' scores, and each zero-variance
+    group is replaced by a new group of the same batch (so of the same staleness bound), up to
+    the bound; scoring again adds none; the replaced groups are not counted lost."""
+    clock = Clock()
+    c = Coordinator(2, 2, 10, staleness=0, steps=2, split="pull", refill=2, clock=clock)
+    c.publish(0, "h0")
+    first = c.work("w", 0)["lease"]
+    assert c.submit(first["id"], "w", 0, "h0", result(first))["admitted"] == 2
+    assert c.take(0) is None and c.unscored() == [(0, [0, 1])]  # admitted, not yet scored
+    c.scored(0, scores([0, 1], flat={1}))
+    refill = REFILL  # batch 0's first refill group
+    assert c.batches[0].groups == [0, 1, refill] and c.counts.refilled == 1 and c.take(0) is None
+    c.scored(0, scores([0, 1], flat={1}))  # the same verdict again (a restarted trainer): nothing added
+    assert len(c.batches[0].groups) == 3
+    lease = c.work("w", 0)["lease"]
+    assert lease["batch"] == 0 and lease["groups"] == [refill]  # leased like the batch's own: v0 or newer
+    assert c.submit(lease["id"], "w", 0, "h0", result(lease))["admitted"] == 1
+    c.scored(0, scores([refill], flat={refill}))  # zero variance again: one more, the last the bound allows
+    again = c.work("w", 0)["lease"]
+    assert again["groups"] == [refill + 1] and c.batch_of(refill + 1) == 0
+    clock.t = 11  # it expires: late results for it are still taken, for the batch's groups only
+    assert c.submit(again["id"], "w", 0, "h0", {refill + 2: {"samples": []}})["admitted"] == 0  # never added
+    assert c.submit(again["id"], "w", 0, "h0", result(again))["admitted"] == 1
+    c.scored(0, scores([refill + 1], flat={refill + 1}))
+    assert len(c.batches[0].groups) == 4 and c.counts.refilled == 2  # the bound: 2 per batch
+    batch = c.take(0)
+    assert batch is not None and batch.done is not None and len(batch.scores) == 4
+    assert (c.lost, c.counts.trained, c.refills) == (0, 2, {})
+    c.publish(1, "h1")
+    assert c.work("w", 1)["lease"]["groups"] == [2, 3]  # batch 1's own groups; its refills from REFILL + 2
+
+
+def test_refills_are_journaled_and_restored_and_their_groups_scored_again():
+    clock = Clock()
+    c = Coordinator(2, 2, 10, staleness=0, steps=2, split="pull", refill=2, clock=clock)
+    c.publish(0, "h0")
+    snapshot = json.loads(json.dumps(c.state()))
+    c.changes()
+    lease = c.work("w", 0)["lease"]
+    c.submit(lease["id"], "w", 0, "h0", result(lease), generate_s=1.0)
+    c.scored(0, scores(lease["groups"], flat=set(lease["groups"])))
+    refill = c.work("w", 0)["lease"]
+    Coordinator.replay(snapshot, json.loads(json.dumps(c.changes())))
+    assert snapshot == json.loads(json.dumps(c.state())) and snapshot["refills"] == {"0": 2}
+    again = Coordinator(2, 2, 10, staleness=0, steps=2, split="pull", refill=2, clock=clock)
+    again.publish(0, "h0")
+    again.restore(snapshot, taken=0, results={0: c.batches[0].results})
+    assert again.batches[0].groups == c.batches[0].groups and again.unscored() == [(0, [0, 1])]
+    again.scored(0, scores([0, 1], flat={0, 1}))  # scored again: the groups it added are not added twice
+    assert again.batches[0].groups == c.batches[0].groups and again.counts.refilled == 2
+    assert again.submit(refill["id"], "w", 0, "h0", result(refill))["admitted"] == 2  # its lease lived on
+    again.scored(0, scores(refill["groups"]))
+    assert again.take(0) is not None and again.lost == 0
+    Coordinator.replay(snapshot, json.loads(json.dumps(again.changes())))
+    assert snapshot["refills"] == {}  # trained: nothing more to restore

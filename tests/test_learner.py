@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sparrowrl.rollout.coordinator import Batch
+from sparrowrl.rollout.coordinator import REFILL, Batch
 from sparrowrl.spec.job import GrpoSpec, JobError, parse
 from sparrowrl.trainer import grpo, lr, models
 from sparrowrl.trainer.learner import Learner, device
@@ -342,3 +342,34 @@ def test_stop_strings_are_read_from_the_text(tmp_path):
     assert learner._finish(tok("12", add_special_tokens=False).input_ids) == "length"
     assert learner._finish(tok("19", add_special_tokens=False).input_ids) == "stop"
     assert learner._finish(tok("1", add_special_tokens=False).input_ids + [tok.eos_token_id]) == "eos"
+
+
+def test_groups_scored_as_admitted_keep_those_rewards_and_refills_train_in_their_place(tmp_path):
+    """With refills on the trainer scores each group as it is admitted: a group whose samples
+    all scored alike is said not to vary, and the step takes the rewards scored then (a reward
+    need not give the same twice) and trains the groups that vary, the refill among them."""
+    spec = parse(_job(learningRate=1e-3, zeroVarianceGroups="refill", maxGenBatches=2)).spec
+    assert spec.grpo.refill_groups == 2
+    learner = Learner(spec, tmp_path / "s")
+    batch = _batch(learner, 0)
+    flat = batch.groups[0]
+    batch.results[flat]["samples"] = [batch.results[flat]["samples"][1]] * 3  # all alike
+    refill = REFILL  # batch 0's first refill group: its prompt is a new one
+    assert learner.prompt(refill).prompt not in {learner.prompt(g).prompt for g in batch.groups}
+    answer = learner.prompt(refill).answer
+    tok = learner.tok
+    ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in (answer, "x", answer)]
+    gen = torch.Generator().manual_seed(3)
+    batch.results[refill] = {
+        "version": 0,
+        "samples": [{"tokens": x, "logprobs": _near(learner, refill, x, gen)} for x in ids],
+    }
+    batch.groups.append(refill)
+    scored = learner.score(batch.results)
+    assert [scored[g][2] for g in batch.groups] == [False, True, True]
+    assert scored[refill][0] == [1.0, 0.0, 1.0] and scored[refill][1] == dict.fromkeys(scored[refill][1], 0)
+    batch.scores = {**scored, batch.groups[1]: ([1.0, 0.0, 0.0], {"raised": 1}, True)}  # as scored at admission
+    m = learner.train(batch)
+    assert (m["groups_varied"], m["refill_groups"], m["zero_variance_groups"]) == (2, 1, pytest.approx(1 / 3))
+    assert m["reward_mean"] == pytest.approx(sum(sum(s[0]) for s in batch.scores.values()) / 9)
+    assert m["reward_failed"]["raised"] == 1 and m["skipped"] is None

@@ -267,6 +267,33 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
     assert lost_at < min(store.versions) == s["store_versions_pruned"] and store.newest == 12
 
 
+def test_zero_variance_groups_are_refilled_from_new_prompts_within_the_staleness_bound(tmp_path):
+    """DAPO's dynamic sampling, `zeroVarianceGroups: refill`: a weak policy and an all-or-nothing
+    reward make groups whose samples all score 0. Each step waits for new groups in their place,
+    from versions its staleness bound allows, until it has promptsPerStep groups that vary or has
+    drawn the most `maxGenBatches` allows (and says so); nothing is lost, every refill counted."""
+    spec = job("sparse", steps=4)
+    spec["spec"]["model"]["tiny"]["warmupSteps"] = 300
+    spec["spec"]["task"]["reward"] = "exact"
+    spec["spec"]["grpo"].update(zeroVarianceGroups="refill", maxGenBatches=2)
+    spec["spec"]["sync"]["staleness"] = 1
+    _, out = run(tmp_path, "refill", spec)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    s = json.loads((out / "summary.json").read_text())
+    per_step = spec["spec"]["grpo"]["promptsPerStep"]
+    assert s["prompt_groups_refilled"] == sum(r["refill_groups"] for r in rows) > 0
+    assert s["prompt_groups_lost"] == 0 and s["prompt_groups_admitted"] == 4 * per_step + s["prompt_groups_refilled"]
+    log = (out / "logs" / "trainer.log").read_text()
+    for r in rows:
+        drawn = per_step + r["refill_groups"]
+        assert 0 <= r["refill_groups"] <= per_step and r["groups_varied"] <= per_step
+        assert r["zero_variance_groups"] == pytest.approx(1 - r["groups_varied"] / drawn)
+        assert r["groups_varied"] == per_step or r["refill_groups"] == per_step  # full, or refills spent
+        if r["groups_varied"] < per_step:
+            assert f"step {r['version']} trains on {r['groups_varied']} of {per_step} groups that vary" in log
+        assert min(r["behaviour_versions"]) >= r["step"] - 1  # batch b: versions b - staleness and newer
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -8,6 +8,12 @@ allowed version; a result is admitted only if its lease is still live, and its v
 allowed and hashes to what the trainer published. An expired lease's groups go back to the
 queue; a result for a group already admitted is dropped and counted.
 
+With refills on (`grpo.zeroVarianceGroups: refill`, DAPO's dynamic sampling) a batch also
+waits for the trainer's rewards: the trainer scores each group as it is admitted (`unscored`,
+`scored`), and each group whose samples all scored alike, which teaches nothing, is replaced by
+a new one, from prompts beyond the job's own (`REFILL`), up to `refill` groups per batch. They
+are the batch's groups, leased like the others, so within the same staleness bound.
+
 How many groups a lease holds is the `split` policy's: `balanced` (default) sizes each lease
 so that workers of unequal speed and links finish the batch together (schedule.py), `pull`
 gives every ask the same `groups_per_lease`, `even` gives each live worker an equal quota of
@@ -38,6 +44,12 @@ from sparrowrl.rollout.schedule import Seat, Speed
 Split = Literal["balanced", "pull", "even"]
 EXACT_SEATS = 64  # up to this many measured workers, every ask solves the balanced split afresh
 SOLVE_EVERY_S = 0.5  # beyond, how old a batch's solution may be before an ask solves it again
+# the first refill group's id: beyond every job's own groups (steps x promptsPerStep < 2^36), and
+# with the most refills (10^7 steps x 63 x 4096 groups) below tasks.HELD_OUT's eval examples
+REFILL = 1 << 40
+
+
+Score = tuple[list[float], dict[str, int], bool]  # a group's rewards, its failed calls by kind, whether they vary
 
 
 @dataclass
@@ -60,10 +72,12 @@ class Batch:
     given: dict[str, int] = field(default_factory=dict)  # worker → groups leased to it
     done: float | None = None  # when its last group was admitted
     worker_seconds: float = 0.0  # workers' time generating its admitted groups
+    scoring: bool = False  # it waits for the trainer's rewards of its groups (refills on)
+    scores: dict[int, Score] = field(default_factory=dict)  # group → the trainer's rewards of it
 
     @property
     def complete(self) -> bool:
-        return len(self.results) == len(self.groups)
+        return len(self.results) == len(self.groups) and (not self.scoring or len(self.scores) == len(self.groups))
 
 
 @dataclass
@@ -107,6 +121,7 @@ class Counts:
     discarded_late: int = 0  # results for groups already admitted, dropped (a reassigned lease came back too)
     verified: int = 0  # worker commits whose state hash matched the trainer's
     mismatched: int = 0
+    refilled: int = 0  # groups added to batches in place of groups whose samples all scored alike
 
 
 @dataclass(frozen=True)
@@ -144,11 +159,14 @@ class Coordinator:
         steps: int,
         split: Split,
         quorum: int = 1,
+        refill: int = 0,
         clock=time.monotonic,
     ):
         self.per_step, self.per_lease, self.lease_seconds = prompts_per_step, groups_per_lease, lease_seconds
         self.staleness, self.steps, self.split, self.clock = staleness, steps, split, clock
         self.quorum = quorum  # workers that start rollouts together (see `started`)
+        self.refill = refill  # the most groups a batch adds in place of zero-variance ones (0: none, unscored)
+        self.refills: dict[int, int] = {}  # untrained batch → refill groups added to it
         self.hashes: dict[int, str] = {}  # published version → state hash
         self.published_at: dict[int, float] = {}
         self.payload: dict[int, int] = {}  # published version → bytes a worker fetches for it
@@ -197,8 +215,41 @@ class Coordinator:
         assert b >= self.taken, f"batch {b} was trained already"
         if b not in self.batches:
             groups = list(range(b * self.per_step, (b + 1) * self.per_step))
-            self.batches[b] = Batch(b, groups, list(groups))
+            groups += [REFILL + b * self.refill + k for k in range(self.refills.get(b, 0))]
+            self.batches[b] = Batch(b, groups, list(groups), scoring=self.refill > 0)
         return self.batches[b]
+
+    def batch_of(self, group: int) -> int:
+        return (group - REFILL) // self.refill if self.refill and group >= REFILL else group // self.per_step
+
+    def unscored(self) -> list[tuple[int, list[int]]]:
+        """Admitted groups the trainer has yet to score (refills on), by batch, oldest first."""
+        return [
+            (b, [g for g in x.results if g not in x.scores])
+            for b, x in sorted(self.batches.items())
+            if x.scoring and len(x.scores) < len(x.results)
+        ]
+
+    def scored(self, b: int, scores: dict[int, Score]) -> None:
+        """The trainer's rewards of admitted groups of batch b. The batch holds a new group for
+        each of its groups whose samples all scored alike, up to `refill`: counted over all it has
+        scored, so scoring a group again (after a restart) adds none."""
+        batch = self.batches.get(b) if b >= self.taken else None
+        if batch is None:
+            return
+        batch.scores.update({g: s for g, s in scores.items() if g in batch.results})
+        added = len(batch.groups) - self.per_step
+        more = min(self.refill, sum(not s[2] for s in batch.scores.values())) - added
+        if more > 0:
+            new = [REFILL + b * self.refill + k for k in range(added, added + more)]
+            batch.groups += new
+            batch.pending += new
+            self.refills[b] = added + more
+            self.counts.refilled += more
+            self._events.append(["refills", b, added + more])
+            self.moves += 1
+        if batch.complete and batch.done is None:
+            batch.done = self.clock()
 
     def _open_batches(self) -> list[int]:
         """Batches whose oldest allowed version is published and that still need groups."""
@@ -465,14 +516,15 @@ class Coordinator:
         not_live = {"admitted": 0, "refused": f"lease {lease_id} is not live (expired or reassigned)"}
         if lease_id >= self.next_lease:
             return {"admitted": 0, "refused": f"lease {lease_id} was never handed out"}
-        batches = {g // self.per_step for g in results}
+        batches = {self.batch_of(g) for g in results}
         b = batches.pop() if len(batches) == 1 else -1
         if not 0 <= b < self.steps:
             return {"admitted": 0, "refused": f"lease {lease_id} is not live, and its groups are not one batch's"}
         if b >= self.taken:
             if version < self.min_version(b) or self.hashes.get(version) != state_hash:
                 return not_live
-            self._batch(b)
+            if not set(results) <= set(self._batch(b).groups):  # refill groups not (yet) added
+                return not_live
         ans = self._admit(lease_id, worker, b, version, results, generate_s)
         return ans if ans["admitted"] else not_live
 
@@ -515,8 +567,10 @@ class Coordinator:
         self._plans.pop(b, None)
         self.taken = b + 1
         self.delivered = {k: d for k, d in self.delivered.items() if d[2] > b}
+        if self.refills.pop(b, 0):
+            self._events.append(["refills", b, 0])
         self.counts.batches_trained += 1
-        self.counts.trained += len(batch.results)
+        self.counts.trained += len(batch.results) - (len(batch.groups) - self.per_step)
         return batch
 
     def staged(self, version: int) -> bool:
@@ -603,6 +657,7 @@ class Coordinator:
             "regions": dict(self.regions),
             "first": dict(self.first),
             "worker_seconds": {str(b): x.worker_seconds for b, x in self.batches.items() if x.worker_seconds},
+            "refills": {str(b): n for b, n in self.refills.items()},
         }
 
     def changes(self) -> list[list]:
@@ -628,6 +683,11 @@ class Coordinator:
                 state["begun"] = True
             elif kind in ("regions", "first", "worker_seconds"):  # one key's new value
                 state[kind][str(e[1])] = e[2]
+            elif kind == "refills":  # 0: the batch is trained
+                refills = state.setdefault("refills", {})  # a journal from before refills has none
+                refills[str(e[1])] = e[2]
+                if not e[2]:
+                    del refills[str(e[1])]
             else:  # counts, next_lease
                 state[kind] = e[1]
 
@@ -647,6 +707,7 @@ class Coordinator:
         self.commits = {w: (c[0], c[1]) for w, c in state["commits"].items()}
         self.begun, self.regions, self.first = state["begun"], state["regions"], state["first"]
         self.delivered = {int(k): (d[0], d[1], d[2]) for k, d in state["delivered"].items() if d[2] >= taken}
+        self.refills = {int(b): n for b, n in state.get("refills", {}).items() if int(b) >= taken}
         for b, groups in results.items():
             if b >= taken:
                 batch = self._batch(b)

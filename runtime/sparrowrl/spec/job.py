@@ -382,11 +382,23 @@ class GrpoSpec(_Spec):
         description="Advantages are rewards less their group's mean, divided by the group's std, the batch's, or 1 "
         "(TRL: scale_rewards).",
     )
-    zero_variance_groups: Literal["skip", "train"] = Field(
+    zero_variance_groups: Literal["skip", "train", "refill"] = Field(
         "skip",
         description=(
             "A group whose samples all scored alike teaches nothing: skip leaves it out of the step (and its "
-            "tokens out of the loss's divisor), counted; train keeps it, as TRL does."
+            "tokens out of the loss's divisor), counted; train keeps it, as TRL does; refill skips it and has "
+            "the step wait for a new group in its place, from new prompts, scored as they are admitted, up to "
+            "maxGenBatches (DAPO's dynamic sampling; verl: filter_groups)."
+        ),
+    )
+    max_gen_batches: int = Field(
+        3,
+        ge=1,
+        le=64,
+        description=(
+            "With zeroVarianceGroups: refill, a step generates at most this many times promptsPerStep groups: "
+            "its own and up to (maxGenBatches - 1) x promptsPerStep in place of zero-variance ones; beyond, it "
+            "trains on the groups that vary (verl: max_num_gen_batches)."
         ),
     )
     mask_truncated: bool = Field(
@@ -430,6 +442,11 @@ class GrpoSpec(_Spec):
                 f"overlongBuffer ({self.overlong_buffer}) must not exceed maxNewTokens ({self.max_new_tokens})"
             )
         return self
+
+    @property
+    def refill_groups(self) -> int:
+        """The most groups a step adds in place of zero-variance ones (0: refills off)."""
+        return (self.max_gen_batches - 1) * self.prompts_per_step if self.zero_variance_groups == "refill" else 0
 
     temperature: float = Field(1.0, ge=0.01, le=100)
     top_p: float = Field(

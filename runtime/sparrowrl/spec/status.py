@@ -46,6 +46,7 @@ class JobStatus(_Status):
     prompt_groups_requeued: Count = 0  # went back to the queue: their lease expired or was refused
     prompt_groups_lost: Count = 0  # never trained on: 0 once the job has succeeded
     prompt_groups_discarded_late: Count = 0
+    prompt_groups_refilled: Count = 0  # added in place of groups whose samples all scored alike (refill)
     commits_verified: Count = 0
     commits_mismatched: Count = 0
     origin_sent_delta_bytes: Count = 0
@@ -86,6 +87,8 @@ def table(s: JobStatus, url: str) -> Table:
     t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")
     t.add_row("trainer restarts", str(s.trainer_restarts))
     t.add_row("steps skipped / samples refused", f"{s.steps_skipped} / {s.samples_refused}")
+    if s.prompt_groups_refilled:
+        t.add_row("groups refilled (zero variance)", str(s.prompt_groups_refilled))
     if s.eval_version is not None:
         k = "" if s.eval_pass_at_k is None else f", pass@k {s.eval_pass_at_k:.3f}"
         t.add_row("held-out eval", f"v{s.eval_version}: pass@1 {s.eval_pass_at_1:.3f}{k}")

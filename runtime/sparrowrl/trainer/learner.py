@@ -232,16 +232,40 @@ class Learner:
         return self.prompts.ids(self.prompt(group).prompt)
 
     def _score(self, batch: Batch) -> tuple[list[list[float]], dict[str, int]]:
-        """Every sample of the batch scored in one call (a user's reward runs them in parallel):
-        the rewards by group, and the failures by kind."""
+        """The rewards of the batch's samples by group, and the failures by kind. Groups scored as
+        they were admitted (refills on) keep those rewards; the others are scored in one call (a
+        user's reward runs them in parallel)."""
+        todo = [g for g in batch.groups if g not in batch.scores]
+        fresh, failed = self._rewards({g: batch.results[g] for g in todo})
+        for g in batch.groups:
+            if g in batch.scores:
+                failed = {k: failed.get(k, 0) + n for k, n in batch.scores[g][1].items()}
+        return [batch.scores[g][0] if g in batch.scores else fresh[g] for g in batch.groups], failed
+
+    def _rewards(self, results: dict[int, dict]) -> tuple[dict[int, list[float]], dict[str, int]]:
+        """Groups' samples scored in one call: each group's rewards, and the failures by kind."""
         items = []
-        for group in batch.groups:
+        for group, res in results.items():
             ex = self.prompt(group)
-            for s in batch.results[group]["samples"]:
+            for s in res["samples"]:
                 items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
         flat, failed = self.scorer.score(items)
         n = self.spec.grpo.group_size
-        return [flat[i : i + n] for i in range(0, len(flat), n)], failed
+        return {g: flat[i * n : (i + 1) * n] for i, g in enumerate(results)}, failed
+
+    def score(self, results: dict[int, dict]) -> dict[int, tuple[list[float], dict[str, int], bool]]:
+        """Admitted groups scored as they come (refills on): each one's rewards, its failures by
+        kind, and whether its shaped rewards vary (a group that does not teaches nothing)."""
+        out = {}
+        for g, res in results.items():  # a call each: failures are counted per group
+            rewards, failed = self._rewards({g: res})
+            shaped = self._shaped(rewards[g], res["samples"])
+            out[g] = (rewards[g], failed, max(shaped) != min(shaped))
+        return out
+
+    def _shaped(self, rewards: list[float], samples: list[dict]) -> list[float]:
+        """A group's rewards after overlong shaping: what its advantages are taken from."""
+        return [r + self._overlong(len(s["tokens"])) for r, s in zip(rewards, samples, strict=True)]
 
     def _lead(self, method: str, *args) -> None:
         """On rank 0 of a sharded trainer: have the other ranks make the same call."""
@@ -261,7 +285,7 @@ class Learner:
         samples = [batch.results[group]["samples"] for group in batch.groups]
         ends = [[self._finish(s["tokens"]) for s in group] for group in samples]  # the trainer's reading
         r = torch.tensor(rewards, dtype=torch.float32)  # finite and bounded (rewards.MAX_REWARD)
-        shaped = r + torch.tensor([[self._overlong(len(s["tokens"])) for s in group] for group in samples])
+        shaped = torch.tensor([self._shaped(x, group) for x, group in zip(rewards, samples)])
         varied = (shaped.max(1).values != shaped.min(1).values).tolist()
         claims = {  # (group, sample) whose worker said it ended otherwise than its tokens show
             (i, j)
@@ -271,7 +295,7 @@ class Learner:
         }
         trained = [
             [
-                (v or g.zero_variance_groups == "train")
+                (v or g.zero_variance_groups == "train")  # refill: the batch holds others in their place
                 and not (g.mask_truncated and ends[i][j] == "length")
                 and (i, j) not in claims
                 for j in range(len(group))
@@ -334,6 +358,8 @@ class Learner:
             **self._diagnostics(total),
             **self._behaviour(batch, seen or {}, claims),
             "zero_variance_groups": 1.0 - sum(varied) / len(varied),
+            "groups_varied": sum(varied),
+            "refill_groups": len(batch.groups) - g.prompts_per_step,
             "truncated": sum(e == "length" for group in ends for e in group) / len(lengths),
             "completion_len_min": min(k for k, _ in lengths),
             "completion_len_max": max(k for k, _ in lengths),

@@ -225,6 +225,7 @@ def step_line(row: dict, steps: int) -> str:
         f"payload {row['payload_bytes']:,} B ({row['changed_fraction']:.2%} changed) {row['step_s']:.2f} s"
         + (f" rewards failed {failed}" if failed else "")
         + (f" samples refused {refused}" if refused else "")
+        + (f" groups refilled {row['refill_groups']}" if row.get("refill_groups") else "")
         + (f" SKIPPED ({row['skipped']}): no weight changed" if row.get("skipped") else "")
     )
 
@@ -270,6 +271,7 @@ def status(s: Snapshot) -> JobStatus:
         prompt_groups_requeued=c.requeued,
         prompt_groups_lost=job.lost,
         prompt_groups_discarded_late=c.discarded_late,
+        prompt_groups_refilled=c.refilled,
         commits_verified=c.verified,
         commits_mismatched=c.mismatched,
         origin_sent_delta_bytes=s.sent["delta"],
@@ -308,6 +310,7 @@ def metrics(snap: Snapshot) -> list:
                     "refused": c.refused,
                     "requeued": c.requeued,
                     "discarded_late": c.discarded_late,
+                    "refilled": c.refilled,
                     "lost": s.prompt_groups_lost,
                 },
             ),
@@ -526,6 +529,7 @@ def summary(s: Snapshot) -> dict:
         "prompt_groups_lost": s.job.lost,
         "prompt_groups_discarded_late": c.discarded_late,
         "prompt_groups_requeued": c.requeued,
+        "prompt_groups_refilled": c.refilled,
         "leases_expired": c.leases_expired,
         "trainer_restarts": s.restarts,
         "trainer_resumes": s.resumes,

@@ -41,6 +41,7 @@ SCALARS = (  # metrics row key → TensorBoard tag
     ("mismatch_max", "behaviour/mismatch_max"),
     ("mismatch_kl", "behaviour/mismatch_kl"),
     ("zero_variance_groups", "rollout/zero_variance_groups"),
+    ("refill_groups", "rollout/refill_groups"),
     ("truncated", "rollout/truncated"),
     ("completion_tokens_mean", "rollout/completion_tokens"),
     ("payload_bytes", "sync/payload_bytes"),

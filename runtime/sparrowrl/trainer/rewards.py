@@ -22,6 +22,7 @@ import multiprocessing.connection
 import numbers
 import os
 import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -177,10 +178,12 @@ class Scorer:
         size = workers or min(4, os.cpu_count() or 1)
         self.pool = None if self.fn else Pool(name, size, timeout)
         self.logged: set[str] = set()
+        self.lock = threading.Lock()  # one call at a time: a step's, an eval round's, admitted groups' (refills)
 
     def score(self, items: list[Item]) -> tuple[list[float], dict[str, int]]:
         """Each item's reward (0.0 where it failed), and the failures by kind."""
-        outcomes = self.pool.run(items) if self.pool else [call(self.fn, x) for x in items]
+        with self.lock:
+            outcomes = self.pool.run(items) if self.pool else [call(self.fn, x) for x in items]
         rewards, failed = [], dict.fromkeys(FAILURES, 0)
         for kind, value in outcomes:
             if kind == "ok":

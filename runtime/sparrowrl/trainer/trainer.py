@@ -55,6 +55,7 @@ class Trainer:
             spec.steps,
             s.split,
             quorum=spec.quorum,
+            refill=spec.grpo.refill_groups,
         )
         for v, entry in self.learner.store.versions.items():
             self.coord.publish(v, entry.state_hash, self.learner.published(v)["payload_bytes"])
@@ -175,10 +176,13 @@ class Trainer:
                 flush=True,
             )
         every = self.spec.trainer.checkpoint.every
+        scoring = asyncio.create_task(self._score_admitted()) if self.coord.refill else None
         for b in range(learner.version, self.spec.steps):
             t0 = time.perf_counter()
             while (batch := self.coord.take(b)) is None:
                 self.coord.expire()
+                if scoring is not None and scoring.done():
+                    scoring.result()  # what stopped it, raised here: the batch waits for its scores
                 await control.until_changed(0.2)  # a result admitted, or time to expire leases
             control.changed()
             self.trained[b] = batch.results
@@ -190,7 +194,7 @@ class Trainer:
                 "version": b + 1,
                 "step": b,
                 **m,
-                "completion_tokens_mean": m["tokens"] / (self.spec.grpo.prompts_per_step * self.spec.grpo.group_size),
+                "completion_tokens_mean": m["tokens"] / (len(batch.groups) * self.spec.grpo.group_size),
                 "generate_s": generate_s,
                 "wait_s": wait,
                 "rollout_s": batch.done - (batch.opened or batch.done),
@@ -227,6 +231,8 @@ class Trainer:
                 await self._checkpoint()
             await self._score_evals()
             control.changed()
+        if scoring is not None:
+            scoring.cancel()
         if self.writing is not None:
             await self.writing
         # every worker should still commit and verify the final version
@@ -247,6 +253,21 @@ class Trainer:
         book.finished = True
         control.changed()
 
+    async def _score_admitted(self) -> None:
+        """With refills on: score each admitted group as it comes, so that the coordinator can
+        replace one that teaches nothing while its batch is still generated (and the step finds
+        its rewards ready)."""
+        while True:
+            todo = self.coord.unscored()
+            if not todo:
+                await self.control.until_changed(1.0)
+                continue
+            b, groups = todo[0]
+            results = {g: self.coord.batches[b].results[g] for g in groups}
+            scores = await asyncio.to_thread(self.learner.score, results)
+            self.coord.scored(b, scores)
+            self.control.changed()
+
     async def _score_evals(self) -> None:
         """Score the eval rounds that are complete (or closed), between steps: the reward's
         processes are the learner's, which is not training now."""
@@ -260,9 +281,18 @@ class Trainer:
                 flush=True,
             )
 
-    @staticmethod
-    def _warn(b: int, batch, m: dict) -> None:
-        """A step that changed no weight, with the leases that fed it; samples refused, by worker."""
+    def _warn(self, b: int, batch, m: dict) -> None:
+        """A step that changed no weight, with the leases that fed it; samples refused, by worker;
+        a step whose refills ran out before it had promptsPerStep groups that vary."""
+        g = self.spec.grpo
+        if g.refill_groups and m["refill_groups"] == g.refill_groups:
+            if (varied := m["groups_varied"]) < g.prompts_per_step:
+                print(
+                    f"trainer: step {b + 1} trains on {varied} of {g.prompts_per_step} groups that vary: it drew "
+                    f"{m['refill_groups']} more in place of those whose samples all scored alike, the most "
+                    f"grpo.maxGenBatches ({g.max_gen_batches}) allows",
+                    flush=True,
+                )
         if m["skipped"]:
             fed = sorted({(r.get("lease", -1), r.get("worker", "unknown")) for r in batch.results.values()})
             print(
