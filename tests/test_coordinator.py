@@ -296,3 +296,39 @@ def test_refills_are_journaled_and_restored_and_their_groups_scored_again():
     assert again.take(0) is not None and again.lost == 0
     Coordinator.replay(snapshot, json.loads(json.dumps(again.changes())))
     assert snapshot["refills"] == {}  # trained: nothing more to restore
+
+
+def test_a_batch_trained_again_after_a_restart_keeps_its_refills_and_adds_none():
+    """Killed after batch 0 was trained and published, before a checkpoint: the next trainer
+    trains it again from the journal's results. Its refill groups are in those results; they are
+    its groups again whatever the reward says this time, and it draws no new ones."""
+    clock = Clock()
+    c = Coordinator(2, 4, 10, staleness=0, steps=2, split="pull", refill=2, clock=clock)
+    c.publish(0, "h0")
+    lease = c.work("w", 0)["lease"]
+    c.submit(lease["id"], "w", 0, "h0", result(lease))
+    c.scored(0, scores([0, 1], flat={1}))
+    refill = c.work("w", 0)["lease"]
+    c.submit(refill["id"], "w", 0, "h0", result(refill))
+    c.scored(0, scores(refill["groups"]))
+    trained = c.take(0)
+    c.publish(1, "h1")
+    snapshot = json.loads(json.dumps(c.state()))
+    assert snapshot["refills"] == {} and snapshot["counts"]["refilled"] == 1
+    again = Coordinator(2, 4, 10, staleness=0, steps=2, split="pull", refill=2, clock=clock)
+    again.publish(0, "h0"), again.publish(1, "h1")
+    again.restore(snapshot, taken=0, results={0: trained.results})
+    assert again.batches[0].groups == [0, 1, REFILL] and again.batches[0].pending == []
+    again.scored(0, scores([0, 1, REFILL], flat={0, 1, REFILL}))  # another verdict: nothing added
+    batch = again.take(0)
+    assert batch is not None and batch.groups == [0, 1, REFILL] and again.counts.refilled == 1 and again.lost == 0
+
+
+def test_a_group_alike_because_its_reward_failed_is_not_replaced():
+    clock = Clock()
+    c = Coordinator(2, 2, 10, staleness=0, steps=1, split="pull", refill=2, clock=clock)
+    c.publish(0, "h0")
+    lease = c.work("w", 0)["lease"]
+    c.submit(lease["id"], "w", 0, "h0", result(lease))
+    c.scored(0, {0: ([0.0, 0.0], {"timeout": 2}, False), 1: ([0.0, 1.0], {"timeout": 0}, True)})
+    assert c.batches[0].groups == [0, 1] and c.take(0) is not None

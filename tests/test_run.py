@@ -294,6 +294,39 @@ def test_zero_variance_groups_are_refilled_from_new_prompts_within_the_staleness
         assert min(r["behaviour_versions"]) >= r["step"] - 1  # batch b: versions b - staleness and newer
 
 
+def test_a_trainer_killed_mid_run_with_refills_trains_its_batches_again_as_they_were(tmp_path):
+    """kill -9 of the trainer two or three steps after a checkpoint, with refills on: the steps
+    since are trained again from the journal's results, refill groups included, to the bits it
+    had published; no group is added twice, lost, or refilled for a step already trained."""
+    steps = 30  # steps of a few hundred ms: enough left after the kill's step that it lands mid-run
+    spec = job("sparse", steps=steps, seed=0)
+    spec["spec"]["model"]["tiny"]["warmupSteps"] = 300
+    spec["spec"]["task"]["reward"] = "exact"
+    spec["spec"]["grpo"].update(zeroVarianceGroups="refill", maxGenBatches=2)
+    spec["spec"]["trainer"] = {"checkpoint": {"every": 5, "keep": 2}}
+    p, out = start(tmp_path, spec)
+    deadline = time.time() + 400
+    while True:
+        assert p.poll() is None and time.time() < deadline, "the run ended before the trainer could be killed"
+        try:
+            if (at := status(out)["step"]) >= 6 and at % 5 in (2, 3):
+                break
+        except OSError:  # not serving yet
+            pass
+        time.sleep(0.2)
+    os.kill(json.loads((out / "processes.json").read_text())["trainer"], signal.SIGKILL)
+    _, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0, stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    log = (out / "logs" / "trainer.log").read_text()
+    assert s["trainer_restarts"] == 1 and [r["version"] for r in rows] == list(range(1, steps + 1)), log[-3000:]
+    assert s["prompt_groups_refilled"] == sum(r["refill_groups"] for r in rows) > 0, s
+    assert s["prompt_groups_lost"] == 0 and s["weights_mismatch"] == 0, s
+    newest = int(re.search(r"the newest checkpoint is v\d+, the newest version v(\d+)", log).group(1))
+    assert f"trained again to v{newest}: the same bits as published" in log
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

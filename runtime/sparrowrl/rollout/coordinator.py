@@ -233,13 +233,16 @@ class Coordinator:
     def scored(self, b: int, scores: dict[int, Score]) -> None:
         """The trainer's rewards of admitted groups of batch b. The batch holds a new group for
         each of its groups whose samples all scored alike, up to `refill`: counted over all it has
-        scored, so scoring a group again (after a restart) adds none."""
+        scored, so scoring a group again (after a restart) adds none. A group alike because its
+        reward calls failed is not replaced (a failing reward would have every batch draw its
+        most), nor is any group of a batch trained before (a restart trains it again)."""
         batch = self.batches.get(b) if b >= self.taken else None
         if batch is None:
             return
         batch.scores.update({g: s for g, s in scores.items() if g in batch.results})
         added = len(batch.groups) - self.per_step
-        more = min(self.refill, sum(not s[2] for s in batch.scores.values())) - added
+        alike = sum(not varied and not any(failed.values()) for _, failed, varied in batch.scores.values())
+        more = min(self.refill, alike) - added if b >= self.published else 0
         if more > 0:
             new = [REFILL + b * self.refill + k for k in range(added, added + more)]
             batch.groups += new
@@ -708,6 +711,9 @@ class Coordinator:
         self.begun, self.regions, self.first = state["begun"], state["regions"], state["first"]
         self.delivered = {int(k): (d[0], d[1], d[2]) for k, d in state["delivered"].items() if d[2] >= taken}
         self.refills = {int(b): n for b, n in state.get("refills", {}).items() if int(b) >= taken}
+        for b, groups in results.items():  # a batch trained since the checkpoint has let its refills go
+            if b >= taken and (refills := [g for g in groups if g >= REFILL]):
+                self.refills[b] = max(self.refills.get(b, 0), max(refills) - REFILL - b * self.refill + 1)
         for b, groups in results.items():
             if b >= taken:
                 batch = self._batch(b)

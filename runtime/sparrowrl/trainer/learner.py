@@ -236,7 +236,7 @@ class Learner:
         they were admitted (refills on) keep those rewards; the others are scored in one call (a
         user's reward runs them in parallel)."""
         todo = [g for g in batch.groups if g not in batch.scores]
-        fresh, failed = self._rewards({g: batch.results[g] for g in todo})
+        fresh, failed = self._rewards({g: batch.results[g] for g in todo}) if todo else ({}, {})
         for g in batch.groups:
             if g in batch.scores:
                 failed = {k: failed.get(k, 0) + n for k, n in batch.scores[g][1].items()}
