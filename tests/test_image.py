@@ -184,6 +184,41 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image, hub, t
     assert list(tmp.rglob("*.nbi")) and not list((venv / "lib").rglob("*.nbi"))
 
 
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+import sparrowrl
+names = [m.name for m in pkgutil.walk_packages(sparrowrl.__path__, "sparrowrl.")]
+for name in names:
+    if name.endswith("__main__"):  # a program
+        continue
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != "vllm":  # the GPU variant's engine, not in the CPU image
+            raise
+print(len(names))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="runs as uid 65532: needs root and setpriv")
+def test_every_module_imports_as_the_images_user_without_a_word(image):
+    """As uid 65532 with HOME=/, every module of the runtime imports, and no library says it
+    could not write a cache under HOME: CuPy's kernel cache (`/.cupy`, a PermissionError, which
+    stopped the GPU image's codec) and matplotlib's (a warning) go where the user may write."""
+    venv, top = image
+    tmp = folder(top / "tmp", UID)
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": "/", "TMPDIR": str(tmp)}
+    p = subprocess.run(
+        [*AS_USER, venv / "bin" / "python", "-c", IMPORT_ALL], env=env, cwd=top, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert p.returncode == 0 and not p.stderr, p.stderr[-3000:]
+    assert int(p.stdout) > 70
+    assert {d.name for d in tmp.iterdir()} >= {f"sparrowrl-cupy-{UID}", f"sparrowrl-matplotlib-{UID}"}
+
+
 def pins(lines) -> dict[str, str]:
     """name -> version of each `name==version` requirement, names normalized as pip does."""
     out = {}

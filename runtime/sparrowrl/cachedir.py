@@ -1,7 +1,8 @@
 """Cache folders a process can write. The runtime image installs as root and runs as uid 65532,
 which has no passwd entry and so gets `HOME=/` (runtime/Dockerfile): numba's default cache
-(beside the package) and `datasets`' (under HOME) cannot be written there, and both fail rather
-than go without. Imports nothing heavy: the codec's kernels call it before numba loads."""
+(beside the package), and `datasets`', CuPy's and matplotlib's (under HOME) cannot be written
+there; numba, `datasets` and CuPy fail rather than go without, matplotlib warns. Imports nothing
+heavy: the modules that use those libraries call it before they load them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def writable(path: Path) -> bool:
         return True
     except OSError:
         return False
+
+
+def under_home(variable: str, name: str, default: Path) -> None:
+    """Point a library's cache `variable` at a folder of this user's own (`own`) where its
+    `default` cannot be written, unless the environment names one already."""
+    if not os.environ.get(variable) and not writable(default) and (d := own(name)) is not None:
+        os.environ[variable] = str(d)
 
 
 def own(name: str) -> Path | None:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import matplotlib
+from sparrowrl.cachedir import under_home
+
+_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+under_home("MPLCONFIGDIR", "matplotlib", _CONFIG / "matplotlib")  # its font cache, before it loads
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -8,15 +8,21 @@ code, so the delta bytes are identical. Verified on a GPU by hack/gpu-check.sh o
 
 from __future__ import annotations
 
-import cupy
-import numpy as np
-import torch
+from pathlib import Path
 
-from sparrowrl.delta.bitview import TORCH_SINT, UINT
-from sparrowrl.delta.context import ranks_on_device
-from sparrowrl.delta.extract import changed_positions, zigzag
-from sparrowrl.delta.records import Changes
-from sparrowrl.delta.statehash import TensorKey
+from sparrowrl.cachedir import under_home
+
+under_home("CUPY_CACHE_DIR", "cupy", Path.home() / ".cupy" / "kernel_cache")  # CuPy's kernels, before it loads
+
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from sparrowrl.delta.bitview import TORCH_SINT, UINT  # noqa: E402
+from sparrowrl.delta.context import ranks_on_device  # noqa: E402
+from sparrowrl.delta.extract import changed_positions, zigzag  # noqa: E402
+from sparrowrl.delta.records import Changes  # noqa: E402
+from sparrowrl.delta.statehash import TensorKey  # noqa: E402
 
 
 def device_bits(t: torch.Tensor) -> cupy.ndarray:
