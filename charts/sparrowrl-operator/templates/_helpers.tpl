@@ -38,7 +38,8 @@ app.kubernetes.io/part-of: sparrowrl
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The job pods' default image, in the operator's own release. */}}
+{{/* The job pods' default image: sparrowrl-runtime beside the operator's, as `make push` puts them. */}}
 {{- define "sparrowrl-operator.runtimeImage" -}}
-{{- default (printf "ghcr.io/sparrowrl/sparrowrl-runtime:%s" .Chart.AppVersion) .Values.runtimeImage }}
+{{- $beside := printf "%s/sparrowrl-runtime:%s" (dir .Values.image.repository) (default .Chart.AppVersion .Values.image.tag) }}
+{{- default $beside .Values.runtimeImage }}
 {{- end }}

@@ -1,0 +1,251 @@
+"""The images themselves, built by `make images` and run as a cluster runs them: each role of a
+job in its own container from the runtime image, with the pod spec the operator's builders make
+(its command, arguments, env, working folder, user and mounts), on a read-only root; and the
+operator image as the chart's Deployment runs it. Where no docker daemon answers, buildah builds
+and podman runs (as root: hack/images.sh, hack/containers.conf). tests/test_image.py is the fast
+recreation of the same conditions, without a container."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from support.bounded import free_port
+from support.imports import IMPORT_ALL
+from support.kube import clusters
+
+from sparrowrl.spec.job import parse
+from sparrowrl.spec.layout import processes
+from sparrowrl_operator import builders
+from sparrowrl_operator.constants import TOKEN_KEY
+
+ROOT = Path(__file__).resolve().parent.parent
+TAG = "e2e"
+RUNTIME = f"localhost/sparrowrl/sparrowrl-runtime:{TAG}"
+OPERATOR = f"localhost/sparrowrl/sparrowrl-operator:{TAG}"
+ENV = {
+    **os.environ,
+    "CONTAINERS_CONF": str(ROOT / "hack" / "containers.conf"),
+    "CONTAINERS_STORAGE_CONF": str(ROOT / "hack" / "storage.conf"),
+}
+
+
+def engine() -> str | None:
+    """docker where its daemon answers, else podman as root (what `make images` builds with)."""
+    if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
+        return "docker"
+    if shutil.which("podman") and shutil.which("buildah") and os.geteuid() == 0:
+        return "podman"
+    return None
+
+
+ENGINE = engine()
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.xdist_group("images"),  # one build, on one xdist worker
+    pytest.mark.skipif(ENGINE is None, reason="needs a docker daemon, or buildah and podman as root"),
+]
+
+
+@pytest.fixture(scope="module")
+def images() -> None:
+    """Both images, built from this checkout (the layers that did not change come from the store)."""
+    p = subprocess.run(
+        ["make", "images", f"TAG={TAG}", f"CONTAINER={'docker' if ENGINE == 'docker' else 'buildah'}"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+
+
+def container(name: str, options: list[str], image: str, args: list[str]) -> list[str]:
+    """`ENGINE run` of a container on the host's network with a read-only root (and a tmpfs /tmp
+    of its own, as the chart's emptyDir), removed when it ends."""
+    return [ENGINE, "run", "--rm", "--name", name, "--network", "host", "--read-only", *options, image, *args]
+
+
+def stop(name: str) -> None:
+    subprocess.run([ENGINE, "rm", "-f", "-t", "5", name], env=ENV, capture_output=True, timeout=60)
+
+
+def folder(path: Path, owner: int) -> Path:
+    path.mkdir(parents=True)
+    os.chown(path, owner, owner)
+    return path
+
+
+def wait_http(url: str, procs: dict[str, subprocess.Popen], seconds: float) -> float:
+    """Seconds until `url` answers 200, while every container in `procs` lives."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        for name, p in procs.items():
+            assert p.poll() is None, f"{name} exited {p.returncode}: {p.stdout.read()[-3000:]}"
+        assert time.monotonic() - t0 < seconds, f"{url} did not answer in {seconds} s"
+        time.sleep(0.3)
+
+
+class Pod:
+    """A pod the operator's builders make, as `ENGINE run` arguments: its user, security context,
+    working folder, env (secrets and the downward API resolved) and mounts (host folders). On the
+    host's network the ports are free ones, and the Services' URLs loopback ones."""
+
+    def __init__(self, manifest: dict, secrets: dict[str, dict], mounts: dict[str, Path], ports: dict[str, int]):
+        self.manifest, self.secrets, self.mounts, self.ports = manifest, secrets, mounts, ports
+
+    def argv(self, c: dict) -> list[str]:
+        spec = self.manifest["spec"]
+        sc, csc = spec["securityContext"], c.get("securityContext", {})
+        out = ["--user", f"{sc['runAsUser']}:{sc['runAsUser']}", "--workdir", c["workingDir"]]
+        out += ["--cap-drop", "ALL"] if "ALL" in csc.get("capabilities", {}).get("drop", []) else []
+        out += ["--security-opt", "no-new-privileges"] if csc.get("allowPrivilegeEscalation") is False else []
+        for e in c.get("env", []):
+            out += ["--env", f"{e['name']}={self.value(e)}"]
+        for m in c.get("volumeMounts", []):
+            out += ["--volume", f"{self.mounts[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}"]
+        return [*out, "--entrypoint", c["command"][0]]
+
+    def value(self, e: dict) -> str:
+        if "value" in e:
+            return e["value"]
+        ref = e["valueFrom"]
+        if "secretKeyRef" in ref:
+            return self.secrets[ref["secretKeyRef"]["name"]][ref["secretKeyRef"]["key"]]
+        return {"metadata.name": self.manifest["metadata"]["name"], "status.podIP": "127.0.0.1"}[
+            ref["fieldRef"]["fieldPath"]
+        ]
+
+    def args(self, c: dict) -> list[str]:
+        """The container's arguments, $(POD_IP) expanded as the kubelet does, with free ports."""
+        out = [a.replace("$(POD_IP)", "127.0.0.1") for a in c.get("args", [])]
+        for flag, port in (("--port", self.ports["http"]), ("--metrics-port", self.ports["metrics"])):
+            if flag in out:
+                out[out.index(flag) + 1] = str(port)
+        return out
+
+
+@pytest.mark.timeout(1800)
+def test_every_module_imports_in_the_runtime_image_as_its_user_without_a_word(images):
+    """uid 65532, HOME=/, a read-only root: every module imports (CuPy's and matplotlib's caches
+    go where the user may write), and nothing is said on stderr."""
+    options = ["--user", "65532:65532", "--entrypoint", "python"]
+    p = subprocess.run(
+        container("sparrowrl-e2e-imports", options, RUNTIME, ["-c", IMPORT_ALL]), env=ENV, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0 and not p.stderr, p.stderr[-3000:]
+    assert int(p.stdout) > 70
+
+
+JOB = {
+    "apiVersion": "sparrowrl.dev/v1alpha1",
+    "kind": "SparrowRLJob",
+    "metadata": {"name": "img", "namespace": "default"},
+    "spec": {
+        "steps": 3,
+        "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
+        "task": {"builtin": "add"},
+        "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
+        "rollout": {"groupsPerLease": 2},
+        "topology": {"regions": [{"name": "a", "workers": 1}]},
+    },
+}
+
+
+@pytest.mark.timeout(1800)
+def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(images, tmp_path):
+    """The trainer (after `sparrowrl check`, its init container), a relay and a worker, each in a
+    container of the runtime image as uid 65532 on a read-only root, where only the trainer's
+    state and the relay's cache are writable: the job takes its 3 steps and every commit is
+    verified. A bad job is refused by the check with exit 3, before a trainer starts."""
+    spec = parse(JOB).spec
+    job = builders.JobRef(name="img", namespace="default", uid="0123456789")
+    ports = {p.name: {"http": free_port(), "metrics": free_port()} for p in processes(spec, lambda n, r: "")}
+    roles = processes(spec, lambda name, region: f"http://127.0.0.1:{ports[name]['http']}")
+    secret = "s3cret-of-the-job"
+    secrets = {builders.token_name(job): {TOKEN_KEY: secret}}
+    for role in roles[1:]:
+        s = builders.credentials_secret(job, role, secret, "default", home=True)
+        secrets[s["metadata"]["name"]] = s["stringData"]
+    config = builders.job_config(job, JOB["spec"])
+    (tmp_path / "job.yaml").write_text(config["data"][builders.JOB_KEY])
+    tmp_path.chmod(0o755)
+    mounts = {"job": tmp_path / "job.yaml", "state": folder(tmp_path / "state", 65532)}
+    mounts["cache"] = folder(tmp_path / "cache", 65532)
+    procs, names = {}, []
+    try:
+        for role in roles:
+            manifest = builders.pod(job, role, spec, namespace="default", attempt=0, image=RUNTIME, home=True)
+            pod = Pod(manifest, secrets, mounts, ports[role.name])
+            for c in manifest["spec"].get("initContainers", []):  # sparrowrl check
+                names.append(f"sparrowrl-e2e-{c['name']}")
+                argv = container(names[-1], pod.argv(c), c["image"], pod.args(c))
+                p = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
+                assert p.returncode == 0 and "load here" in p.stdout + p.stderr, p.stdout + p.stderr
+            (c,) = manifest["spec"]["containers"]
+            names.append(f"sparrowrl-e2e-{role.name}")
+            argv = container(names[-1], pod.argv(c), c["image"], pod.args(c))
+            procs[role.name] = subprocess.Popen(
+                argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            probe = "readyz" if role.kind != "worker" else "healthz"
+            wait_http(f"http://127.0.0.1:{ports[role.name]['http']}/{probe}", procs, 300)
+        summary = mounts["state"] / "summary.json"
+        deadline = time.monotonic() + 600
+        while not summary.exists():
+            assert procs["trainer"].poll() is None, procs["trainer"].stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the job did not finish in 10 minutes"
+            time.sleep(1)
+        s = json.loads(summary.read_text())
+        assert s["steps"] == 3 and s["weights_mismatch"] == 0 and s["weights_verified"] >= 4, s
+    finally:
+        for name in names:
+            stop(name)
+    # what a read-only root left writable: the state volume, the relay's cache (and each container's own /tmp)
+    assert (mounts["state"] / "store").is_dir() and any(mounts["cache"].iterdir())
+
+    bad = dict(JOB, spec=dict(JOB["spec"], grpo=dict(JOB["spec"]["grpo"], groupSize=1)))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(bad))
+    manifest = builders.pod(job, roles[0], spec, namespace="default", attempt=0, image=RUNTIME, home=True)
+    (c,) = manifest["spec"]["initContainers"]
+    pod = Pod(manifest, secrets, mounts, ports["trainer"])
+    argv = container("sparrowrl-e2e-bad-check", pod.argv(c), c["image"], pod.args(c))
+    p = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 3 and "spec.grpo.groupSize" in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+@pytest.mark.timeout(600)
+def test_the_operator_image_answers_its_probe_as_the_charts_deployment_runs_it(images, tmp_path):
+    """The chart's Deployment: the image's entrypoint (the chart's command is the same, with the
+    namespace flags), its env, user, dropped capabilities and read-only root (a /tmp of its own),
+    logged in to an emulated cluster by a kubeconfig: kopf's liveness endpoint answers."""
+    values = yaml.safe_load((ROOT / "charts" / "sparrowrl-operator" / "values.yaml").read_text())
+    user, sc = values["podSecurityContext"]["runAsUser"], values["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"]
+    kube = tmp_path / "kube"
+    kube.mkdir()
+    with clusters("home") as (home,):
+        (kube / "config").write_text(yaml.safe_dump(home.kubeconfig()))
+        kube.chmod(0o755)
+        (kube / "config").chmod(0o644)
+        name = "sparrowrl-e2e-operator"
+        options = ["--user", f"{user}:{user}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+        options += ["--volume", f"{kube}:/kube:ro", "--env", "KUBECONFIG=/kube/config"]
+        options += ["--env", f"SPARROWRL_RUNTIME_IMAGE={RUNTIME}", "--env", "POD_NAMESPACE=default"]
+        argv = container(name, options, OPERATOR, [])
+        p = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_http("http://127.0.0.1:8080/healthz", {"operator": p}, 120)
+        finally:
+            stop(name)
