@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import yaml
 from support.bounded import free_port
 from support.imports import IMPORT_ALL
 from support.kube import clusters
+from support.servers import wait_for
 
 from sparrowrl.spec.job import parse
 from sparrowrl.spec.layout import processes
@@ -78,22 +78,6 @@ def folder(path: Path, owner: int) -> Path:
     path.mkdir(parents=True)
     os.chown(path, owner, owner)
     return path
-
-
-def wait_http(url: str, procs: dict[str, subprocess.Popen], seconds: float) -> float:
-    """Seconds until `url` answers 200, while every container in `procs` lives."""
-    t0 = time.monotonic()
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
-        except OSError:
-            pass
-        for name, p in procs.items():
-            assert p.poll() is None, f"{name} exited {p.returncode}: {p.stdout.read()[-3000:]}"
-        assert time.monotonic() - t0 < seconds, f"{url} did not answer in {seconds} s"
-        time.sleep(0.3)
 
 
 class Pod:
@@ -200,7 +184,7 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
                 argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
             probe = "readyz" if role.kind != "worker" else "healthz"
-            wait_http(f"http://127.0.0.1:{ports[role.name]['http']}/{probe}", procs, 300)
+            wait_for(f"http://127.0.0.1:{ports[role.name]['http']}/{probe}", procs, 300)
         summary = mounts["state"] / "summary.json"
         deadline = time.monotonic() + 600
         while not summary.exists():
@@ -246,6 +230,6 @@ def test_the_operator_image_answers_its_probe_as_the_charts_deployment_runs_it(i
         argv = container(name, options, OPERATOR, [])
         p = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            wait_http("http://127.0.0.1:8080/healthz", {"operator": p}, 120)
+            wait_for("http://127.0.0.1:8080/healthz", {"operator": p}, 120)
         finally:
             stop(name)
