@@ -227,7 +227,12 @@ def test_status_of_a_path_that_is_no_run_dir_or_of_an_ended_run_is_one_line(tmp_
             json.dumps({"trainer": 1, "relays": {}, "workers": {}, "urls": {"trainer": url}})
         )
         p = here("status", ended, ok=False)
-        assert p.returncode == 1 and p.stderr == f"error: {url}/v1/status: [Errno 111] Connection refused\n"  # stopped
+        assert p.returncode == 1 and p.stderr == (  # stopped: killed, or its runner was
+            f"error: {ended}: the run stopped before its end (its trainer at {url} does not answer); "
+            f"`sparrowrl run JOB --run-dir {ended} --resume` goes on from where it stopped\n"
+        )
+        p = here("status", url, ok=False)  # a URL alone: what urllib says
+        assert p.returncode == 1 and p.stderr == f"error: {url}/v1/status: [Errno 111] Connection refused\n"
         (ended / "summary.json").write_text("{}")
         p = here("status", ended, ok=False)
         assert p.returncode == 1

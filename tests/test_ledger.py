@@ -81,9 +81,15 @@ def test_tokens_and_each_workers_leases_and_refused_answers_are_metrics():
     assert "lease" in c.work("w1", 0, region="eu")
     c.commit("w1", 0, "h0", refused=2)
     c.commit("w2", 0, "h0")
-    snap = ledger.Snapshot(c.view(), 10, [row(1), row(2, tokens=4)], 5.0, {"delta": 0, "base": 0}, 0, 0, False)
+    snap = ledger.Snapshot(
+        c.view(), 10, [row(1), row(2, tokens=4)], 5.0, {"delta": 0, "base": 0}, 1, 0, False, resumes=2
+    )
     m = samples(snap)
     assert m["sparrowrl_tokens_total",] == 100
+    # a restart (one died) and a resume (on purpose: --resume, raised steps) are told apart
+    assert (m["sparrowrl_trainer_restarts_total",], m["sparrowrl_trainer_resumes_total",]) == (1, 2)
+    s = ledger.status(snap)
+    assert (s.trainer_restarts, s.trainer_resumes) == (1, 2)
     assert m["sparrowrl_worker_leases", "w1"] == 1 and m["sparrowrl_worker_leases", "w2"] == 0
     assert (
         m["sparrowrl_worker_refused_answers_total", "w1"] == 2

@@ -755,7 +755,15 @@ def status(
         )
     except (urllib.error.URLError, OSError) as e:
         if_ended()
-        _fail(ValueError(f"{url}/v1/status: {getattr(e, 'reason', e)}"))
+        reason = getattr(e, "reason", e)
+        if run_dir is not None and isinstance(reason, ConnectionRefusedError):  # no one listens: it stopped
+            _fail(
+                ValueError(
+                    f"{run_dir}: the run stopped before its end (its trainer at {url} does not answer); "
+                    f"`sparrowrl run JOB --run-dir {run_dir} --resume` goes on from where it stopped"
+                )
+            )
+        _fail(ValueError(f"{url}/v1/status: {reason}"))
     except ValidationError as e:
         _fail(ValueError(f"{url}/v1/status: not a job's status ({first_problem(e)})"))
     except (ValueError, http.client.InvalidURL) as e:  # a URL urllib cannot use: "nonnumeric port: 'abc'"

@@ -51,7 +51,8 @@ class JobStatus(_Status):
     commits_mismatched: Count = 0
     origin_sent_delta_bytes: Count = 0
     origin_sent_base_bytes: Count = 0
-    trainer_restarts: Count = 0
+    trainer_restarts: Count = 0  # started again after one died
+    trainer_resumes: Count = 0  # started on purpose to go on: `sparrowrl run --resume`, raised steps
     eval_version: Version | None = None  # the version the last held-out eval (task.eval) was of
     eval_pass_at_1: Annotated[float, Field(ge=0, le=1)] | None = None
     eval_pass_at_k: Annotated[float, Field(ge=0, le=1)] | None = None  # k = task.eval.samples, when above 1
@@ -85,7 +86,7 @@ def table(s: JobStatus, url: str) -> Table:
     )
     t.add_row("commits verified / mismatched", f"{s.commits_verified} / {s.commits_mismatched}")
     t.add_row("origin sent: deltas + bases", f"{s.origin_sent_delta_bytes:,} B + {s.origin_sent_base_bytes:,} B")
-    t.add_row("trainer restarts", str(s.trainer_restarts))
+    t.add_row("trainer restarts / resumes", f"{s.trainer_restarts} / {s.trainer_resumes}")
     t.add_row("steps skipped / samples refused", f"{s.steps_skipped} / {s.samples_refused}")
     if s.prompt_groups_refilled:
         t.add_row("groups refilled (zero variance)", str(s.prompt_groups_refilled))

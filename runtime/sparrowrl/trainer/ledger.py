@@ -277,6 +277,7 @@ def status(s: Snapshot) -> JobStatus:
         origin_sent_delta_bytes=s.sent["delta"],
         origin_sent_base_bytes=s.sent["base"],
         trainer_restarts=s.restarts,
+        trainer_resumes=s.resumes,
         eval_version=s.evals[-1]["version"] if s.evals else None,
         eval_pass_at_1=s.evals[-1]["pass_at_1"] if s.evals else None,
         eval_pass_at_k=s.evals[-1].get("pass_at_k") if s.evals else None,
@@ -332,6 +333,12 @@ def metrics(snap: Snapshot) -> list:
             "trainer_restarts",
             "Trainer processes started again after one died, on its state dir (not planned resumes)",
             s.trainer_restarts,
+        ),
+        family(
+            "counter",
+            "trainer_resumes",
+            "Trainer processes started on purpose to go on from its state dir (sparrowrl run --resume, raised steps)",
+            s.trainer_resumes,
         ),
         family("counter", "steps_redone", "Steps trained again after a restart, from their checkpoint", snap.redone),
         family(
