@@ -69,7 +69,7 @@ REGISTRY ?= localhost/sparrowrl
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 RUNTIME_IMAGE := $(REGISTRY)/sparrowrl-runtime:$(TAG)
 OPERATOR_IMAGE := $(REGISTRY)/sparrowrl-operator:$(TAG)
-PUSH = $(or $(CONTAINER),$(shell docker info >/dev/null 2>&1 && echo docker || echo podman))
+PUSH = $(or $(CONTAINER),$(shell docker info >/dev/null 2>&1 && echo docker || (command -v podman >/dev/null && echo podman) || echo buildah))
 
 # pushing goes to a registry the user names: never to the default by accident
 has-registry:

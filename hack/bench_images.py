@@ -118,7 +118,7 @@ def main() -> None:
         (top / "kube").mkdir(mode=0o755)
         (top / "kube" / "config").write_text(yaml.safe_dump(home.kubeconfig()))
         (top / "kube" / "config").chmod(0o644)
-        run = [tool, "run", "--rm", "--network", "host", "--read-only", "--user", "65532:65532"]
+        run = [tool, "run", "--rm", "--network", "host", "--read-only", "--tmpfs", "/tmp", "--user", "65532:65532"]
         cases = {}
         for i in range(a.repeat):
             port, state = free_port(), top / f"state-{i}"
@@ -128,20 +128,21 @@ def main() -> None:
             args = ["trainer", "/job/job.yaml", "--state-dir", "/state", "--port", str(port)]
             cases.setdefault("trainer, container", []).append(timed(
                 [*run, "--name", name, "-v", f"{top}:/job:ro", "-v", f"{state}:/state", runtime, *args],
-                f"http://127.0.0.1:{port}/healthz", [tool, "rm", "-f", "-t", "2", name]))  # fmt: skip
+                f"http://127.0.0.1:{port}/healthz", [tool, "rm", "-f", name]))  # fmt: skip
             port = free_port()
             args = ["trainer", str(top / "job.yaml"), "--state-dir", str(top / f"native-{i}"), "--port", str(port)]
             url = f"http://127.0.0.1:{port}/healthz"
             cases.setdefault("trainer, venv", []).append(timed([str(venv / "sparrowrl"), *args], url, env=os.environ))
             name = f"bench-operator-{i}"
             opts = ["-v", f"{top / 'kube'}:/kube:ro", "-e", "KUBECONFIG=/kube/config", "-e", "POD_NAMESPACE=default"]
-            cases.setdefault("operator, container", []).append(timed([*run, "--name", name, *opts, operator],
-                "http://127.0.0.1:8080/healthz", [tool, "rm", "-f", "-t", "2", name]))  # fmt: skip
-            kopf = ["kopf", "run", "--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz", "-m",
-                    "sparrowrl_operator.main"]  # fmt: skip
+            port = free_port()  # the image's probe is on 8080: on the host's network, a free port instead
+            live = f"--liveness=http://0.0.0.0:{port}/healthz"
+            cases.setdefault("operator, container", []).append(timed([*run, "--name", name, *opts, operator, live],
+                f"http://127.0.0.1:{port}/healthz", [tool, "rm", "-f", name]))  # fmt: skip
+            kopf = ["kopf", "run", "--standalone", "--all-namespaces", live, "-m", "sparrowrl_operator.main"]
             env = {**os.environ, "KUBECONFIG": str(top / "kube" / "config"), "POD_NAMESPACE": "default"}
             kopf[0] = str(venv / "kopf")
-            cases.setdefault("operator, venv", []).append(timed(kopf, "http://127.0.0.1:8080/healthz", env=env))
+            cases.setdefault("operator, venv", []).append(timed(kopf, f"http://127.0.0.1:{port}/healthz", env=env))
         res["start_s"] = {k: {"median": statistics.median(v), "runs": v} for k, v in cases.items()}
     Path(a.out).write_text(json.dumps(res, indent=1))
     for image, x in res["images"].items():

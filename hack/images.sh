@@ -27,10 +27,12 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 [ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] || revision=$revision-dirty
 args=(--build-arg "VERSION=$version" --build-arg "REVISION=$revision")
-source=$(git remote get-url origin 2>/dev/null || true)
+# the origin's https URL, without what a CI clone puts before the host (https://user:token@host/...)
+source=$(git remote get-url origin 2>/dev/null | sed -E 's#^(https://)[^/@]*@#\1#' || true)
 [[ $source == https://* ]] && args+=(--build-arg "SOURCE=$source")
 case $tool in
-  docker|podman) build=("$tool" build) ;;
+  docker) build=(env DOCKER_BUILDKIT=1 docker build) ;;  # BuildKit builds only the stages a target needs
+  podman) build=(podman build --isolation chroot --network host --layers) ;;
   buildah) build=(buildah bud --isolation chroot --network host --layers) ;;
   *) echo "images: CONTAINER is docker, podman or buildah, not $tool" >&2; exit 1 ;;
 esac
@@ -38,8 +40,9 @@ esac
 if [ "$tool" != docker ]; then
   # the Dockerfiles' base, unless no registry answers: then Debian's, by debootstrap
   base=$(sed -n 's/^ARG BASE=//p' runtime/Dockerfile)
-  if ! timeout 60 buildah pull --quiet "docker.io/library/$base" >/dev/null 2>&1; then
-    echo "images: no registry answers for $base: building on Debian's own (hack/base-image.sh)"
+  if ! timeout 60 "$tool" pull --quiet "docker.io/library/$base" >/dev/null 2>&1; then
+    echo "images: NOTE: no registry answers for $base: building on Debian bookworm's own root and python3" \
+      "(hack/base-image.sh), not on $base" >&2
     bash hack/base-image.sh
     args+=(--build-arg BASE=localhost/sparrowrl-base:bookworm)
   fi

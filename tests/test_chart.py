@@ -113,6 +113,19 @@ def test_deployment_values(helm):
     assert {"name": "SPARROWRL_RUNTIME_IMAGE", "value": "r.io/rt:7"} in c["env"]
 
 
+@pytest.mark.parametrize(
+    "repository,runtime",
+    [
+        ("r.example.com/you/sparrowrl-operator", "r.example.com/you/sparrowrl-runtime:dev"),
+        ("sparrowrl-operator", "sparrowrl-runtime:dev"),  # `kind load`'s bare names: no "./" before it
+    ],
+)
+def test_the_runtime_image_defaults_to_the_one_beside_the_operators(helm, repository, runtime):
+    dep = only(render(helm, "--set", f"image.repository={repository}", "--set", "image.tag=dev"), "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert {"name": "SPARROWRL_RUNTIME_IMAGE", "value": runtime} in c["env"]
+
+
 def test_the_readmes_quick_start_builds_pushes_and_installs_the_users_images(helm):
     """No image is published: a user's first cluster step builds both for their registry, pushes
     them, and installs the chart with those names, before any job is applied."""

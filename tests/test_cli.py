@@ -2,6 +2,7 @@
 test runs many commands: each start of the command imports torch again (seconds)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -223,16 +224,23 @@ def test_status_of_a_path_that_is_no_run_dir_or_of_an_ended_run_is_one_line(tmp_
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
         (ended / "token").write_text("secret\n")
-        (ended / "processes.json").write_text(
-            json.dumps({"trainer": 1, "relays": {}, "workers": {}, "urls": {"trainer": url}})
-        )
+        gone = int(Path("/proc/sys/kernel/pid_max").read_text())  # pids are below it: no process has it
+
+        def trainer(pid: int) -> None:
+            (ended / "processes.json").write_text(
+                json.dumps({"trainer": pid, "relays": {}, "workers": {}, "urls": {"trainer": url}})
+            )
+
+        trainer(gone)
         p = here("status", ended, ok=False)
         assert p.returncode == 1 and p.stderr == (  # stopped: killed, or its runner was
             f"error: {ended}: the run stopped before its end (its trainer at {url} does not answer); "
             f"`sparrowrl run JOB --run-dir {ended} --resume` goes on from where it stopped\n"
         )
-        p = here("status", url, ok=False)  # a URL alone: what urllib says
+        trainer(os.getpid())  # alive (its runner starting it again after a crash): not said to have stopped
+        p = here("status", ended, ok=False)
         assert p.returncode == 1 and p.stderr == f"error: {url}/v1/status: [Errno 111] Connection refused\n"
+        trainer(gone)
         (ended / "summary.json").write_text("{}")
         p = here("status", ended, ok=False)
         assert p.returncode == 1

@@ -38,40 +38,52 @@ ENV = {
 
 
 def engine() -> str | None:
-    """docker where its daemon answers, else podman as root (what `make images` builds with)."""
-    if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
-        return "docker"
-    if shutil.which("podman") and shutil.which("buildah") and os.geteuid() == 0:
-        return "podman"
-    return None
+    """docker where its daemon answers, else podman (what `make images` builds with): as root,
+    which gives the volumes to the images' user."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        if (
+            shutil.which("docker")
+            and subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+        ):
+            return "docker"
+    except subprocess.TimeoutExpired:  # a daemon that does not answer
+        pass
+    return "podman" if shutil.which("podman") and shutil.which("buildah") else None
 
 
 ENGINE = engine()
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.xdist_group("images"),  # one build, on one xdist worker
-    pytest.mark.skipif(ENGINE is None, reason="needs a docker daemon, or buildah and podman as root"),
+    pytest.mark.skipif(ENGINE is None, reason="needs root, and a docker daemon or buildah and podman"),
 ]
 
 
 @pytest.fixture(scope="module")
 def images() -> None:
     """Both images, built from this checkout (the layers that did not change come from the store)."""
+    env = {k: v for k, v in ENV.items() if k not in ("MAKEFLAGS", "MFLAGS")}
     p = subprocess.run(
-        ["make", "images", f"TAG={TAG}", f"CONTAINER={'docker' if ENGINE == 'docker' else 'buildah'}"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500,
+        ["make", "images", "REGISTRY=localhost/sparrowrl", f"TAG={TAG}",
+         f"CONTAINER={'docker' if ENGINE == 'docker' else 'buildah'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
 
 
 def container(name: str, options: list[str], image: str, args: list[str]) -> list[str]:
-    """`ENGINE run` of a container on the host's network with a read-only root (and a tmpfs /tmp
-    of its own, as the chart's emptyDir), removed when it ends."""
-    return [ENGINE, "run", "--rm", "--name", name, "--network", "host", "--read-only", *options, image, *args]
+    """`ENGINE run` of a container on the host's network with a read-only root and a tmpfs /tmp
+    of its own (as the chart's emptyDir), removed when it ends; one of the name that a killed
+    test left is removed first."""
+    stop(name)
+    return [ENGINE, "run", "--rm", "--name", name, "--network", "host", "--read-only", "--tmpfs", "/tmp", *options,
+            image, *args]  # fmt: skip
 
 
 def stop(name: str) -> None:
-    subprocess.run([ENGINE, "rm", "-f", "-t", "5", name], env=ENV, capture_output=True, timeout=60)
+    subprocess.run([ENGINE, "rm", "-f", name], env=ENV, capture_output=True, timeout=60)
 
 
 def folder(path: Path, owner: int) -> Path:
@@ -227,9 +239,10 @@ def test_the_operator_image_answers_its_probe_as_the_charts_deployment_runs_it(i
         options = ["--user", f"{user}:{user}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
         options += ["--volume", f"{kube}:/kube:ro", "--env", "KUBECONFIG=/kube/config"]
         options += ["--env", f"SPARROWRL_RUNTIME_IMAGE={RUNTIME}", "--env", "POD_NAMESPACE=default"]
-        argv = container(name, options, OPERATOR, [])
+        port = free_port()  # on the host's network: the probe's 8080 may be another test's
+        argv = container(name, options, OPERATOR, [f"--liveness=http://0.0.0.0:{port}/healthz"])  # the last one counts
         p = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            wait_for("http://127.0.0.1:8080/healthz", {"operator": p}, 120)
+            wait_for(f"http://127.0.0.1:{port}/healthz", {"operator": p}, 120)
         finally:
             stop(name)

@@ -40,6 +40,8 @@ app.kubernetes.io/part-of: sparrowrl
 
 {{/* The job pods' default image: sparrowrl-runtime beside the operator's, as `make push` puts them. */}}
 {{- define "sparrowrl-operator.runtimeImage" -}}
-{{- $beside := printf "%s/sparrowrl-runtime:%s" (dir .Values.image.repository) (default .Chart.AppVersion .Values.image.tag) }}
+{{- $repo := .Values.image.repository }}
+{{- $registry := ternary (printf "%s/" (dir $repo)) "" (contains "/" $repo) }}
+{{- $beside := printf "%ssparrowrl-runtime:%s" $registry (default .Chart.AppVersion .Values.image.tag) }}
 {{- default $beside .Values.runtimeImage }}
 {{- end }}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -723,6 +724,7 @@ def status(
     ctx = _trusting(ca_cert)
     token = os.environ.get("SPARROWRL_TOKEN")
     run_dir = Path(url) if Path(url).is_dir() else None
+    pid = None  # a run dir's trainer process
 
     def if_ended() -> None:
         """A run dir whose trainer has written its summary (as it finishes) is a run that ended."""
@@ -732,7 +734,8 @@ def status(
     if run_dir is not None:
         try:
             token = (run_dir / "token").read_text().strip()
-            url = json.loads((run_dir / "processes.json").read_text())["urls"]["trainer"]
+            processes = json.loads((run_dir / "processes.json").read_text())
+            url, pid = processes["urls"]["trainer"], processes.get("trainer")
         except (OSError, ValueError, KeyError, TypeError) as e:
             if_ended()
             _fail(ValueError(f"{url}: not the run dir of a `sparrowrl run` in progress ({e})"))
@@ -756,7 +759,7 @@ def status(
     except (urllib.error.URLError, OSError) as e:
         if_ended()
         reason = getattr(e, "reason", e)
-        if run_dir is not None and isinstance(reason, ConnectionRefusedError):  # no one listens: it stopped
+        if run_dir is not None and isinstance(reason, ConnectionRefusedError) and not _alive(pid):  # it stopped
             _fail(
                 ValueError(
                     f"{run_dir}: the run stopped before its end (its trainer at {url} does not answer); "
@@ -772,6 +775,19 @@ def status(
         print(s.model_dump_json(indent=1))
         return
     out.print(table(s, url))
+
+
+def _alive(pid: object) -> bool:
+    """Whether process `pid` (a run dir's trainer: the runner starts it again after a crash) lives."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it lives
+        return True
+    return True
 
 
 @app.command("trainer")
