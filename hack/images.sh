@@ -26,10 +26,11 @@ fi
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 [ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] || revision=$revision-dirty
-args=(--build-arg "VERSION=$version" --build-arg "REVISION=$revision")
+# labels on the command line, not build arguments: a cached LABEL step keeps an older commit's
+args=(--label "org.opencontainers.image.version=$version" --label "org.opencontainers.image.revision=$revision")
 # the origin's https URL, without what a CI clone puts before the host (https://user:token@host/...)
 source=$(git remote get-url origin 2>/dev/null | sed -E 's#^(https://)[^/@]*@#\1#' || true)
-[[ $source == https://* ]] && args+=(--build-arg "SOURCE=$source")
+[[ $source == https://* ]] && args+=(--label "org.opencontainers.image.source=$source")
 case $tool in
   docker) build=(env DOCKER_BUILDKIT=1 docker build) ;;  # BuildKit builds only the stages a target needs
   podman) build=(podman build --isolation chroot --network host --layers) ;;

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from sparrowrl_operator.constants import TOKEN_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "e2e"
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 RUNTIME = f"localhost/sparrowrl/sparrowrl-runtime:{TAG}"
 OPERATOR = f"localhost/sparrowrl/sparrowrl-operator:{TAG}"
 ENV = {
@@ -129,6 +131,17 @@ class Pod:
             if flag in out:
                 out[out.index(flag) + 1] = str(port)
         return out
+
+
+def test_the_images_labels_name_this_checkouts_commit(images):
+    """OCI labels, set on the build's command line: a cached step would keep an older commit's."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    for image in (RUNTIME, OPERATOR):
+        p = subprocess.run([ENGINE, "image", "inspect", image], env=ENV, capture_output=True, text=True, timeout=60)
+        info = json.loads(p.stdout)[0]
+        labels = info.get("Labels") or info["Config"]["Labels"]
+        assert labels["org.opencontainers.image.revision"].removesuffix("-dirty") == (head or "unknown"), labels
+        assert labels["org.opencontainers.image.version"] == VERSION and labels["org.opencontainers.image.title"]
 
 
 @pytest.mark.timeout(1800)
