@@ -215,9 +215,13 @@ class Coordinator:
         assert b >= self.taken, f"batch {b} was trained already"
         if b not in self.batches:
             groups = list(range(b * self.per_step, (b + 1) * self.per_step))
-            groups += [REFILL + b * self.refill + k for k in range(self.refills.get(b, 0))]
+            groups += [self._refill_base(b) + k for k in range(self.refills.get(b, 0))]
             self.batches[b] = Batch(b, groups, list(groups), scoring=self.refill > 0)
         return self.batches[b]
+
+    def _refill_base(self, b: int) -> int:
+        """Batch b's first refill group: its refills are this and the next ones."""
+        return REFILL + b * self.refill
 
     def batch_of(self, group: int) -> int:
         return (group - REFILL) // self.refill if self.refill and group >= REFILL else group // self.per_step
@@ -244,7 +248,7 @@ class Coordinator:
         alike = sum(not varied and not any(failed.values()) for _, failed, varied in batch.scores.values())
         more = min(self.refill, alike) - added if b >= self.published else 0
         if more > 0:
-            new = [REFILL + b * self.refill + k for k in range(added, added + more)]
+            new = [self._refill_base(b) + k for k in range(added, added + more)]
             batch.groups += new
             batch.pending += new
             self.refills[b] = added + more
@@ -713,7 +717,7 @@ class Coordinator:
         self.refills = {int(b): n for b, n in state.get("refills", {}).items() if int(b) >= taken}
         for b, groups in results.items():  # a batch trained since the checkpoint has let its refills go
             if b >= taken and (refills := [g for g in groups if g >= REFILL]):
-                self.refills[b] = max(self.refills.get(b, 0), max(refills) - REFILL - b * self.refill + 1)
+                self.refills[b] = max(self.refills.get(b, 0), max(refills) - self._refill_base(b) + 1)
         for b, groups in results.items():
             if b >= taken:
                 batch = self._batch(b)
