@@ -1,4 +1,4 @@
-"""The kopf glue: observe, call the pure decisions, carry out the plan. Registered into a given
+"""The kopf glue: observe, call the pure decisions, carry out what they return. Registered into a given
 registry, so tests run the operator with their own settings and clusters (main.py registers
 into kopf's default one). Kopf cannot watch member clusters: timers notice what changes there."""
 
@@ -14,11 +14,12 @@ import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
-from sparrowrl.spec.status import JobStatus as TrainerStatus
+from sparrowrl.spec.status import TrainerStatus
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.clusters import (
@@ -50,8 +51,11 @@ from sparrowrl_operator.constants import (
     UNREACHABLE,
     VERSION,
 )
+from sparrowrl_operator.cycle import Key
 from sparrowrl_operator.model import ClusterSpec, ClusterStatus
-from sparrowrl_operator.reconcile import Backoff, Member, Observed, Plan, reconcile, stamp
+from sparrowrl_operator.pods import Cluster
+from sparrowrl_operator.reconcile import Actions, Backoff, Member, Observed, reconcile
+from sparrowrl_operator.times import stamp
 
 MAX_STATUS_BYTES = 16 << 20
 
@@ -74,7 +78,7 @@ def now() -> datetime.datetime:
 
 def merge_patch(old: dict, new: dict) -> dict:
     """The JSON merge patch from `old` to `new`: removed keys become None."""
-    out = {k: None for k in old if k not in new}
+    out: dict[str, Any] = {k: None for k in old if k not in new}
     for k, v in new.items():
         if isinstance(v, dict) and isinstance(old.get(k), dict):
             if sub := merge_patch(old[k], v):
@@ -138,13 +142,15 @@ class Operator:
                     continue
         return None
 
-    def observe(self, body: dict, logger: logging.Logger) -> Observed:
+    def observe(self, body: dict, logger: kopf.Logger) -> Observed:
         meta = body["metadata"]
         job = JobRef(meta["name"], meta["namespace"], meta["uid"])
         mine = {UID_LABEL: job.uid}
         token, _ = self.token(job)
-        pods = {None: self.home.list("Pod", job.namespace, mine)}
-        objects = {None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap"))}
+        pods: dict[Cluster, list[dict]] = {None: self.home.list("Pod", job.namespace, mine)}
+        objects: dict[Cluster, dict[Key, dict]] = {
+            None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap"))
+        }
         # by name: a claim retained from an earlier job of this name carries that job's uid
         if claim := self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job)):
             objects[None]["PersistentVolumeClaim", builders.claim_name(job)] = claim
@@ -178,14 +184,16 @@ class Operator:
             trainer=self.trainer_status(pods[None], token),
         )
 
-    def carry_out(self, plan: Plan, body: dict, logger: logging.Logger) -> None:
+    def carry_out(self, actions: Actions, body: dict, logger: kopf.Logger) -> None:
         """Applies (the home cluster's first: the Secrets, ConfigMap and Services that pods
         use) and patches, then creates in order, then deletes. A home failure stops the cycle (kopf
         retries); a member's marks it unreachable, and the others go on."""
-        steps = [(c, "apply", o) for c, o in sorted(plan.apply, key=lambda x: x[0] is not None)]
-        steps += [(c, "patch", (k, ns, n, p)) for c, k, ns, n, p in plan.patch]
-        steps += [(c, "create", o) for c, o in plan.create]
-        steps += [(c, "delete", (k, ns, n)) for c, k, ns, n in plan.delete]
+        steps: list[tuple[Cluster, str, Any]] = [
+            (c, "apply", o) for c, o in sorted(actions.apply, key=lambda x: x[0] is not None)
+        ]
+        steps += [(c, "patch", (k, ns, n, p)) for c, k, ns, n, p in actions.patch]
+        steps += [(c, "create", o) for c, o in actions.create]
+        steps += [(c, "delete", (k, ns, n)) for c, k, ns, n in actions.delete]
         for cluster, verb, obj in steps:
             kube = self.home if cluster is None else (self.members.get(cluster) or MemberState("")).kube
             if kube is None:
@@ -204,12 +212,12 @@ class Operator:
                     raise kopf.TemporaryError(str(e), delay=self.cfg.interval) from None
                 logger.warning(f"member {cluster}: {e}")
                 self.members.mark_unreachable(cluster, str(e))
-        for type_, reason, message in plan.events:
+        for type_, reason, message in actions.events:
             kopf.event(body, type=type_, reason=reason, message=message)
-        if plan.delete_job:
+        if actions.delete_job:
             self.home.delete("SparrowRLJob", body["metadata"]["namespace"], body["metadata"]["name"])
 
-    def reconcile_job(self, body: dict, patch: kopf.Patch, logger: logging.Logger) -> None:
+    def reconcile_job(self, body: dict, patch: kopf.Patch, logger: kopf.Logger) -> None:
         """One cycle, from the newest status known: a handler's body can predate the status the
         previous cycle wrote (a timer's body is copied before it waits for the lock, and kopf
         writes a handler's patch after it returns), and a cycle from an older status would undo
@@ -220,20 +228,22 @@ class Operator:
             known = self._written.get(uid, seen)
             for _ in range(2):  # once more when home objects were just made: members wait for the token Secret
                 current = {**body, "status": self._written.get(uid, seen)}
-                plan = reconcile(current, self.observe(current, logger), self.cfg.image, self.cfg.backoff)
+                actions = reconcile(current, self.observe(current, logger), self.cfg.image, self.cfg.backoff)
                 try:
-                    self.carry_out(plan, body, logger)
+                    self.carry_out(actions, body, logger)
                 finally:  # the status is written even when the home cluster refused a step (kopf retries)
-                    if plan.status is not None:
-                        new = self._written[uid] = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
+                    if actions.status is not None:
+                        new = self._written[uid] = actions.status.model_dump(
+                            by_alias=True, exclude_none=True, mode="json"
+                        )
                         if change := union(merge_patch(seen, new), merge_patch(known, new)):
                             patch["status"] = change
                         else:
                             patch.pop("status", None)
-                if not any(c is None for c, _ in plan.create + plan.apply):
+                if not any(c is None for c, _ in actions.create + actions.apply):
                     break
 
-    def cleanup_job(self, body: dict, logger: logging.Logger) -> None:
+    def cleanup_job(self, body: dict, logger: kopf.Logger) -> None:
         """On delete, behind the finalizer: the job's objects in member clusters (the home
         cluster's go with their owner). A member that does not answer is left to the sweep."""
         uid = body["metadata"]["uid"]
@@ -389,16 +399,18 @@ def register(registry: kopf.OperatorRegistry, op: Operator) -> None:
     @kopf.on.create(GROUP, VERSION, JOBS, registry=registry)
     @kopf.on.update(GROUP, VERSION, JOBS, registry=registry)
     @kopf.timer(GROUP, VERSION, JOBS, interval=op.cfg.interval, registry=registry)
-    def job_changed(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_) -> None:
+    def job_changed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_) -> None:
         op.reconcile_job(json.loads(json.dumps(dict(body))), patch, logger)
 
     @kopf.on.delete(GROUP, VERSION, JOBS, registry=registry)
-    def job_deleted(body: kopf.Body, logger: logging.Logger, **_) -> None:
+    def job_deleted(body: kopf.Body, logger: kopf.Logger, **_) -> None:
         op.cleanup_job(dict(body), logger)
 
-    @kopf.timer(GROUP, VERSION, CLUSTERS, interval=op.cfg.probe_interval, registry=registry)
+    # the timer innermost, as job_changed's: kopf types each decorator's result as its own kind of
+    # handler, and a timer's signature fits the change handlers' where theirs does not fit a timer's
     @kopf.on.create(GROUP, VERSION, CLUSTERS, registry=registry)
     @kopf.on.update(GROUP, VERSION, CLUSTERS, registry=registry)
+    @kopf.timer(GROUP, VERSION, CLUSTERS, interval=op.cfg.probe_interval, registry=registry)
     def cluster_changed(body: kopf.Body, patch: kopf.Patch, **_) -> None:
         op.probe_cluster(json.loads(json.dumps(dict(body))), patch)
 
