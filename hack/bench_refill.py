@@ -87,7 +87,7 @@ def run(job: dict, state: dict, cell: dict, a: argparse.Namespace, eval_at: list
                         assert coord.submit(ans["lease"]["id"], WORKER, v, f"v{v}", results)["admitted"]
                         generated += len(groups)
                     for bb, groups in coord.unscored():  # the trainer scores as groups are admitted
-                        coord.scored(bb, learner.score({x: coord.batches[bb].results[x] for x in groups}))
+                        coord.scored(bb, learner.score(coord.results(bb, groups)))
                 rows.append(learner.train(batch))
                 versions[b + 1] = snapshot(learner.model, "exact")
                 versions.pop(b + 1 - k - 1, None)

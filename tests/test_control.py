@@ -5,25 +5,22 @@ import asyncio
 
 import pytest
 from aiohttp import web
+from support import jobs
 from support.netfaults import Faults, FaultyProxy
+from support.servers import listen
+from support.wait import until_async
 
 from sparrowrl.spec.job import parse
 from sparrowrl.trainer.trainer import Trainer
 from sparrowrl.transport.client import Client
 
-SPEC = {
-    "apiVersion": "sparrowrl.dev/v1alpha1",
-    "kind": "SparrowRLJob",
-    "metadata": {"name": "control"},
-    "spec": {
-        "steps": 2,
-        "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
-        "task": {"builtin": "add"},
-        "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
-        "rollout": {"groupsPerLease": 1},
-        "topology": {"regions": [{"name": "a", "workers": 1}]},
-    },
-}
+SPEC = jobs.job(
+    "control",
+    steps=2,
+    grpo={"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
+    rollout={"groupsPerLease": 1},
+    topology={"regions": [{"name": "a", "workers": 1}]},
+)
 
 
 @pytest.fixture
@@ -32,11 +29,8 @@ def trainer(tmp_path):
 
 
 async def serve(run: Trainer) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(run.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    runner, url = await listen(run.app())
+    return runner, int(url.rsplit(":", 1)[1])
 
 
 def lossy(port: int) -> FaultyProxy:
@@ -49,7 +43,7 @@ def test_a_commit_whose_answer_was_lost_counts_once(trainer):
         runner, port = await serve(trainer)
         try:
             async with lossy(port) as proxy, Client(proxy.url, attempts=3, backoff=0.01) as c:
-                h0 = trainer.coord.hashes[0]
+                h0 = trainer.coord.hash_of(0)
                 assert await c.post_json("/v1/commit", {"worker": "w", "version": 0, "state_hash": h0}) == {
                     "verified": True
                 }
@@ -71,7 +65,7 @@ def test_a_lease_whose_answer_was_lost_is_not_handed_out_twice(trainer):
             async with lossy(port) as proxy, Client(proxy.url, attempts=3, backoff=0.01) as c:
                 ans = await c.post_json("/v1/work", {"worker": "w", "version": 0})
                 assert proxy.connections == 2
-            assert list(trainer.coord.leases) == [ans["lease"]["id"]]
+            assert [x.id for x in trainer.coord.leases()] == [ans["lease"]["id"]]
             lease = ans["lease"]
             results = {
                 str(p["group"]): {"samples": [{"tokens": [3], "logprobs": [-1.0]}] * 2} for p in lease["prompts"]
@@ -80,7 +74,7 @@ def test_a_lease_whose_answer_was_lost_is_not_handed_out_twice(trainer):
                 "lease": lease["id"],
                 "worker": "w",
                 "version": 0,
-                "state_hash": trainer.coord.hashes[0],
+                "state_hash": trainer.coord.hash_of(0),
                 "results": results,
                 "generate_s": 0.1,
             }
@@ -107,7 +101,7 @@ def post(port: int, path: str, data: bytes) -> tuple[int, str]:
 
 
 def valid(trainer, path: str) -> dict:
-    h0 = trainer.coord.hashes[0]
+    h0 = trainer.coord.hash_of(0)
     return {
         "/v1/work": {"worker": "w", "version": 0},
         "/v1/commit": {"worker": "w", "version": 0, "state_hash": h0, "fetch_s": 0.1},
@@ -153,7 +147,12 @@ def test_a_malformed_body_is_refused_with_its_field_before_anything_acts(trainer
 
     asyncio.run(go())
     c = trainer.coord.counts
-    assert (c.admitted, c.verified, list(trainer.coord.leases), trainer.coord.seen) == (0, 0, [], {})
+    assert (c.admitted, c.verified, [x.id for x in trainer.coord.leases()], trainer.coord.fleet.heard_from) == (
+        0,
+        0,
+        [],
+        0,
+    )
 
 
 @pytest.mark.usefixtures("address_space_limit")
@@ -191,7 +190,7 @@ def test_malformed_results_refuse_their_lease_and_its_groups_go_back(trainer, ed
             body_json = json.dumps(body).encode()
             status, text = await asyncio.to_thread(post, port, "/v1/results", body_json)
             assert status == 200 and json.loads(text) == {"admitted": 0, "refused": f"/v1/results: {field}"}, text
-            assert lease["id"] not in trainer.coord.leases
+            assert lease["id"] not in [x.id for x in trainer.coord.leases()]
             async with Client(f"http://127.0.0.1:{port}") as c:  # the same groups, to whoever asks next
                 again = (await c.post_json("/v1/work", {"worker": "w", "version": 0}))["lease"]
             assert again["groups"] == lease["groups"] and again["id"] != lease["id"]
@@ -230,7 +229,7 @@ def test_worker_names_are_bounded(trainer, monkeypatch):
     async def go():
         runner, port = await serve(trainer)
         try:
-            h0 = trainer.coord.hashes[0]
+            h0 = trainer.coord.hash_of(0)
             for name, want in (("a", 200), ("b", 200), ("a", 200), ("c", 503)):
                 body = {"worker": name, "version": 0, "state_hash": h0}
                 status, text = await asyncio.to_thread(post, port, "/v1/commit", json.dumps(body).encode())
@@ -240,7 +239,7 @@ def test_worker_names_are_bounded(trainer, monkeypatch):
             await runner.cleanup()
 
     asyncio.run(go())
-    assert sorted(trainer.coord.seen) == ["a", "b"]
+    assert trainer.coord.fleet.live() == ["a", "b"]
 
 
 @pytest.mark.timeout(120)
@@ -257,20 +256,15 @@ def test_the_trainer_serves_with_its_long_lived_heap_out_of_the_collectors_passe
 
     url = f"http://127.0.0.1:{(port := free_port())}/readyz"
 
-    async def ready() -> bool:
-        try:
-            return await asyncio.to_thread(get, url) == 200
-        except OSError:  # not listening yet
-            return False
-
     async def go():
         job = asyncio.create_task(trainer_process.serve(parse(SPEC).spec, tmp_path, "127.0.0.1", port, token=""))
+
+        async def ready() -> bool:
+            assert not job.done(), job.exception()
+            return await asyncio.to_thread(get, url) == 200
+
         try:
-            deadline = asyncio.get_running_loop().time() + 60
-            while not await ready():
-                assert not job.done(), job.exception()
-                assert asyncio.get_running_loop().time() < deadline, "the trainer did not serve within 60 s"
-                await asyncio.sleep(0.05)
+            await until_async(ready, 60, "the trainer serving", every=0.05)
             frozen, walked = gc.get_freeze_count(), len(gc.get_objects())
             assert frozen > 100_000 and walked * 10 < frozen, (frozen, walked)
         finally:

@@ -108,13 +108,13 @@ def test_state_and_restore_carry_leases_counts_and_ids_across_a_restart():
     c.submit(a["id"], "w1", 0, "h0", result(a))
     saved = json.loads(json.dumps(c.state()))  # through the journal's JSON
     again, clock2 = coord()
-    again.restore(saved, taken=0, results={0: {g: c.batches[0].results[g] for g in a["groups"]}})
-    assert list(again.leases) == [b["id"]] and again.leases[b["id"]].deadline == clock2.t + 10  # a full period
-    assert again.counts.admitted == 1 * 2 and again.batches[0].pending == []
+    again.restore(saved, taken=0, results={0: c.results(0, a["groups"])})
+    assert [(x.id, x.deadline) for x in again.leases()] == [(b["id"], clock2.t + 10)]  # a full period
+    assert again.counts.admitted == 1 * 2 and again.batch(0).pending == []
     nxt = again.work("w3", 0)["lease"]
     assert nxt["id"] == b["id"] + 1 and nxt["batch"] == 1  # no id handed out twice
     assert again.submit(b["id"], "w2", 0, "h0", result(b))["admitted"] == 2
-    assert again.take(0) is not None and again.taken == 1 and 0 not in again.batches
+    assert again.take(0) is not None and again.taken == 1 and again.batch(0) is None
 
 
 def test_changes_replayed_onto_a_snapshot_give_the_state():
@@ -136,8 +136,8 @@ def test_changes_replayed_onto_a_snapshot_give_the_state():
     assert snapshot["regions"] == {"w1": "eu", "w2": "us"} and snapshot["first"] == {"w1": 0}
     assert snapshot["begun"] and snapshot["worker_seconds"] == {"0": 3.5}  # both deliveries' seconds
     restored, _ = coord()
-    restored.restore(snapshot, taken=0, results={0: c.batches[0].results})
-    assert restored.take(0).worker_seconds == 3.5 and restored.regions == c.regions
+    restored.restore(snapshot, taken=0, results={0: c.batch(0).results})
+    assert restored.take(0).worker_seconds == 3.5 and restored.state()["regions"] == c.state()["regions"]
 
 
 def test_the_view_reports_each_worker_from_the_coordinators_state():
@@ -152,9 +152,15 @@ def test_the_view_reports_each_worker_from_the_coordinators_state():
     w1, w2 = v.workers
     assert (w1.region, w1.committed, w1.verified, w1.leases, w1.refused, w1.live) == ("eu", (0, "h0"), True, 1, 2, True)
     assert (w2.verified, w2.leases, w1.seconds_since_seen) == (False, 0, 5)
-    assert c.transfer_s(0) == 0.25 and c.staged(0) and not c.staged(1) and c.behind(1) == ["w1", "w2"]
-    c.counts.verified = 7
-    assert v.counts.verified == 1  # a copy: the report does not move under its reader
+    assert (
+        c.fleet.transfer_s(0) == 0.25
+        and c.fleet.staged(0)
+        and not c.fleet.staged(1)
+        and c.fleet.behind(1) == ["w1", "w2"]
+    )
+    c.counts.verified = 7  # a copy: readers cannot change the coordinator's counts
+    c.commit("w1", 1, "h1")
+    assert (c.counts.verified, v.counts.verified) == (2, 1)  # nor does the report move under its reader
     assert lease["batch"] == 0
 
 
@@ -169,7 +175,7 @@ def test_the_quorum_wait_counts_from_the_first_call_not_the_trainers_start():
     assert c.work("w1", 0) == {"wait": True} and not c.view().started
     c.heard("w2")  # a later call does not restart the wait
     clock.t = 1010.5
-    assert c.view().started and not c.begun  # the view says so without changing anything
+    assert c.view().started and not c.fleet.begun  # the view says so without changing anything
     assert "lease" in c.work("w2", 0) and c.started()
     assert c.changes()[0] == ["begun"]
 
@@ -210,7 +216,7 @@ def test_a_thousand_workers_cost_a_few_passes_over_them_a_step():
     staged = []
     for w in workers:  # each commit, then the check the trainer makes at every request while a row waits
         c.commit(w, 1, "h1", fetch_s=0.5)
-        staged.append(c.staged(1))
+        staged.append(c.fleet.staged(1))
     assert staged == [False] * (n - 1) + [True]
     assert c.passes - before <= 3, c.passes - before
     assert c.moves == moves
@@ -252,9 +258,9 @@ def test_refills_replace_zero_variance_groups_within_the_batch_and_its_bound():
     assert c.take(0) is None and c.unscored() == [(0, [0, 1])]  # admitted, not yet scored
     c.scored(0, scores([0, 1], flat={1}))
     refill = REFILL  # batch 0's first refill group
-    assert c.batches[0].groups == [0, 1, refill] and c.counts.refilled == 1 and c.take(0) is None
+    assert c.batch(0).groups == [0, 1, refill] and c.counts.refilled == 1 and c.take(0) is None
     c.scored(0, scores([0, 1], flat={1}))  # the same verdict again (a restarted trainer): nothing added
-    assert len(c.batches[0].groups) == 3
+    assert len(c.batch(0).groups) == 3
     lease = c.work("w", 0)["lease"]
     assert lease["batch"] == 0 and lease["groups"] == [refill]  # leased like the batch's own: v0 or newer
     assert c.submit(lease["id"], "w", 0, "h0", result(lease))["admitted"] == 1
@@ -265,10 +271,10 @@ def test_refills_replace_zero_variance_groups_within_the_batch_and_its_bound():
     assert c.submit(again["id"], "w", 0, "h0", {refill + 2: {"samples": []}})["admitted"] == 0  # never added
     assert c.submit(again["id"], "w", 0, "h0", result(again))["admitted"] == 1
     c.scored(0, scores([refill + 1], flat={refill + 1}))
-    assert len(c.batches[0].groups) == 4 and c.counts.refilled == 2  # the bound: 2 per batch
+    assert len(c.batch(0).groups) == 4 and c.counts.refilled == 2  # the bound: 2 per batch
     batch = c.take(0)
     assert batch is not None and batch.done is not None and len(batch.scores) == 4
-    assert (c.lost, c.counts.trained, c.refills) == (0, 2, {})
+    assert (c.lost, c.counts.trained, c.state()["refills"]) == (0, 2, {})
     c.publish(1, "h1")
     assert c.work("w", 1)["lease"]["groups"] == [2, 3]  # batch 1's own groups; its refills from REFILL + 2
 
@@ -287,10 +293,10 @@ def test_refills_are_journaled_and_restored_and_their_groups_scored_again():
     assert snapshot == json.loads(json.dumps(c.state())) and snapshot["refills"] == {"0": 2}
     again = Coordinator(2, 2, 10, staleness=0, steps=2, split="pull", refill=2, clock=clock)
     again.publish(0, "h0")
-    again.restore(snapshot, taken=0, results={0: c.batches[0].results})
-    assert again.batches[0].groups == c.batches[0].groups and again.unscored() == [(0, [0, 1])]
+    again.restore(snapshot, taken=0, results={0: c.batch(0).results})
+    assert again.batch(0).groups == c.batch(0).groups and again.unscored() == [(0, [0, 1])]
     again.scored(0, scores([0, 1], flat={0, 1}))  # scored again: the groups it added are not added twice
-    assert again.batches[0].groups == c.batches[0].groups and again.counts.refilled == 2
+    assert again.batch(0).groups == c.batch(0).groups and again.counts.refilled == 2
     assert again.submit(refill["id"], "w", 0, "h0", result(refill))["admitted"] == 2  # its lease lived on
     again.scored(0, scores(refill["groups"]))
     assert again.take(0) is not None and again.lost == 0
@@ -318,7 +324,7 @@ def test_a_batch_trained_again_after_a_restart_keeps_its_refills_and_adds_none()
     again = Coordinator(2, 4, 10, staleness=0, steps=2, split="pull", refill=2, clock=clock)
     again.publish(0, "h0"), again.publish(1, "h1")
     again.restore(snapshot, taken=0, results={0: trained.results})
-    assert again.batches[0].groups == [0, 1, REFILL] and again.batches[0].pending == []
+    assert again.batch(0).groups == [0, 1, REFILL] and again.batch(0).pending == []
     again.scored(0, scores([0, 1, REFILL], flat={0, 1, REFILL}))  # another verdict: nothing added
     batch = again.take(0)
     assert batch is not None and batch.groups == [0, 1, REFILL] and again.counts.refilled == 1 and again.lost == 0
@@ -331,4 +337,4 @@ def test_a_group_alike_because_its_reward_failed_is_not_replaced():
     lease = c.work("w", 0)["lease"]
     c.submit(lease["id"], "w", 0, "h0", result(lease))
     c.scored(0, {0: ([0.0, 0.0], {"timeout": 2}, False), 1: ([0.0, 1.0], {"timeout": 0}, True)})
-    assert c.batches[0].groups == [0, 1] and c.take(0) is not None
+    assert c.batch(0).groups == [0, 1] and c.take(0) is not None

@@ -1,8 +1,10 @@
 """What a user watches a job by: the trainer's line per step and its Prometheus gauges, as pure
 functions of the ledger's snapshot."""
 
+from support import jobs
+
 from sparrowrl.rollout.coordinator import Coordinator
-from sparrowrl.trainer import ledger
+from sparrowrl.trainer import reports
 
 
 def row(version: int, **extra) -> dict:
@@ -19,16 +21,16 @@ def row(version: int, **extra) -> dict:
     }
 
 
-def snapshot(rows: list[dict]) -> ledger.Snapshot:
+def snapshot(rows: list[dict]) -> reports.Snapshot:
     c = Coordinator(4, 1, 10, staleness=1, steps=10, split="pull")
     c.publish(len(rows), "h")
-    return ledger.Snapshot(c.view(), 10, rows, 5.0, {"delta": 0, "base": 0}, 0, 0, False)
+    return reports.Snapshot(c.view(), 10, rows, 5.0, {"delta": 0, "base": 0}, 0, 0, False)
 
 
-def samples(snap: ledger.Snapshot) -> dict:
+def samples(snap: reports.Snapshot) -> dict:
     return {
         (s.name, *s.labels.values()): s.value
-        for family in ledger.metrics(snap)
+        for family in reports.metrics(snap)
         for s in family.samples
         if s.name.startswith("sparrowrl_")
     }
@@ -51,11 +53,11 @@ def test_before_the_first_step_the_gauges_are_absent_not_zero():
 
 
 def test_one_line_per_step_says_what_a_user_watches():
-    line = ledger.step_line(row(3, kl=0.0123, reward_failed={"timeout": 2}), 10)
+    line = reports.step_line(row(3, kl=0.0123, reward_failed={"timeout": 2}), 10)
     assert line.startswith("trainer: step 3/10 reward 0.750 loss -0.5000 kl 0.0123")
     assert "48 tok/s" in line and "payload 1,234 B (1.25% changed)" in line and "2.00 s" in line
     assert line.endswith("rewards failed 2")
-    assert "kl" not in ledger.step_line(row(3), 10) and "failed" not in ledger.step_line(row(3), 10)
+    assert "kl" not in reports.step_line(row(3), 10) and "failed" not in reports.step_line(row(3), 10)
 
 
 def test_the_stores_size_and_what_it_pruned_are_metrics_and_in_the_summary():
@@ -68,7 +70,7 @@ def test_the_stores_size_and_what_it_pruned_are_metrics_and_in_the_summary():
     m = samples(snap)
     assert m["sparrowrl_store_pruned_versions_total",] == 30
     assert m["sparrowrl_store_versions",] == 12 and m["sparrowrl_store_bytes",] == 5_000_000
-    s = ledger.summary(snap)
+    s = reports.summary(snap)
     assert s["store_versions_pruned"] == 30 and s["store_bytes"] == 5_000_000
     assert not {k for k in samples(snapshot([])) if k[0].startswith("sparrowrl_store")}
 
@@ -81,14 +83,14 @@ def test_tokens_and_each_workers_leases_and_refused_answers_are_metrics():
     assert "lease" in c.work("w1", 0, region="eu")
     c.commit("w1", 0, "h0", refused=2)
     c.commit("w2", 0, "h0")
-    snap = ledger.Snapshot(
+    snap = reports.Snapshot(
         c.view(), 10, [row(1), row(2, tokens=4)], 5.0, {"delta": 0, "base": 0}, 1, 0, False, resumes=2
     )
     m = samples(snap)
     assert m["sparrowrl_tokens_total",] == 100
     # a restart (one died) and a resume (on purpose: --resume, raised steps) are told apart
     assert (m["sparrowrl_trainer_restarts_total",], m["sparrowrl_trainer_resumes_total",]) == (1, 2)
-    s = ledger.status(snap)
+    s = reports.status(snap)
     assert (s.trainer_restarts, s.trainer_resumes) == (1, 2)
     assert m["sparrowrl_worker_leases", "w1"] == 1 and m["sparrowrl_worker_leases", "w2"] == 0
     assert (
@@ -101,19 +103,10 @@ def spec_with_prices(trainer: float | None, **placements: float | None):
     from sparrowrl.spec.job import parse
 
     return parse(
-        {
-            "apiVersion": "sparrowrl.dev/v1alpha1",
-            "kind": "SparrowRLJob",
-            "metadata": {"name": "t"},
-            "spec": {
-                "model": {"tiny": {}},
-                "task": {"builtin": "add"},
-                "trainer": {} if trainer is None else {"costPerHour": trainer},
-                "placements": [
-                    {"region": r, **({} if p is None else {"costPerHour": p})} for r, p in placements.items()
-                ],
-            },
-        }
+        jobs.job(
+            trainer={} if trainer is None else {"costPerHour": trainer},
+            placements=[{"region": r, **({} if p is None else {"costPerHour": p})} for r, p in placements.items()],
+        )
     ).spec
 
 
@@ -145,17 +138,17 @@ def test_the_cost_and_tokens_per_dollar_are_in_the_status_metrics_and_summary_wh
     from dataclasses import replace
 
     unpriced = snapshot([row(1, dense_bytes=4096), row(2, dense_bytes=4096)])
-    assert unpriced.dollars is None and ledger.status(unpriced).tokens_per_dollar is None
-    assert "cost_dollars" not in ledger.summary(unpriced)
+    assert unpriced.dollars is None and reports.status(unpriced).tokens_per_dollar is None
+    assert "cost_dollars" not in reports.summary(unpriced)
     assert not {k for k in samples(unpriced) if k[0] in ("sparrowrl_cost_dollars_total", "sparrowrl_tokens_per_dollar")}
 
     priced = replace(unpriced, dollars=0.48)
-    s = ledger.status(priced)
+    s = reports.status(priced)
     assert s.cost_dollars == 0.48 and s.tokens_per_dollar == 192 / 0.48
     m = samples(priced)
     assert m["sparrowrl_cost_dollars_total",] == 0.48 and m["sparrowrl_tokens_per_dollar",] == 400
-    summary = ledger.summary(priced)
+    summary = reports.summary(priced)
     assert summary["cost_dollars"] == 0.48 and summary["tokens_per_dollar"] == 400
 
     free = replace(unpriced, dollars=0.0)  # prices of 0, or nothing run yet: no division by zero
-    assert ledger.status(free).tokens_per_dollar is None and samples(free)["sparrowrl_cost_dollars_total",] == 0
+    assert reports.status(free).tokens_per_dollar is None and samples(free)["sparrowrl_cost_dollars_total",] == 0

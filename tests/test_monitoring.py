@@ -22,7 +22,7 @@ import yaml
 from test_chart import CHART, KUBE_VERSIONS, NS, WATCHED, render
 
 from sparrowrl.rollout.coordinator import Coordinator
-from sparrowrl.trainer import ledger
+from sparrowrl.trainer import reports
 from sparrowrl.trainer.retention import Held
 from sparrowrl_operator.builders import stored
 from sparrowrl_operator.constants import METRICS_PORT
@@ -35,7 +35,7 @@ kube = pytest.mark.kube
 # ---------------------------------------------------------------- what the code exports
 
 SOURCES = {  # role → the module whose `family(...)` calls make its /metrics
-    "trainer": ROOT / "runtime" / "sparrowrl" / "trainer" / "ledger.py",
+    "trainer": ROOT / "runtime" / "sparrowrl" / "trainer" / "reports.py",
     "relay": ROOT / "runtime" / "sparrowrl" / "transport" / "relay.py",
     "worker": ROOT / "runtime" / "sparrowrl" / "worker" / "worker.py",
 }
@@ -71,7 +71,7 @@ def test_only_those_modules_make_metrics():
     assert makers == set(SOURCES.values())
 
 
-def full_snapshot() -> ledger.Snapshot:
+def full_snapshot() -> reports.Snapshot:
     """A snapshot in which every series the trainer can show has a value."""
     c = Coordinator(4, 1, 10, staleness=1, steps=10, split="pull")
     c.publish(0, "h0")
@@ -90,10 +90,10 @@ def full_snapshot() -> ledger.Snapshot:
         "payload_bytes": 10,
         "dense_bytes": 100,
         "changed_fraction": 0.01,
-        **{f"{p}_s": 1.0 for p in ledger.PHASES},
+        **{f"{p}_s": 1.0 for p in reports.PHASES},
         "skipped": "nonfinite",
         "entropy": 1.2,
-        **{f"clip_{b}": 0.01 for b in ledger.CLIPS},
+        **{f"clip_{b}": 0.01 for b in reports.CLIPS},
         **{f"is_{k}": 0.5 for k in ("weight_mean", "weight_min", "weight_max", "masked", "truncated", "ess")},
         **{f"mismatch_{k}": 0.1 for k in ("mean", "max", "kl")},
         "zero_variance_groups": 0.25,
@@ -104,7 +104,7 @@ def full_snapshot() -> ledger.Snapshot:
         "by_worker": {"w": {"samples": 3, "tokens": 9, "mismatch_max": 0.2, "refused": 1, "mismatch_mean": 0.1}},
         "refused_samples": {"w": {"logprob_gap": 1}},
     }
-    return ledger.Snapshot(
+    return reports.Snapshot(
         c.view(),
         10,
         [row],
@@ -121,7 +121,7 @@ def full_snapshot() -> ledger.Snapshot:
 
 def test_the_trainers_series_read_from_the_code_are_the_ones_it_serves():
     served: dict[str, set[str]] = {}
-    for fam in ledger.metrics(full_snapshot()):
+    for fam in reports.metrics(full_snapshot()):
         for s in fam.samples:
             served.setdefault(s.name, set()).update(s.labels)
     assert served == {n: roles["trainer"] for n, roles in EXPORTED.items() if "trainer" in roles}

@@ -9,9 +9,11 @@ import pytest
 import torch
 from test_control import SPEC, serve
 
-from sparrowrl.spec.job import PLANNED_RESUME, parse
+from sparrowrl.spec.job import parse
+from sparrowrl.spec.statedir import PLANNED_RESUME
 from sparrowrl.store.store import Store
-from sparrowrl.trainer.resume import Journal, ResumeError
+from sparrowrl.trainer import journal
+from sparrowrl.trainer.resume import ResumeError
 from sparrowrl.trainer.trainer import Trainer
 from sparrowrl.transport.client import Client
 
@@ -42,7 +44,7 @@ def body(run: Trainer, lease: dict, token: int = 3) -> dict:
         "lease": lease["id"],
         "worker": "w",
         "version": 0,
-        "state_hash": run.coord.hashes[0],
+        "state_hash": run.coord.hash_of(0),
         "results": results(lease, token),
         "generate_s": 0.1,
     }
@@ -159,8 +161,8 @@ def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
     a, b = asyncio.run(over_http(first, before))
     (tmp_path / "journal.jsonl").open("a").write('{"results": {"0": {"1": ')  # a write the kill cut short
     again = restart(first)
-    assert again.coord.batches[0].results[a["groups"][0]]["samples"][0]["tokens"] == [3]
-    assert list(again.coord.leases) == [b["id"]] and again.coord.batches[0].pending == []
+    assert again.coord.batch(0).results[a["groups"][0]]["samples"][0]["tokens"] == [3]
+    assert [x.id for x in again.coord.leases()] == [b["id"]] and again.coord.batch(0).pending == []
 
     async def after(c):
         got = [
@@ -173,7 +175,7 @@ def test_admitted_results_and_live_leases_survive_and_count_once(tmp_path):
     assert got_b["admitted"] == 1 and got_a == {"admitted": 1, "batch": 0}
     c = again.coord.counts
     assert (c.admitted, c.discarded_late) == (2, 0)
-    assert again.coord.batches[0].results[a["groups"][0]]["samples"][0]["tokens"] == [3]  # the first delivery stays
+    assert again.coord.batch(0).results[a["groups"][0]]["samples"][0]["tokens"] == [3]  # the first delivery stays
     assert nxt["lease"]["id"] > b["id"] and nxt["lease"]["batch"] == 1
 
 
@@ -183,10 +185,13 @@ def test_a_damaged_journal_line_is_refused_with_its_line(tmp_path):
     snapshot = path.read_text()
     path.write_text("not json\n" + snapshot)
     with pytest.raises(ResumeError, match=r"journal.jsonl: line 1 is damaged \(not JSON\)"):
-        Journal.read(path, Trainer.replay)
+        journal.read(path, JOB.steps)
     path.write_text(snapshot + '{"events": {"coordinator": [["drop", 1]]}, "results": {}}\n' + snapshot)
     with pytest.raises(ResumeError, match=r"journal.jsonl: line 2 is damaged \(KeyError: 'ledger'\)"):
-        Journal.read(path, Trainer.replay)
+        journal.read(path, JOB.steps)
+    path.write_text(snapshot.replace('{"format": 2,', '{"format": 3,'))
+    with pytest.raises(ResumeError, match=r"journal format 3, this trainer reads 1..2: a newer sparrowrl wrote it"):
+        journal.read(path, JOB.steps)
     (tmp_path / "journal.jsonl").unlink()
     died(Trainer(JOB, tmp_path, token=""))  # killed before its first journal line: a start from v0 again
 
@@ -195,7 +200,7 @@ def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):
     """Each request journals its own changes, not the whole state: with 2,000 workers known, a
     commit's line is as short as with one."""
     run = Trainer(JOB, tmp_path, token="")
-    h0 = run.coord.hashes[0]
+    h0 = run.coord.hash_of(0)
     sizes = []
     for n in range(2000):
         run.coord.commit(f"w{n}", 0, h0)
@@ -203,8 +208,8 @@ def test_a_journal_line_does_not_grow_with_the_workers(tmp_path):
         sizes.append(len((tmp_path / "journal.jsonl").read_text().splitlines()[-1]))
     assert sizes[-1] < 1000 and sizes[-1] - sizes[0] < 20, (sizes[0], sizes[-1])
     again = restart(run)  # and every commit is still there after a restart
-    assert len(again.coord.commits) == 2000 and again.coord.counts.verified == 2000
-    assert len(again.coord.live()) == 2000  # awaited, while they back off through the trainer's absence
+    assert len(again.coord.state()["commits"]) == 2000 and again.coord.counts.verified == 2000
+    assert len(again.coord.fleet.live()) == 2000  # awaited, while they back off through the trainer's absence
 
 
 def test_a_journal_line_carries_only_the_results_it_admitted(tmp_path):
@@ -220,11 +225,11 @@ def test_a_journal_line_carries_only_the_results_it_admitted(tmp_path):
     asyncio.run(over_http(run, deliver))
     line = json.loads((tmp_path / "journal.jsonl").read_text().splitlines()[-1])
     assert line["results"] == {"0": {"0": line["results"]["0"]["0"]}}  # the admitting line: its group only
-    run.coord.commit("w", 0, run.coord.hashes[0])
+    run.coord.commit("w", 0, run.coord.hash_of(0))
     run.control.changed()
     assert json.loads((tmp_path / "journal.jsonl").read_text().splitlines()[-1])["results"] == {}
     again = restart(run)  # and the result is still there after a restart
-    assert list(again.coord.batches[0].results) == [0]
+    assert list(again.coord.batch(0).results) == [0]
 
 
 def test_restarts_are_counted_and_cut_writes_swept(tmp_path):
@@ -297,15 +302,16 @@ def test_another_jobs_state_a_stranger_folder_or_a_second_trainer_is_refused(tmp
     assert json.loads((tmp_path / "a" / "job.json").read_text())["steps"] == 2
 
 
-def test_a_journal_written_when_the_control_plane_kept_the_workers_is_read(tmp_path):
-    """A trainer upgraded in the middle of a job reads its predecessor's journal, which kept
-    the workers' regions, first commits and generation seconds under "control"."""
+def test_a_format_1_journal_is_read(tmp_path):
+    """A trainer upgraded in the middle of a job reads its predecessor's journal of format 1,
+    which kept the workers' regions, first commits and generation seconds under "control", named
+    a count "duplicated", had no refills, and a ledger without five of today's keys."""
     run = Trainer(JOB, tmp_path, token="")
 
     async def calls(c):
         lease = (await c.post_json("/v1/work", {"worker": "w", "version": 0, "region": "eu"}))["lease"]
         await c.post_json("/v1/results", body(run, lease))
-        await c.post_json("/v1/commit", {"worker": "w", "version": 0, "state_hash": run.coord.hashes[0]})
+        await c.post_json("/v1/commit", {"worker": "w", "version": 0, "state_hash": run.coord.hash_of(0)})
 
     asyncio.run(over_http(run, calls))
     path = tmp_path / "journal.jsonl"
@@ -314,8 +320,18 @@ def test_a_journal_written_when_the_control_plane_kept_the_workers_is_read(tmp_p
     old = {k: lines[0]["snapshot"]["coordinator"].pop(k) for k in keys}
     old["gen"] = old.pop("worker_seconds")
     lines[0]["snapshot"]["control"] = old
+    assert lines[0].pop("format") == 2
+    del lines[0]["snapshot"]["coordinator"]["refills"]
+    for line in lines:
+        for key in ("redone", "finished", "steps", "resumes", "dollars"):
+            (line.get("snapshot") or line["events"])["ledger"].pop(key, None)
+    duplicated = lines[0]["snapshot"]["coordinator"]["counts"]
+    duplicated["duplicated"] = duplicated.pop("discarded_late") + 3  # as if 3 had been dropped
     for line in lines[1:]:
         events = line["events"]
+        for e in events["coordinator"]:
+            if e[0] == "counts":
+                e[1]["duplicated"] = e[1].pop("discarded_late") + 3
         moved = [e for e in events["coordinator"] if e[0] in keys]
         events["coordinator"] = [e for e in events["coordinator"] if e[0] not in keys]
         events["control"] = [["gen", *e[1:]] if e[0] == "worker_seconds" else e for e in moved]
@@ -323,7 +339,11 @@ def test_a_journal_written_when_the_control_plane_kept_the_workers_is_read(tmp_p
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     again = restart(run)
     c = again.coord
-    assert (c.begun, c.regions, c.first, c.batches[0].worker_seconds) == (True, {"w": "eu"}, {"w": 0}, 0.1)
+    s = c.state()
+    assert (s["begun"], s["regions"], s["first"], c.batch(0).worker_seconds) == (True, {"w": "eu"}, {"w": 0}, 0.1)
+    assert (c.counts.discarded_late, c.counts.admitted, s["refills"]) == (3, 1, {})
+    assert (again.ledger.restarts, again.ledger.resumes, again.ledger.redone) == (1, 0, 0)
+    assert json.loads(path.read_text().splitlines()[0])["format"] == 2  # compacted into today's format
 
 
 def test_the_jobs_cost_is_carried_on_by_a_restarted_trainer(tmp_path):
@@ -335,7 +355,7 @@ def test_the_jobs_cost_is_carried_on_by_a_restarted_trainer(tmp_path):
     run = Trainer(job, tmp_path, token="")
     run.ledger.t_loop = time.perf_counter() - 100  # as if its training loop had run 100 s
     run.coord.work("w", 0, region="a")  # a worker of placement a calls in, and commits v0
-    run.coord.commit("w", 0, run.coord.hashes[0])
+    run.coord.commit("w", 0, run.coord.hash_of(0))
     run.control.changed()  # journaled
     spent = run.snapshot().dollars
     assert spent == pytest.approx(100 * (3.6 + 36.0) / 3600, rel=1e-3)

@@ -1,10 +1,8 @@
 """What the trainer's store keeps: the versions live workers, a restart and an export can still
 ask for; everything else is pruned after each publish (trainer/retention.py)."""
 
-import numpy as np
-from conftest import mutate, random_tensor
+from support.tensors import layer, mutate, random_tensor, same, versions
 
-from sparrowrl.delta.bitview import bits
 from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.store.store import Store
 from sparrowrl.trainer import retention
@@ -35,22 +33,17 @@ class Clock:
         return self.t
 
 
-def same(a, b):
-    return set(a) == set(b) and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
-
-
 def test_a_store_pruned_for_its_live_workers_still_serves_them_and_a_restart(rng, tmp_path):
     """A real store, a real coordinator on a clock: a live worker at v6 keeps v6's chain, a lost
     one at v1 keeps nothing; what is left is exactly what the index names, and `Held` says so."""
-    states = [{"w": random_tensor(rng, "BF16", (128, 64)), "n": random_tensor(rng, "F32", (64,))}]
+    states = versions(rng, layer(rng, 128, 64), 12, 0.01)
     store = Store.init(tmp_path / "s", states[0], base_every=4)
     clock = Clock()
     coord = Coordinator(2, 1, lease_seconds=10, staleness=1, steps=20, split="pull", clock=clock)
     coord.publish(0, store.versions[0].state_hash)
     coord.commit("lost", 0, store.versions[0].state_hash)
     for v in range(1, 13):
-        states.append({k: mutate(rng, x, 0.01) for k, x in states[-1].items()})
-        store.add(states[-1])
+        store.add(states[v])
         coord.publish(v, store.versions[v].state_hash)
         if v == 1:
             coord.commit("lost", 1, store.versions[1].state_hash)
@@ -58,7 +51,7 @@ def test_a_store_pruned_for_its_live_workers_still_serves_them_and_a_restart(rng
             clock.t = 11.0  # "lost" was last heard at t=0: no longer live
             coord.commit("slow", 6, store.versions[6].state_hash)
         held = retention.prune(store, retention.needed(store, coord, exporting=None))
-    assert coord.live() == ["slow"]
+    assert coord.fleet.live() == ["slow"]
     assert sorted(store.versions) == list(range(4, 13))  # base v4 serves v6; v0..v3 are gone
     assert held == retention.Held(pruned=4, versions=9, bytes=held.bytes)
     on_disk = [*(store.path / "deltas").iterdir(), *(store.path / "bases").iterdir()]

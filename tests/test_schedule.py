@@ -8,8 +8,8 @@ import pytest
 from support import fleet
 
 from sparrowrl.rollout import schedule
-from sparrowrl.rollout.coordinator import Coordinator, Plan
-from sparrowrl.rollout.schedule import Seat, Speed
+from sparrowrl.rollout.coordinator import Coordinator
+from sparrowrl.rollout.schedule import Seat, Shares, Speed
 
 
 def seats(*rows):
@@ -148,7 +148,7 @@ def test_balanced_a_worker_that_would_finish_last_waits():
     for w, rate in (("fast", 100), ("slow", 1)):
         lease = c.work(w, 0)["lease"]
         deliver(c, clock, w, lease, rate)
-    c.speeds["fast"].last_lease = 4
+    c.fleet["fast"].speed.last_lease = 4
     # 2 groups left: the slow worker takes 10 s per group, the fast one 0.1 s
     assert c.work("slow", 0) == {"wait": True}
     assert len(c.work("fast", 0)["lease"]["groups"]) == 2
@@ -156,7 +156,7 @@ def test_balanced_a_worker_that_would_finish_last_waits():
 
 def test_balanced_counts_the_fetch_of_a_slow_link():
     c, clock = coordinator("balanced", per_step=8, per_lease=8, staleness=0)
-    while not c.batches.get(0) or not c.batches[0].complete:
+    while not (b := c.batch(0)) or not b.complete:
         for w in ("near", "far"):
             if lease := c.work(w, 0).get("lease"):
                 deliver(c, clock, w, lease, 10)
@@ -166,7 +166,7 @@ def test_balanced_counts_the_fetch_of_a_slow_link():
     c.publish(1, "h1", payload_bytes=1000)
     assert c.work("far", 0) == {"update": 1}  # only workers that hold an eligible version get work
     c.commit("near", 1, "h1", fetch_s=0.1)
-    c.speeds["near"].last_lease = 8  # as after a few leases: its ramp is past this batch
+    c.fleet["near"].speed.last_lease = 8  # as after a few leases: its ramp is past this batch
     # far needs 4 s to fetch v1 before it can start: 8 groups at 1 s each, near 0 → 6, far 4 → 6
     assert len(c.work("near", 1)["lease"]["groups"]) == 6
 
@@ -174,7 +174,7 @@ def test_balanced_counts_the_fetch_of_a_slow_link():
 def test_a_worker_back_after_a_lease_period_is_probed_again():
     c, clock = coordinator("balanced", per_step=16, per_lease=8)
     deliver(c, clock, "w", c.work("w", 0)["lease"], 10)
-    c.speeds["w"].last_lease = 8
+    c.fleet["w"].speed.last_lease = 8
     assert len(c.work("w", 0)["lease"]["groups"]) == 8
     clock.t += 200  # silent for two lease periods (its lease expired)
     assert len(c.work("w", 0)["lease"]["groups"]) == schedule.PROBE
@@ -184,7 +184,7 @@ def test_even_gives_each_live_worker_its_quota_and_the_rest_once_all_are_out():
     c, clock = coordinator("even", per_step=8, per_lease=8)
     c.heard("a"), c.heard("b")
     c.work("a", 0), c.work("b", 0)  # a's first lease is its whole quota
-    assert c.batches[0].given == {"a": 4, "b": 4}
+    assert c.batch(0).given == {"a": 4, "b": 4}
     c2, clock2 = coordinator("even", per_step=8, per_lease=2)
     for w in "ab":
         c2.heard(w)
@@ -278,7 +278,7 @@ def test_balanced_split_finishes_batches_within_10_percent_of_ideal():
 def test_a_stale_plan_moves_the_last_planned_group_to_an_idle_asker_who_finishes_it_sooner():
     tpg = 10.0
     ends = [(-2.0, "a"), (-1.5, "b")]  # a: 2 groups from 0 s, b: 1 group from 0.5 s, at 10 tokens/s
-    plan = Plan(0.0, 3, {"a": 2, "b": 1, "c": 0, "d": 0}, dict.fromkeys("abcd", 10.0), ends)
+    plan = Shares(0.0, 3, {"a": 2, "b": 1, "c": 0, "d": 0}, dict.fromkeys("abcd", 10.0), ends)
     assert plan.steal(1.0, tpg)  # c would finish one group at 1.0 s: a's second group
     assert (plan.shares, plan.pending) == ({"a": 1, "b": 1, "c": 0, "d": 0}, 2)
     assert plan.steal(1.2, tpg)  # a now ends at 1.0 s, b at 1.5 s

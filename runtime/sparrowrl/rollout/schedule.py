@@ -36,6 +36,8 @@ PROBE = 1  # groups a worker not yet measured takes
 EMA = 0.5  # weight of a new measurement of a link, or of the tokens a group takes
 WINDOW = 8  # leases a worker's generation rate is measured over
 RESET = 0.5  # a lease slower than this fraction of the estimate starts the window afresh
+EXACT_SEATS = 64  # up to this many measured workers, every ask solves the balanced split afresh
+SOLVE_EVERY_S = 0.5  # beyond, how old a batch's solution may be before an ask solves it again
 
 
 @dataclass
@@ -136,6 +138,48 @@ def split(groups: int, tokens_per_group: float, seats: dict[str, Seat]) -> dict[
             shares[w] += 1
             heapq.heappush(heap, finish_with_one_more(w))
     return shares
+
+
+@dataclass
+class Shares:
+    """A batch's balanced split as last solved: each worker's share not yet taken."""
+
+    made: float
+    pending: int  # the batch's pending groups the shares cover
+    shares: dict[str, int]
+    rates: dict[str, float]  # the tokens/s it took each worker at
+    ends: list[tuple[float, str]] = field(default_factory=list)  # a heap of (-planned finish, holder)
+
+    def fresh(self, now: float, pending: int) -> bool:
+        """Good for another ask: many workers (few are solved every ask), young, and no group came back."""
+        return len(self.shares) > EXACT_SEATS and now - self.made < SOLVE_EVERY_S and pending <= self.pending
+
+    def steal(self, finish: float, tokens_per_group: float) -> bool:
+        """Move one group from the holder planned to finish last to an asker who would finish
+        it at `finish`, if that is sooner. A solution stands for SOLVE_EVERY_S, and the workers
+        it gave nothing ask meanwhile: idle, while the last groups wait for workers still busy."""
+        while self.ends and self.shares.get(self.ends[0][1], 0) <= 0:  # taken since
+            heapq.heappop(self.ends)
+        if not self.ends or finish >= -self.ends[0][0]:
+            return False
+        end, holder = heapq.heappop(self.ends)
+        self.shares[holder] -= 1
+        if self.shares[holder]:
+            heapq.heappush(self.ends, (end + tokens_per_group / self.rates[holder], holder))
+        self.pending -= 1
+        return True
+
+
+def solve(pending: int, tokens_per_group: float, now: float, seats: dict[str, Seat]) -> Shares:
+    """The balanced split of `pending` groups over `seats`; beyond EXACT_SEATS of them, with the
+    holders' planned finishes, for `Shares.steal`."""
+    rates = {w: s.tokens_per_s for w, s in seats.items()}
+    shares = split(pending, tokens_per_group, seats)
+    ends = []
+    if len(seats) > EXACT_SEATS:
+        ends = [(-(now + seats[w].ready_s + k * tokens_per_group / rates[w]), w) for w, k in shares.items() if k]
+        heapq.heapify(ends)
+    return Shares(now, pending, shares, rates, ends)
 
 
 def shrink(rates: dict[str, float], noise: dict[str, float | None]) -> dict[str, float]:

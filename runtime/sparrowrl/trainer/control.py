@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
 import time
 from typing import Callable
@@ -34,6 +35,8 @@ from sparrowrl.spec.job import JobSpec
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.tasks import HELD_OUT
 from sparrowrl.transport.http import PRINCIPAL
+
+log = logging.getLogger(__name__)
 
 LOOK = random.Random()  # when each long poll for work looks again (see `h_work`)
 MAX_WORKERS = 1 << 16  # distinct worker names the trainer keeps track of (a job has 4096 at most at once;
@@ -76,7 +79,7 @@ def idempotent(model: type[messages.Body]):
                     return web.json_response({"admitted": 0, "refused": reason})
                 raise web.HTTPBadRequest(text=reason) from None
             as_who(body["worker"])
-            if body["worker"] not in self.coord.seen and len(self.coord.seen) >= MAX_WORKERS:
+            if not self.coord.fleet.knows(body["worker"]) and self.coord.fleet.heard_from >= MAX_WORKERS:
                 raise web.HTTPServiceUnavailable(
                     text=f"{request.path}: the trainer tracks {MAX_WORKERS} workers "
                     f"already; {body['worker']!r} is not one of them"
@@ -146,7 +149,7 @@ class Control:
         """The coordinator's state changed: journal it, then wake whoever waits for a change."""
         self.journal(admitted)
         self.wake()
-        if self.coord.moves != self._moves or not self.coord.many:  # a small job's waiters wake at every change
+        if self.coord.moves != self._moves or not self.coord.fleet.many:  # a small job's waiters wake at every change
             self._moves = self.coord.moves
             self._work.set()
             self._work = asyncio.Event()
@@ -200,6 +203,7 @@ class Control:
     async def h_work(self, body: dict) -> tuple[dict, float]:
         if self.evals is not None and (lease := self.evals.work(body["worker"], body["version"])) is not None:
             e = self.spec.task.eval
+            assert e is not None  # eval rounds are task.eval's
             lease["prompts"] = [
                 {"group": i, "ids": self.learner.eval_ids(i), "seed": group_seed(self.spec.seed, HELD_OUT + i)}
                 for i in lease.pop("prompts")
@@ -244,12 +248,14 @@ class Control:
 
     def _eval_results(self, body: dict) -> dict:
         """An eval lease's samples: checked as training results are, then kept for scoring."""
-        if self.coord.hashes.get(body["version"]) != body["state_hash"]:
+        e = self.spec.task.eval
+        assert e is not None and self.evals is not None  # an eval lease is task.eval's
+        if self.coord.hash_of(body["version"]) != body["state_hash"]:
             ans = {
                 "admitted": 0,
                 "refused": f"state hash {body['state_hash'][:16]} is not the trainer's v{body['version']}",
             }
-        elif bad := self._malformed(body["results"], self.spec.task.eval.samples):
+        elif bad := self._malformed(body["results"], e.samples):
             ans = {"admitted": 0, "refused": bad}
         else:
             ans = self.evals.submit(body["lease"], body["worker"], body["version"], body["results"])
@@ -280,15 +286,14 @@ class Control:
         while body["version"] > self.coord.published and time.monotonic() < deadline:
             # a worker can hold a delta before the trainer has finished storing it
             waited += await self.until_changed(1.0)
-        more_refused = body["refused"] > self.coord.refused.get(body["worker"], 0)
+        more_refused = body["refused"] > self.coord.fleet.refused_by(body["worker"])
         ok = self.coord.commit(
             body["worker"], body["version"], body["state_hash"], body.get("fetch_s"), body["refused"]
         )
         if more_refused:
-            print(
+            log.warning(
                 f"trainer: worker {body['worker']} has refused {body['refused']} answers from its servers "
-                f"(its log names them)",
-                flush=True,
+                f"(its log names them)"
             )
         self.changed()
         return {"verified": ok}, waited

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sparrowrl.spec.job import PLANNED_RESUME, state_mismatch
+from sparrowrl.spec.statedir import PLANNED_RESUME, state_mismatch
 from sparrowrl.store.checkpoint_io import atomic_path
 
 # what a trainer writes in its state dir; a folder holding any of them without job.json is not ours
@@ -258,7 +258,7 @@ class ShardedCheckpoints:
         msd, osd = get_state_dict(model, opt)
         return {"model": msd, "optim": osd}
 
-    def _write(self, state: dict, out: Path, seal: Callable[[Path], None] = lambda tmp: None) -> None:
+    def _write(self, state: dict, out: Path, seal: Callable[[Path], object] = lambda tmp: None) -> None:
         """Every rank writes its part of `state` into a partial folder; then rank 0 seals it
         (`seal`, with the folder still partial) and renames it to `out`, for all to see."""
         import torch.distributed as dist
@@ -314,58 +314,3 @@ class ShardedCheckpoints:
             set_model_state_dict(model, state)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ResumeError(f"{self.folder / 'ref'}: the reference policy cannot be read ({e})") from None
-
-
-Results = dict[int, dict[int, dict]]  # batch → prompt group → admitted result
-
-
-class Journal:
-    """Append-only JSON lines. The first is a snapshot of the state (and the admitted results of
-    the batches not yet trained); each next one holds one request's changes, as events that
-    `replay` applies to the state, and the results it admitted. A line is written (to the OS)
-    before the request that caused it is answered, and is a few entries long whatever the
-    number of workers; `compact` starts a new file from a snapshot after every checkpoint."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._f = open(path, "a")
-
-    @staticmethod
-    def read(path: Path, replay: Callable[[dict, dict], None]) -> tuple[dict | None, Results]:
-        """The state after the last line, and every admitted result; a last line cut short by a
-        crash is ignored."""
-        if not path.exists():
-            return None, {}
-        state, results = None, {}
-        lines = path.read_text().splitlines()
-        for i, line in enumerate(lines):
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                if i == len(lines) - 1:
-                    break  # the write the crash interrupted: its request was never answered
-                raise ResumeError(f"{path}: line {i + 1} is damaged (not JSON)") from None
-            try:
-                if "snapshot" in entry:
-                    state = entry["snapshot"]
-                else:
-                    replay(state, entry["events"])
-                for b, groups in entry["results"].items():
-                    results.setdefault(int(b), {}).update({int(g): r for g, r in groups.items()})
-            except (ValueError, KeyError, AttributeError, TypeError) as e:
-                raise ResumeError(f"{path}: line {i + 1} is damaged ({type(e).__name__}: {e})") from None
-        return state, results
-
-    def append(self, events: dict, results: Results | None = None) -> None:
-        self._f.write(json.dumps({"events": events, "results": results or {}}) + "\n")
-        self._f.flush()
-
-    def compact(self, state: dict, results: Results) -> None:
-        """Start again from a snapshot, with only `results` (those of batches not yet trained)."""
-        with atomic_path(self.path) as tmp:
-            tmp.write_text(json.dumps({"snapshot": state, "results": results}) + "\n")
-        self._f.close()
-        self._f = open(self.path, "a")
-
-    def close(self) -> None:
-        self._f.close()

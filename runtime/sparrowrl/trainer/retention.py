@@ -55,7 +55,7 @@ def oldest_needed(newest: int, bases: Iterable[int], held: Iterable[int], stalen
 
 def needed(store: Store, coord: Coordinator, exporting: int | None) -> int:
     """`oldest_needed` of the trainer's store now (on the event loop, which owns the coordinator)."""
-    held = coord.held()
+    held = coord.fleet.held()
     bases = [v for v, x in store.versions.items() if x.base]
     return oldest_needed(store.newest, bases, held + ([exporting] if exporting is not None else []), coord.staleness)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,21 +24,16 @@ from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.rollout.evals import Evals
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
-from sparrowrl.trainer import cost, ledger, resume, retention
+from sparrowrl.store.store import Store
+from sparrowrl.trainer import cost, journal, ledger, reports, resume, retention
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.outputs import Outputs
 from sparrowrl.transport.http import add_health, freeze_heap, listen, more_open_files
 from sparrowrl.transport.metrics import add_metrics
-from sparrowrl.transport.server import SERVED, make_app
+from sparrowrl.transport.server import SENT, make_app
 
-
-def _fold_control(state: dict) -> None:
-    """A journal written before the coordinator kept what the control plane knew of workers
-    has that under "control": it goes to the coordinator's state."""
-    if (old := state.pop("control", None)) is not None:
-        old["worker_seconds"] = old.pop("gen")
-        state["coordinator"].update(old)
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -57,69 +53,65 @@ class Trainer:
             quorum=spec.quorum,
             refill=spec.grpo.refill_groups,
         )
-        for v, entry in self.learner.store.versions.items():
+        for v, entry in self.store.versions.items():
             self.coord.publish(v, entry.state_hash, self.learner.published(v)["payload_bytes"])
         e = spec.task.eval
         self.evals = None if e is None else Evals(e.prompts, e.every, spec.steps, s.groups_per_lease, s.lease_seconds)
         if self.evals is not None:
-            self.evals.open(self.learner.store.newest)  # v0's round, or the round due at a restart's newest
+            self.evals.open(self.store.newest)  # v0's round, or the round due at a restart's newest
         self.control = Control(spec, self.learner, self.coord, self._journal, self.evals)
         self.ledger = ledger.Ledger(state_dir, self.learner, cost.Rates.of(spec))
-        self.served = {"delta": 0, "base": 0}  # what this process's origin sent (its server counts)
+        self.sent = {"delta": 0, "base": 0}  # what this process's origin sent (its server counts)
         self.outputs = Outputs(spec, state_dir)
-        self.trained: resume.Results = {}  # results of batches trained since the newest whole checkpoint
+        self.trained: journal.Results = {}  # results of batches trained since the newest whole checkpoint
         self.writing: asyncio.Task | None = None  # the checkpoint being written
         self._resume()
-        self.journal = resume.Journal(state_dir / "journal.jsonl")
+        self.journal = journal.Journal(state_dir / "journal.jsonl")
         self._compact()  # also drops a line a crash cut short
 
     def _resume(self) -> None:
         """Take over from the previous trainer process on this state dir, if there was one."""
         path = self.state_dir / "journal.jsonl"
-        state, results = resume.Journal.read(path, self.replay)
+        state, results = journal.read(path, self.spec.steps)
         planned = resume.take_planned(self.state_dir)
         version = self.learner.version
         if state is None:
-            if self.learner.store.newest:  # the results of the steps since the checkpoint are gone
-                raise resume.ResumeError(f"{path}: missing, and the store is at v{self.learner.store.newest}")
+            if self.store.newest:  # the results of the steps since the checkpoint are gone
+                raise resume.ResumeError(f"{path}: missing, and the store is at v{self.store.newest}")
             return
-        _fold_control(state)
         self.coord.restore(state["coordinator"], taken=version, results=results)
         book = self.ledger
         book.restore(state["ledger"], planned)
         why = f"planned resume {book.resumes}" if book.planned else f"restart {book.restarts}"
-        print(
-            f"trainer: resumed at v{version} ({why}), {len(self.coord.leases)} leases "
-            f"live, {sum(len(b.results) for b in self.coord.batches.values())} groups admitted for coming steps",
-            flush=True,
+        log.info(
+            f"trainer: resumed at v{version} ({why}), {len(self.coord.leases())} leases "
+            f"live, {sum(map(len, self.coord.untrained().values()))} groups admitted for coming steps"
         )
+
+    @property
+    def store(self) -> Store:
+        """The learner's store: this process is rank 0, which holds it."""
+        assert self.learner.store is not None
+        return self.learner.store
 
     def _state(self) -> dict:
         """What the journal's snapshot keeps besides admitted results (see resume.py)."""
-        return {"coordinator": self.coord.state(), "ledger": self.ledger.state(self.served)}
+        return {"coordinator": self.coord.state(), "ledger": self.ledger.state(self.sent)}
 
-    @staticmethod
-    def replay(state: dict, events: dict) -> None:
-        """Apply one journal line's events to a snapshot (`resume.Journal.read`)."""
-        Coordinator.replay(state["coordinator"], events["coordinator"])
-        if "control" in events:  # see `_fold_control`
-            _fold_control(state)
-            old = [["worker_seconds", *e[1:]] if e[0] == "gen" else e for e in events["control"]]
-            Coordinator.replay(state["coordinator"], old)
-        state["ledger"].update(events["ledger"])  # a line's ledger has its rows only when they changed
-
-    def _results(self, groups: tuple[int, list[int]] | None = None) -> resume.Results:
+    def _results(self, groups: tuple[int, list[int]] | None = None) -> journal.Results:
         """Admitted results of the batches not yet trained, and of those trained since the newest
         checkpoint (a restart trains them again); or of `groups` (batch, its groups)."""
         if groups is None:
-            return {**self.trained, **{b: batch.results for b, batch in self.coord.batches.items()}}
+            return {**self.trained, **self.coord.untrained()}
         b, gs = groups
-        return {b: {g: self.coord.batches[b].results[g] for g in gs}} if gs else {}
+        return {b: self.coord.results(b, gs)} if gs else {}
 
     def _compact(self) -> None:
         """A new journal from a snapshot: the changes so far are in it, and the results that the
         newest checkpoint does not hold."""
-        self.trained = {b: r for b, r in self.trained.items() if b >= self.learner.saved.newest()}
+        saved = self.learner.saved.newest()
+        assert saved is not None  # the learner checkpoints v0 before anything
+        self.trained = {b: r for b, r in self.trained.items() if b >= saved}
         self.coord.changes()
         self.journal.compact(self._state(), self._results())
 
@@ -130,33 +122,33 @@ class Trainer:
         self.ledger.flush(self.coord)
         self._meter()
         self.journal.append(
-            {"coordinator": self.coord.changes(), "ledger": self.ledger.state(self.served, whole=False)},
+            {"coordinator": self.coord.changes(), "ledger": self.ledger.state(self.sent, whole=False)},
             None if admitted is None else self._results(admitted),
         )
 
     def _meter(self) -> None:
-        self.ledger.meter(lambda: [self.coord.regions.get(w) for w in self.coord.live()])
+        self.ledger.meter(lambda: [self.coord.fleet.region_of(w) for w in self.coord.fleet.live()])
 
-    def snapshot(self) -> ledger.Snapshot:
+    def snapshot(self) -> reports.Snapshot:
         self._meter()
-        return self.ledger.snapshot(self.coord.view(), self.spec.steps, self.served)
+        return self.ledger.snapshot(self.coord.view(), self.spec.steps, self.sent)
 
     async def h_status(self, request: web.Request) -> web.Response:
-        return web.json_response(ledger.status(self.snapshot()).model_dump())
+        return web.json_response(reports.status(self.snapshot()).model_dump())
 
     def app(self, metrics_port: int | None = None, host: str = "127.0.0.1") -> web.Application:
         app = make_app(
-            self.learner.store.path,
+            self.store.path,
             self.token,
             max_body=messages.max_body(self.spec.lease_tokens),
             signer=Signer(self.token) if self.token else None,  # the trainer vouches for its versions
             written_here=True,  # the learner's store tells the server of each new version
         )
-        self.served = app[SERVED]
+        self.sent = app[SENT]
         app.add_routes([*self.control.routes(), web.get("/v1/status", self.h_status)])
         add_health(app, lambda: self.coord.published >= 0)  # serving version 0 and taking work
         add_metrics(
-            app, lambda: ledger.metrics(self.snapshot()), None if metrics_port is None else (host, metrics_port)
+            app, lambda: reports.metrics(self.snapshot()), None if metrics_port is None else (host, metrics_port)
         )
         return app
 
@@ -166,14 +158,14 @@ class Trainer:
         trained again on the same admitted results, and not published again: their versions stay
         as they were; the next version is diffed from the store's newest (resume.py)."""
         control, learner, book = self.control, self.learner, self.ledger
-        book.t_loop = time.perf_counter()
+        book.start_loop()
         book.flush(self.coord)
-        published = learner.store.newest
+        store = self.store
+        published = store.newest
         if published > learner.version:
-            print(
+            log.info(
                 f"trainer: the newest checkpoint is v{learner.version}, the newest version v{published}: "
-                f"training steps {learner.version + 1}..{published} again from the journal",
-                flush=True,
+                f"training steps {learner.version + 1}..{published} again from the journal"
             )
         every = self.spec.trainer.checkpoint.every
         scoring = asyncio.create_task(self._score_admitted()) if self.coord.refill else None
@@ -187,9 +179,11 @@ class Trainer:
             control.changed()
             self.trained[b] = batch.results
             wait = time.perf_counter() - t0
+            done = batch.done
+            assert done is not None  # a batch taken is complete
             m = await asyncio.to_thread(learner.train, batch)
             self._warn(b, batch, m)
-            generate_s = batch.worker_seconds / max(1, len(self.coord.live()))
+            generate_s = batch.worker_seconds / max(1, len(self.coord.fleet.live()))
             partial = {
                 "version": b + 1,
                 "step": b,
@@ -197,36 +191,31 @@ class Trainer:
                 "completion_tokens_mean": m["tokens"] / (len(batch.groups) * self.spec.grpo.group_size),
                 "generate_s": generate_s,
                 "wait_s": wait,
-                "rollout_s": batch.done - (batch.opened or batch.done),
+                "rollout_s": done - (batch.opened or done),
             }
             if b + 1 <= published:  # trained again: its version is out already
-                book.redone += 1
-                if b + 1 not in book.rows:  # killed before its row was journaled: the newest, never pruned
-                    book.record(partial, None, time.perf_counter() - t0)
+                book.trained_again(partial, time.perf_counter() - t0)
                 if b + 1 == published:
                     same = await asyncio.to_thread(learner.holds, published)
-                    print(
+                    log.info(
                         f"trainer: trained again to v{published}: "
                         + (
                             "the same bits as published"
                             if same
                             else f"not the bits published (v{published + 1} moves the workers to them)"
-                        ),
-                        flush=True,
+                        )
                     )
             else:
                 extract_s = await asyncio.to_thread(learner.publish)
-                self.coord.publish(
-                    b + 1, learner.store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"]
-                )
+                self.coord.publish(b + 1, store.versions[b + 1].state_hash, learner.published(b + 1)["payload_bytes"])
                 if self.evals is not None:
                     self.evals.open(b + 1)
                 book.record(partial, extract_s, time.perf_counter() - t0)
                 self._journal(None)  # the row, before the next step: a restart records only the newest again
-                print(ledger.step_line(book.rows[b + 1], self.spec.steps), flush=True)
+                log.info(reports.step_line(book.rows[b + 1], self.spec.steps))
                 self.outputs.step(book.rows[b + 1])
-                oldest = retention.needed(learner.store, self.coord, self.outputs.exporting)
-                book.held = await asyncio.to_thread(retention.prune, learner.store, oldest)
+                oldest = retention.needed(store, self.coord, self.outputs.exporting)
+                book.pruned(await asyncio.to_thread(retention.prune, store, oldest))
             if (b + 1) % every == 0 or b + 1 == self.spec.steps:
                 await self._checkpoint()
             await self._score_evals()
@@ -238,7 +227,7 @@ class Trainer:
         # every worker should still commit and verify the final version
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (
-            self.coord.behind(self.spec.steps) or (self.evals is not None and self.evals.waiting(self.spec.steps))
+            self.coord.fleet.behind(self.spec.steps) or (self.evals is not None and self.evals.waiting(self.spec.steps))
         ):
             await control.until_changed(deadline - time.monotonic())
         if self.evals is not None:
@@ -248,9 +237,9 @@ class Trainer:
         self.outputs.close()
         learner.save(self.state_dir / "final")
         learner.stop()
-        summary = {**ledger.summary(self.snapshot()), "mode": self.spec.sync.mode}
+        summary = {**reports.summary(self.snapshot()), "mode": self.spec.sync.mode}
         (self.state_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        book.finished = True
+        book.finish()
         control.changed()
 
     async def _score_admitted(self) -> None:
@@ -263,7 +252,7 @@ class Trainer:
                 await self.control.until_changed(1.0)
                 continue
             b, groups = todo[0]
-            results = {g: self.coord.batches[b].results[g] for g in groups}
+            results = self.coord.results(b, groups)
             scores = await asyncio.to_thread(self.learner.score, results)
             self.coord.scored(b, scores)
             self.control.changed()
@@ -275,10 +264,9 @@ class Trainer:
             row = await asyncio.to_thread(self.learner.evaluate, r.version, r.results)
             self.ledger.record_eval(row)
             k = f", pass@{row['samples']} {row['pass_at_k']:.3f}" if "pass_at_k" in row else ""
-            print(
+            log.info(
                 f"trainer: eval v{row['version']}: pass@1 {row['pass_at_1']:.3f}{k} reward {row['reward_mean']:.3f} "
-                f"({row['prompts']} prompts x {row['samples']}, {row['decoding']})",
-                flush=True,
+                f"({row['prompts']} prompts x {row['samples']}, {row['decoding']})"
             )
 
     def _warn(self, b: int, batch, m: dict) -> None:
@@ -287,26 +275,23 @@ class Trainer:
         g = self.spec.grpo
         if g.refill_groups and m["refill_groups"] == g.refill_groups:
             if (varied := m["groups_varied"]) < g.prompts_per_step:
-                print(
+                log.warning(
                     f"trainer: step {b + 1} trains on {varied} of {g.prompts_per_step} groups that vary: it drew "
                     f"{m['refill_groups']} more in place of those whose samples all scored alike, the most "
-                    f"grpo.maxGenBatches ({g.max_gen_batches}) allows",
-                    flush=True,
+                    f"grpo.maxGenBatches ({g.max_gen_batches}) allows"
                 )
         if m["skipped"]:
             fed = sorted({(r.get("lease", -1), r.get("worker", "unknown")) for r in batch.results.values()})
-            print(
+            log.warning(
                 f"trainer: no weight changed at step {b + 1} ({m['skipped']}); its leases: "
-                + ", ".join(f"{lease} of {worker}" for lease, worker in fed),
-                flush=True,
+                + ", ".join(f"{lease} of {worker}" for lease, worker in fed)
             )
         for worker, reasons in m["refused_samples"].items():
             gap = m["by_worker"].get(worker, {}).get("mismatch_mean")
             why = ", ".join(f"{n} {w}" for w, n in reasons.items())
-            print(
+            log.warning(
                 f"trainer: refused {sum(reasons.values())} samples of worker {worker} at step {b + 1} ({why})"
-                + (f"; its log-probs are {gap:.3g} nats per token from the trainer's on average" if gap else ""),
-                flush=True,
+                + (f"; its log-probs are {gap:.3g} nats per token from the trainer's on average" if gap else "")
             )
 
     async def _checkpoint(self) -> None:
@@ -353,7 +338,7 @@ async def serve(
     early = web.AppRunner(starting_app())
     await early.setup()
     await listen(early, host, port)
-    print(f"trainer: starting on {host}:{port}", flush=True)
+    log.info(f"trainer: starting on {host}:{port}")
     try:
         if check is not None:
             await asyncio.to_thread(check)
@@ -364,7 +349,7 @@ async def serve(
     runner = web.AppRunner(run.app(metrics_port, host))
     await runner.setup()
     await listen(runner, host, port)
-    print(f"trainer: serving on {host}:{port}", flush=True)
+    log.info(f"trainer: serving on {host}:{port}")
     try:
         await run.train_loop()
         await asyncio.sleep(2.0)  # let workers see `finished` and the runner read the summary
