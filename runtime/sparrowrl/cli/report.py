@@ -100,7 +100,8 @@ def plots(run_dir: Path, mode: str) -> list[Path]:
         ev = [r["version"] for r in evals]
         ax.plot(ev, [r["pass_at_1"] for r in evals], marker="o", label="pass@1")
         if "pass_at_k" in evals[-1]:
-            ax.plot(ev, [r.get("pass_at_k") for r in evals], marker="s", label=f"pass@{evals[-1]['samples']}")
+            # a row without pass@k is a gap: matplotlib draws None so, where its stubs take numbers only
+            ax.plot(ev, [r.get("pass_at_k") for r in evals], marker="s", label=f"pass@{evals[-1]['samples']}")  # type: ignore[arg-type]
         ax.set(
             xlabel="version",
             ylabel="held-out",

@@ -26,9 +26,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sparrowrl.auth import tokens
 from sparrowrl.auth.signing import KEY_ENV
 from sparrowrl.cli import report
+from sparrowrl.logs import FORMAT_ENV, LEVEL_ENV, Format, Level
 from sparrowrl.spec import layout
-from sparrowrl.spec.job import PLANNED_RESUME, JobSpec, SparrowRLJob, state_mismatch
+from sparrowrl.spec.job import JobSpec, SparrowRLJob
 from sparrowrl.spec.layout import Process
+from sparrowrl.spec.statedir import PLANNED_RESUME, state_mismatch
 
 EXE = [sys.executable, "-P", "-m", "sparrowrl.cli"]  # -P: the working folder does not shadow modules
 OUTPUTS = (
@@ -209,6 +211,7 @@ def argv(role: Process, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
     rate = ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []
     if role.kind == "trainer":
         return ["trainer", str(run_dir / "job.yaml"), "--state-dir", str(run_dir), "--port", str(port)]
+    assert role.trainer is not None and role.region is not None  # a relay's and a worker's (layout.processes)
     if role.kind == "relay":
         return [
             "relay",
@@ -251,10 +254,19 @@ def _ready(url: str, procs: Processes) -> None:
         time.sleep(0.2)
 
 
-def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = False, resume: bool = False) -> dict:
+def run(
+    job: SparrowRLJob,
+    run_dir: Path,
+    console: Console,
+    overwrite: bool = False,
+    resume: bool = False,
+    log_format: Format = "text",
+    log_level: Level = "info",
+) -> dict:
     """Run `job` in `run_dir` (see `check_run_dir`): the roles of `layout.processes`, each a process
     on its own loopback port, started with the same commands a user types by hand. With `resume`,
-    the trainer goes on from the run dir's state (with more steps, say)."""
+    the trainer goes on from the run dir's state (with more steps, say). Each writes its log lines
+    to RUN/logs/NAME.log in `log_format` (their environment's SPARROWRL_LOG_FORMAT), from `log_level` up."""
     spec = job.spec
     kept = _token(run_dir) if resume else None
     claim_run_dir(run_dir, job, overwrite, resume)
@@ -266,7 +278,9 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     env = {k: x for k, x in os.environ.items() if k not in ("SPARROWRL_TOKEN", KEY_ENV)}
-    procs = Processes(run_dir, dict(env, PYTHONUNBUFFERED="1"), append=resume)
+    procs = Processes(
+        run_dir, {**env, "PYTHONUNBUFFERED": "1", FORMAT_ENV: log_format, LEVEL_ENV: log_level}, append=resume
+    )
     ports: dict[str, int] = defaultdict(free_port)
 
     def url(name: str, _region: str | None = None) -> str:  # one machine: the same address from everywhere
@@ -279,10 +293,12 @@ def run(job: SparrowRLJob, run_dir: Path, console: Console, overwrite: bool = Fa
     signal.signal(signal.SIGHUP, _exit)
     try:
         for role in everyone:
+            who = role.region if role.kind == "relay" else role.name
+            assert who is not None  # a relay's region (layout.processes)
             p = procs.start(
                 role.name,
                 argv(role, spec, run_dir, ports[role.name]),  # each its own credentials
-                tokens.environment(token, role.kind, role.region if role.kind == "relay" else role.name),
+                tokens.environment(token, role.kind, who),
             )
             if role.kind == "trainer":
                 pids["trainer"] = p.pid

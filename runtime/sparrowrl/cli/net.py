@@ -1,0 +1,72 @@
+"""The checks and the listening that the commands which serve or connect share, so that a server
+started by hand refuses what a job's role would refuse, in the same words."""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from pathlib import Path
+
+from sparrowrl.cli.common import fail, in_range
+
+MAX_STREAMS = 64
+log = logging.getLogger(__name__)
+
+
+def server_token(host: str, port: int) -> str:
+    """The checks every server command makes before it starts anything; returns the token."""
+    from sparrowrl.auth.signing import trust
+    from sparrowrl.transport.http import is_loopback
+
+    in_range("--port", port, 1, 65535)
+    token = os.environ.get("SPARROWRL_TOKEN", "")
+    if not token and not is_loopback(host):
+        fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
+    try:
+        trust(token)  # a role token comes with the trainer's public key
+    except ValueError as e:
+        fail(e)
+    return token
+
+
+def trusting(ca_cert: Path | None) -> ssl.SSLContext | None:
+    """A TLS context that trusts `ca_cert` (None: the system's)."""
+    try:
+        return ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
+    except (OSError, ssl.SSLError) as e:  # ssl's message does not name the file
+        fail(ValueError(f"--ca-cert {ca_cert}: {e.strerror or e}"))
+
+
+def listen(app, host: str, port: int, banner: str, ssl_context: ssl.SSLContext | None = None) -> None:
+    """Serve `app` until stopped; an address that cannot be bound is one line."""
+    from aiohttp import web
+
+    from sparrowrl.transport.http import ListenError
+
+    try:
+        web.run_app(
+            app,
+            host=host,
+            port=port,
+            ssl_context=ssl_context,
+            access_log=None,
+            print=lambda _: log.info(banner),
+        )
+    except OSError as e:
+        fail(ListenError.of(host, port, e))
+    except ListenError as e:  # the open metrics port
+        fail(e)
+
+
+def ports(local_ports: str | None) -> list[int] | None:
+    """--local-ports: one local port per download stream."""
+    try:
+        found = [int(p) for p in local_ports.split(",")] if local_ports else None
+    except ValueError:
+        fail(ValueError(f"--local-ports {local_ports!r}: not comma-separated port numbers"))
+    if found is not None and len(found) > MAX_STREAMS:
+        fail(ValueError(f"--local-ports: {len(found)} ports, one per stream (at most {MAX_STREAMS})"))
+    for p in found or []:
+        in_range("--local-ports", p, 1, 65535)
+    return found
