@@ -52,8 +52,8 @@ from rich.table import Table
 
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta
 from sparrowrl.delta.bitview import bits
+from sparrowrl.delta.device import state_hash
 from sparrowrl.delta.frame import CHUNK
-from sparrowrl.delta.statehash import state_hash
 from sparrowrl.delta.tensors import TensorSpec
 
 console = Console(stderr=True)

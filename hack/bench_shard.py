@@ -45,8 +45,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from sparrowrl.sync import shards  # noqa: E402
-from sparrowrl.trainer import models, ranks, shard  # noqa: E402
+from sparrowrl.sync import gather  # noqa: E402
+from sparrowrl.trainer import fsdp, models, ranks  # noqa: E402
 
 VOCAB = 4096
 
@@ -54,7 +54,7 @@ VOCAB = 4096
 def _fill(model: torch.nn.Module) -> None:
     """Random weights, generated per shard: N(0, 0.02), norms 1."""
     for n, p in model.named_parameters():
-        first, flat = shards.span(n, p)
+        first, flat = gather.span(n, p)
         if "norm" in n:
             flat.fill_(1.0)
         else:
@@ -71,24 +71,24 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     try:
         cfg = models.tiny_config(VOCAB, args.hidden, args.layers, args.hidden // 64)
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, the process group: no model yet
-        model = shard.build(cfg, _fill)
-        table = shards.specs(model)
-        store = shards.init_store(Path(out) / "store", model, base_every=1_000_000)
+        model = fsdp.build(cfg, _fill)
+        table = gather.specs(model)
+        store = gather.init_store(Path(out) / "store", model, base_every=1_000_000)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        old = shards.policy(model)
+        old = gather.policy(model)
         held = sum(flat.numel() for _, flat in old.values())
         rows = []
         for step in range(args.steps + 1):  # step 0 warms up and is not reported
             g = torch.Generator().manual_seed(1000 * step + rank)
-            ids = torch.randint(3, VOCAB, (args.batch, args.seq), generator=g).to(shard.device())
+            ids = torch.randint(3, VOCAB, (args.batch, args.seq), generator=g).to(fsdp.device())
             dist.barrier()
             t0 = time.perf_counter()
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             t1 = time.perf_counter()
-            new = shards.policy(model)
-            took = shards.publish(store, table, old, new)
+            new = gather.policy(model)
+            took = gather.publish(store, table, old, new)
             t2 = time.perf_counter()
             copies = [torch.empty_like(flat) for _, flat in new.values()]
             t3 = time.perf_counter()
@@ -108,10 +108,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
                         "memcpy_gbs": 2 * held / memcpy_s / 1e9,
                     }
                 )
-        gather = _gather_rates() if world > 1 else None
-        state = sum(shards.span(n, p)[1].numel() * 4 for n, p in model.named_parameters())  # fp32 weights
+        rates = _gather_rates() if world > 1 else None
+        state = sum(gather.span(n, p)[1].numel() * 4 for n, p in model.named_parameters())  # fp32 weights
         state += sum(
-            shards.span("optimizer state", t)[1].numel() * t.element_size()
+            gather.span("optimizer state", t)[1].numel() * t.element_size()
             for st in opt.state.values()
             for t in st.values()
             if t.dim()
@@ -133,7 +133,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             "changed_fraction": changed,
             "delta_bytes": [store.versions[v].delta_bytes for v in range(2, args.steps + 2)] if store else None,
             "elements": sum(t.numel for t in table),
-            "gather": gather,
+            "gather": rates,
         }
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -248,7 +248,7 @@ def project(got: list[dict], args: argparse.Namespace) -> dict:
     rank0 = got[0]["steps"]
     gather_rate, call_s = got[0]["gather"]["bytes_per_s"], got[0]["gather"]["call_s"]
     write_rate = sent / max(mean(rank0, "write_s"), 1e-9)
-    calls = -(-n // shards.GATHER_ELEMENTS)  # one gather per group of tensors
+    calls = -(-n // gather.GATHER_ELEMENTS)  # one gather per group of tensors
     per_core = min(mean(r["steps"], "encode_gbs") for r in got) / max(1, (os.cpu_count() or 1) // len(got))
     delta = n * density * bytes_per_changed
     out = {}

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support.servers import free_port
 
 from sparrowrl.delta import state_hash
 from sparrowrl.delta.encoder import Encoder
@@ -20,16 +20,10 @@ from sparrowrl.delta.errors import MismatchError
 from sparrowrl.delta.frame import DeltaWriter
 from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.store.store import Store
-from sparrowrl.sync import shards
-from sparrowrl.trainer import grpo, models, ranks, shard
+from sparrowrl.sync import gather
+from sparrowrl.trainer import fsdp, grpo, models, ranks
 
 VOCAB = 53  # odd: FSDP gives the two ranks 27 and 26 rows of the embedding
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, out: str, device: str = "cpu") -> None:
@@ -48,20 +42,20 @@ def _rank(rank: int, world: int, port: int, out: str, device: str = "cpu") -> No
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
-        table = shards.specs(model)
-        store = shards.init_store(Path(out) / "store", model, base_every=2)
+        table = gather.specs(model)
+        store = gather.init_store(Path(out) / "store", model, base_every=2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        old = shards.policy(model)
+        old = gather.policy(model)
         for step in range(2):  # the second version is also a base snapshot
             ids = torch.randint(3, VOCAB, (4, 12), generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-            new = shards.policy(model)
-            shards.publish(store, table, old, new)
+            new = gather.policy(model)
+            gather.publish(store, table, old, new)
             if step == 1:
-                shards.snapshot(store, 2, model)  # checked against v2's hash before it is kept
-            held = shards.state_hash(table, new)
+                gather.snapshot(store, 2, model)  # checked against v2's hash before it is kept
+            held = gather.state_hash(table, new)
             full_old = dict(_full(table, old))
             full_new = dict(_full(table, new))
             if rank == 0:
@@ -81,7 +75,7 @@ def _rank(rank: int, world: int, port: int, out: str, device: str = "cpu") -> No
 
 
 def _range(t, r: int, world: int) -> tuple[int, int]:
-    first, end = shards.rows(t.shape[0], r, world)
+    first, end = gather.rows(t.shape[0], r, world)
     row = t.numel // t.shape[0]
     return first * row, end * row
 
@@ -98,7 +92,7 @@ def _full(table, shards):
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_two_ranks_publish_one_version(tmp_path):
-    mp.spawn(_rank, args=(2, _port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
     check_published(tmp_path)
 
 
@@ -150,8 +144,8 @@ def _load(rank: int, world: int, port: int, folder: str) -> None:
     try:
         from transformers import AutoConfig
 
-        model = shard.build(AutoConfig.from_pretrained(folder), shard.from_files(folder))
-        torch.save(dict(shards.gathered(model, torch.float32)), Path(folder) / f"gathered{rank}.pt")
+        model = fsdp.build(AutoConfig.from_pretrained(folder), fsdp.from_files(folder))
+        torch.save(dict(gather.gathered(model, torch.float32)), Path(folder) / f"gathered{rank}.pt")
     finally:
         dist.destroy_process_group()
     ranks.leave()
@@ -164,7 +158,7 @@ def test_each_rank_reads_its_rows_of_a_hugging_face_folder(tmp_path):
     folder's weights exactly (the rotary tables, buffers, are made, not read)."""
     m = models.tiny_qwen3(VOCAB, 32, 2, 2, seed=3)
     m.save_pretrained(tmp_path)
-    mp.spawn(_load, args=(2, _port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_load, args=(2, free_port(), str(tmp_path)), nprocs=2)
     want = dict(m.named_parameters())
     for rank in range(2):
         got = torch.load(tmp_path / f"gathered{rank}.pt")
@@ -200,7 +194,7 @@ def _micro(rank: int, world: int, port: int, out: str) -> None:
 
         def grads(budget):
             model.zero_grad(set_to_none=True)
-            batches = shard.micro_batches(rows, budget)
+            batches = fsdp.micro_batches(rows, budget)
             grpo.accumulate(
                 model,
                 None,
@@ -225,7 +219,7 @@ def _micro(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_ranks_micro_batch_to_the_one_pass_gradient(tmp_path):
-    mp.spawn(_micro, args=(2, _port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_micro, args=(2, free_port(), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"micro{r}.pt") for r in range(2))
     assert r0["one"] == [[0, 1, 2, 3, 4]] and r1["one"] == [[0, 1]]
     assert r0["micro"] == [[0], [1], [3], [4], [2]]  # no two of rank 0's rows fit 12 tokens

@@ -16,15 +16,16 @@ files (docs/architecture.md says what each does on the way):
     11 trainer/control.py      the commit route
     12 rollout/coordinator.py  the worker's hash against the trainer's: verified or a mismatch
 
-Within this package: `records` finds the changed bit patterns of a tensor (with `kernels`' fused
-pass on the CPU, `gpu` on CUDA) and entropy-codes them (via `entropy`, with `extract`'s zigzag
-difference), `frame` writes/reads the chunked file, `apply` verifies and commits it,
-`statehash` is the additive hash that ties base and target together.
+Within this package: `device` picks where a tensor's changed bit patterns are found, by where it
+lives: `gpu` for a CUDA tensor, else `records`' CPU extraction (`kernels`' fused pass). `records`
+entropy-codes them (via `entropy`, with `extract`'s zigzag difference), `encoder` runs that on a
+thread pool, `frame` writes/reads the chunked file, `apply` verifies and commits it, `statehash`
+is the additive hash that ties base and target together (`device` again computes it in place).
 """
 
 from sparrowrl.delta.apply import Slot, apply_delta
+from sparrowrl.delta.device import state_hash
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.frame import DeltaFile, DeltaWriter, write_delta
-from sparrowrl.delta.statehash import state_hash
 
 __all__ = ["DeltaError", "DeltaFile", "DeltaWriter", "write_delta", "Slot", "apply_delta", "state_hash"]

@@ -59,11 +59,13 @@ class Slot:
 
 
 @dataclass
-class DeviceSlot(Slot):
+class DeviceSlot:
     """A slot in a tensor on an accelerator (flat: its signed-integer bit view, as a torch
-    tensor). Only the changed elements cross to the host and back; `view` copies the whole."""
+    tensor). Only the changed elements cross to the host and back; `view` copies the whole.
+    Slot's methods, each on a torch tensor: not a subclass of Slot, whose `flat` is a numpy array."""
 
     flat: torch.Tensor
+    offset: int = 0
 
     def __post_init__(self) -> None:
         if self.flat.dtype not in TORCH_SINT.values() or self.flat.dim() != 1:
@@ -91,13 +93,13 @@ class DeviceSlot(Slot):
         return context.locate_on_device(self.flat[at : at + length], fld, classes, counts, gaps)
 
 
-SlotMap = Callable[[TensorSpec], Slot]
+SlotMap = Callable[[TensorSpec], Slot | DeviceSlot]
 
 
 def state_slots(state: Mapping[str, torch.Tensor]) -> SlotMap:
     """The identity layout: each delta tensor is the state's tensor of the same name."""
 
-    def slot(spec: TensorSpec) -> Slot:
+    def slot(spec: TensorSpec) -> Slot | DeviceSlot:
         t = state.get(spec.name)
         if t is None:
             raise MismatchError(f"tensor '{spec.name}' is in the delta but not in the base")
@@ -127,7 +129,7 @@ def hash_through(specs: list[TensorSpec], slot_of: SlotMap) -> str:
 
 @dataclass
 class _Staged:
-    slot: Slot
+    slot: Slot | DeviceSlot
     positions: np.ndarray  # elements that change, in the tensor
     old: np.ndarray
     new: np.ndarray

@@ -71,8 +71,8 @@ def locate_on_device(
     ends = np.cumsum(counts)
     ranks = run - np.repeat(np.concatenate([[0], run[ends - 1][:-1]]), counts) - 1
     with _ONE_AT_A_TIME:
-        _, order, sizes = _sorted_classes(base, fld)
-        sizes = sizes.cpu().numpy()
+        _, order, on_device = _sorted_classes(base, fld)
+        sizes = on_device.cpu().numpy()
         last = ends - 1  # ranks increase within a class: its last is its largest
         if (ranks[last] >= sizes[classes]).any():
             return np.empty(0, np.int64), np.empty(0, np.int64), False

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from sparrowrl.delta import context
-from sparrowrl.delta.bitview import bits
-from sparrowrl.delta.records import MAX_SEGMENT, SEGMENT, Changes, encode_changes, extract_segment
+from sparrowrl.delta import context, device
+from sparrowrl.delta.records import MAX_SEGMENT, SEGMENT, Changes, encode_changes
 from sparrowrl.delta.schema import FORMAT_VERSION, READS
 from sparrowrl.delta.tensors import TensorSpec
 
@@ -52,33 +50,18 @@ class Encoder:
         """(tensor id, first element, old, new): `old` and `new` hold that many elements of the
         tensor's flat form from there. CUDA ranges are diffed on the GPU (the whole range at
         once), then entropy-coded here; the bytes are the same as from the CPU path."""
-        pending: deque = deque()
+        pending: deque[Future[Encoded]] = deque()
         limit = 2 * (os.cpu_count() or 1)
         for tid, start, old, new in spans:
-            if new.is_cuda:
-                from sparrowrl.delta import gpu
-
-                jobs = [
-                    (self._encode, tid, ch)
-                    for ch in gpu.extract_tensor(old, new, self.segment, self.fields[tid], start)
-                ]
-            else:
-                a, b = bits(old), bits(new)
-                jobs = [
-                    (self._extract_encode, tid, start + s, a[s : s + self.segment], b[s : s + self.segment])
-                    for s in range(0, a.shape[0], self.segment)
-                ]
-            for fn, *args in jobs:
-                pending.append(self.pool.submit(fn, *args))
+            for changes in device.segments(old, new, self.segment, self.fields[tid], start):
+                pending.append(self.pool.submit(self._encode, tid, changes))
                 while len(pending) > limit:
                     yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
 
-    def _extract_encode(self, tid: int, start: int, old: np.ndarray, new: np.ndarray) -> Encoded:
-        return self._encode(tid, extract_segment(start, old, new, self.fields[tid]))
-
-    def _encode(self, tid: int, ch: Changes) -> Encoded:
+    def _encode(self, tid: int, changes: Callable[[], Changes]) -> Encoded:
+        ch = changes()
         data = encode_changes(tid, ch, self.version)
         if not data:
             return Encoded(tid, data, 0, 0, self.version)

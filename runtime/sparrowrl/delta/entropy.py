@@ -18,9 +18,11 @@ categorical model per stream whose symbol counts travel with it.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 import zstandard
+from numpy.typing import DTypeLike
 
 from sparrowrl.delta import kernels
 from sparrowrl.delta.errors import CorruptError
@@ -47,10 +49,10 @@ class Cursor:
         self.pos += n
         return out
 
-    def unpack(self, fmt: str) -> tuple:
+    def unpack(self, fmt: str) -> tuple[Any, ...]:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
 
-    def array(self, dtype: np.dtype, count: int) -> np.ndarray:
+    def array(self, dtype: DTypeLike, count: int) -> np.ndarray:
         dt = np.dtype(dtype)
         return np.frombuffer(self.take(dt.itemsize * count), dtype=dt).copy()
 
@@ -229,7 +231,8 @@ def rice_k(last: int, count: int) -> int:
 def _rice_ks(last: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """rice_k for many classes at once: their largest rank and their count of changes."""
     mean = (last + 1 - counts) / counts
-    return np.clip(np.floor(np.log2(mean + 1.0)) - 2, 0, _MAX_K).astype(np.uint8)
+    ks: np.ndarray = np.clip(np.floor(np.log2(mean + 1.0)) - 2, 0, _MAX_K).astype(np.uint8)
+    return ks
 
 
 def ans_gaps(k: int, q: np.ndarray, r: np.ndarray, counts: np.ndarray, esc: np.ndarray) -> bytes:
@@ -244,7 +247,7 @@ def ans_gaps_decode(buf: memoryview, count: int, what: str) -> np.ndarray:
     if k > _MAX_K:
         raise CorruptError(f"{what}: Rice parameter {k} out of range")
     q, low = _unpack(cur, count, "<u4", (count * k + 7) // 8, "<i8")
-    g = q << k
+    g: np.ndarray = q << k
     if k:
         g |= kernels.unpack_bits(np.frombuffer(low, np.uint8), np.full(count, k, np.int64))
     return g
@@ -267,7 +270,8 @@ _STEP = (np.arange(1, _ALPHABET - 1) + 1) // 2 - 1  # value symbol z (1..254) ->
 
 
 def _gap_weights(t: int) -> np.ndarray:
-    return _GEOMETRIC[t]
+    w: np.ndarray = _GEOMETRIC[t]
+    return w
 
 
 def _value_weights(t: int, e: int) -> np.ndarray:
@@ -279,7 +283,8 @@ def _value_weights(t: int, e: int) -> np.ndarray:
 
 def _ratio(mean: np.ndarray) -> np.ndarray:
     """The u8 parameter t of a geometric model with this mean: t / 256 = mean / (1 + mean)."""
-    return np.clip(np.rint(256 * mean / (1 + mean)), 0, 255).astype(np.uint8)
+    t: np.ndarray = np.clip(np.rint(256 * mean / (1 + mean)), 0, 255).astype(np.uint8)
+    return t
 
 
 def context_streams(classes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> tuple[bytes, bytes]:

@@ -30,4 +30,5 @@ def zigzag(xp: Any, old: Any, new: Any) -> Any:
 def unzigzag(z: np.ndarray) -> np.ndarray:
     """Inverse of `zigzag` on the difference: returns the unsigned wrap-around difference."""
     one = z.dtype.type(1)
-    return (z >> one) ^ (z.dtype.type(0) - (z & one))
+    d: np.ndarray = (z >> one) ^ (z.dtype.type(0) - (z & one))
+    return d

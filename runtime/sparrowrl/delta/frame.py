@@ -25,10 +25,10 @@ import os
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, NoReturn, Protocol
 
 import torch
 import zstandard
@@ -41,6 +41,7 @@ from sparrowrl.delta.errors import CorruptError, FormatError, MismatchError
 from sparrowrl.delta.records import (
     SEGMENT,
     Locate,
+    Record,
     decode_record,
     next_record,
 )
@@ -61,7 +62,7 @@ MAX_JSON = 1 << 26  # a header or manifest, unpacked: 64 MiB is a table of about
 PARSE_COST = 16  # bytes of memory that validating a byte of header or manifest JSON may take (measured ~11)
 
 
-def pack_json(doc: dict, version: int) -> bytes:
+def pack_json(doc: dict[str, Any], version: int) -> bytes:
     raw = json.dumps(doc, separators=(",", ":")).encode()
     return zstandard.ZstdCompressor(level=9).compress(raw) if version >= 3 else raw
 
@@ -92,6 +93,14 @@ def unpack_json(stored: bytes | memoryview, version: int) -> bytes:
     return raw
 
 
+class Sink(Protocol):
+    """Where a delta is written: a binary file, or what writes and flushes as one does."""
+
+    def write(self, data: bytes, /) -> object: ...
+
+    def flush(self) -> object: ...
+
+
 class DeltaWriter:
     """Streaming encoder: tensors go in as the trainer has them, chunks go out as soon as full.
 
@@ -102,7 +111,7 @@ class DeltaWriter:
 
     def __init__(
         self,
-        out: BinaryIO,
+        out: Sink,
         tensors: list[TensorSpec],
         *,
         base_version: int,
@@ -124,7 +133,7 @@ class DeltaWriter:
         self.hash_delta = [0] * len(tensors)
         self.span: list[list[int]] = [[] for _ in tensors]
         self.done = [False] * len(tensors)
-        self.chunks: list[dict] = []
+        self.chunks: list[dict[str, Any]] = []
         self.buf: list[bytes] = []
         self.buf_len = 0
         self.buf_records = 0
@@ -232,7 +241,7 @@ class DeltaWriter:
         self.out.flush()
         self.buf, self.buf_len, self.buf_records = [], 0, 0
 
-    def close(self) -> dict:
+    def close(self) -> dict[str, Any]:
         """Flush, write manifest and trailer; every tensor in the table must have been added."""
         self.encoder.close()
         missing = [t.name for t, d in zip(self.tensors, self.done) if not d]
@@ -265,15 +274,15 @@ class DeltaWriter:
 
 
 def write_delta(
-    out: BinaryIO,
+    out: Sink,
     old: dict[str, torch.Tensor],
     new: dict[str, torch.Tensor],
     *,
     base_version: int,
     base_hash: str,
     target_version: int,
-    **kw,
-) -> dict:
+    **kw: Any,
+) -> dict[str, Any]:
     """Diff two in-memory states with the same tensor table into `out`; returns the manifest."""
     if set(old) != set(new):
         raise MismatchError(f"old and new states hold different tensors: '{sorted(set(old) ^ set(new))[0]}'")
@@ -312,10 +321,10 @@ class DeltaFile:
             raise FormatError(str(e)) from None
         return cls(data, str(path))
 
-    def _fail(self, cls, msg: str):
+    def _fail(self, cls: type[Exception], msg: str) -> NoReturn:
         raise cls(f"{self.source}: {msg}")
 
-    def _read_header(self) -> dict:
+    def _read_header(self) -> dict[str, Any]:
         d = self.data
         if len(d) < HEAD.size or d[:8] != MAGIC:
             self._fail(FormatError, "not a sparrowrl delta (bad magic)")
@@ -344,7 +353,7 @@ class DeltaFile:
             self._fail(CorruptError, f"header says format {header.format}, the file's first bytes {version}")
         return header.model_dump()
 
-    def _read_manifest(self) -> dict:
+    def _read_manifest(self) -> dict[str, Any]:
         d = self.data
         offset, length, digest, end = TRAILER.unpack_from(d, len(d) - TRAILER.size)
         if end != END:
@@ -409,9 +418,9 @@ class DeltaFile:
     def records(
         self,
         pool: ThreadPoolExecutor | None = None,
-        then: Callable = lambda record: record,
+        then: Callable[[Record], Any] = lambda record: record,
         locate: Locate | None = None,
-    ) -> Iterator:
+    ) -> Iterator[Any]:
         """Every record, in file order, or `then(record)` of each; with `pool`, chunks are checked
         and their records decoded and passed to `then` in parallel (the kernels release the GIL),
         and the first failing one's error is raised. Context records find their positions in the
@@ -425,7 +434,7 @@ class DeltaFile:
                 out.append(next_record(cur, self.version))
             return out
 
-        def record(cur: Cursor):
+        def record(cur: Cursor) -> Any:
             return then(decode_record(cur, sizes, numels, self.version, locate))
 
         chunks = range(len(self.manifest["chunks"]))
@@ -434,7 +443,7 @@ class DeltaFile:
             return
         # records flow on across chunks, at most 2 per core decoded ahead of the caller (each holds
         # its changes in memory until the caller takes it)
-        pending: deque = deque()
+        pending: deque[Future[Any]] = deque()
         try:
             for cur in chain.from_iterable(pool.map(chunk, chunks)):
                 pending.append(pool.submit(record, cur))
@@ -447,7 +456,7 @@ class DeltaFile:
                 f.cancel()
 
     # ---- summary for `delta inspect` ----
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         m = self.manifest
         changed = m["changed"]
         return {

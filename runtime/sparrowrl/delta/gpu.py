@@ -8,6 +8,7 @@ code, so the delta bytes are identical. Verified on a GPU by hack/gpu-check.sh o
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from sparrowrl.cachedir import under_home
@@ -48,7 +49,8 @@ def extract_tensor(
 
     def dense(s: int, e: int) -> np.ndarray:  # runs on a pool thread: select the device again
         with cupy.cuda.Device(dev):
-            return cupy.asnumpy(zigzag(cupy, a[s:e], b[s:e]))
+            d: np.ndarray = cupy.asnumpy(zigzag(cupy, a[s:e], b[s:e]))
+            return d
 
     n = a.shape[0]
     starts = np.arange(0, n, segment, dtype=np.int64)
@@ -62,9 +64,7 @@ def extract_tensor(
         positions = host_idx[lo:hi] - s
         cls, rank = ranks_on_device(flat[s:e], fld, positions)
         out.append(
-            Changes(
-                start + s, e - s, positions, host_old[lo:hi], host_new[lo:hi], cls, rank, lambda s=s, e=e: dense(s, e)
-            )
+            Changes(start + s, e - s, positions, host_old[lo:hi], host_new[lo:hi], cls, rank, partial(dense, s, e))
         )
     return out
 

@@ -39,14 +39,28 @@ _CACHE = _cache()
 from numba import njit  # noqa: E402  (after NUMBA_CACHE_DIR)
 from numba.core.config import reload_config  # noqa: E402
 
-reload_config()  # numba reads its environment once, at import: this process may have imported it before
+# numba reads its environment once, at import: this process may have imported it before. numba leaves
+# reload_config unannotated.
+reload_config()  # type: ignore[no-untyped-call]
 
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def _changed(a, b, aw, bw, shift, mask, idx, va, vb, cls, rank):
+def _changed(
+    a: np.ndarray,
+    b: np.ndarray,
+    aw: np.ndarray,
+    bw: np.ndarray,
+    shift: int,
+    mask: int,
+    idx: np.ndarray,
+    va: np.ndarray,
+    vb: np.ndarray,
+    cls: np.ndarray,
+    rank: np.ndarray,
+) -> int:
     """Fill idx/va/vb with the changes, cls/rank with each one's class in `a` and its rank
     among the elements of that class before it; -1 if they do not fit (the caller retries
     larger). Classes are counted in one lane per element of a 64-bit word, so that neighbours
@@ -102,7 +116,9 @@ def _changed(a, b, aw, bw, shift, mask, idx, va, vb, cls, rank):
     return k
 
 
-def changed(a: np.ndarray, b: np.ndarray, fld: tuple[int, int]) -> tuple[np.ndarray, ...]:
+def changed(
+    a: np.ndarray, b: np.ndarray, fld: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(positions, old patterns, new patterns, classes, ranks) where two flat unsigned arrays
     differ; a change's class is the field `(old >> shift) & mask` (`context`), its rank its
     place among the elements of its class, counted in the same pass.
@@ -124,7 +140,7 @@ def changed(a: np.ndarray, b: np.ndarray, fld: tuple[int, int]) -> tuple[np.ndar
 
 
 @njit(inline="always")
-def _mix(x):
+def _mix(x: np.uint64) -> np.uint64:
     x ^= x >> np.uint64(30)
     x *= _C1
     x ^= x >> np.uint64(27)
@@ -134,14 +150,14 @@ def _mix(x):
 
 
 @njit(inline="always")
-def _h(salt, width, compact, i, v):
+def _h(salt: np.uint64, width: np.uint64, compact: bool, i: np.uint64, v: np.uint64) -> np.uint64:
     if compact:
         return _mix(salt + (i << width) + v)
     return _mix(_mix(salt + i) ^ v)
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def hash_range(salt, width, compact, start, vals):
+def hash_range(salt: np.uint64, width: int, compact: bool, start: int, vals: np.ndarray) -> np.uint64:
     """Sum of h(start + j, vals[j]) over j, mod 2**64."""
     acc = np.uint64(0)
     w = np.uint64(width)
@@ -152,7 +168,9 @@ def hash_range(salt, width, compact, start, vals):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def hash_change(salt, width, compact, idx, old, new):
+def hash_change(
+    salt: np.uint64, width: int, compact: bool, idx: np.ndarray, old: np.ndarray, new: np.ndarray
+) -> np.uint64:
     """Sum of h(i, new) - h(i, old) over the changed positions, mod 2**64."""
     acc = np.uint64(0)
     w = np.uint64(width)
@@ -164,7 +182,7 @@ def hash_change(salt, width, compact, idx, old, new):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def symbols(idx, old, new, k, width):
+def symbols(idx: np.ndarray, old: np.ndarray, new: np.ndarray, k: int, width: int) -> tuple[np.ndarray, ...]:
     """One pass from changes to the entropy coder's inputs.
 
     Gaps g (idx[0], then idx[j] - idx[j-1] - 1) split as q = g >> k (symbol, escaped at 255) and
@@ -213,7 +231,7 @@ def symbols(idx, old, new, k, width):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def ans_cdf(counts):
+def ans_cdf(counts: np.ndarray) -> np.ndarray:
     """The fixed-point CDF (24-bit) that constriction's `Categorical(counts, perfect=False)`
     quantizes `counts` to: cdf[i] = trunc(sum(counts[:i]) * (2**24 - n) / sum(counts)) + i, so
     that every symbol gets at least 1. Counts are integers, so every float sum here is exact."""
@@ -232,7 +250,7 @@ def ans_cdf(counts):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def ans_encode(sym, cdfs, counts):
+def ans_encode(sym: np.ndarray, cdfs: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The u32 words of constriction's AnsCoder (u64 state, 24-bit precision) after
     `encode_reverse` of each run of symbols over its cdf, last run first, bit for bit as the
     library writes them (tests/test_fuzz.py), without the GIL: `ans_decode` pops run 0 first.
@@ -262,7 +280,7 @@ def ans_encode(sym, cdfs, counts):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def ans_decode(words, cdfs, counts):
+def ans_decode(words: np.ndarray, cdfs: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
     """Symbols popped from constriction's AnsCoder (u32 words, u64 state, 24-bit precision), bit
     for bit as constriction decodes them, without the GIL: counts[j] symbols over cdfs[j], run
     after run. Returns (symbols, status): 0 when the stack ends exactly empty, 1 when it does
@@ -307,7 +325,7 @@ def ans_decode(words, cdfs, counts):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def gather(flat, offset, positions):
+def gather(flat: np.ndarray, offset: int, positions: np.ndarray) -> np.ndarray | None:
     """flat[offset + positions] in one pass, without a temporary index array; None if any index
     falls outside `flat` (the caller's checks make that a bug, never a write out of bounds)."""
     out = np.empty(positions.shape[0], flat.dtype)
@@ -321,7 +339,7 @@ def gather(flat, offset, positions):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def scatter(flat, offset, positions, values):
+def scatter(flat: np.ndarray, offset: int, positions: np.ndarray, values: np.ndarray) -> bool:
     """flat[offset + positions] = values; False, with nothing written, if any index falls outside."""
     n = flat.shape[0]
     for j in range(positions.shape[0]):
@@ -334,7 +352,9 @@ def scatter(flat, offset, positions, values):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def class_locate(base, shift, mask, classes, counts, gaps):
+def class_locate(
+    base: np.ndarray, shift: int, mask: int, classes: np.ndarray, counts: np.ndarray, gaps: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, bool]:
     """Where a context record's changes are, in the base. `gaps` are grouped by class (`classes` strictly increasing,
     `counts[j]` each): how many of the class's elements to pass before each change. Returns the
     positions, sorted; for each, the index of its gap in `gaps` (values coded in class order are
@@ -371,7 +391,7 @@ def class_locate(base, shift, mask, classes, counts, gaps):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def pack_bits(vals, ks):
+def pack_bits(vals: np.ndarray, ks: np.ndarray) -> np.ndarray:
     """The low ks[j] bits of each vals[j], concatenated LSB-first into ceil(sum(ks) / 8) bytes."""
     total = 0
     for j in range(ks.shape[0]):
@@ -394,7 +414,7 @@ def pack_bits(vals, ks):
 
 
 @njit(nogil=True, cache=_CACHE, boundscheck=False)
-def unpack_bits(buf, ks):
+def unpack_bits(buf: np.ndarray, ks: np.ndarray) -> np.ndarray:
     """Inverse of pack_bits; the caller checks len(buf) == ceil(sum(ks) / 8)."""
     n = ks.shape[0]
     out = np.empty(n, np.int64)

@@ -3,7 +3,7 @@ written, not that the writer was honest or correct, so every field is typed and 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
@@ -19,7 +19,10 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Hash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
-Dtype = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+if TYPE_CHECKING:  # a Literal built at run time, which a type checker cannot read: any name to it
+    Dtype = str
+else:
+    Dtype = Literal[tuple(DTYPES)]
 
 
 class _Strict(BaseModel):
@@ -39,7 +42,7 @@ class Header(_Strict):
 
     @model_validator(mode="after")
     def _table(self) -> "Header":
-        seen = set()
+        seen: set[str] = set()
         for name, _, shape in self.tensors:
             if name in seen:  # both would address one receiver tensor, hashed twice: the writer refuses this too
                 raise ValueError(f"tensor {name!r} is listed twice")
@@ -79,7 +82,10 @@ class Manifest(_Strict):
     chunks: Annotated[list[ChunkEntry], Field(max_length=MAX_CHUNKS)]
 
 
-def parse(model: type[_Strict], raw: bytes) -> _Strict:
+M = TypeVar("M", bound=_Strict)
+
+
+def parse(model: type[M], raw: bytes) -> M:
     """Parse and validate; the one error type is ValueError with the first problem named."""
     try:
         return model.model_validate_json(raw)

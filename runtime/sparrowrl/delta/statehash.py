@@ -15,15 +15,14 @@ piece of a delta and every base, checked before a byte is staged.
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from sparrowrl.delta import kernels
-from sparrowrl.delta.bitview import bits, dtype_name
+from sparrowrl.delta.bitview import dtype_name
 
 _BLOCK = 1 << 22
 
@@ -76,21 +75,6 @@ def span_hash(key: TensorKey, start: int, flat_bits: np.ndarray, pool: ThreadPoo
 def tensor_hash(key: TensorKey, flat_bits: np.ndarray, pool: ThreadPoolExecutor | None = None) -> int:
     """Full per-tensor contribution (including its term)."""
     return (key.term + span_hash(key, 0, flat_bits, pool)) % (1 << 64)
-
-
-def state_hash(state: Mapping[str, torch.Tensor]) -> str:
-    """Full recomputation of H over a {name: tensor} state, as 16 hex digits. CUDA tensors are
-    hashed where they are (CuPy), without a copy to the host."""
-    total = 0
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for name, t in state.items():
-            if t.device.type == "cuda":
-                from sparrowrl.delta import gpu
-
-                total += gpu.tensor_hash(tensor_key(name, t), gpu.device_bits(t))
-            else:
-                total += tensor_hash(tensor_key(name, t), bits(t), pool)
-    return format_hash(total)
 
 
 def format_hash(h: int) -> str:

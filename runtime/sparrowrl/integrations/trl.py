@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparrowrl.integrations.vllm_client import MAX_WAIT_S, update_server
-from sparrowrl.sync import Publisher
+from sparrowrl.sync import Origin, Publisher
 
 TOKEN_ENV = "SPARROWRL_TOKEN"
 _SWAP = threading.Lock()  # one trainer at a time rebinds TRL's module global
@@ -56,7 +56,9 @@ def _classes() -> tuple[type, type]:
         """TRL's server-mode generation, with weights synced by a SparrowRL Publisher."""
 
         def __init__(self, *args, sparrowrl: SparrowRLConfig, **kwargs):
-            self.sparrowrl, self.publisher, self.origin, self.started = sparrowrl, None, None, False
+            self.sparrowrl, self.started = sparrowrl, False
+            self.publisher: Publisher | None = None
+            self.origin: Origin | None = None
             self.sync_seconds: list[float] = []  # per sync, from publish to the last server resumed
             super().__init__(*args, **kwargs)
 
@@ -89,6 +91,7 @@ def _classes() -> tuple[type, type]:
             if self._dist.fsdp_version == 2 or self.accelerator.is_main_process:
                 self.publisher = Publisher(model, cfg.store, base_every=cfg.base_every)
             if self.accelerator.is_main_process:
+                assert self.publisher is not None  # made above, on the main process
                 self.origin = self.publisher.serve(os.environ.get(TOKEN_ENV, ""), cfg.host, cfg.port)
             return resumed
 
@@ -103,6 +106,7 @@ def _classes() -> tuple[type, type]:
                     return
             version = self.publisher.publish() if self.publisher is not None else None
             if self.accelerator.is_main_process:
+                assert version is not None  # the main process publishes
                 for url in [self.vllm_client.base_url, *self.sparrowrl.servers]:
                     update_server(url.rstrip("/"), version, self.sparrowrl.wait_s)
                 self.sync_seconds.append(time.perf_counter() - t0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -41,9 +42,11 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 from sparrowrl.auth.signing import KEY_ENV, trust
 from sparrowrl.delta import DeltaError, state_hash
 from sparrowrl.integrations.vllm_client import MAX_WAIT_S
+from sparrowrl.integrations.vllm_cpu import shield_llvmlite
 from sparrowrl.integrations.vllm_layout import Layout, hf_shapes, owners, packed, tied_modules
-from sparrowrl.integrations.vllm_plugin import shield_llvmlite
 from sparrowrl.sync import Staged, Subscriber
+
+log = logging.getLogger(__name__)
 
 shield_llvmlite()  # numba (the codec) is loaded now, before vLLM scans modules again
 
@@ -139,7 +142,7 @@ class _Follower:
         self.loop.call_soon_threadsafe(self.task.cancel)
         self.thread.join(timeout=STOP_S)
         if self.thread.is_alive():
-            print(f"sparrowrl: the fetch thread did not stop within {STOP_S:g} s; left running", flush=True)
+            log.warning(f"sparrowrl: the fetch thread did not stop within {STOP_S:g} s; left running")
 
     async def _follow(self) -> None:
         again = False
@@ -156,7 +159,7 @@ class _Follower:
                         self.failure = f"from {self.sub.server_url}: {type(e).__name__}: {e}"
                         self._refused()
                         self.cond.notify_all()
-                    print(f"sparrowrl: fetch refused or failed {self.failure}", flush=True)
+                    log.warning(f"sparrowrl: fetch refused or failed {self.failure}")
                     await asyncio.sleep(RETRY_S)
 
     async def _fetch(self, again: bool) -> None:
@@ -176,11 +179,11 @@ class _Follower:
             if newest > self.known and (await self.sub.client.plan(newest, self.known))["route"] == "base":
                 await self._room()
                 self._stage(await self.sub.fetch(newest, full=True))
-                print(f"sparrowrl: v{newest} staged whole from {self.sub.server_url}", flush=True)
+                log.info(f"sparrowrl: v{newest} staged whole from {self.sub.server_url}")
         async for v in self.sub.follow(after=self.known):
             await self._room()
             self._stage(await self.sub.fetch(v, full=False))  # cut-through while the trainer still writes it
-            print(f"sparrowrl: v{v} staged from {self.sub.server_url}", flush=True)
+            log.info(f"sparrowrl: v{v} staged from {self.sub.server_url}")
             with self.cond:
                 self._refused()
 
@@ -275,7 +278,7 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         self.urls = _urls(env, ORIGIN_ENV) if env else []
         self.follower = self._follow(self.urls, None) if self.urls else None
         _ACTIVE[:] = [self]
-        print(f"sparrowrl: backend ready, weights hash to {h}, following {self.urls or 'nothing yet'}", flush=True)
+        log.info(f"sparrowrl: backend ready, weights hash to {h}, following {self.urls or 'nothing yet'}")
 
     def _follow(self, urls: list[str], held: int | None) -> _Follower:
         """Keep `state` at the versions `urls` serve (`held`: the version it holds, if known)."""
@@ -303,9 +306,9 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         if self.follower is not None:
             self.follower.stop()
         self.served = (served, self.served[1])  # the version found at start was the old follower's to know
-        self.urls = init_info.origin
+        self.urls = _urls(init_info.origin, "init_info.origin")  # a list by now (__post_init__); typed as given
         self.follower = self._follow(self.urls, held)
-        print(f"sparrowrl: following {self.urls}", flush=True)
+        log.info(f"sparrowrl: following {self.urls}")
 
     def start_weight_update(self) -> None:
         pass  # nothing to prepare: a version is staged before the update asks for it
@@ -346,7 +349,7 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
             self.last_error = f"v{target}: {e}"
             if not self.on_cpu and applied is not None:  # the live weights: a chain that broke midway
                 self.served = (applied, sub.state_hash)  # serves its last good version
-            print(f"sparrowrl: update to v{target} refused: {e}; serving v{self._version()}", flush=True)
+            log.error(f"sparrowrl: update to v{target} refused: {e}; serving v{self._version()}")
             raise
         t2 = time.perf_counter()
         if self.on_cpu:
@@ -355,12 +358,12 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
                     self.vllm_config, self.model, iter(self.state.items()), weights_path=None, is_checkpoint_format=True
                 )
                 for module in tied_modules(self.model, owners(self.model)):  # a reload repacks its owner only
-                    module.quant_method.process_weights_after_loading(module)
+                    getattr(module, "quant_method").process_weights_after_loading(module)  # vLLM's, on its layers
             except Exception as e:  # vLLM's weights may be partly reloaded: which version they are is unknown
                 self._count("failed")
                 self.served = (None, "")
                 self.last_error = f"v{target}: vLLM's reload failed: {type(e).__name__}: {e}"
-                print(f"sparrowrl: {self.last_error}; the served weights are unknown", flush=True)
+                log.error(f"sparrowrl: {self.last_error}; the served weights are unknown")
                 raise
         t3 = time.perf_counter()
         h = state_hash(self._readback())
@@ -369,15 +372,14 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
             self._count("mismatch")
             self.served = (None, h)
             self.last_error = f"v{target}: vLLM's weights hash to {h}, not the version's {sub.state_hash}"
-            print(f"sparrowrl: {self.last_error}", flush=True)
+            log.error(f"sparrowrl: {self.last_error}")
             raise RuntimeError(self.last_error)
         self.served = (target, h)
         SERVED.set(target)
         self._count("ok")
-        print(
+        log.info(
             f"sparrowrl: serving v{target} ({h}): waited and applied {t1 - t0:.2f} s, "
-            f"loaded {t3 - t2:.2f} s, read back and hashed {t4 - t3:.2f} s",
-            flush=True,
+            f"loaded {t3 - t2:.2f} s, read back and hashed {t4 - t3:.2f} s"
         )
 
     def _count(self, result: str) -> None:

@@ -50,7 +50,8 @@ def unpack(module: torch.nn.Module, k: int) -> torch.Tensor:
     """The weight a CPU kernel computes with: linear(I) = Wᵀ, exact in bf16 (one product per
     output, the rest zeros) except for the sign of zero. About one prefill of k tokens: cheap
     for tiny models, minutes for billions of parameters on CPU."""
-    return module.cpu_linear(torch.eye(k, dtype=torch.bfloat16), module.weight, None).t().contiguous()
+    linear = getattr(module, "cpu_linear")  # vLLM's CPU layers' own
+    return linear(torch.eye(k, dtype=torch.bfloat16), module.weight, None).t().contiguous()
 
 
 class Layout:

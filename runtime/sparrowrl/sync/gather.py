@@ -22,14 +22,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from itertools import islice
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from sparrowrl.delta.bitview import bits, dtype_name
-from sparrowrl.delta.encoder import Encoder
-from sparrowrl.delta.statehash import format_hash, span_hash
+from sparrowrl.delta.bitview import dtype_name
+from sparrowrl.delta.device import span_hash
+from sparrowrl.delta.encoder import Encoded, Encoder
+from sparrowrl.delta.statehash import format_hash
 from sparrowrl.delta.tensors import TensorSpec
 from sparrowrl.store.store import Store, Stream
 
@@ -91,7 +94,7 @@ def rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _gather(obj: object, collective: bool = True) -> list | None:
+def _gather(obj: object, collective: bool = True) -> list[Any] | None:
     if not collective or not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -105,12 +108,7 @@ def state_hash(table: list[TensorSpec], shards: Shards, collective: bool = True)
     part = 0
     for t in table:
         first, flat = shards[t.name]
-        if flat.is_cuda:
-            from sparrowrl.delta import gpu
-
-            part += gpu.span_hash(t.key(), first, gpu.device_bits(flat))
-        else:
-            part += span_hash(t.key(), first, bits(flat))
+        part += span_hash(t.key(), first, flat)
     parts = _gather(part, collective)
     return format_hash(sum(parts) + sum(t.key().term for t in table)) if parts is not None else None
 
@@ -118,7 +116,9 @@ def state_hash(table: list[TensorSpec], shards: Shards, collective: bool = True)
 GATHER_ELEMENTS = 1 << 27  # tensors are gathered to rank 0 in groups of about this many elements: fewer calls
 
 
-def publish(store: Store | None, table: list[TensorSpec], old: Shards, new: Shards, cut_through: bool = True) -> dict:
+def publish(
+    store: Store | None, table: list[TensorSpec], old: Shards, new: Shards, cut_through: bool = True
+) -> dict[str, float]:
     """The next version's delta from every rank's shards, into `store` (rank 0's; None on the
     others). Each rank encodes its ranges of every tensor, ahead on its thread pool; rank 0
     gathers a group of tensors' records from all ranks at a time (one collective per group) and
@@ -139,6 +139,7 @@ def publish(store: Store | None, table: list[TensorSpec], old: Shards, new: Shar
                 took["gather_s"] += t2 - t1
                 took["sent_bytes"] += sum(len(e.data) for _, _, es in mine for e in es)
                 if w is not None:
+                    assert parts is not None  # rank 0, which writes, gathers every rank's part
                     for k, tid in enumerate(group):
                         ranks = [p[k] for p in parts]
                         w.add_encoded(
@@ -163,7 +164,9 @@ def _groups(table: list[TensorSpec]) -> Iterator[list[int]]:
         yield group
 
 
-def _records(enc: Encoder, table: list[TensorSpec], old: Shards, new: Shards) -> Iterator[tuple[int, int, list]]:
+def _records(
+    enc: Encoder, table: list[TensorSpec], old: Shards, new: Shards
+) -> Iterator[tuple[int, int, list[Encoded]]]:
     """For each tensor in order: (its first element here, the count, this rank's non-empty
     records), encoded on the pool as far ahead as it allows. A range of n elements makes
     ceil(n / segment) records, empty ones included, on the CPU and the GPU alike."""
@@ -188,7 +191,7 @@ def gathered(weights: Weights, dtype: torch.dtype = torch.bfloat16) -> Iterator[
         yield n, full.detach().to(dtype).cpu()
 
 
-def stream(weights: Weights, write: Callable[[Stream], None] | None, dtype: torch.dtype = torch.bfloat16) -> None:
+def stream(weights: Weights, write: Callable[[Stream], object] | None, dtype: torch.dtype = torch.bfloat16) -> None:
     """All the weights, one gathered tensor at a time, into `write` on rank 0; the other ranks
     (`write` None) only take part in the gathers."""
     tensors = gathered(weights, dtype)
@@ -204,7 +207,7 @@ def snapshot(store: Store | None, version: int, weights: Weights) -> None:
     stream(weights, None if store is None else lambda s: store.snapshot(version, s))
 
 
-def init_store(path, weights: Weights, base_every: int, writer: bool | None = None) -> Store | None:
+def init_store(path: str | Path, weights: Weights, base_every: int, writer: bool | None = None) -> Store | None:
     """A new store whose version 0 is the weights' bf16 policy, written by `writer` (by default
     rank 0; None elsewhere)."""
     writer = rank0() if writer is None else writer

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from sparrowrl.auth.signing import Signer, public_text
 from sparrowrl.transport.http import is_loopback, listen
 from sparrowrl.transport.server import make_app
+
+T = TypeVar("T")
 
 
 class Origin:
@@ -38,7 +42,7 @@ class Origin:
             self.close()
             raise
 
-    def _run(self, coro):
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _start(self, host: str, port: int) -> None:
@@ -58,5 +62,5 @@ class Origin:
     def __enter__(self) -> Origin:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -4,7 +4,7 @@ from the version before, into a store that an `Origin` (or `sparrowrl serve`) se
 The version before is held in memory (this rank's part of it), so a step costs one diff of what
 the trainer holds; the store is never read back. With DTensor weights (FSDP2, sharded on dim 0)
 every rank makes a Publisher and calls `publish` together: each diffs its own shards, and rank 0,
-the store's one writer, gathers the records (shards.py). With plain tensors under DDP, where
+the store's one writer, gathers the records (gather.py). With plain tensors under DDP, where
 every rank holds all of them, make it on rank 0 only.
 """
 
@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from sparrowrl.store.store import Store
-from sparrowrl.sync import shards
+from sparrowrl.sync import gather
+from sparrowrl.sync.gather import Weights
 from sparrowrl.sync.origin import Origin
-from sparrowrl.sync.shards import Weights
 
 T = TypeVar("T")
 
@@ -40,12 +40,12 @@ class Publisher:
         ):
             raise ValueError(f"base_every: {base_every!r}, where 1 to 1,000,000 versions are allowed")
         self.weights, self.cut_through = weights, cut_through
-        self.sharded = shards.sharded(weights)
-        self.table = shards.specs(weights)
+        self.sharded = gather.sharded(weights)
+        self.table = gather.specs(weights)
         if not self.table:
             raise ValueError("the weights hold no tensors")
         if self.sharded:
-            plain = next((n for n, t in shards.named(weights) if not isinstance(t, DTensor)), None)
+            plain = next((n for n, t in gather.named(weights) if not isinstance(t, DTensor)), None)
             if plain is not None:
                 raise ValueError(
                     f"tensor '{plain}' is a plain tensor among DTensors: shard every tensor (each rank would "
@@ -54,34 +54,37 @@ class Publisher:
         self.writer = not self.sharded or dist.get_rank() == 0  # the store's one writer
         path = Path(store)
         if self._agree(not (path / "store.json").exists()):
-            self.store = shards.init_store(path, weights, base_every or 10, self.writer)
-            self.policy = shards.policy(weights)
+            self.store = gather.init_store(path, weights, base_every or 10, self.writer)
+            self.policy = gather.policy(weights)
         else:
             self.store, self.policy = self._resume(path, base_every)
 
-    def _resume(self, path: Path, base_every: int | None) -> tuple[Store | None, shards.Shards]:
+    def _resume(self, path: Path, base_every: int | None) -> tuple[Store | None, gather.Shards]:
         store = Store(path) if self.writer else None
         if self._agree(base_every is not None and store is not None and store.base_every != base_every):
-            raise ValueError(f"base_every: {base_every}, where the store at {path} has {store.base_every}")
+            has = store.base_every if store is not None else "another"  # the other ranks hear rank 0's decision only
+            raise ValueError(f"base_every: {base_every}, where the store at {path} has {has}")
         if store is not None:
             store.drop_partial()  # a delta a killed publisher was writing: written again, as the next version's
-        newest = self._agree(store.newest if store is not None else None)
+        newest = self._agree(store.newest if store is not None else -1)  # rank 0's: the others' -1 is not read
         held = self.weights_hash()
         same = self._agree(store is not None and store.versions[newest].state_hash == held)
         full = None
         if same:
-            policy = shards.policy(self.weights)
+            policy = gather.policy(self.weights)
         else:  # hash-checked on the way: the weights that subscribers hold
             full = store.materialize(newest) if store is not None else None
             if self.sharded:
-                policy = shards.policy_from_rank0(self.weights, full)
+                policy = gather.policy_from_rank0(self.weights, full)
             else:
-                at = {n: t.device for n, t in shards.named(self.weights)}
+                assert full is not None  # unsharded, this process holds the store
+                at = {n: t.device for n, t in gather.named(self.weights)}
                 policy = {n: (0, t.reshape(-1).to(at[n])) for n, t in full.items()}
         if self._agree(store is not None and store.base_due(newest) and not store.versions[newest].base):
             if same:  # stopped before its snapshot: from the weights (collective)
-                shards.snapshot(store, newest, self.weights)
+                gather.snapshot(store, newest, self.weights)
             elif store is not None:  # rank 0 holds it whole
+                assert full is not None  # read from the store above
                 store.snapshot(newest, full)
         return store, policy
 
@@ -96,7 +99,7 @@ class Publisher:
     @property
     def version(self) -> int:
         """The newest version published (on every rank)."""
-        return self._agree(self.store.newest if self.store is not None else None)
+        return self._agree(self.store.newest if self.store is not None else -1)  # rank 0's: the others' -1 is not read
 
     @property
     def state_hash(self) -> str | None:
@@ -106,7 +109,7 @@ class Publisher:
     def weights_hash(self) -> str | None:
         """The state hash of the weights' bf16 cast as they are now (rank 0's; collective where
         they are sharded)."""
-        return shards.state_hash(self.table, shards.policy(self.weights), collective=self.sharded)
+        return gather.state_hash(self.table, gather.policy(self.weights), collective=self.sharded)
 
     def publish(self) -> int:
         """The weights as they are now, as the next version: its delta streams into the store as it
@@ -114,14 +117,15 @@ class Publisher:
         due. Returns the new version (on every rank)."""
         if not self.policy:
             raise RuntimeError("this publisher is closed")
-        new = shards.policy(self.weights)
+        new = gather.policy(self.weights)
         if not self.sharded:  # the whole policy is here: diff it straight into the store's writer
+            assert self.store is not None  # unsharded, this process holds the store
             with self.store.publish(self.table, self.cut_through) as w:
                 w.add((t.name, self.policy[t.name][1].view(t.shape), new[t.name][1].view(t.shape)) for t in self.table)
         else:  # each rank encodes its shards; rank 0 gathers their records and writes them
-            shards.publish(self.store, self.table, self.policy, new, self.cut_through)
+            gather.publish(self.store, self.table, self.policy, new, self.cut_through)
         if self._agree(self.store is not None and self.store.base_due(self.store.newest)):
-            shards.snapshot(self.store, self.store.newest if self.store is not None else 0, self.weights)
+            gather.snapshot(self.store, self.store.newest if self.store is not None else 0, self.weights)
         self.policy = new
         return self.version
 
@@ -138,5 +142,5 @@ class Publisher:
     def __enter__(self) -> Publisher:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -25,6 +25,7 @@ from sparrowrl.auth.signing import trust
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
 from sparrowrl.delta.errors import MismatchError
 from sparrowrl.transport.client import Client
+from sparrowrl.transport.failover import Stats
 from sparrowrl.transport.http import is_loopback
 
 MAX_WAIT_S = 300.0  # one long poll of `follow`
@@ -96,11 +97,11 @@ class Subscriber:
         await self.client.__aenter__()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.client.__aexit__(*exc)
 
     @property
-    def stats(self):
+    def stats(self) -> Stats:
         """Bytes fetched by kind and server, and answers refused by server (transport.failover.Stats)."""
         return self.client.stats
 
@@ -111,7 +112,8 @@ class Subscriber:
 
     async def newest(self) -> int:
         """The newest version the servers hold."""
-        return (await self.client.versions())["newest"]
+        newest: int = (await self.client.versions())["newest"]
+        return newest
 
     async def find(self) -> int | None:
         """Which listed version the tensors hold, by their state hash (a server started from the
@@ -185,6 +187,7 @@ class Subscriber:
         else:
             if staged.version != self.version + 1:
                 raise MismatchError(f"v{staged.version}'s delta applies to v{staged.version - 1}, not v{self.version}")
+            assert staged.delta is not None  # a Staged holds a state or a delta
             h = apply_delta(staged.delta, self.tensors, base_hash=self.state_hash)
         self.version, self.state_hash = staged.version, h
         return h

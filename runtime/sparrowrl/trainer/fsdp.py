@@ -1,5 +1,5 @@
 """A sharded trainer's model: FSDP2 over the trainer's ranks (dim-0 shards, each rank's an element
-range of the full tensors: sync/shards.py), filled from a tiny model, a Hugging Face folder or
+range of the full tensors: sync/gather.py), filled from a tiny model, a Hugging Face folder or
 another sharded model, and the micro-batches each rank makes. `micro_batches` and `build` with
 `from_rank0` are collective: every rank calls them, in the same order.
 """
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from sparrowrl.sync.shards import span
+from sparrowrl.sync.gather import span
 from sparrowrl.trainer import grpo
 
 
@@ -73,11 +73,11 @@ def _params_on_meta() -> Iterator[None]:
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    torch.nn.Module.register_parameter = on_meta
+    setattr(torch.nn.Module, "register_parameter", on_meta)  # setattr: a type checker refuses assigning a method
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = register
+        setattr(torch.nn.Module, "register_parameter", register)
 
 
 def from_rank0(full: torch.nn.Module | None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import tempfile
 import time
@@ -34,6 +35,8 @@ from sparrowrl.transport.failover import FetchError
 from sparrowrl.transport.http import GATE, add_health, auth, listen
 from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.worker.engines import Engine, Prompt, Sampling, make_engine
+
+log = logging.getLogger(__name__)
 
 MAX_MODEL_FILE = 64 << 20  # a config or tokenizer file; weights never travel this way
 UPDATE_WAIT_S = 10.0  # how long a worker waits for a version it was told to reach before it asks again
@@ -133,7 +136,7 @@ class Worker:
         """Stage every new version as soon as the trainer starts writing it."""
         async for v in self.sub.follow(after=self.known):
             self.staged[v] = await self.sub.fetch(v)
-            print(f"{self.name}: v{v} staged from {self.sub.server_url} in {self.staged[v].fetch_s:.2f} s", flush=True)
+            log.info(f"{self.name}: v{v} staged from {self.sub.server_url} in {self.staged[v].fetch_s:.2f} s")
             self.known = v
             self.arrived.set()
 
@@ -197,7 +200,9 @@ class Worker:
         )
         if "eval" in lease:  # held-out prompts (task.eval): scored, never trained
             e = messages.parse(messages.EvalSampling, lease["eval"])
-            sampling = replace(sampling, n=e.samples, **({"top_k": 1, "top_p": 1.0} if e.greedy else {}))
+            sampling = replace(sampling, n=e.samples)
+            if e.greedy:
+                sampling = replace(sampling, top_k=1, top_p=1.0)
         groups = await self._run(
             self.engine.generate, [Prompt(p["ids"], p["seed"]) for p in lease["prompts"]], sampling
         )
@@ -209,10 +214,9 @@ class Worker:
             tokens = sum(len(s["tokens"]) for r in results.values() for s in r["samples"])
             left = tokens / self.pace - (time.perf_counter() - t0)
             if left < 0:
-                print(
+                log.warning(
                     f"{self.name}: pace missed: {tokens} tokens took {time.perf_counter() - t0:.2f} s, the pace "
-                    f"allows {tokens / self.pace:.2f} s",
-                    flush=True,
+                    f"allows {tokens / self.pace:.2f} s"
                 )
             await asyncio.sleep(left)
         await self.control.post_json(
@@ -294,7 +298,7 @@ async def main(
                     job["max_model_len"],
                     job["tensor_parallel_size"],
                 )
-                print(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+                log.info(f"{name}: {job['engine']} engine ready in {time.perf_counter() - t0:.1f} s")
                 async with Subscriber(
                     [u for u in (relay, trainer) if u],
                     built.tensors(),

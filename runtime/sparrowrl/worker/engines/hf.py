@@ -7,7 +7,7 @@ from functools import cached_property
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
-from sparrowrl.worker.engines import Prompt, Sample, Sampling
+from sparrowrl.worker.engines.base import Prompt, Sample, Sampling
 
 
 class HFEngine:

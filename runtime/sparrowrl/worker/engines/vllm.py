@@ -45,9 +45,9 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
+from sparrowrl.integrations.vllm_cpu import cpu_workarounds, shield_llvmlite  # noqa: E402
 from sparrowrl.integrations.vllm_layout import Layout, owners, packed, tied_modules  # noqa: E402
-from sparrowrl.integrations.vllm_plugin import cpu_workarounds, shield_llvmlite  # noqa: E402
-from sparrowrl.worker.engines import Prompt, Sample, Sampling  # noqa: E402
+from sparrowrl.worker.engines.base import Prompt, Sample, Sampling  # noqa: E402
 
 DEFAULT_MAX_MODEL_LEN = 2048  # CPU KV space is 1 GiB
 
@@ -120,7 +120,7 @@ class VLLMEngine:
         elif self.on_cpu:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(self.state.items())})
             for module in self.tied:  # reload repacks a weight for its owner only
-                module.quant_method.process_weights_after_loading(module)
+                getattr(module, "quant_method").process_weights_after_loading(module)  # vLLM's, on its layers
         if not self.llm.reset_prefix_cache():  # KV computed with the old weights must not be reused
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
@@ -183,13 +183,13 @@ def _at_temperature(model: torch.nn.Module, temperature: float = 1.0) -> None:
     """On each rank: `compute_logits` divides the logits by `temperature` in float32, as vLLM's
     sampler does (a tensor, not a scalar: the same division, bit for bit)."""
     if not hasattr(model, "sparrowrl_temperature"):
-        plain = model.compute_logits
+        plain = getattr(model, "compute_logits")  # vLLM's models' own (getattr, setattr: not a Module's)
 
         def compute_logits(hidden_states: torch.Tensor) -> torch.Tensor | None:
             logits = plain(hidden_states)
             return None if logits is None else logits.to(torch.float32).div_(model.sparrowrl_temperature)
 
-        model.compute_logits = compute_logits
+        setattr(model, "compute_logits", compute_logits)
     device = next(model.parameters()).device
     model.sparrowrl_temperature = torch.tensor([[temperature]], dtype=torch.float32, device=device)
 
