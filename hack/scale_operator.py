@@ -325,7 +325,7 @@ def operator_scale(n_jobs: int, window: float, tmp: Path) -> dict:
 def status_size(workers: int) -> dict:
     """The custom resource's status for a trainer reporting `workers` workers, a few of them bad
     (their names sort last, so a list by name would miss them), from the pure `reconcile`."""
-    from sparrowrl.spec.status import JobStatus, WorkerStatus
+    from sparrowrl.spec.status import TrainerStatus, WorkerStatus
     from sparrowrl_operator.builders import stored
     from sparrowrl_operator.model import MAX_LISTED
     from sparrowrl_operator.reconcile import Observed, reconcile
@@ -341,7 +341,7 @@ def status_size(workers: int) -> dict:
     pods: dict[str, dict] = {}
     objects: dict = {}
 
-    def step(seconds: float, trainer: JobStatus | None = None) -> tuple[dict, float]:
+    def step(seconds: float, trainer: TrainerStatus | None = None) -> tuple[dict, float]:
         obs = Observed(
             now=t0 + datetime.timedelta(seconds=seconds),
             token="tok",
@@ -374,7 +374,7 @@ def status_size(workers: int) -> dict:
     assert len(names) == workers, (len(names), workers)
     bad = names[-40:]  # sort last by name
     mismatched, stale, behind, refusing = bad[:5], bad[5:15], bad[15:30], bad[30:40]
-    trainer = JobStatus(
+    trainer = TrainerStatus(
         phase="Running",
         step=50,
         steps=60,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.jobs import job
 
 pytestmark = pytest.mark.e2e
 
@@ -33,12 +34,11 @@ def test_the_base_install_has_the_job_spec_and_status_without_torch(base):
         f"\n{m} " in listed for m in ("torch", "numpy", "aiohttp", "numba", "datasets", "pyarrow")
     )
     code = (
-        "import sys; from sparrowrl.spec.job import parse; from sparrowrl.spec.status import JobStatus; "
+        "import sys; from sparrowrl.spec.job import parse; from sparrowrl.spec.status import TrainerStatus; "
         "import sparrowrl.cli.main; "
         "from sparrowrl.spec.layout import processes; "
-        "j = parse({'apiVersion': 'sparrowrl.dev/v1alpha1', 'kind': 'SparrowRLJob', 'metadata': {'name': 'x'}, "
-        "'spec': {'model': {'tiny': {}}, 'task': {'builtin': 'add'}}}); "
-        "JobStatus(phase='Pending', step=0, steps=j.spec.steps, version=0); "
+        f"j = parse({job('x')!r}); "
+        "TrainerStatus(phase='Pending', step=0, steps=j.spec.steps, version=0); "
         "assert [r.kind for r in processes(j.spec, lambda n, r: n)][0] == 'trainer'; "
         "print(sorted(m for m in ('torch', 'numpy', 'aiohttp') if m in sys.modules))"
     )

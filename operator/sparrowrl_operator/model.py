@@ -101,7 +101,7 @@ class WorkerCounts(_Model):
 
 
 class Progress(_Model):
-    """Copied from the trainer's JobStatus."""
+    """Copied from the trainer's /v1/status (TrainerStatus)."""
 
     step: Count = 0
     steps: Count = 0

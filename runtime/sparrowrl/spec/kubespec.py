@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
+
+from sparrowrl.spec.section import Section
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 QUANTITY = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|([eE][-+]?[0-9]+))?$"
@@ -22,12 +23,6 @@ LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 MAX_TEMPLATE_BYTES = 64 << 10
 DAY = 86_400
 MAX_COST_PER_HOUR = 100_000.0  # dollars per pod-hour: far above any accelerator's price
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, allow_inf_nan=False
-    )
 
 
 Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]
@@ -42,14 +37,14 @@ LabelMap = Annotated[
 ]
 
 
-class Resources(_Spec):
+class Resources(Section):
     """A container's requests and limits, as in a Pod (`nvidia.com/gpu: 1` asks for a GPU)."""
 
     requests: Annotated[dict[ResourceName, Quantity], Field(max_length=32)] = {}
     limits: Annotated[dict[ResourceName, Quantity], Field(max_length=32)] = {}
 
 
-class Toleration(_Spec):
+class Toleration(Section):
     key: Annotated[str, Field(max_length=317)] | None = None
     operator: Literal["Exists", "Equal"] | None = None
     value: Annotated[str, Field(max_length=63)] | None = None
@@ -57,13 +52,13 @@ class Toleration(_Spec):
     toleration_seconds: int | None = Field(None, ge=0, le=365 * DAY)
 
 
-class Scheduling(_Spec):
+class Scheduling(Section):
     resources: Resources = Resources()
     node_selector: LabelMap = {}
     tolerations: Annotated[list[Toleration], Field(max_length=32)] = []
 
 
-class RetentionPolicy(_Spec):
+class RetentionPolicy(Section):
     """What becomes of the state's claim when the job goes, as a StatefulSet's
     persistentVolumeClaimRetentionPolicy: the trained model is on it."""
 
@@ -76,7 +71,7 @@ class RetentionPolicy(_Spec):
     )
 
 
-class StateVolume(_Spec):
+class StateVolume(Section):
     """The trainer's PersistentVolumeClaim: its checkpoints, store and journal, so a restarted
     trainer resumes instead of starting over; its final model and exports."""
 
@@ -88,7 +83,7 @@ class StateVolume(_Spec):
     retention_policy: RetentionPolicy = RetentionPolicy()
 
 
-class TrainerService(_Spec):
+class TrainerService(Section):
     """How workers reach the trainer. Inside its own cluster, a ClusterIP Service; workers in a
     member cluster need an address from outside: a LoadBalancer's or a NodePort's, which the
     operator reads back, or `url` (an ingress, a VPN address)."""
@@ -101,7 +96,7 @@ class TrainerService(_Spec):
     ] = {}
 
 
-class CheckpointSpec(_Spec):
+class CheckpointSpec(Section):
     every: int = Field(
         1,
         ge=1,
@@ -168,14 +163,15 @@ def _template(patch: dict[str, Any], container: str) -> dict[str, Any]:
     return patch
 
 
-def template_patch(container: str) -> Any:
-    """The type of a pod template patch for pods whose container is named `container`."""
-    return Annotated[dict[str, Any], AfterValidator(lambda patch: _template(patch, container))]
+def _patch_of(container: str) -> AfterValidator:
+    """The check of a pod template patch for pods whose container is named `container`."""
+    return AfterValidator(lambda patch: _template(patch, container))
 
 
-WorkerTemplate = template_patch("worker")
-RelayTemplate = template_patch("relay")
-TrainerTemplate = template_patch("trainer")
+# the types of those patches, spelt out: a type checker reads an alias, not a function's result
+WorkerTemplate = Annotated[dict[str, Any], _patch_of("worker")]
+RelayTemplate = Annotated[dict[str, Any], _patch_of("relay")]
+TrainerTemplate = Annotated[dict[str, Any], _patch_of("trainer")]
 
 
 class TrainerSpec(Scheduling):
@@ -217,7 +213,7 @@ class TrainerSpec(Scheduling):
     )
 
 
-class Placement(_Spec):
+class Placement(Section):
     """One region of rollout workers (and its relay) in one cluster: a `SparrowCluster`, or the
     operator's own cluster when `cluster` is absent."""
 
@@ -271,7 +267,7 @@ class RelaySpec(Scheduling):
     )
 
 
-class RunPolicy(_Spec):
+class RunPolicy(Section):
     """As a Kubernetes Job's: suspend, deadlines, retries, clean-up."""
 
     suspend: bool = False
@@ -298,7 +294,7 @@ class RunPolicy(_Spec):
     ttl_seconds_after_finished: int | None = Field(None, ge=0, le=365 * DAY)
 
 
-class Health(_Spec):
+class Health(Section):
     stale_after_seconds: int = Field(
         300, ge=10, le=DAY, description=("A worker the trainer has not heard from for this long is stale.")
     )

@@ -7,6 +7,7 @@ import os
 import resource
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from pydantic import ValidationError
 
@@ -67,7 +68,7 @@ def memory_available() -> int:
     return min(x for x in (available, _cgroup_room(), _address_space_room()) if x is not None)
 
 
-def open_regular(path: str | Path, what: str):
+def open_regular(path: str | Path, what: str) -> BinaryIO:
     """`path` opened for reading, or ValueError if it is not a regular file: the open itself
     does not block on a FIFO, and a device or a FIFO would otherwise be read forever."""
     try:

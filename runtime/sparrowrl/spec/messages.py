@@ -4,7 +4,7 @@ the job a worker reads from the trainer (`Job`), bounded the same way."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
@@ -108,7 +108,10 @@ class LeaseOf(BaseModel):
     worker: Name
 
 
-def parse(model: type[Body], body: object) -> Body:
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: object) -> M:
     """The body as `model`, or ValueError naming the first bad field."""
     try:
         return model.model_validate(body)

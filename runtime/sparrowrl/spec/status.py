@@ -30,7 +30,7 @@ class WorkerStatus(_Status):
     refused_samples: Count = 0  # its samples not trained: their log-probs were further from the trainer's than allowed
 
 
-class JobStatus(_Status):
+class TrainerStatus(_Status):
     phase: Literal["Pending", "Running", "Succeeded"]  # Pending: until the workers have called in
     step: Count
     steps: Count
@@ -64,7 +64,7 @@ class JobStatus(_Status):
     stale_workers: Annotated[list[str], Field(max_length=4096)] = []
 
 
-def table(s: JobStatus, url: str) -> Table:
+def table(s: TrainerStatus, url: str) -> Table:
     """`sparrowrl status`: the job, then one row per worker."""
 
     def num(x: float | None, fmt: str) -> str:

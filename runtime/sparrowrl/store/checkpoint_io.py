@@ -48,7 +48,7 @@ class Checkpoint:
                 else f"{self.path}: not a regular file or a folder"
             )
         self._stack = ExitStack()
-        self.where: dict[str, object] = {}
+        self.where: dict[str, safe_open] = {}
         self.shard_of: dict[str, str] = {}
         self.metadata: dict[str, dict[str, str]] = {}
         self.specs: list[TensorSpec] = []
@@ -183,11 +183,13 @@ def tensors_in(buf) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"header of {n:,} bytes in a file of {len(buf):,}")
     try:
         header = json.loads(bytes(buf[8 : 8 + n]))
-    except ValueError as e:
-        raise CheckpointError(f"header is not JSON ({e})") from None
+    except ValueError as bad:
+        raise CheckpointError(f"header is not JSON ({bad})") from None
     if not isinstance(header, dict):
         raise CheckpointError("header is not a JSON object")
-    state, start, ends = {}, 8 + n, []
+    state: dict[str, torch.Tensor] = {}
+    ends: list[tuple[int, int]] = []
+    start = 8 + n
     for name, t in header.items():
         if name == "__metadata__":
             continue
@@ -230,9 +232,9 @@ def save_stream(
     file appears only once whole (`atomic_path`) and `verify` has not raised, so a failure (a
     tensor that does not match its spec, a wrong hash) leaves none."""
     header, at = {}, 0
-    for t in specs:
-        n = t.numel * itemsize(t.dtype)
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + n]}
+    for s in specs:
+        n = s.numel * itemsize(s.dtype)
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [at, at + n]}
         at += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -20,12 +20,11 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -34,15 +33,10 @@ from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import DeltaError
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
 from sparrowrl.delta.tensors import TensorSpec
+from sparrowrl.store.changes import Telling, tell
 from sparrowrl.store.checkpoint_io import Checkpoint, CheckpointError, atomic_path, save_stream
+from sparrowrl.store.index import FORMAT, MAX_BASE_EVERY, Version, check_index, part_bytes
 
-FORMAT = 1
-BASE_PART = 8 << 20  # bases are verified (and fetched, and resumed) in parts of this size at most
-MIN_BASE_PART = 64 << 10
-BASE_PARTS = 64  # a base smaller than this many parts of BASE_PART is cut finer: every stream gets work
-MAX_BASE_EVERY = 1_000_000
-_HEX16, _HEX64 = re.compile(r"[0-9a-f]{16}"), re.compile(r"[0-9a-f]{64}")
-_SIG = re.compile(r"([A-Za-z0-9_-]{86})?")
 _FILE = re.compile(r"v[0-9]{8}[-.]")  # a delta's or a base's name
 
 
@@ -63,24 +57,6 @@ State = Mapping[str, torch.Tensor] | Stream
 
 
 @dataclass
-class Version:
-    version: int
-    state_hash: str
-    delta: str | None = None  # file name under deltas/
-    delta_sha256: str | None = None
-    delta_bytes: int = 0
-    base: str | None = None  # file name under bases/
-    base_bytes: int = 0
-    base_parts: list[str] = field(default_factory=list)  # sha256 of each base_part_bytes piece
-    base_part_bytes: int = BASE_PART  # a power of two, MIN_BASE_PART..BASE_PART (`part_bytes`)
-    changed: int = 0
-    # the trainer's signatures, as a relay's mirror got them (the trainer signs as it serves)
-    base_sig: str = ""
-    delta_sigs: list[str] = field(default_factory=list)  # one per piece of the delta file, in file order
-    delta_table_sig: str = ""  # of all its pieces at once
-
-
-@dataclass
 class Route:
     """How to reach `target` from `have` (None: from nothing)."""
 
@@ -90,32 +66,6 @@ class Route:
     base: int | None
     deltas: list[int] = field(default_factory=list)
     bytes: int = 0
-
-
-_listeners: dict[Path, list[Callable[[], None]]] = {}  # store folder → who this process tells of its changes
-
-
-def listen(path: str | Path, tell: Callable[[], None]) -> Callable[[], None]:
-    """Call `tell()` after every change that a `Store` of this process makes to the store at
-    `path` (its index, a delta growing): how a server in the writer's own process learns of a
-    new version without polling. `tell` may be called from any thread. Returns the undo."""
-    key = Path(path).resolve()
-    _listeners.setdefault(key, []).append(tell)
-    return lambda: _listeners[key].remove(tell)
-
-
-class _Telling:
-    """A delta file being written: each flush (a whole chunk, the tail) is a change to tell of."""
-
-    def __init__(self, f: BinaryIO, tell: Callable[[], None]):
-        self.f, self.tell = f, tell
-
-    def write(self, data: bytes) -> int:
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-        self.tell()
 
 
 class Store:
@@ -134,7 +84,7 @@ class Store:
                 raise StoreError(f"{index}: unsupported store format {raw.get('format')}")
             self.base_every = raw["base_every"]
             self.versions = {v["version"]: Version(**v) for v in raw["versions"]}
-            _check_index(self.base_every, self.versions, len(raw["versions"]))
+            check_index(self.base_every, self.versions, len(raw["versions"]))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise StoreError(f"{index}: damaged index ({e})") from None
 
@@ -208,7 +158,7 @@ class Store:
                     raise StoreError(f"v{v.version}: delta {v.delta} is not in the store")
                 self.versions[v.version] = v
             try:
-                _check_index(self.base_every, self.versions, len(self.versions))
+                check_index(self.base_every, self.versions, len(self.versions))
             except ValueError as e:
                 self._load()  # the index on disk is untouched
                 raise StoreError(f"refused index entry: {e}") from None
@@ -219,8 +169,7 @@ class Store:
         self._tell()
 
     def _tell(self) -> None:
-        for tell in list(_listeners.get(self.path.resolve(), ())):
-            tell()
+        tell(self.path)
 
     @staticmethod
     def _write_index(path: Path, base_every: int, versions: dict[int, Version]) -> None:
@@ -263,6 +212,8 @@ class Store:
         version always has one, also after pruning)."""
         oldest = self.versions[min(self.versions)]
         try:
+            if oldest.base is None:  # caught below, as a base that cannot be read
+                raise TypeError("it has no base snapshot")
             with Checkpoint(self.path / "bases" / oldest.base) as ck:
                 return {t.name: t for t in ck.specs}
         except (CheckpointError, TypeError) as e:
@@ -310,7 +261,7 @@ class Store:
         try:
             with open(tmp_path, "wb") as f:
                 w = DeltaWriter(
-                    _Telling(f, self._tell) if cut_through else f,
+                    Telling(f, self._tell) if cut_through else f,
                     tensors,
                     base_version=prev.version,
                     base_hash=prev.state_hash,
@@ -339,6 +290,8 @@ class Store:
     # ---- reading ----
     def delta(self, version: int) -> DeltaFile:
         v = self.versions[version]
+        if v.delta is None:
+            raise StoreError(f"version {version} has no delta")
         try:
             data = (self.path / "deltas" / v.delta).read_bytes()
         except OSError as e:
@@ -376,14 +329,18 @@ class Store:
         """Version `target` in memory, every step hash-checked; the base is verified in full."""
         p = self.plan(have[0] if have else None, target)
         if p.route == "none":
+            assert have is not None  # the route from a version to itself
             return have[1]
         if p.route == "base":
-            with Checkpoint(self.path / "bases" / self.versions[p.base].base) as ck:
+            base = self.versions[p.base].base if p.base is not None else None
+            assert p.base is not None and base is not None  # a base route names a version with a base (plan)
+            with Checkpoint(self.path / "bases" / base) as ck:
                 state = ck.load()
             h = state_hash(state)
             if h != self.versions[p.base].state_hash:
                 raise StoreError(f"base v{p.base} hashes to {h}, index says {self.versions[p.base].state_hash}")
         else:
+            assert have is not None  # a chain starts at what the caller holds (plan)
             state, h = have[1], have[2]
         for d in p.deltas:
             try:
@@ -452,57 +409,6 @@ def _same_tensors(have: dict[str, TensorSpec], new: dict[str, TensorSpec], v: in
             raise StoreError(
                 f"tensor '{name}' is {b.dtype}{list(b.shape)} in the new version, {a.dtype}{list(a.shape)} in v{v}"
             )
-
-
-def _check_index(base_every: object, versions: dict, listed: int) -> None:
-    """An index is read as untrusted: every file it names must lie inside the store, under the
-    name the store gives it, and every number must be in range (ValueError names the entry)."""
-    if type(base_every) is not int or not 1 <= base_every <= MAX_BASE_EVERY:
-        raise ValueError(f"base_every {base_every!r} is not 1..{MAX_BASE_EVERY:,}")
-    if not versions or len(versions) != listed:
-        raise ValueError("no versions" if not versions else "a version is listed twice")
-    for k, v in versions.items():
-        where = f"version {k!r}"
-        if type(k) is not int or not 0 <= k < 10**8:
-            raise ValueError(f"{where}: not a version number (0..99999999)")
-        if not isinstance(v.state_hash, str) or not _HEX16.fullmatch(v.state_hash):
-            raise ValueError(f"{where}: state_hash {v.state_hash!r} is not 16 hex digits")
-        for n in ("delta_bytes", "base_bytes", "changed"):
-            if type(getattr(v, n)) is not int or not 0 <= getattr(v, n) < 1 << 62:
-                raise ValueError(f"{where}: {n} {getattr(v, n)!r} is not a count")
-        if v.delta is not None and (
-            not isinstance(v.delta_sha256, str)
-            or not _HEX64.fullmatch(v.delta_sha256)
-            or v.delta != f"v{k:08d}-{v.delta_sha256[:16]}.spd"
-        ):
-            raise ValueError(f"{where}: delta {v.delta!r} is not the store's name for its content hash")
-        if v.base is not None and (
-            v.base != f"v{k:08d}.safetensors"
-            or not isinstance(v.base_parts, list)
-            or not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in v.base_parts)
-            or not _part_size(v.base_part_bytes)
-            or len(v.base_parts) != -(-v.base_bytes // v.base_part_bytes)
-        ):
-            raise ValueError(f"{where}: base {v.base!r} is not the store's name, or its parts do not fit its size")
-        if not (
-            isinstance(v.base_sig, str)
-            and _SIG.fullmatch(v.base_sig)
-            and isinstance(v.delta_sigs, list)
-            and isinstance(v.delta_table_sig, str)
-            and _SIG.fullmatch(v.delta_table_sig)
-            and all(isinstance(x, str) and _SIG.fullmatch(x) for x in v.delta_sigs)
-        ):
-            raise ValueError(f"{where}: a signature is not base64url of 64 bytes")
-
-
-def part_bytes(size: int) -> int:
-    """The part size of a base of `size` bytes: BASE_PART, or for a base of fewer than BASE_PARTS
-    such parts, the power of two that cuts it into about BASE_PARTS (MIN_BASE_PART at least)."""
-    return max(MIN_BASE_PART, min(BASE_PART, 1 << max(0, -(-size // BASE_PARTS) - 1).bit_length()))
-
-
-def _part_size(n: object) -> bool:
-    return type(n) is int and MIN_BASE_PART <= n <= BASE_PART and n & (n - 1) == 0
 
 
 def _sha256_file(path: Path) -> str:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Literal, cast, overload
 
 import torch
 
-from sparrowrl.spec.job import GrpoSpec
+from sparrowrl.spec.grpo import GrpoSpec
 
 Row = tuple[list[int], list[int], list[float]]  # prompt ids, completion ids, the completion's behaviour log-probs
 
@@ -100,6 +101,26 @@ def row_weight(length: int, samples: int, tokens: int, how: str, max_new_tokens:
     return 1.0 / max(per, 1)
 
 
+@overload
+def token_logprobs(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    n_prompt: int,
+    temperature: float,
+    positions: torch.Tensor | None = None,
+    entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+@overload
+def token_logprobs(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    n_prompt: int,
+    temperature: float,
+    positions: torch.Tensor | None,
+    entropy: Literal[True] | None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 def token_logprobs(
     model: torch.nn.Module,
     ids: torch.Tensor,
@@ -317,7 +338,7 @@ def proximal(
                 logp = token_logprobs(model, ids, attention, max(len(p) for p, _, _ in part), temperature, positions)
             for j, i in enumerate(idx):
                 out[i] = logp[j, : len(rows[i][1])].float()
-    return out
+    return cast(list[torch.Tensor], out)  # batches hold every row
 
 
 def accumulate(
@@ -342,7 +363,7 @@ def accumulate(
     (`proximal`); None: this pass's own, detached. Returns the summed loss (detached) and the
     stats of every row, in the order of `rows`."""
     losses, stats = [], Stats()
-    per_row: list[tuple | None] = [None] * len(rows)
+    per_row: list[tuple[int, float, float, bool] | None] = [None] * len(rows)
     obj = objective
     for idx in batches:
         part = [rows[i] for i in idx or [0]]
@@ -371,5 +392,5 @@ def accumulate(
             stats.add(st)
             for j, i in enumerate(idx):
                 per_row[i] = rows_st[j]
-    stats.rows = per_row
-    return sum(losses), stats
+    stats.rows = cast(list[tuple[int, float, float, bool]], per_row)  # batches hold every row
+    return cast(torch.Tensor, sum(losses)), stats  # a micro-batch at least (an empty one is a pass)

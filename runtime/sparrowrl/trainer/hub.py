@@ -8,24 +8,27 @@
 
 A download counts only once its `.commit` is written (a kill mid-download goes on where it
 stopped); a trainer started again on the state dir then asks the hub nothing. Everything that
-reads the model or the data (models.load, shard.from_files, tasks.dataset) reads these folders,
+reads the model or the data (models.load, fsdp.from_files, tasks.dataset) reads these folders,
 by `localize`. huggingface_hub reads the token from HF_TOKEN itself; nothing here writes it
 anywhere. HF_ENDPOINT (another hub, a mirror) is read at each call.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 if TYPE_CHECKING:
     from sparrowrl.spec.job import JobSpec
+
+log = logging.getLogger(__name__)
 
 # what a model needs, at the repo's top level: weights as safetensors only (never pickles: *.bin,
 # *.pt), the config and tokenizer files, a chat template; not other formats or other folders
@@ -86,7 +89,7 @@ def fetched(src: Source, state_dir: Path) -> bool:
 def localize(spec: JobSpec, state_dir: Path) -> JobSpec:
     """`spec` with the downloads' folders as model.path and task.dataset.path, as everything
     that loads a model or a data set reads them. HubError: one is not downloaded (`fetch`)."""
-    updates = {}
+    updates: dict[str, Any] = {}  # a ModelSpec, a TaskSpec
     for src in sources(spec):
         if not fetched(src, state_dir):
             raise HubError(f"{src.field}: {src.repo} is not downloaded into {state_dir / 'hub'}")
@@ -95,7 +98,7 @@ def localize(spec: JobSpec, state_dir: Path) -> JobSpec:
             updates["model"] = spec.model.model_copy(update={"path": folder, "hub": None})
         else:
             task = updates.get("task", spec.task)
-            fields = {}
+            fields: dict[str, Any] = {}
             if task.dataset and dataset_repo(task.dataset.path) == src.repo:
                 fields["dataset"] = task.dataset.model_copy(update={"path": folder})
             ev = task.eval
@@ -164,7 +167,7 @@ def fetch(spec: JobSpec, state_dir: Path) -> None:
         repo_info = info(src)
         files = _files(src, repo_info)
         folder = src.folder(state_dir)
-        print(f"trainer: downloading {src.kind} {src.repo} at {src.revision} ({len(files)} files)", flush=True)
+        log.info(f"trainer: downloading {src.kind} {src.repo} at {src.revision} ({len(files)} files)")
         with _errors(src):
             snapshot_download(
                 src.repo,

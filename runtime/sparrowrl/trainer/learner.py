@@ -6,7 +6,7 @@ With `trainer.ranks` N > 1 the model is sharded with FSDP2 over N processes (ran
 the trainer's process: it leads, and ranks 1..N-1 run `follow`, which makes the same calls (and
 so the same collectives) as rank 0 makes, in the same order. Each rank trains on its share of a
 batch's groups, checkpoints its shards, and diffs and encodes its own part of the policy
-(sync/shards.py); rank 0 alone holds the store.
+(sync/gather.py); rank 0 alone holds the store.
 
 One rank trains where `trainer.device` says: on a GPU, in bf16 under autocast with fp32 master
 weights and AdamW state (what FSDP2's MixedPrecisionPolicy gives the sharded ranks); on the CPU,
@@ -17,53 +17,31 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
+import logging
 import math
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from sparrowrl.rollout import evals
 from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
-from sparrowrl.sync import Publisher, shards
-from sparrowrl.trainer import grpo, hub, lr, models, ranks, resume, rewards, shard, tasks
-
-
-def device(choice: str, world: int = 1) -> torch.device:
-    """Where the trainer's rank trains, for `trainer.device` (auto, cpu or cuda); a choice this
-    machine cannot meet is a ValueError naming the field, before anything is written. Sharded
-    ranks take the GPUs whenever there are (shard.device)."""
-    cuda = torch.cuda.is_available()
-    if choice == "cuda" and not cuda:
-        raise ValueError(f"trainer.device: cuda, but torch {torch.__version__} sees no CUDA device")
-    if world > 1:
-        if choice == "cpu" and cuda:
-            raise ValueError(
-                f"trainer.device: cpu with trainer.ranks {world} on a machine with GPUs: sharded ranks take a GPU "
-                f"each (train on the CPU with ranks: 1)"
-            )
-        at = shard.device()
-    else:
-        at = torch.device("cuda", torch.cuda.current_device()) if choice != "cpu" and cuda else torch.device("cpu")
-    if at.type == "cuda" and importlib.util.find_spec("cupy") is None:
-        raise ValueError(
-            f"trainer.device: {choice} trains on the GPU, whose policy is diffed there with CuPy, which is not "
-            f"installed: install sparrowrl[gpu], or set trainer.device: cpu"
-        )
-    return at
-
+from sparrowrl.sync import Publisher, gather
+from sparrowrl.trainer import fsdp, grpo, hub, lr, models, ranks, resume, rewards, step_metrics, tasks
+from sparrowrl.trainer.device import device
+from sparrowrl.trainer.scoring import Scoring
 
 T = TypeVar("T")
 SKIPPED = ("nothing_to_train", "all_refused", "nonfinite")  # why a step changed no weight
 
+log = logging.getLogger(__name__)
 
-class Learner:
+
+class Learner(Scoring):
     """The model, its optimizer and the store. Started on a state dir that holds a checkpoint, it
     goes on from there (see resume.py): `version` is how many steps its weights have taken, the
     version they publish as (the store may be ahead after a restart: `trainer.Trainer` trains
@@ -81,16 +59,17 @@ class Learner:
                 resume.ShardedCheckpoints(state_dir / "trainer", 0).clear_partial()  # before any rank writes
                 self.ranks = ranks.start(self.world, follow, spec, state_dir, self.restarts)
         else:
+            assert restarts is not None  # rank 0's count, handed to the others (ranks.start)
             self.restarts = restarts
         if self.world > 1:
-            self.device = shard.device()  # this rank's GPU, now that it has joined
+            self.device = fsdp.device()  # this rank's GPU, now that it has joined
         torch.manual_seed(spec.seed)
         local = hub.localize(spec, state_dir)  # what came from the hub, read from the state dir
         self.tok = models.tokenizer(local)
         self.prompts = models.Prompts.for_job(local, self.tok)
         self.task, reward = tasks.for_job(local, self.prompts)
         if rank == 0 and self.task.skipped:
-            print(f"trainer: task: {self.task.skipped}", flush=True)
+            log.warning(f"trainer: task: {self.task.skipped}")
         self.held_out = tasks.held_out(local, self.prompts, self.task) if rank == 0 else []  # task.eval
         keep = spec.trainer.checkpoint.keep
         self.saved = (
@@ -102,7 +81,7 @@ class Learner:
         self.model, self.ref = self._models(local, warm=newest is None)
         g = spec.grpo
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
-        self.table = shards.specs(self.model)
+        self.table = gather.specs(self.model)
         if newest is None:
             if self.ref is not None:
                 self.saved.save_ref(self.ref)
@@ -135,32 +114,34 @@ class Learner:
 
     def _models(self, spec: JobSpec, warm: bool):
         """(policy model, frozen reference or None). One rank: the model as loaded. N
-        ranks: each rank allocates only its shards (shard.build), filled from rank 0's tiny model
+        ranks: each rank allocates only its shards (fsdp.build), filled from rank 0's tiny model
         or from its rows of the checkpoint's files. `spec`: the job, its hub model a local folder."""
         if spec.model.tiny:
             tok = self.tok
             t = spec.model.tiny
-            full = None
+            full: torch.nn.Module | None = None
             if self.rank == 0:
                 full = models.tiny_qwen3(len(tok), t.hidden, t.layers, t.heads, spec.seed)
                 if warm and t.warmup_steps:
                     models.warm_up(full, self.prompts, self.task, t.warmup_steps)
             model = (
                 full.to(self.device)
-                if self.world == 1
-                else shard.build(models.tiny_config(len(tok), t.hidden, t.layers, t.heads), shard.from_rank0(full))
+                if self.world == 1 and full is not None  # one rank: rank 0, which made it
+                else fsdp.build(models.tiny_config(len(tok), t.hidden, t.layers, t.heads), fsdp.from_rank0(full))
             )
         else:
+            path = spec.model.path
+            assert path is not None  # not tiny: a folder (a hub model's, localized)
             if self.world == 1:
-                model = models.load(spec.model.path, spec.model.tokenizer)[0].to(self.device)
+                model = models.load(path, spec.model.tokenizer)[0].to(self.device)
             else:
-                model = shard.build(
-                    AutoConfig.from_pretrained(spec.model.path, local_files_only=True),
-                    shard.from_files(spec.model.path),
+                model = fsdp.build(
+                    AutoConfig.from_pretrained(path, local_files_only=True),
+                    fsdp.from_files(path),
                 )
         ref = None
         if spec.grpo.kl_coef > 0:  # KL's anchor
-            ref = copy.deepcopy(model) if self.world == 1 else shard.build(model.config, shard.from_model(model))
+            ref = copy.deepcopy(model) if self.world == 1 else fsdp.build(model.config, fsdp.from_model(model))
             ref.eval().requires_grad_(False)
         return model, ref
 
@@ -193,79 +174,6 @@ class Learner:
         box = [decision]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-    def prompt(self, group: int) -> tasks.Example:
-        return self.task.example(group)
-
-    def eval_ids(self, i: int) -> list[int]:
-        """Eval prompt `i` as token ids: what an eval lease carries."""
-        return self.prompts.ids(self.held_out[i].prompt)
-
-    def evaluate(self, version: int, results: dict[int, dict]) -> dict:
-        """An eval round's row: its samples scored with the job's reward (rank 0's scorer), pass@1
-        (the share of samples that score 1) and, with several samples per prompt, pass@k for k
-        of them."""
-        e = self.spec.task.eval
-        items = []
-        for i, res in sorted(results.items()):
-            ex = self.held_out[i]
-            for s in res["samples"]:
-                items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
-        flat, failed = self.scorer.score(items)
-        n = e.samples
-        correct = [sum(r >= 1.0 for r in flat[i : i + n]) for i in range(0, len(flat), n)]
-        row = {
-            "version": version,
-            "prompts": len(correct),
-            "samples": n,
-            "decoding": e.decoding,
-            "pass_at_1": sum(c / n for c in correct) / len(correct),
-            "reward_mean": sum(flat) / len(flat),
-            "reward_failed": failed,
-        }
-        if n > 1:
-            row["pass_at_k"] = sum(evals.pass_at(n, c, n) for c in correct) / len(correct)
-        return row
-
-    def prompt_ids(self, group: int) -> list[int]:
-        """The group's prompt as token ids: what its lease carries, and what the step scores."""
-        return self.prompts.ids(self.prompt(group).prompt)
-
-    def _score(self, batch: Batch) -> tuple[list[list[float]], dict[str, int]]:
-        """The rewards of the batch's samples by group, and the failures by kind. Groups scored as
-        they were admitted (refills on) keep those rewards; the others are scored in one call (a
-        user's reward runs them in parallel)."""
-        todo = [g for g in batch.groups if g not in batch.scores]
-        fresh, failed = self._rewards({g: batch.results[g] for g in todo}) if todo else ({}, {})
-        for g in batch.groups:
-            if g in batch.scores:
-                failed = {k: failed.get(k, 0) + n for k, n in batch.scores[g][1].items()}
-        return [batch.scores[g][0] if g in batch.scores else fresh[g] for g in batch.groups], failed
-
-    def _rewards(self, results: dict[int, dict]) -> tuple[dict[int, list[float]], dict[str, int]]:
-        """Groups' samples scored in one call: each group's rewards, and the failures by kind."""
-        items = []
-        for group, res in results.items():
-            ex = self.prompt(group)
-            for s in res["samples"]:
-                items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
-        flat, failed = self.scorer.score(items)
-        n = self.spec.grpo.group_size
-        return {g: flat[i * n : (i + 1) * n] for i, g in enumerate(results)}, failed
-
-    def score(self, results: dict[int, dict]) -> dict[int, tuple[list[float], dict[str, int], bool]]:
-        """Admitted groups scored as they come (refills on): each one's rewards, its failures by
-        kind, and whether its shaped rewards vary (a group that does not teaches nothing)."""
-        out = {}
-        for g, res in results.items():  # a call each: failures are counted per group
-            rewards, failed = self._rewards({g: res})
-            shaped = self._shaped(rewards[g], res["samples"])
-            out[g] = (rewards[g], failed, max(shaped) != min(shaped))
-        return out
-
-    def _shaped(self, rewards: list[float], samples: list[dict]) -> list[float]:
-        """A group's rewards after overlong shaping: what its advantages are taken from."""
-        return [r + self._overlong(len(s["tokens"])) for r, s in zip(rewards, samples, strict=True)]
 
     def _lead(self, method: str, *args) -> None:
         """On rank 0 of a sharded trainer: have the other ranks make the same call."""
@@ -322,17 +230,17 @@ class Learner:
             device=self.device,
         )
         rate = lr.rate(self.version, g, self.spec.steps)  # step `version` makes version + 1
-        for group in self.opt.param_groups:
-            group["lr"] = rate
+        for pg in self.opt.param_groups:
+            pg["lr"] = rate
         prox = self._proximal(rows) if g.updates_per_batch > 1 and n else None
         skipped = None if n else "nothing_to_train"
         total, seen, losses, norms = grpo.Stats(), None, [], []
         for _ in range(g.updates_per_batch if n else 0):
             self.opt.zero_grad(set_to_none=True)
-            loss, stats = self._backward(rows, adv, scale, prox)
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm)
-            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            seen = seen or self._rows(stats.rows)
+            loss, stats, ranked = self._backward(rows, adv, scale, prox)
+            total_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), g.max_grad_norm)
+            norm = float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
+            seen = seen or step_metrics.by_sample(ranked, self.world, g.group_size)
             stats.rows = []
             total.add(stats)
             losses.append(loss)
@@ -349,14 +257,14 @@ class Learner:
         return {
             "reward_mean": float(r.mean()),
             "reward_exact": float((r == 1).float().mean()),
-            "loss": _finite(sum(losses) / max(len(losses), 1)),
-            "grad_norm": _finite(sum(norms) / max(len(norms), 1)),
+            "loss": step_metrics.finite(sum(losses) / max(len(losses), 1)),
+            "grad_norm": step_metrics.finite(sum(norms) / max(len(norms), 1)),
             "lr": rate,
             "tokens": sum(k for k, _ in lengths),
             "train_s": time.perf_counter() - t0,
             "skipped": skipped,
-            **self._diagnostics(total),
-            **self._behaviour(batch, seen or {}, claims),
+            **step_metrics.diagnostics(total),
+            **step_metrics.behaviour(batch, seen or {}, claims),
             "zero_variance_groups": 1.0 - sum(varied) / len(varied),
             "groups_varied": sum(varied),
             "refill_groups": len(batch.groups) - g.prompts_per_step,
@@ -381,17 +289,17 @@ class Learner:
 
     def _batches(self, rows: list[grpo.Row]) -> list[list[int]]:
         budget = self.spec.grpo.micro_batch_tokens
-        return grpo.micro_batches(rows, budget) if self.world == 1 else shard.micro_batches(rows, budget)
+        return grpo.micro_batches(rows, budget) if self.world == 1 else fsdp.micro_batches(rows, budget)
 
     def _bf16(self) -> bool:
         return self.world == 1 and self.device.type == "cuda"  # the sharded ranks' is FSDP2's policy
 
     def _backward(
         self, rows: list[grpo.Row], adv: torch.Tensor, scale: torch.Tensor, prox: list[torch.Tensor] | None
-    ) -> tuple[float, grpo.Stats]:
+    ) -> tuple[float, grpo.Stats, list[tuple[int, tuple[int, float, float, bool]]]]:
         """The gradient of this rank's rows, in micro-batches of `grpo.microBatchTokens` (one pass
         without it); the loss and its stats, over the whole batch (every rank) as one pass gives
-        them (rows: every rank's, as (rank, index) → row stats)."""
+        them, and every rank's row stats, as (rank, row stats) in rank order."""
         loss, stats = grpo.accumulate(
             self.model,
             self.ref,
@@ -413,84 +321,12 @@ class Learner:
             }
             every: list = [None] * self.world
             dist.all_gather_object(every, stats.rows)
-            stats.rows = [(rank, x) for rank, part in enumerate(every) for x in part]
+            ranked = [(rank, x) for rank, part in enumerate(every) for x in part]
         else:
-            stats.rows = [(0, x) for x in stats.rows]
-        return float(self._sum(loss)) / self.world, stats
+            ranked = [(0, x) for x in stats.rows]
+        return float(self._sum(loss)) / self.world, stats, ranked
 
-    def _rows(self, rows: list[tuple[int, tuple]]) -> dict[tuple[int, int], tuple]:
-        """Every rank's row stats by (group, sample): rank k's rows are the batch's groups k,
-        k + N, ..., their samples in order."""
-        per_rank = [[x for rank, x in rows if rank == k] for k in range(self.world)]
-        n = self.spec.grpo.group_size
-        return {(k + self.world * (m // n), m % n): x for k, part in enumerate(per_rank) for m, x in enumerate(part)}
-
-    def _diagnostics(self, st: grpo.Stats) -> dict[str, float]:
-        """The step's means over its completion tokens (and every update of it)."""
-        s, h = st.sums, st.highs
-        n = max(s.get("tokens", 0.0), 1.0)
-        out = {k: s[k] / n for k in ("entropy", "clip_low", "clip_high", "clip_dual", "kl") if k in s}
-        if "tokens" not in s:
-            return out
-        return {
-            **out,
-            "is_weight_mean": s["weight"] / n,
-            "is_weight_min": -h.get("weight_neg", -1.0),
-            "is_weight_max": h.get("weight", 1.0),
-            "is_masked": s["masked"] / n,
-            "is_truncated": s.get("truncated", 0.0) / n,
-            "is_ess": s["weight_applied"] ** 2 / (n * s["weight_applied_sq"]) if s["weight_applied_sq"] else 0.0,
-            "mismatch_mean": s["gap"] / n,
-            "mismatch_max": h.get("gap", 0.0),
-            "mismatch_kl": s["mismatch_kl"] / n,
-        }
-
-    def _finish(self, tokens: list[int]) -> str:
-        """Why a completion ended, read from its tokens as the engines end them (engines.FINISH)."""
-        if tokens[-1] in self.eos:
-            return "eos"
-        stop = self.spec.grpo.stop
-        if stop and any(x in models.completion_text(self.tok, tokens) for x in stop):
-            return "stop"
-        return "length"
-
-    def _overlong(self, length: int) -> float:
-        """DAPO's overlong shaping: what a completion of `length` tokens loses of its reward."""
-        g = self.spec.grpo
-        over = length - (g.max_new_tokens - g.overlong_buffer)
-        return -g.overlong_penalty * over / g.overlong_buffer if g.overlong_buffer and over > 0 else 0.0
-
-    def _behaviour(self, batch: Batch, seen: dict[tuple[int, int], tuple], claims: set[tuple[int, int]]) -> dict:
-        """The samples' gaps between the worker's log-probs and the trainer's, by the age of the
-        version that sampled them and by worker; and the refused samples, by worker and reason
-        (`claims`: those whose worker said they ended otherwise than their tokens show)."""
-        by_age: dict[str, dict] = {}
-        by_worker: dict[str, dict] = {}
-        refused: dict[str, dict[str, int]] = {}
-        for i, group in enumerate(batch.groups):
-            res = batch.results[group]
-            worker = res.get("worker", "unknown")  # results journaled before workers were kept have none
-            for j in range(len(res["samples"])):
-                gapped = (i, j) in seen and seen[i, j][3]
-                why = [w for w, yes in (("logprob_gap", gapped), ("finish_claim", (i, j) in claims)) if yes]
-                for w in why:
-                    refused.setdefault(worker, {}).setdefault(w, 0)
-                    refused[worker][w] += 1
-                if (i, j) not in seen:  # a step with nothing to train makes no pass
-                    continue
-                t, gap, top, _ = seen[i, j]
-                for key, into in ((str(batch.index - res["version"]), by_age), (worker, by_worker)):
-                    d = into.setdefault(key, {"samples": 0, "tokens": 0, "gap": 0.0, "mismatch_max": 0.0, "refused": 0})
-                    d["samples"] += 1
-                    d["tokens"] += t
-                    d["gap"] += gap
-                    d["mismatch_max"] = max(d["mismatch_max"], top)
-                    d["refused"] += bool(why)
-        for d in (*by_age.values(), *by_worker.values()):
-            d["mismatch_mean"] = d.pop("gap") / max(d["tokens"], 1)
-        return {"by_age": by_age, "by_worker": by_worker, "refused_samples": refused}
-
-    def _sum(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    def _sum(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """`x` summed over the ranks (or reduced by `op`)."""
         if self.world == 1:
             return x
@@ -506,7 +342,7 @@ class Learner:
         return self._checkpoint()
 
     def _checkpoint(self) -> Callable[[], None]:
-        if self.world == 1:
+        if isinstance(self.saved, resume.Checkpoints):  # one rank's
             return self.saved.prepare(self.version, self.model, self.opt)
         self.saved.save(self.version, self.model, self.opt)
         return lambda: None
@@ -528,6 +364,7 @@ class Learner:
 
     def published(self, version: int) -> dict:
         """What version `version` shipped, from the store's index."""
+        assert self.store is not None  # rank 0's, which asks
         v = self.store.versions[version]
         return {
             "version": version,
@@ -544,7 +381,7 @@ class Learner:
         if self.world == 1:
             self.model.save_pretrained(out)
         else:
-            shards.stream(
+            gather.stream(
                 self.model,
                 None if self.rank else lambda s: save_stream(s.specs, s.tensors, out / "model.safetensors"),
                 torch.float32,
@@ -562,16 +399,11 @@ class Learner:
             self.ranks.stop(lambda: self._lead("stop"))
 
 
-def _finite(x: float) -> float | None:
-    """A metric as JSON can carry it: None for a non-finite one."""
-    return x if math.isfinite(x) else None
-
-
 def follow(spec: JobSpec, state_dir: Path, restarts: int) -> None:
     """Ranks 1..N-1 of a sharded trainer: the same learner, making each call rank 0 makes."""
     learner = Learner(spec, state_dir, dist.get_rank(), restarts)
     while True:
-        box = [None]
+        box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         method, args = box[0]
         if method == "stop":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from sparrowrl.spec.job import GrpoSpec
+from sparrowrl.spec.grpo import GrpoSpec
 
 
 def rate(step: int, g: GrpoSpec, steps: int) -> float:

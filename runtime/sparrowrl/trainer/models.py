@@ -93,7 +93,12 @@ def check(path: str | Path, tokenizer: str | Path | None = None, field: str = "m
 
 def tokenizer(spec: JobSpec):
     """The job's tokenizer: the built-in one of a tiny model, or the model's (or model.tokenizer's)."""
-    return char_tokenizer() if spec.model.tiny else load_tokenizer(spec.model.tokenizer or spec.model.path)
+    if spec.model.tiny:
+        return char_tokenizer()
+    source = spec.model.tokenizer or spec.model.path
+    if source is None:  # model.hub, not localized (hub.localize)
+        raise ValueError("model.hub: not downloaded yet: no tokenizer to load")
+    return load_tokenizer(source)
 
 
 def load_tokenizer(path: str | Path):
@@ -140,7 +145,11 @@ class Prompts:
 
     def render(self, src: Source) -> Example:
         """ValueError: the chat template refused the example (its reason)."""
-        messages = list(src.messages) if src.messages is not None else [("user", src.prompt)]
+        if src.messages is not None:
+            messages = list(src.messages)
+        else:
+            assert src.prompt is not None  # a Source holds a prompt or messages
+            messages = [("user", src.prompt)]
         if self.system is not None and all(role != "system" for role, _ in messages):
             messages.insert(0, ("system", self.system))
         if not self.templated:

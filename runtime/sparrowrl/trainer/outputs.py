@@ -11,6 +11,7 @@ being exported until the export is done (`exporting`, retention.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 from pathlib import Path
@@ -20,6 +21,8 @@ from safetensors.torch import save_file
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import CheckpointError, atomic_path
 from sparrowrl.store.store import Store, StoreError
+
+log = logging.getLogger(__name__)
 
 SCALARS = (  # metrics row key → TensorBoard tag
     ("reward_mean", "reward/mean"),
@@ -84,9 +87,9 @@ class Outputs:
         out = self.folder / f"step-{version:08d}"
         try:
             export(self.state_dir, version, out)
-            print(f"trainer: exported v{version} to {out}", flush=True)
+            log.info(f"trainer: exported v{version} to {out}")
         except (OSError, StoreError, CheckpointError, ValueError) as e:
-            print(f"trainer: export of v{version} to {out} failed: {e}", flush=True)
+            log.error(f"trainer: export of v{version} to {out} failed: {e}")
 
     @property
     def exporting(self) -> int | None:

@@ -11,6 +11,7 @@ that every rank writes its own files into.
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -18,11 +19,14 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails (a step can be long)
 
@@ -31,7 +35,7 @@ class Ranks:
     """Rank 0's handle on the others: `stop` them before a clean exit; any other exit of theirs
     ends this process."""
 
-    def __init__(self, procs: list[multiprocessing.Process]):
+    def __init__(self, procs: Sequence[BaseProcess]):
         self.procs, self.stopping = procs, False
         threading.Thread(target=self._watch, daemon=True, name="ranks").start()
 
@@ -41,11 +45,9 @@ class Ranks:
             return
         p = next(p for p in self.procs if p.sentinel in ready)
         p.join()
-        print(
+        log.error(
             f"trainer: rank {self.procs.index(p) + 1} exited (code {p.exitcode}); the trainer stops as a whole "
-            f"and resumes from its checkpoint when started again",
-            file=sys.stderr,
-            flush=True,
+            f"and resumes from its checkpoint when started again"
         )
         os._exit(1)
 
@@ -79,7 +81,7 @@ def start(world: int, follower: Callable[..., None], *args) -> Ranks:
         p.start()
     ranks = Ranks(procs)
     _join(0, world, port)
-    print(f"trainer: {world} ranks ({backend()}), rank 0 serving", flush=True)
+    log.info(f"trainer: {world} ranks ({backend()}), rank 0 serving")
     return ranks
 
 

@@ -16,6 +16,7 @@ logged with its message, once.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -26,8 +27,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import cast
 
 from sparrowrl.trainer import tasks
+
+log = logging.getLogger(__name__)
 
 FAILURES = ("raised", "timeout", "nonfinite", "nonnumber", "outofrange")
 MAX_REWARD = 1e6  # beyond, a reward is a bug in it: its square must stay finite in float32, as advantages take it
@@ -57,12 +62,12 @@ def call(fn: tasks.Reward, item: Item) -> Outcome:
 class _Worker:
     """One process of the pool, and the call it holds."""
 
-    proc: multiprocessing.Process
+    proc: BaseProcess
     conn: multiprocessing.connection.Connection
     ready: bool = False
     started: float = 0.0
     item: int | None = None  # the index of the call it holds (only once ready)
-    deadline: float | None = None  # of that call
+    deadline: float = math.inf  # of that call (none: never)
 
 
 class Pool:
@@ -114,13 +119,14 @@ class Pool:
                     elif kind == "load":  # it loaded at start: the file has changed since
                         self._fail(i, out, todo, "raised", value, every=True)
                     else:
-                        out[w.item], w.item, w.deadline = (kind, value), None, None
+                        assert w.item is not None  # an answer is to the call it holds
+                        out[w.item], w.item, w.deadline = (kind, value), None, math.inf
                 elif w.item is not None and w.ready and w.deadline <= now:
                     self._fail(i, out, todo, "timeout", f"no answer in {self.timeout:g} s (its process was replaced)")
                 elif not w.ready and w.started + START_SECONDS <= now:
                     message = f"its process did not load the reward in {START_SECONDS:g} s"
                     self._fail(i, out, todo, "timeout", message, every=True)
-        return out
+        return cast(list[Outcome], out)  # every call answered: the loop ends when none is left
 
     def _fail(self, i: int, out: list, todo: deque, kind: str, message: str, every: bool = False) -> None:
         """Worker i failed, and its process is killed and replaced. The call it holds fails; a
@@ -183,20 +189,24 @@ class Scorer:
     def score(self, items: list[Item]) -> tuple[list[float], dict[str, int]]:
         """Each item's reward (0.0 where it failed), and the failures by kind."""
         with self.lock:
-            outcomes = self.pool.run(items) if self.pool else [call(self.fn, x) for x in items]
-        rewards, failed = [], dict.fromkeys(FAILURES, 0)
+            if self.pool is not None:
+                outcomes = self.pool.run(items)
+            else:
+                assert self.fn is not None  # a reward of this process's, without a pool
+                outcomes = [call(self.fn, x) for x in items]
+        rewards: list[float] = []
+        failed = dict.fromkeys(FAILURES, 0)
         for kind, value in outcomes:
             if kind == "ok":
-                rewards.append(value)
+                rewards.append(cast(float, value))  # call()'s float
                 continue
             rewards.append(0.0)
             failed[kind] += 1
             if kind not in self.logged:
                 self.logged.add(kind)
-                print(
+                log.warning(
                     f"trainer: reward {self.name}: a call failed ({kind}): {value}; such samples score 0.0 and are "
-                    f"counted in metrics.jsonl's reward_failed (this is said once per kind)",
-                    flush=True,
+                    f"counted in metrics.jsonl's reward_failed (this is said once per kind)"
                 )
         return rewards, failed
 

@@ -32,7 +32,8 @@ from sparrowrl.spec.limits import MAX_TASK_BYTES, read_bounded
 from sparrowrl.trainer.hub import dataset_repo
 
 if TYPE_CHECKING:
-    from sparrowrl.spec.job import DatasetSpec, JobSpec, TaskSpec
+    from sparrowrl.spec.job import JobSpec
+    from sparrowrl.spec.task import DatasetSpec, TaskSpec
 
 Reward = Callable[..., float]
 ROLES = ("system", "user", "assistant")
@@ -107,6 +108,8 @@ def reward_function(name: str) -> Reward:
         raise ValueError(f"reward '{name}': no file {path} (a reward module is a .py file beside the job file)")
     module_name = f"sparrowrl_reward_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:  # a .py file's has both
+        raise ValueError(f"reward '{name}': {path.name} cannot be loaded as a module")
     module = importlib.util.module_from_spec(spec)
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))
@@ -302,7 +305,7 @@ class Rows(Task):
         bad, first = 0, None
         for where, src in rows:
             reason = src if isinstance(src, str) else None
-            if reason is None:
+            if not isinstance(src, str):  # reason is None
                 try:
                     ex = prompts.render(src)
                 except ValueError as e:
@@ -338,12 +341,16 @@ def check_unrendered(spec: JobSpec) -> None:
     and the reward loaded, and callable with the fields of the examples that read. Rendering each
     example waits for the tokenizer (for_job). ValueError names the file."""
     t = spec.task
+    rows: Iterable[tuple[str, Source | str]] | None
     if t.builtin:
         name, rows = t.reward or BUILTIN[t.builtin].default_reward, []
     else:
         name = t.reward or Task.default_reward
-        local = t.jsonl or dataset_repo(t.dataset.path) is None
-        rows = (jsonl(t.jsonl) if t.jsonl else dataset(t.dataset)[1]) if local else None
+        if t.jsonl:
+            rows = jsonl(t.jsonl)
+        else:
+            assert t.dataset is not None  # a task's one source (TaskSpec)
+            rows = dataset(t.dataset)[1] if dataset_repo(t.dataset.path) is None else None
     fn = reward_function(name)
     if rows is not None:
         check_reward(fn, name, {frozenset(src.fields) for _, src in rows if not isinstance(src, str)})
@@ -358,6 +365,7 @@ def for_job(spec: JobSpec, prompts: Prompts) -> tuple[Task, str]:
     elif t.jsonl:
         task = Rows(spec.seed, prompts, jsonl(t.jsonl), t, str(t.jsonl))
     else:
+        assert t.dataset is not None  # a task's one source (TaskSpec)
         what, rows = dataset(t.dataset)
         task = Rows(spec.seed, prompts, rows, t, f"dataset {what}")
     name = t.reward or task.default_reward

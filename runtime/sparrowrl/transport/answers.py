@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from sparrowrl.store.store import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
+from sparrowrl.store.index import BASE_PART, MAX_BASE_EVERY, MIN_BASE_PART
 
 MAX_BYTES = 1 << 40  # the largest file (base snapshot or delta) a server may list
 MAX_ITEMS = 1 << 24  # versions, parts or pieces in one listing

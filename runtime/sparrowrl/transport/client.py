@@ -10,6 +10,7 @@ import asyncio
 import os
 import ssl
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import aiohttp
 import torch
@@ -55,7 +56,7 @@ class Client:
         local_ports: list[int] | None = None,
         rate_mbit: float | None = None,
         port_wait: float = PORT_WAIT_S,
-        trust: Verifier | None | str = "env",
+        trust: Verifier | None | Literal["env"] = "env",
     ):
         """`local_ports`: bind download stream i to local port local_ports[i] (one connection each),
         for networks that shape per flow (hack/wan classifies flows by port). A stream whose port
@@ -65,7 +66,7 @@ class Client:
         `trust`: whose signatures versions must carry; by default `signing.trust` of the token
         (ValueError for a role token without SPARROWRL_TRAINER_KEY)."""
         token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
-        self.trust = trust_of(token) if trust == "env" else trust
+        self.trust = trust_of(token) if isinstance(trust, str) else trust  # "env"
         self.servers = Servers(
             [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)],
             {"Authorization": f"Bearer {token}"} if token else {},
@@ -103,21 +104,24 @@ class Client:
         if not params:
             return await self.json("/v1/versions", Listing, check=self._bases_signed)
         # the server may hold the answer for `wait` seconds: that is not a stalled read
-        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.servers.timeout.sock_read + wait)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=10, sock_read=(self.servers.timeout.sock_read or 0.0) + wait
+        )
         return await self.json(
             "/v1/versions", Listing, check=self._bases_signed, params={**params, "wait": wait}, timeout=timeout
         )
 
     async def _bases_signed(self, listing: dict) -> None:
         """Every base a listing offers carries the trainer's signature of its parts and state hash."""
-        if self.trust is None:
+        trust = self.trust
+        if trust is None:
             return
         bases = [(e["version"], e["state_hash"], e["base"]) for e in listing["versions"] if e["base"]]
 
         def bad() -> str | None:
             for v, h, b in bases:
                 sig = b.get("sig", "")
-                if not self.trust.ok(base_statement(v, h, b["bytes"], b["part_bytes"], b["parts"]), sig):
+                if not trust.ok(base_statement(v, h, b["bytes"], b["part_bytes"], b["parts"]), sig):
                     return f"base v{v}: " + ("unsigned" if not sig else "its signature is not the trainer's")
             return None
 
@@ -151,7 +155,8 @@ class Client:
         list must cover the file up to its signed end (`_signed`). With `expect` (a base's parts,
         as its signed listing gives them), the list may name those only, and all of them once
         complete."""
-        after, epoch, listed = 0, None, set()
+        after, epoch = 0, None
+        listed: set[int] = set()
         covered: dict[int, tuple[int, bool]] = {}  # offset → (length, final) of the pieces listed so far
 
         async def check(t: dict) -> None:
@@ -191,11 +196,13 @@ class Client:
         """A delta's piece list verifies: each piece signed for this version (or a whole table at
         once), and once complete (`whole`: a list to be read on from `covered`), pieces from 0 to
         the signed final piece's end, which is the file's size."""
+        trust = self.trust
+        assert trust is not None  # checked only with a key (`pieces`)
         if table := t.get("table_sig"):
-            if not self.trust.ok(table_statement(version, t["pieces"]), table):
+            if not trust.ok(table_statement(version, t["pieces"]), table):
                 raise Refused(f"delta v{version}: its piece table's signature is not the trainer's for this version")
         for offset, length, sha256, final, sig in [] if table else t["pieces"]:
-            if not self.trust.ok(piece_statement(version, offset, length, sha256, final), sig):
+            if not trust.ok(piece_statement(version, offset, length, sha256, final), sig):
                 raise Refused(
                     f"delta v{version}: piece at {offset}: "
                     + ("unsigned" if not sig else "its signature is not the trainer's for this version")
@@ -325,10 +332,12 @@ class Client:
         plan = await self.plan(target, None if have is None else have[0])
         listing = await self.versions()
         if plan["route"] == "none":
+            assert have is not None  # _leads refuses any route but a base's to a client that holds nothing
             return have[1], have[2]
         if plan["route"] == "base":
             state, h = await self.base(plan["base"], listing)
         else:
+            assert have is not None  # (_leads)
             state, h = have[1], have[2]
         for v in plan["deltas"]:
             h = apply_delta(await self.delta(v), state, base_hash=h)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import random
 import secrets
 import socket
@@ -21,6 +22,8 @@ import aiohttp
 from pydantic import BaseModel, ValidationError
 
 from sparrowrl.spec.limits import first_problem
+
+log = logging.getLogger(__name__)
 
 PREFERRED_AGAIN_S = 10.0  # after falling back, how long before the first server is tried again
 REFUSED_S = 300.0  # how long a server whose answer did not verify is left alone
@@ -140,7 +143,8 @@ class Servers:
             headers=self.headers,
             timeout=self.timeout,
             read_bufsize=READ_BUFFER,
-            connector=aiohttp.TCPConnector(ssl=self.ssl, **connector_kw),
+            # aiohttp takes ssl=None as True, the default context; its types say so
+            connector=aiohttp.TCPConnector(ssl=self.ssl if self.ssl is not None else True, **connector_kw),
         )
 
     def open(self) -> None:
@@ -150,14 +154,20 @@ class Servers:
             for p in self.local_ports or []
         ]
 
+    def _session(self) -> aiohttp.ClientSession:
+        """The shared pool, which `open` makes."""
+        if self.session is None:
+            raise RuntimeError("the sessions are not open")
+        return self.session
+
     async def close(self) -> None:
-        for s in [self.session, *self._stream_sessions]:
+        for s in [self._session(), *self._stream_sessions]:
             await s.close()
 
     def stream(self, i: int) -> tuple[aiohttp.ClientSession, int | None]:
         """Download stream i's session and fixed local port (None: any port, the shared pool)."""
         if not self.local_ports:
-            return self.session, None
+            return self._session(), None
         return self._stream_sessions[i % len(self._stream_sessions)], self.local_ports[i % len(self.local_ports)]
 
     async def throttle(self, n: int) -> None:
@@ -244,7 +254,7 @@ class Servers:
         self._refused[server] = time.monotonic() + REFUSED_S
         if (nxt := self.after(server)) == server:
             raise FetchError(f"{reason}; no other server to try")
-        print(f"sparrowrl: refused {reason}; going on with {self.urls[nxt]}", flush=True)
+        log.warning(f"sparrowrl: refused {reason}; going on with {self.urls[nxt]}")
         if self.server == server:
             self.server, self._fell_back_at = nxt, time.monotonic()
 
@@ -260,7 +270,7 @@ class Servers:
         `refuse`). Then `await check(doc)`, which raises Refused for what does not verify."""
 
         async def request(url: str) -> dict:
-            async with self.session.get(url, **kw) as r:
+            async with self._session().get(url, **kw) as r:
                 await check_status(r, url)
                 raw = await r.read()
             try:
@@ -283,7 +293,7 @@ class Servers:
         to end it)."""
 
         async def request(url: str) -> bytes:
-            async with self.session.get(url) as r:
+            async with self._session().get(url) as r:
                 await check_status(r, url)
                 data = bytearray()
                 while block := await r.content.read(1 << 16):
@@ -301,7 +311,7 @@ class Servers:
         headers = {"Idempotency-Key": secrets.token_hex(16)}
 
         async def request(url: str) -> dict:
-            async with self.session.post(url, json=body, headers=headers) as r:
+            async with self._session().post(url, json=body, headers=headers) as r:
                 await check_status(r, url)
                 try:
                     return await r.json()

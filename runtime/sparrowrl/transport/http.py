@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import ipaddress
+import logging
 import os
 import resource
 import ssl
@@ -17,8 +18,10 @@ from aiohttp import web
 from sparrowrl.auth.tokens import ADMIN, Gate, Principal, allowed
 from sparrowrl.spec.limits import open_regular
 
+log = logging.getLogger(__name__)
+
 OPEN = frozenset({"/healthz", "/readyz"})  # probes (a kubelet's) carry no token, and these say nothing else
-GATE = web.AppKey("gate", object)  # tokens.Gate, or None: no token, an open (loopback) server
+GATE = web.AppKey[Gate | None]("gate")  # None: no token, an open (loopback) server
 PRINCIPAL = web.RequestKey("principal", Principal)  # who the request's token names
 
 
@@ -46,7 +49,8 @@ class ListenError(Exception):
     @classmethod
     def of(cls, host: str, port: int, e: OSError) -> "ListenError":
         # asyncio's message repeats the address; the errno says why
-        return cls(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if (e.errno or 0) > 0 else e.strerror}")
+        why = os.strerror(e.errno) if e.errno is not None and e.errno > 0 else e.strerror
+        return cls(f"cannot listen on {host}:{port}: {why}")
 
 
 async def listen(runner: web.AppRunner, host: str, port: int) -> None:
@@ -112,7 +116,7 @@ def more_open_files(who: str) -> tuple[int, int]:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):  # a hard limit above what the kernel allows: keep the soft one
             return soft, soft
-        print(f"{who}: open files limit raised from {soft:,} to {hard:,}", flush=True)
+        log.info(f"{who}: open files limit raised from {soft:,} to {hard:,}")
         return soft, hard
     return soft, soft
 

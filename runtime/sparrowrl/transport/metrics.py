@@ -1,5 +1,5 @@
 """Prometheus metrics at /metrics on every role, read at scrape time from the counts each role
-already keeps (the trainer's JobStatus, a client's transfer stats): nothing is counted twice."""
+already keeps (the trainer's TrainerStatus, a client's transfer stats): nothing is counted twice."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def family(
     if by is None:
         return cls(f"sparrowrl_{name}", doc, value=value)
     labels, values = by
-    labels = [labels] if isinstance(labels, str) else list(labels)
-    m = cls(f"sparrowrl_{name}", doc, labels=labels)
+    names = [labels] if isinstance(labels, str) else list(labels)
+    m = cls(f"sparrowrl_{name}", doc, labels=names)
     for key, v in values.items():
         m.add_metric([str(k) for k in (key if isinstance(key, tuple) else (key,))], v)
     return m

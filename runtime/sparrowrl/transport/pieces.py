@@ -18,7 +18,8 @@ class Pieces:
     def __init__(self) -> None:
         self.pieces: list[list] = []  # [offset, length, sha256, whether it ends the file]
         self.next: int | None = None  # where the next chunk starts, once the header is in
-        self.complete, self.bytes = False, None
+        self.complete = False
+        self.bytes: int | None = None  # the file's, once complete
 
     def scan(self, fd: int, size: int) -> None:
         if self.next is None and size >= HEAD.size:

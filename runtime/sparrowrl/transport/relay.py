@@ -5,7 +5,7 @@ The relay mirrors the origin's store into a local directory: it starts at the ne
 version, then follows the origin's versions by long-poll. A delta that the origin is still
 writing is fetched cut-through over parallel streams (one TCP flow is often capped on a WAN):
 each piece as soon as the origin lists it, written at its offset in the mirror's `.partial`
-file once it verifies, and listed to the relay's own workers at once (`Mirror`, in arrival
+file once it verifies, and listed to the relay's own workers at once (`PieceTable`, in arrival
 order), so a worker's first chunk does not wait for the relay's last. Finished deltas take the same
 path. Only the newest `keep` versions are kept.
 
@@ -21,26 +21,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import logging
 import os
 import re
 import time
-import traceback
 import uuid
 from pathlib import Path
 
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from sparrowrl.auth.signing import trust
-from sparrowrl.store.store import Store, StoreError, Version
+from sparrowrl.store.index import Version
+from sparrowrl.store.store import Store, StoreError
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.failover import FetchError
 from sparrowrl.transport.http import add_health, more_open_files
 from sparrowrl.transport.metrics import add_metrics, family
-from sparrowrl.transport.server import SERVED, listing_json, make_app, over
-from sparrowrl.transport.streams import Piece
+from sparrowrl.transport.piece_table import PieceTable
+from sparrowrl.transport.server import SENT, make_app
 
 MARK = ".sparrowrl-relay"  # names a folder as a relay's cache: the only kind a relay deletes files in
 FAILED_S = 30.0  # how long a failed base fetch is answered with its error before a new one starts
+
+log = logging.getLogger(__name__)
 
 
 _CACHED = re.compile(r"\.?v\d{8}(-[0-9a-f]{16}\.spd|\.safetensors)?(\.[0-9a-f]{12})?(\.partial)?")
@@ -63,135 +66,11 @@ def _own_cache(folder: Path) -> bool:
     )
 
 
-class Mirror:
-    """A file being mirrored (a delta, or a base): the pieces that have verified so far, in
-    arrival order, as the relay's workers see them. A `server.Served`: it lists them (long-polled)
-    and sends only their bytes, until it closes: stored (the store answers from then on), or
-    failed (a 503 with the error: its clients try another server)."""
-
-    def __init__(self, what: str, v: int, path: Path, size: int | None = None) -> None:
-        self.what, self.v = what, v  # "delta" or "base", of version v
-        self.path = path  # where the verified pieces are written
-        self.size = size  # a base's, known from the listing; a delta's is not known until its end
-        self.pieces: list[list] = []
-        self.changed = asyncio.Event()
-        self.epoch = uuid.uuid4().hex  # this list's order; a retried mirror lists in another
-        self.closed, self.error = False, None
-
-    def add(self, piece: list) -> None:
-        self.pieces.append(piece)
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    def writer(self, fd: int):
-        """`keep(piece, bytes)` for the client: each verified piece written at its offset into
-        `fd` (this table's file), then listed."""
-
-        def keep(p: Piece, data: bytes) -> None:
-            os.pwrite(fd, data, p.offset)
-            self.add(p.entry())  # with the trainer's signature, untouched
-
-        return keep
-
-    def close(self, error: str | None = None) -> None:
-        self.closed, self.error = True, error
-        self.changed.set()
-
-    def _failed(self) -> None:
-        if self.error:
-            raise web.HTTPServiceUnavailable(text=f"relay could not fetch {self.what} v{self.v}: {self.error}")
-
-    async def listing(self, request: web.Request, after: int, deadline: float) -> web.Response | None:
-        loop = asyncio.get_running_loop()
-        while len(self.pieces) <= after and not self.closed and loop.time() < deadline and not over(request):
-            try:
-                await asyncio.wait_for(self.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see over
-            except TimeoutError:
-                pass
-        self._failed()
-        if len(self.pieces) > after or not self.closed:
-            return listing_json(self.pieces, after, False, None, self.epoch)
-        return None
-
-    async def send(self, request: web.Request) -> web.StreamResponse | None:
-        """Only pieces that have verified, answered at once (503 for a range not yet in, never a
-        wait past a client's read timeout), read from a descriptor opened here so that the
-        fetch may finish meanwhile; ranges as the origin answers them. None once the fetch has
-        finished: the stored file answers. A client that listed its pieces elsewhere (the
-        origin, before falling back here) may ask for any range: it gets no byte that has not
-        verified."""
-        self._failed()
-        listing = "pieces" if self.what == "delta" else "base/pieces"
-        size, v = self.size, self.v
-        total = "*" if size is None else size
-        try:
-            r = request.http_range
-        except ValueError:
-            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"}) from None
-        if size is None and (r.start is None or r.start < 0 or r.stop is None):
-            raise web.HTTPServiceUnavailable(
-                headers={"Retry-After": "1"},
-                text=(
-                    f"delta v{v} is still reaching this relay: its size is not known yet, so ask for a range "
-                    f"with both ends (/v1/versions/{v}/pieces lists those that are here)"
-                ),
-            )
-        start = 0 if r.start is None else max(0, size + r.start) if r.start < 0 else r.start
-        stop = r.stop if size is None else size if r.stop is None else min(r.stop, size)
-        if start >= stop:
-            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"})
-        if not _covered(self.pieces, start, stop):
-            raise web.HTTPServiceUnavailable(
-                headers={"Retry-After": "1"},
-                text=(
-                    f"{self.what} v{v}: bytes {start}-{stop - 1} have not reached this relay yet "
-                    f"(/v1/versions/{v}/{listing} lists the pieces that have)"
-                ),
-            )
-        try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
-            self._failed()
-            return None
-        with f:
-            ranged = hdrs.RANGE in request.headers
-            resp = web.StreamResponse(
-                status=206 if ranged else 200,
-                headers={
-                    hdrs.ACCEPT_RANGES: "bytes",
-                    hdrs.CONTENT_TYPE: "application/octet-stream",
-                    **({hdrs.CONTENT_RANGE: f"bytes {start}-{stop - 1}/{total}"} if ranged else {}),
-                },
-            )
-            resp.content_length = stop - start
-            try:
-                await resp.prepare(request)
-                if request.method == "GET":  # as aiohttp's FileResponse sends: sendfile, past the writer
-                    if request.transport is None:
-                        raise ConnectionResetError("connection lost")
-                    await asyncio.get_running_loop().sendfile(request.transport, f, start, stop - start)
-                await resp.write_eof()
-            except ConnectionResetError:  # the client went away: nothing to answer
-                pass
-            return resp
-
-
-def _covered(pieces: list[list], start: int, stop: int) -> bool:
-    """Whether pieces ([offset, length, …], any order) cover bytes start..stop-1."""
-    for offset, length, *_ in sorted(pieces):
-        if offset > start:
-            return False
-        start = max(start, offset + length)
-        if start >= stop:
-            return True
-    return start >= stop
-
-
 class Relay:
     def __init__(self, upstream: list[str], mirror: Path, keep: int = 8, **client_kw):
         self.upstream, self.mirror, self.keep, self.client_kw = upstream, Path(mirror), keep, client_kw
-        self.tables: dict[int, Mirror] = {}  # version being mirrored → its verified pieces so far
-        self.bases: dict[int, tuple[Mirror, asyncio.Task]] = {}  # base being fetched on request → its parts so far
+        self.tables: dict[int, PieceTable] = {}  # version being mirrored → its verified pieces so far
+        self.bases: dict[int, tuple[PieceTable, asyncio.Task]] = {}  # base being fetched on request → its parts so far
         self.client: Client | None = None  # the one upstream client: deltas and bases share its streams and cap
         if not _own_cache(self.mirror):
             raise ValueError(
@@ -224,10 +103,10 @@ class Relay:
                         listing = await c.versions(after=store.newest if store else None, wait=30)
                         await self.sync(c, listing)
                     except FetchError as e:  # upstream unreachable for a while: keep serving, try again
-                        print(f"relay: {e}", flush=True)
+                        log.warning(f"relay: {e}")
                         await asyncio.sleep(1.0)
                     except Exception:  # a bug, not the network: say so loudly, and keep mirroring
-                        traceback.print_exc()
+                        log.exception("relay: mirroring failed (not the network); trying again")
                         await asyncio.sleep(1.0)
             finally:
                 self._drop_bases(lambda v: True)
@@ -258,10 +137,9 @@ class Relay:
                     table_sig = await c.table_sig(v)  # before it is stored: its readers never find it missing
                 except FetchError:
                     table_sig = ""  # its workers check each piece's instead
-                print(
+                log.info(
                     f"relay: v{v} mirrored, {size:,} bytes in {time.perf_counter() - t0:.2f} s"
-                    f" ({c.stats.retries - retries} retries)",
-                    flush=True,
+                    f" ({c.stats.retries - retries} retries)"
                 )
                 entry = entries.get(v)
                 if entry is None or entry["delta"] is None:  # still being produced when listed
@@ -281,6 +159,7 @@ class Relay:
             name = f"v{v:08d}-{digest[:16]}.spd"
             os.replace(partial, self.mirror / "deltas" / name)
             sigs = [p[4] for p in sorted(self.tables[v].pieces)]  # served with the stored file
+            assert store is not None  # made above where new; read again after each version
             store.record(
                 Version(
                     v,
@@ -297,7 +176,7 @@ class Relay:
             if store.base_due(v) and not entry["base"]:  # its snapshot is written after its delta
                 entry = await self._listed(c, v, "base")
                 if entry is None:
-                    print(f"relay: upstream listed no base snapshot of v{v}", flush=True)
+                    log.warning(f"relay: upstream listed no base snapshot of v{v}")
             if entry is not None:
                 self._list_bases([entry])
             store = self._store()
@@ -305,7 +184,9 @@ class Relay:
             self.synced.set()
             if len(store.versions) > self.keep:
                 store.prune(self.keep)
-                kept = self._store().versions
+                pruned = self._store()
+                assert pruned is not None  # pruned, not gone
+                kept = pruned.versions
                 self._drop_bases(lambda v: v not in kept)
 
     def _list_bases(self, entries) -> None:
@@ -343,7 +224,7 @@ class Relay:
         in whatever order the streams deliver: one slow piece holds back only itself. The
         piece table stays listed until the caller has stored the file."""
         partial = self.mirror / "deltas" / f".v{v:08d}.partial"
-        table = self.tables[v] = Mirror("delta", v, partial)
+        table = self.tables[v] = PieceTable("delta", v, partial)
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
@@ -378,11 +259,11 @@ class Relay:
                 return None
         return None
 
-    def arriving(self, what: str, v: int, start: bool) -> Mirror | None:
+    def arriving(self, what: str, v: int, start: bool) -> PieceTable | None:
         """What the relay's server answers from while it is still arriving (`server.Served`)."""
         return self.tables.get(v) if what == "delta" else self.base_table(v, start)
 
-    def base_table(self, v: int, start: bool = True) -> Mirror | None:
+    def base_table(self, v: int, start: bool = True) -> PieceTable | None:
         """The parts of v's base snapshot that have arrived, where the mirror lists the base but
         does not hold its file: the first request (`start`) starts the one fetch, later ones
         share it. A fetch that failed stays here, failed, for FAILED_S: its clients go to
@@ -394,13 +275,13 @@ class Relay:
         info = store.versions.get(v) if store else None
         if info is None or not info.base or (self.mirror / "bases" / info.base).exists() or self.client is None:
             return None
-        table = Mirror(
+        table = PieceTable(
             "base", v, self.mirror / "bases" / f".{info.base}.{uuid.uuid4().hex[:12]}.partial", info.base_bytes
         )
         self.bases[v] = table, asyncio.create_task(self._fetch_base(self.client, info, table))
         return table
 
-    async def _fetch_base(self, c: Client, info: Version, table: Mirror) -> None:
+    async def _fetch_base(self, c: Client, info: Version, table: PieceTable) -> None:
         v, t0, error = info.version, time.perf_counter(), None
         entry = {"base": {"bytes": info.base_bytes, "part_bytes": info.base_part_bytes, "parts": info.base_parts}}
         try:
@@ -413,20 +294,20 @@ class Relay:
             kept = store.versions.get(v) if store else None
             if kept is None or kept.base != info.base:
                 raise FetchError("pruned while it was being fetched")
+            assert info.base is not None  # base_table fetches the bases listed
             os.replace(table.path, self.mirror / "bases" / info.base)  # before close(): no reader finds neither
-            print(
-                f"relay: v{v} base fetched on request, {info.base_bytes:,} bytes in {time.perf_counter() - t0:.2f} s",
-                flush=True,
+            log.info(
+                f"relay: v{v} base fetched on request, {info.base_bytes:,} bytes in {time.perf_counter() - t0:.2f} s"
             )
         except asyncio.CancelledError:
             error = table.error or "cancelled"
             raise
         except FetchError as e:
             error = str(e)
-            print(f"relay: base v{v} not fetched: {e}", flush=True)
+            log.warning(f"relay: base v{v} not fetched: {e}")
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
+            log.exception(f"relay: base v{v} not fetched")
         finally:
             if error is not None:
                 table.path.unlink(missing_ok=True)
@@ -437,7 +318,7 @@ class Relay:
                     asyncio.get_running_loop().call_later(FAILED_S, self._forget, v, table)
             table.close(error)
 
-    def _forget(self, v: int, table: Mirror) -> None:
+    def _forget(self, v: int, table: PieceTable) -> None:
         if self.bases.get(v, (None,))[0] is table:
             del self.bases[v]
 
@@ -485,7 +366,7 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
                 "Verified bytes fetched from upstream, by kind, server and stream",
                 by=(("kind", "server", "stream"), relay.client.stats.sources if relay.client else {}),
             ),
-            family("counter", "sent_bytes", "Bytes sent to this region's workers, by kind", by=("kind", app[SERVED])),
+            family("counter", "sent_bytes", "Bytes sent to this region's workers, by kind", by=("kind", app[SENT])),
             family(
                 "gauge",
                 "newest_version",

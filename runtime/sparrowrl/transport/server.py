@@ -32,28 +32,30 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, overload
 
 from aiohttp import web
 
 from sparrowrl.auth.signing import Signer, Verifier, base_statement, piece_statement, table_statement
 from sparrowrl.auth.tokens import Gate
 from sparrowrl.delta.errors import DeltaError
-from sparrowrl.store.store import Store, StoreError, Version, listen
+from sparrowrl.store.changes import listen
+from sparrowrl.store.index import Version
+from sparrowrl.store.store import Store, StoreError
 from sparrowrl.transport.http import GATE, auth
 from sparrowrl.transport.pieces import Pieces
 
 MAX_WAIT = 60.0
 MAX_INDEX = 1 << 62  # versions, piece indexes: far beyond any store, small enough to stay exact
 STORE = web.AppKey("store", Path)
-SIGNER = web.AppKey("signer", object)  # signing.Signer, or None: signatures come from the store
+SIGNER = web.AppKey[Signer | None]("signer")  # None: signatures come from the store
 MANIFESTS = web.AppKey("manifests", dict)
 CACHE = web.AppKey("cache", dict)
 STOPPING = web.AppKey("stopping", asyncio.Event)
 PIECES = web.AppKey("pieces", dict)
-ARRIVING = web.AppKey("arriving", object)
-SERVED = web.AppKey("served", dict)
-WATCH = web.AppKey("watch", object)
+ARRIVING = web.AppKey[Callable[[str, int, bool], "Served | None"]]("arriving")
+SENT = web.AppKey("sent", dict)  # bytes sent, by kind: the origin's and relays' counters
+WATCH = web.AppKey["Watch"]("watch")
 TICK = 0.01  # how often a store written by another process is looked at, while someone waits for a change
 
 
@@ -170,6 +172,10 @@ def _listing(store: Store, signer: Signer | None) -> dict:
     }
 
 
+@overload
+def _int_param(request: web.Request, name: str, default: int) -> int: ...
+@overload
+def _int_param(request: web.Request, name: str, default: None = None) -> int | None: ...
 def _int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
     """An integer query parameter in 0..MAX_INDEX (a negative one would slice from the end)."""
     raw = request.query.get(name)
@@ -259,7 +265,7 @@ async def manifest(request: web.Request) -> web.Response:
     return web.json_response(cache[info.delta_sha256])
 
 
-def _file(store: Store, sub: str, name: str, etag: str) -> web.FileResponse:
+def _file(store: Store, sub: str, name: str, etag: str | None) -> web.FileResponse:
     resp = web.FileResponse(store.path / sub / name, headers={"Cache-Control": "public, max-age=31536000, immutable"})
     resp.etag = etag
     return resp
@@ -267,7 +273,7 @@ def _file(store: Store, sub: str, name: str, etag: str) -> web.FileResponse:
 
 class Served(Protocol):
     """A file the server answers for: a delta or a base, stored here (`StoredDelta`,
-    `StoredBase`) or still arriving (a relay's mirror in flight, `relay.Table`). It lists its
+    `StoredBase`) or still arriving (a relay's copy in flight, `piece_table.PieceTable`). It lists its
     pieces, long-polled until `deadline` (the loop's time), and sends its bytes (HTTP Range).
     None: not, or no longer, this source's to answer (it is stored now): the store answers."""
 
@@ -333,8 +339,9 @@ class StoredDelta:
             info = self.store.versions.get(self.v)
             got = info.delta_sigs if info is not None and len(info.delta_sigs) == len(pieces) else []
             sigs[:] = got or [""] * len(pieces)
-        while len(sigs) < len(pieces):
-            sigs.append(signer.sign(piece_statement(self.v, *pieces[len(sigs)])))
+        else:
+            while len(sigs) < len(pieces):
+                sigs.append(signer.sign(piece_statement(self.v, *pieces[len(sigs)])))
         return [[*p, s] for p, s in zip(pieces, sigs)]
 
     async def send(self, request: web.Request) -> web.StreamResponse:
@@ -398,6 +405,7 @@ async def delta(request: web.Request) -> web.StreamResponse:
     for src in _sources(request, "delta", v, False, lambda: StoredDelta(request, v)):
         if (resp := await src.send(request)) is not None:
             return resp
+    raise AssertionError("unreachable: the store, the last source, always answers")
 
 
 async def pieces(request: web.Request) -> web.Response:
@@ -409,6 +417,7 @@ async def pieces(request: web.Request) -> web.Response:
     for src in _sources(request, "delta", v, False, lambda: StoredDelta(request, v)):
         if (resp := await src.listing(request, after, deadline)) is not None:
             return resp
+    raise AssertionError("unreachable: the store, the last source, always answers")
 
 
 async def base_pieces(request: web.Request) -> web.Response:
@@ -421,6 +430,7 @@ async def base_pieces(request: web.Request) -> web.Response:
     for src in _sources(request, "base", stored.v, request.method == "GET", lambda: stored):
         if (resp := await src.listing(request, after, deadline)) is not None:
             return resp
+    raise AssertionError("unreachable: the store, the last source, always answers")
 
 
 async def base(request: web.Request) -> web.StreamResponse:
@@ -430,6 +440,7 @@ async def base(request: web.Request) -> web.StreamResponse:
     for src in _sources(request, "base", stored.v, False, lambda: stored):
         if (resp := await src.send(request)) is not None:
             return resp
+    raise AssertionError("unreachable: the store, the last source, always answers")
 
 
 def make_app(
@@ -466,15 +477,15 @@ def make_app(
         app.on_cleanup.append(stop_telling)
     app[STOPPING] = asyncio.Event()
     app[PIECES] = {}
-    app[SERVED] = {"delta": 0, "base": 0}
+    app[SENT] = {"delta": 0, "base": 0}
 
     async def stop_long_polls(app: web.Application) -> None:
         app[STOPPING].set()
 
     async def count(request: web.Request, response: web.StreamResponse) -> None:
         kind = request.path.rsplit("/", 1)[-1]
-        if kind in app[SERVED] and request.method == "GET" and response.status in (200, 206):
-            app[SERVED][kind] += response.content_length or 0
+        if kind in app[SENT] and request.method == "GET" and response.status in (200, 206):
+            app[SENT][kind] += response.content_length or 0
 
     app.on_shutdown.append(stop_long_polls)
     app.on_response_prepare.append(count)

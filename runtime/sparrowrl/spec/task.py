@@ -1,0 +1,163 @@
+"""The job's `task`: where prompts and answers come from, how completions are scored, and the
+held-out examples evaluated."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
+
+from sparrowrl.spec.section import Section, Text
+
+REWARD = re.compile(r"exact|numeric|char_match|[A-Za-z_][A-Za-z0-9_]*:[A-Za-z_][A-Za-z0-9_]*|[^:]+\.py:[A-Za-z_]\w*")
+
+
+def _reward(name: str) -> str:
+    if not REWARD.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not exact, numeric, char_match, module:function (module.py beside the "
+            f"job file) or FILE.py:function"
+        )
+    return name
+
+
+FieldName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class DatasetSpec(Section):
+    """A `datasets` data set: a local file or folder, or a name on the Hugging Face Hub."""
+
+    path: Text = Field(
+        description=(
+            "A local file (.parquet, .json, .jsonl, .csv or .arrow), a folder of such files, a folder written by "
+            "save_to_disk (relative to the job file), or a data set's name on the Hugging Face Hub (HF_ENDPOINT "
+            "and HF_TOKEN are honoured)."
+        )
+    )
+    name: Text | None = Field(None, description="The data set's configuration, if it has several.")
+    split: Text = Field("train", description='The split, with datasets\' slicing if wanted: "train[:1000]".')
+    prompt_field: FieldName = Field("prompt", description="The column that holds the prompt text.")
+    answer_field: FieldName = Field("answer", description="The column that holds the answer.")
+    messages_field: FieldName | None = Field(
+        None,
+        description="The column that holds chat messages ([{role, content}]): the prompt comes from it instead.",
+    )
+
+
+class EvalSpec(Section):
+    """Held-out prompts that workers generate at a version and the trainer scores, never trains on."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.jsonl) || !has(self.dataset)",
+                    "message": "give eval.jsonl or eval.dataset, not both",
+                }
+            ]
+        }
+    )
+    jsonl: Text | None = Field(None, description="A file of held-out examples, as task.jsonl's.")
+    dataset: DatasetSpec | None = Field(None, description="A data set of held-out examples, as task.dataset's.")
+    prompts: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description=(
+            "How many: the first of the file or data set, or, for a built-in task without either, examples "
+            "training never draws."
+        ),
+    )
+    every: int = Field(10, ge=1, le=10_000_000, description="Every this many versions (and at v0 and the last).")
+    samples: int = Field(
+        1, ge=1, le=256, description="Samples per prompt: pass@1 over them, and pass@k for k = samples."
+    )
+    decoding: Literal["greedy", "sampled"] = Field(
+        "greedy", description="greedy: the most likely token each time; sampled: as rollouts sample (grpo's settings)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalSpec:
+        if self.jsonl is not None and self.dataset is not None:
+            raise ValueError("give eval.jsonl or eval.dataset, not both")
+        return self
+
+
+class TaskSpec(Section):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(has(self.builtin) ? 1 : 0) + (has(self.jsonl) ? 1 : 0) + (has(self.dataset) ? 1 : 0) "
+                    "== 1",
+                    "message": "give exactly one of task.builtin, task.jsonl and task.dataset",
+                },
+                {
+                    "rule": "!has(self.eval) || has(self.eval.jsonl) || has(self.eval.dataset) || has(self.builtin)",
+                    "message": "eval: give eval.jsonl or eval.dataset (held-out examples are drawn only for a "
+                    "built-in task)",
+                },
+            ]
+        }
+    )
+    builtin: Literal["add", "reverse"] | None = None
+    jsonl: Text | None = Field(
+        None, description='A file of {"prompt", "answer", ...} or {"messages", "answer", ...} lines.'
+    )
+    dataset: DatasetSpec | None = None
+    reward: Annotated[Text, AfterValidator(_reward)] | None = Field(
+        None,
+        description=(
+            "exact | numeric | char_match | module:function, where module.py is a file beside the job file "
+            "(or FILE.py:function, relative to it): code the trainer runs, called as fn(prompt, completion, "
+            "answer, **fields) with the example's other fields. Default: the built-in task's own, exact for "
+            "JSONL and data sets."
+        ),
+    )
+    chat_template: bool | None = Field(
+        None,
+        description=(
+            "Render prompts with the tokenizer's chat template. Unset: when the tokenizer has one; true: "
+            "required; false: never."
+        ),
+    )
+    system_prompt: Annotated[str, Field(max_length=65536)] | None = Field(
+        None,
+        description=(
+            "Prepended to each prompt: as a system message under a chat template (unless the example has its "
+            "own), else as text and a newline."
+        ),
+    )
+    max_prompt_tokens: int = Field(
+        2048, ge=1, le=131072, description="An example whose rendered prompt is longer is a bad row."
+    )
+    on_bad_row: Literal["refuse", "skip"] = Field(
+        "refuse",
+        description="A bad example (unreadable, incomplete, too long) stops the job at start, or is counted and "
+        "skipped.",
+    )
+    reward_workers: int | None = Field(
+        None, ge=1, le=64, description="Processes that run a user's reward in parallel; default: min(4, CPUs)."
+    )
+    reward_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A user's reward call that takes longer is stopped; its sample scores 0 and is counted.",
+    )
+
+    eval: EvalSpec | None = Field(
+        None, description="Held-out evaluation: pass@1 (and pass@k) per version, in metrics, status and plots."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TaskSpec:
+        if sum(x is not None for x in (self.builtin, self.jsonl, self.dataset)) != 1:
+            raise ValueError("give exactly one of task.builtin, task.jsonl and task.dataset")
+        e = self.eval
+        if e is not None and e.jsonl is None and e.dataset is None and self.builtin is None:
+            raise ValueError(
+                "eval: give eval.jsonl or eval.dataset (held-out examples are drawn only for a built-in task)"
+            )
+        return self

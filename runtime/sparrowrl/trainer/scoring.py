@@ -1,0 +1,112 @@
+"""How the learner reads its samples: each group's prompt, rewards with overlong shaping, why a
+completion ended (from its tokens, not the worker's word), and eval rounds scored. A base of
+`Learner`, whose __init__ sets the attributes it reads."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from sparrowrl.rollout import evals
+from sparrowrl.rollout.coordinator import Batch
+from sparrowrl.spec.job import JobSpec
+from sparrowrl.trainer import models, rewards, tasks
+
+
+class Scoring:
+    spec: JobSpec
+    tok: PreTrainedTokenizerBase
+    prompts: models.Prompts
+    task: tasks.Task
+    held_out: list[tasks.Example]  # task.eval's examples; rank 0's only
+    scorer: rewards.Scorer | None  # rank 0's only
+    eos: set[int]
+
+    def prompt(self, group: int) -> tasks.Example:
+        return self.task.example(group)
+
+    def eval_ids(self, i: int) -> list[int]:
+        """Eval prompt `i` as token ids: what an eval lease carries."""
+        return self.prompts.ids(self.held_out[i].prompt)
+
+    def evaluate(self, version: int, results: dict[int, dict]) -> dict:
+        """An eval round's row: its samples scored with the job's reward (rank 0's scorer), pass@1
+        (the share of samples that score 1) and, with several samples per prompt, pass@k for k
+        of them."""
+        e = self.spec.task.eval
+        assert e is not None and self.scorer is not None  # eval rounds are task.eval's, scored on rank 0
+        items = []
+        for i, res in sorted(results.items()):
+            ex = self.held_out[i]
+            for s in res["samples"]:
+                items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
+        flat, failed = self.scorer.score(items)
+        n = e.samples
+        correct = [sum(r >= 1.0 for r in flat[i : i + n]) for i in range(0, len(flat), n)]
+        row = {
+            "version": version,
+            "prompts": len(correct),
+            "samples": n,
+            "decoding": e.decoding,
+            "pass_at_1": sum(c / n for c in correct) / len(correct),
+            "reward_mean": sum(flat) / len(flat),
+            "reward_failed": failed,
+        }
+        if n > 1:
+            row["pass_at_k"] = sum(evals.pass_at(n, c, n) for c in correct) / len(correct)
+        return row
+
+    def prompt_ids(self, group: int) -> list[int]:
+        """The group's prompt as token ids: what its lease carries, and what the step scores."""
+        return self.prompts.ids(self.prompt(group).prompt)
+
+    def _score(self, batch: Batch) -> tuple[list[list[float]], dict[str, int]]:
+        """The rewards of the batch's samples by group, and the failures by kind. Groups scored as
+        they were admitted (refills on) keep those rewards; the others are scored in one call (a
+        user's reward runs them in parallel)."""
+        todo = [g for g in batch.groups if g not in batch.scores]
+        fresh, failed = self._rewards({g: batch.results[g] for g in todo}) if todo else ({}, {})
+        for g in batch.groups:
+            if g in batch.scores:
+                failed = {k: failed.get(k, 0) + n for k, n in batch.scores[g][1].items()}
+        return [batch.scores[g][0] if g in batch.scores else fresh[g] for g in batch.groups], failed
+
+    def _rewards(self, results: dict[int, dict]) -> tuple[dict[int, list[float]], dict[str, int]]:
+        """Groups' samples scored in one call: each group's rewards, and the failures by kind."""
+        items = []
+        for group, res in results.items():
+            ex = self.prompt(group)
+            for s in res["samples"]:
+                items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
+        assert self.scorer is not None  # rank 0 scores
+        flat, failed = self.scorer.score(items)
+        n = self.spec.grpo.group_size
+        return {g: flat[i * n : (i + 1) * n] for i, g in enumerate(results)}, failed
+
+    def score(self, results: dict[int, dict]) -> dict[int, tuple[list[float], dict[str, int], bool]]:
+        """Admitted groups scored as they come (refills on): each one's rewards, its failures by
+        kind, and whether its shaped rewards vary (a group that does not teaches nothing)."""
+        out = {}
+        for g, res in results.items():  # a call each: failures are counted per group
+            rewards, failed = self._rewards({g: res})
+            shaped = self._shaped(rewards[g], res["samples"])
+            out[g] = (rewards[g], failed, max(shaped) != min(shaped))
+        return out
+
+    def _shaped(self, rewards: list[float], samples: list[dict]) -> list[float]:
+        """A group's rewards after overlong shaping: what its advantages are taken from."""
+        return [r + self._overlong(len(s["tokens"])) for r, s in zip(rewards, samples, strict=True)]
+
+    def _finish(self, tokens: list[int]) -> str:
+        """Why a completion ended, read from its tokens as the engines end them (engines.FINISH)."""
+        if tokens[-1] in self.eos:
+            return "eos"
+        stop = self.spec.grpo.stop
+        if stop and any(x in models.completion_text(self.tok, tokens) for x in stop):
+            return "stop"
+        return "length"
+
+    def _overlong(self, length: int) -> float:
+        """DAPO's overlong shaping: what a completion of `length` tokens loses of its reward."""
+        g = self.spec.grpo
+        over = length - (g.max_new_tokens - g.overlong_buffer)
+        return -g.overlong_penalty * over / g.overlong_buffer if g.overlong_buffer and over > 0 else 0.0
