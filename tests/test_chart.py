@@ -109,6 +109,7 @@ def test_deployment_values(helm):
     assert "--all-namespaces" not in c["command"] and "--standalone" in c["command"]
     assert [a for a in c["command"] if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
     assert "--debug" in c["command"] and c["command"][-2:] == ["-m", "sparrowrl_operator.main"]
+    assert "--log-format=json" in c["command"]  # the default
     assert c["image"].endswith(":dev")
     assert {"name": "SPARROWRL_RUNTIME_IMAGE", "value": "r.io/rt:7"} in c["env"]
 
@@ -289,6 +290,7 @@ def test_rbac_matches_the_crds(helm):
     "setting, field",
     [
         ("logLevel=trace", "logLevel"),
+        ("logFormat=xml", "logFormat"),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
         ("watchNamespaces={Team_A}", "watchNamespaces"),
         ("serviceAccount.create=yes", "create"),

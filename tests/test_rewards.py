@@ -57,7 +57,7 @@ def alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_failures_score_zero_are_counted_by_kind_and_logged_once(reward, tmp_path, capsys):
+def test_failures_score_zero_are_counted_by_kind_and_logged_once(reward, tmp_path, caplog):
     pids = str(tmp_path / "pids")
     s = rewards.Scorer(reward, workers=3, timeout=1.0)
     try:
@@ -78,7 +78,7 @@ def test_failures_score_zero_are_counted_by_kind_and_logged_once(reward, tmp_pat
         assert not alive(hung)  # killed, and replaced:
         assert s.score([("p", "2", "2", {})] * 4) == ([1.0] * 4, dict.fromkeys(rewards.FAILURES, 0))
         assert s.score(items[2:3])[1]["raised"] == 1
-        log = capsys.readouterr().out
+        log = caplog.text
         for kind, message in [
             ("raised", "RuntimeError: cannot judge x"),
             ("timeout", "no answer in 1 s"),

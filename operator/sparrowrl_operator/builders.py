@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from sparrowrl.auth.signing import Signer, public_text
-from sparrowrl.auth.tokens import mint
+from sparrowrl.auth.tokens import Role, mint
 from sparrowrl.spec.job import API_VERSION, JobSpec
 from sparrowrl.spec.kubespec import Scheduling
 from sparrowrl.spec.layout import Process
@@ -148,7 +148,7 @@ def credentials_secret(job: JobRef, role: Process, secret: str, namespace: str, 
 
 
 @functools.lru_cache(maxsize=1 << 15)
-def credentials(secret: str, kind: str, name: str) -> tuple[str, str]:
+def credentials(secret: str, kind: Role, name: str) -> tuple[str, str]:
     """A role's token and the trainer's public key. Signing is deterministic, so a cycle that
     builds a slot's Secret again need not sign it again: a 4,000-worker job signed 4,000
     tokens every cycle. The bound holds the slots of 8 jobs of 4,096 workers (a few MB); past
@@ -179,7 +179,7 @@ def job_document(job: JobRef, spec: dict, written: str | None) -> str:
     old = _this_jobs(job, written)
     if old is not None:
         kept = {k: v for k, v in old["spec"].items() if k not in FIXED} | {k: spec[k] for k in FIXED if k in spec}
-        if kept == old["spec"]:
+        if kept == old["spec"] and written is not None:  # not None: old was read from it
             return written
         spec = kept
     return yaml.safe_dump(_head(job) | {"spec": spec}, sort_keys=False)
@@ -302,6 +302,7 @@ def _args(role: Process, spec: JobSpec) -> list[str]:
     serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
     if role.kind == "trainer":
         return ["trainer", JOB_KEY, "--state-dir", "state", *serve]
+    assert role.trainer is not None and role.region is not None  # a relay's and a worker's (layout.processes)
     if role.kind == "relay":
         return ["relay", "--upstream", role.trainer, "--cache", "cache", "--streams", str(spec.sync.streams), *serve]
     return [
@@ -367,6 +368,7 @@ def pod(
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "SPARROWRL_LOG_FORMAT", "value": "json"},  # one object per line, for the cluster's log pipeline
     ]
     probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
     container = {
@@ -392,7 +394,7 @@ def pod(
         meta["annotations"] = {STEPS_ANNOTATION: str(spec.steps)}
     if slot is not None:
         meta["labels"][SLOT_LABEL] = str(slot)
-    manifest = {
+    manifest: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": meta,
@@ -467,14 +469,14 @@ def merge(base: Any, patch: Any) -> Any:
                 out[k] = merge(out.get(k), v)
         return out
     if isinstance(base, list) and isinstance(patch, list) and _named(base) and _named(patch):
-        out = [copy.deepcopy(x) for x in base]
-        at = {x["name"]: i for i, x in enumerate(out)}
+        items = [copy.deepcopy(x) for x in base]
+        at = {x["name"]: i for i, x in enumerate(items)}
         for item in patch:
             if item["name"] in at:
-                out[at[item["name"]]] = merge(out[at[item["name"]]], item)
+                items[at[item["name"]]] = merge(items[at[item["name"]]], item)
             else:
-                out.append(copy.deepcopy(item))
-        return out
+                items.append(copy.deepcopy(item))
+        return items
     return copy.deepcopy(patch)
 
 
