@@ -139,7 +139,7 @@ def check_kubeconfig(text: str) -> dict:
         ctx_name = cfg["current-context"]
         ctx = next(c["context"] for c in cfg["contexts"] if c["name"] == ctx_name)
         cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == ctx["cluster"])
-        user = next((u["user"] for u in cfg.get("users") or [] if u["name"] == ctx.get("user")), {}) or {}
+        user: dict = next((u["user"] for u in cfg.get("users") or [] if u["name"] == ctx.get("user")), {}) or {}
         server = urllib.parse.urlsplit(cluster["server"])
     except (yaml.YAMLError, KeyError, TypeError, StopIteration, AttributeError, ValueError) as e:
         raise KubeConfigError(

@@ -22,6 +22,8 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Sequence
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -72,7 +74,7 @@ def piece_statement(version: int, offset: int, length: int, sha256: str, final: 
     return _PIECE + struct.pack("<QQQ?", version, offset, length, final) + bytes.fromhex(sha256)
 
 
-def table_statement(version: int, pieces: list) -> bytes:
+def table_statement(version: int, pieces: Sequence[Sequence[Any]]) -> bytes:
     """A finished delta's pieces ([offset, length, sha256, final, …] in file order), all at once."""
     table = hashlib.sha256(b"".join(struct.pack("<QQ?", o, n, f) + bytes.fromhex(h) for o, n, h, f, *_ in pieces))
     return _TABLE + struct.pack("<Q", version) + table.digest()
