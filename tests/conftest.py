@@ -6,10 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-
-from sparrowrl.delta.bitview import DTYPES, bits
-from sparrowrl.store.store import Store
+from support.tensors import layer, stored, versions
 
 pytest_plugins = ["support.xdist_groups"]
 
@@ -60,54 +57,6 @@ def pytest_runtest_call(item: pytest.Item):
         )
 
 
-def random_tensor(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Arbitrary bit patterns: NaN payloads, infinities, subnormals and -0.0 all occur."""
-    t = torch.empty(shape, dtype=DTYPES[dtype][0])
-    b = bits(t)
-    b[:] = rng.integers(0, np.iinfo(b.dtype).max, size=b.shape, dtype=b.dtype, endpoint=True)
-    if dtype == "BOOL":
-        b &= 1
-    return t
-
-
-def mutate(rng: np.random.Generator, t: torch.Tensor, density: float) -> torch.Tensor:
-    """Change about `density` of the elements: +-1 steps, sign flips and arbitrary new patterns."""
-    out = t.clone()
-    b = bits(out)
-    n = b.shape[0]
-    k = int(round(density * n))
-    if k == 0:
-        return out
-    pos = rng.choice(n, size=k, replace=False)
-    kind = rng.integers(0, 4, size=k)
-    one = b.dtype.type(1)
-    top = b.dtype.type(1 << (8 * b.dtype.itemsize - 1))
-    v = b[pos]
-    v = np.where(kind == 0, v + one, v)
-    v = np.where(kind == 1, v - one, v)
-    v = np.where(kind == 2, v ^ top, v)
-    rand = rng.integers(0, np.iinfo(b.dtype).max, size=k, dtype=b.dtype, endpoint=True)
-    v = np.where(kind == 3, rand, v)
-    if t.dtype == torch.bool:
-        v = (b[pos] ^ 1).astype(b.dtype)
-    b[pos] = v
-    return out
-
-
-def adam_step_pair(rng: np.random.Generator, n: int, lr: float = 1e-6, steps: int = 4):
-    """bf16 before/after of an Adam-like step on fp32 master weights (a realistic delta)."""
-    w = torch.from_numpy(rng.standard_normal(n, dtype=np.float32) * 0.02).bfloat16().float()
-    m, v = torch.zeros(n), torch.zeros(n)
-    drift = torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
-    for t in range(1, steps + 1):
-        prev = w.bfloat16()
-        g = 0.5 * drift + torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
-        m = 0.9 * m + 0.1 * g
-        v = 0.999 * v + 0.001 * g * g
-        w = w - lr * (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + 1e-8)
-    return prev, w.bfloat16()
-
-
 def zstd_frame(declared: int, content: bytes) -> bytes:
     """A zstd frame that declares `declared` bytes and holds `content` (at most 2**21 bytes) in
     one raw block: magic, a descriptor for an 8-byte size, a window byte, the size, the block."""
@@ -129,12 +78,8 @@ def history(tmp_path_factory):
     """A store of 7 versions (bases at 0 and 4) and the states it holds."""
     rng = np.random.default_rng(3)
     path = tmp_path_factory.mktemp("store") / "s"
-    states = [{"w": random_tensor(rng, "BF16", (600, 500)), "n": random_tensor(rng, "F32", (500,))}]
-    for _ in range(6):
-        states.append({k: mutate(rng, v, 0.02) for k, v in states[-1].items()})
-    store = Store.init(path, states[0], base_every=4)
-    for s in states[1:]:
-        store.add(s)
+    states = versions(rng, layer(rng, 600, 500), 6, 0.02)
+    stored(path, states, base_every=4)
     return path, states
 
 

@@ -15,6 +15,7 @@ import torch
 import yaml
 from conftest import zstd_frame
 from safetensors.torch import save_file
+from support import jobs
 from support.bounded import limit_memory, refused, sparrowrl, sparrowrl_each
 
 from sparrowrl.cli import runner
@@ -39,13 +40,7 @@ spec: {model: {tiny: {}}, task: {builtin: add}}
 
 
 def job(**spec) -> dict:
-    base = {"steps": 1, "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"}}
-    return {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": "t"},
-        "spec": {**base, **spec},
-    }
+    return jobs.job(**{"steps": 1, **spec})
 
 
 def write_job(path, **spec):

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
-from conftest import mutate, random_tensor
 from safetensors.torch import save_file
 from support.bounded import TOKEN, free_port, refused, serving, sparrowrl
+from support.jobs import job
+from support.tensors import random_tensor, stored, versions
+from support.wait import until
 
 from sparrowrl.auth.signing import Signer, base_statement, piece_statement
 from sparrowrl.delta import DeltaFile, state_hash, write_delta
@@ -29,7 +31,8 @@ from sparrowrl.delta.bitview import bits
 from sparrowrl.delta.errors import CorruptError
 from sparrowrl.delta.frame import END, HEAD, MAGIC, TRAILER, pack_json, unpack_json
 from sparrowrl.delta.statehash import format_hash, tensor_hash, tensor_key
-from sparrowrl.store.store import BASE_PART, Store
+from sparrowrl.store.index import BASE_PART
+from sparrowrl.store.store import Store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("address_space_limit")]
 
@@ -37,11 +40,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("address_space_limit")]
 def make_store(path: Path, deltas: int) -> Path:
     """Version 0 (a base snapshot) and `deltas` versions after it."""
     rng = np.random.default_rng(5)
-    state = {"w": random_tensor(rng, "F32", (64, 64))}
-    s = Store.init(path, state, base_every=4)
-    for _ in range(deltas):
-        state = {"w": mutate(rng, state["w"], 0.05)}
-        s.add(state)
+    stored(path, versions(rng, {"w": random_tensor(rng, "F32", (64, 64))}, deltas, 0.05), base_every=4)
     return path
 
 
@@ -86,14 +85,10 @@ def wakes(pid: int, seconds: float) -> int:
     return switches() - before
 
 
-def goes_idle(pid: int, window: float, deadline: float = 25) -> bool:
-    """Whether the server's loop has a quiet `window` (one wake at most) within `deadline` s;
-    the long-polls here ask to wait 60 s, so a handler that outlives its client never does."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if wakes(pid, window) <= 1:
-            return True
-    return False
+def goes_idle(pid: int, window: float, what: str) -> None:
+    """Until the server's loop has a quiet `window` (one wake at most), for 25 s at most: the
+    long-polls here ask to wait 60 s, so a handler that outlives its client never has one."""
+    until(lambda: wakes(pid, window) <= 1, 25, what, every=0)
 
 
 def holds(pid: int, path: Path) -> bool:
@@ -152,7 +147,7 @@ def test_a_version_long_poll_ends_when_its_client_leaves(tmp_path):
         s = long_poll(port, "/v1/versions?after=1&wait=60")
         assert unanswered(s, 1.0) and wakes(p.pid, 1.0) > 1  # waiting for v2, polling the store
         s.close()
-        assert goes_idle(p.pid, 1.0), "the handler kept polling after its client left"
+        goes_idle(p.pid, 1.0, "the handler to stop polling after its client left")
 
 
 @pytest.mark.timeout(90)
@@ -164,7 +159,7 @@ def test_a_pieces_long_poll_ends_when_its_client_leaves(tmp_path):
         s = long_poll(port, "/v1/versions/2/pieces?after=0&wait=60")
         assert unanswered(s, 1.0) and holds(p.pid, partial)
         s.close()
-        assert goes_idle(p.pid, 1.0), "the handler kept polling after its client left"
+        goes_idle(p.pid, 1.0, "the handler to stop polling after its client left")
         assert not holds(p.pid, partial)
 
 
@@ -174,16 +169,19 @@ def test_a_relay_base_long_poll_ends_when_its_client_leaves(tmp_path):
     a client waiting for parts leaves: the relay's handler stops waiting for them."""
     with serving("serve", make_store(tmp_path / "s", deltas=0)) as (_, origin):
         with serving("relay", "--upstream", f"http://127.0.0.1:{origin}", "--rate-mbit", "0.001") as (p, port):
-            deadline = time.monotonic() + 60
-            while not (
-                get(port, "/v1/versions")[0] == 200 and json.loads(get(port, "/v1/versions")[1])["versions"][0]["base"]
-            ):
-                assert time.monotonic() < deadline, "the relay did not list the origin's base"
-                time.sleep(0.2)
+            until(
+                lambda: (
+                    get(port, "/v1/versions")[0] == 200
+                    and json.loads(get(port, "/v1/versions")[1])["versions"][0]["base"]
+                ),
+                60,
+                "the relay listing the origin's base",
+                every=0.2,
+            )
             s = long_poll(port, "/v1/versions/0/base/pieces?after=0&wait=60")
             assert unanswered(s, 2.0)
             s.close()
-            assert goes_idle(p.pid, 3.0), "the handler kept waiting after its client left"
+            goes_idle(p.pid, 3.0, "the handler to stop waiting after its client left")
 
 
 # 3. bytes that are not UTF-8
@@ -219,16 +217,7 @@ def role_args(tmp_path: Path, command: str) -> list:
     if command == "relay":
         return ["relay", "--upstream", "http://127.0.0.1:9"]
     if command == "trainer":
-        (tmp_path / "j.yaml").write_text(
-            json.dumps(
-                {
-                    "apiVersion": "sparrowrl.dev/v1alpha1",
-                    "kind": "SparrowRLJob",
-                    "metadata": {"name": "t"},
-                    "spec": {"model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, "task": {"builtin": "add"}},
-                }
-            )
-        )
+        (tmp_path / "j.yaml").write_text(json.dumps(job()))
         return ["trainer", tmp_path / "j.yaml", "--state-dir", tmp_path / "state"]
     return ["worker", "--trainer", "http://127.0.0.1:9", "--name", "w"]
 

@@ -6,7 +6,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import mutate, random_tensor, zstd_frame
+from conftest import zstd_frame
+from support.tensors import mutate, mutated, random_tensor
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
@@ -88,7 +89,7 @@ def test_not_a_delta():
 
 def test_wrong_base(pair, rng):
     old, _, data, m = pair
-    other = {k: mutate(rng, v, 0.001) for k, v in old.items()}
+    other = mutated(rng, old, 0.001)
     assert_refused(data, other, MismatchError, f"base hash mismatch: delta needs {m['base_hash']}")
 
 

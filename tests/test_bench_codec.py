@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import mutate, random_tensor
 
 from sparrowrl.delta.bitview import bits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hack"))
 import bench_codec  # noqa: E402
 import peer_formats  # noqa: E402
+from support.tensors import mutate, random_tensor
 
 EXACT = [p for p, exact in peer_formats.BIT_EXACT.items() if exact]
 

@@ -8,12 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import mutate, random_tensor
 from safetensors.torch import load_file, save_file
-
-from sparrowrl.delta.bitview import bits
+from support import jobs
+from support.tensors import mutate, random_tensor, same
 
 EXE = Path(sys.executable).parent / "sparrowrl"
 
@@ -39,8 +37,7 @@ def here(*args, ok=True) -> subprocess.CompletedProcess:
 
 
 def same_file(a: Path, b: Path) -> bool:
-    x, y = load_file(str(a)), load_file(str(b))
-    return set(x) == set(y) and all(np.array_equal(bits(x[k]), bits(y[k])) for k in x)
+    return same(load_file(str(a)), load_file(str(b)))
 
 
 @pytest.fixture
@@ -174,7 +171,7 @@ def test_check_names_what_the_trainer_would_not_find(tmp_path, monkeypatch):
         return CliRunner().invoke(app, ["check", str(tmp_path / "job.yaml"), "--state-dir", str(tmp_path / "state")])
 
     hub = {"hub": {"repo": "me/model"}}
-    p = check({"tiny": {"hidden": 32, "layers": 1, "heads": 2}}, builtin="add", reward="inputs/score.py:score")
+    p = check(jobs.tiny(), builtin="add", reward="inputs/score.py:score")
     assert p.exit_code == 3, p.output
     assert p.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path}/job.yaml: spec.task: reward ")
     assert f"no file {tmp_path}/inputs/score.py" in p.stderr

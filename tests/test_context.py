@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import adam_step_pair, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from support.tensors import adam_step_pair, random_tensor
 
 from sparrowrl.delta import DeltaFile, apply_delta, kernels, state_hash, write_delta
 from sparrowrl.delta.bitview import bits

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import jobs
 from test_run_tasks import job, results, run
 
 from sparrowrl.rollout.evals import FIRST_LEASE, Evals, pass_at
@@ -62,7 +63,7 @@ def test_rounds_open_on_time_and_go_to_workers_at_their_version():
 def test_a_run_evaluates_held_out_prompts_on_its_workers_without_training_on_them(tmp_path):
     spec = job(
         steps=4,
-        model={"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 60}},
+        model=jobs.tiny(warmupSteps=60),
         task={"builtin": "add", "eval": {"every": 2, "prompts": 6, "samples": 3, "decoding": "sampled"}},
     )
     r = run(tmp_path, spec)

@@ -5,9 +5,9 @@ import io
 
 import numpy as np
 import torch
-from conftest import mutate, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.tensors import mutate, random_tensor
 
 from sparrowrl.delta import DeltaFile, apply_delta, kernels, state_hash, write_delta
 from sparrowrl.delta.bitview import bits

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import adam_step_pair, mutate, random_tensor
-from test_shard import _port, _rank, check_published
+from support.servers import free_port
+from support.tensors import adam_step_pair, mutated, random_tensor, same
+from test_shard import _rank, check_published
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
@@ -33,13 +34,13 @@ def encode(old: dict, new: dict) -> bytes:
 @pytest.mark.parametrize("density", [0.0, 0.001, 0.01, 0.3, 1.0])
 def test_gpu_bytes_identical_random(rng, dtype, density):
     old = {"a": random_tensor(rng, dtype, (300, 701)), "b": random_tensor(rng, dtype, (13,))}
-    new = {k: mutate(rng, v, density) for k, v in old.items()}
+    new = mutated(rng, old, density)
     cpu = encode(old, new)
     gpu = encode({k: v.cuda() for k, v in old.items()}, {k: v.cuda() for k, v in new.items()})
     assert gpu == cpu
     state = {k: v.clone() for k, v in old.items()}
     apply_delta(DeltaFile(gpu), state, verify_full=True)
-    assert all(np.array_equal(bits(state[k]), bits(new[k])) for k in new)
+    assert same(state, new)
 
 
 def test_gpu_bytes_identical_realistic(rng):
@@ -61,7 +62,7 @@ def test_gpu_apply_in_place_into_fused_views(rng):
     (vLLM's qkv_proj on GPU), and the state hash is computed where the tensors live."""
     q, k, v = (random_tensor(rng, "BF16", (n, 256)) for n in (512, 128, 128))
     old = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v}
-    new = {n: mutate(rng, t, 0.01) for n, t in old.items()}
+    new = mutated(rng, old, 0.01)
     qkv = torch.cat([q, k, v]).cuda()
     views = dict(zip(old, qkv.split([512, 128, 128])))
     assert state_hash(views) == state_hash(old)
@@ -77,7 +78,7 @@ def test_sharded_trainer_publishes_from_cuda_shards(tmp_path):
     and hashed on the device. What they publish is what they held, bit for bit, and the bytes one
     process writes from the same weights on the host (two ranks where there are two GPUs)."""
     world = min(2, torch.cuda.device_count())
-    mp.spawn(_rank, args=(world, _port(), str(tmp_path), "cuda"), nprocs=world)
+    mp.spawn(_rank, args=(world, free_port(), str(tmp_path), "cuda"), nprocs=world)
     check_published(tmp_path)
 
 

@@ -8,43 +8,28 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import jobs
 from support.hub import Hub
+from support.models import TEMPLATE, save_tiny
 
 from sparrowrl.spec.job import parse
 from sparrowrl.trainer import hub, models, tasks
 from sparrowrl.trainer.learner import Learner
 
 pytestmark = pytest.mark.timeout(300)
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<{% endfor %}"
-    "{% if add_generation_prompt %}a:{% endif %}"
-)
 
 
 def job(model: dict, task: dict | None = None):
-    return parse(
-        {
-            "apiVersion": "sparrowrl.dev/v1alpha1",
-            "kind": "SparrowRLJob",
-            "metadata": {"name": "t"},
-            "spec": {
-                "steps": 2,
-                "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
-                "model": model,
-                "task": task or {"builtin": "add"},
-            },
-        }
-    ).spec
+    """The spec of a tiny job of `model` and `task` (the add task if none)."""
+    grpo = {"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2}
+    return parse(jobs.job(steps=2, grpo=grpo, model=model, task=task or {"builtin": "add"})).spec
 
 
 @pytest.fixture
 def saved(tmp_path):
     """A tiny model with a chat-template tokenizer (and a pickle beside it, never downloaded),
     and a data set of JSONL data files."""
-    tok = models.char_tokenizer()
-    tok.chat_template = TEMPLATE
-    models.tiny_qwen3(len(tok), 32, 1, 2, 0).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
+    save_tiny(tmp_path / "model")
     (tmp_path / "model" / "pytorch_model.bin").write_bytes(b"a pickle")
     (tmp_path / "data" / "data").mkdir(parents=True)
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": a % 2} for a in range(5)]
@@ -123,9 +108,9 @@ def test_what_the_hub_refuses_is_named_by_the_field(stand_in, saved, tmp_path):
             None,
             "^model.hub.revision: me/tiny has no branch, tag or commit 'v9'",
         ),
-        ({"tiny": {}}, {"dataset": {"path": "me/nope"}}, "^task.dataset.path: no dataset me/nope on"),
+        (jobs.tiny(), {"dataset": {"path": "me/nope"}}, "^task.dataset.path: no dataset me/nope on"),
         (
-            {"tiny": {}},
+            jobs.tiny(),
             {"dataset": {"path": "no such data!"}},
             "^task.dataset.path: no such data! is no local file or folder",
         ),
@@ -167,7 +152,7 @@ def test_only_repo_ids_and_revisions_the_hub_allows():
 
 
 def test_a_data_set_folder_from_the_hub_reads_as_a_local_one(stand_in, tmp_path):
-    spec = job({"tiny": {}}, {"dataset": {"path": "me/qa"}})
+    spec = job(jobs.tiny(), {"dataset": {"path": "me/qa"}})
     hub.fetch(spec, tmp_path / "state")
     what, rows = tasks.dataset(hub.localize(spec, tmp_path / "state").task.dataset)
     got = [src for _, src in rows]
@@ -181,14 +166,14 @@ def test_a_held_out_data_set_from_the_hub_is_fetched_with_the_others_and_read_in
     """task.eval.dataset names a data set on the hub: fetched into the state dir as the training
     data set is (one download when both name the same), and read in file order, the first
     `prompts` of it."""
-    spec = job({"tiny": {}}, {"builtin": "add", "eval": {"dataset": {"path": "me/qa"}, "prompts": 3}})
+    spec = job(jobs.tiny(), {"builtin": "add", "eval": {"dataset": {"path": "me/qa"}, "prompts": 3}})
     state = tmp_path / "state"
     learner = Learner(spec, state)
     learner.stop()
     learner.held.close()
     assert [(x.prompt, x.answer) for x in learner.held_out] == [(f"{a}+{a}=", str(2 * a)) for a in range(3)]
     assert (state / "hub" / "datasets" / "me" / "qa" / "main" / "data" / "train.jsonl").is_file()
-    both = job({"tiny": {}}, {"dataset": {"path": "me/qa"}, "eval": {"dataset": {"path": "me/qa"}}})
+    both = job(jobs.tiny(), {"dataset": {"path": "me/qa"}, "eval": {"dataset": {"path": "me/qa"}}})
     assert [s.field for s in hub.sources(both)] == ["task.dataset.path"]
     local = hub.localize(both, state)
     assert (

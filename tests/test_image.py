@@ -16,17 +16,18 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from support import jobs
 from support.bounded import free_port
 from support.hub import Hub
 from support.imports import IMPORT_ALL
 from support.models import save_tiny
-from support.servers import wait_for
+from support.servers import get
+from support.wait import until
 
 ROOT = Path(__file__).resolve().parent.parent
 UID = 65532  # the image's USER
@@ -102,19 +103,15 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image, hub, t
     huggingface_hub must not need a writable HOME either."""
     venv, top = image
     hub.add("model", "me/tiny", save_tiny(tmp_path / "model"), private=True)
-    job = {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": "image"},
-        "spec": {
-            "steps": 1,
-            "model": {"hub": {"repo": "me/tiny"}},
-            "task": {"dataset": {"path": "sums.jsonl"}},  # read with `datasets`, which caches under HOME
-            "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
-            "rollout": {"groupsPerLease": 1},
-            "topology": {"regions": [{"name": "a", "workers": 1}]},
-        },
-    }
+    job = jobs.job(
+        "image",
+        steps=1,
+        model={"hub": {"repo": "me/tiny"}},
+        task={"dataset": {"path": "sums.jsonl"}},  # read with `datasets`, which caches under HOME
+        grpo=jobs.GRPO,
+        rollout={"groupsPerLease": 1},
+        topology={"regions": [{"name": "a", "workers": 1}]},
+    )
     # each role's working folder is root's, as a pod's workingDir is; only its volumes are the user's
     pods = {name: folder(top / name) for name in ("trainer", "relay", "worker")}
     (folder(pods["trainer"] / "job") / "job.yaml").write_text(yaml.safe_dump(job))  # the job's ConfigMap
@@ -167,12 +164,9 @@ def test_the_roles_run_as_the_images_user_from_a_read_only_install(image, hub, t
     try:
         for name, args in commands.items():
             procs[name] = run(*map(str, args), env=envs[name], cwd=pods[name])
-            wait_for(probes[name], procs, 180)
+            until(lambda: get(probes[name]) == 200, 180, f"{probes[name]} answering", every=0.2, alive=procs)
         summary = pods["trainer"] / "state" / "summary.json"
-        deadline = time.monotonic() + 240
-        while not summary.exists():
-            assert time.monotonic() < deadline and procs["trainer"].poll() is None, procs["trainer"].stdout.read()
-            time.sleep(0.5)
+        until(summary.exists, 240, "the run's summary", every=0.5, alive={"trainer": procs["trainer"]})
         s = json.loads(summary.read_text())
         assert s["steps"] == 1 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2  # v0 and v1
     finally:

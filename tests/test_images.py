@@ -11,16 +11,17 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from support import jobs
 from support.bounded import free_port
 from support.imports import IMPORT_ALL
 from support.kube import clusters
-from support.servers import wait_for
+from support.servers import get
+from support.wait import until
 
 from sparrowrl.spec.job import parse
 from sparrowrl.spec.layout import processes
@@ -157,19 +158,10 @@ def test_every_module_imports_in_the_runtime_image_as_its_user_without_a_word(im
     assert int(p.stdout) > 70
 
 
-JOB = {
-    "apiVersion": "sparrowrl.dev/v1alpha1",
-    "kind": "SparrowRLJob",
-    "metadata": {"name": "img", "namespace": "default"},
-    "spec": {
-        "steps": 3,
-        "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
-        "task": {"builtin": "add"},
-        "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
-        "rollout": {"groupsPerLease": 2},
-        "topology": {"regions": [{"name": "a", "workers": 1}]},
-    },
-}
+JOB = jobs.job(
+    "img", steps=3, grpo=jobs.GRPO, rollout={"groupsPerLease": 2}, topology={"regions": [{"name": "a", "workers": 1}]}
+)
+JOB["metadata"]["namespace"] = "default"
 
 
 @pytest.mark.timeout(1800)
@@ -209,13 +201,10 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
                 argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
             probe = "readyz" if role.kind != "worker" else "healthz"
-            wait_for(f"http://127.0.0.1:{ports[role.name]['http']}/{probe}", procs, 300)
+            url = f"http://127.0.0.1:{ports[role.name]['http']}/{probe}"
+            until(lambda: get(url) == 200, 300, f"{url} answering", every=0.2, alive=procs)
         summary = mounts["state"] / "summary.json"
-        deadline = time.monotonic() + 600
-        while not summary.exists():
-            assert procs["trainer"].poll() is None, procs["trainer"].stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the job did not finish in 10 minutes"
-            time.sleep(1)
+        until(summary.exists, 600, "the job's summary", every=1, alive={"trainer": procs["trainer"]})
         s = json.loads(summary.read_text())
         assert s["steps"] == 3 and s["weights_mismatch"] == 0 and s["weights_verified"] >= 4, s
     finally:
@@ -256,6 +245,12 @@ def test_the_operator_image_answers_its_probe_as_the_charts_deployment_runs_it(i
         argv = container(name, options, OPERATOR, [f"--liveness=http://0.0.0.0:{port}/healthz"])  # the last one counts
         p = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            wait_for(f"http://127.0.0.1:{port}/healthz", {"operator": p}, 120)
+            until(
+                lambda: get(f"http://127.0.0.1:{port}/healthz") == 200,
+                120,
+                "the operator's health",
+                every=0.2,
+                alive={"operator": p},
+            )
         finally:
             stop(name)

@@ -6,21 +6,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.jobs import job
 from support.servers import EXE
 
 from sparrowrl.spec.job import JobError, load, parse
 
 EXAMPLE = "examples/local-job.yaml"
-
-
-def job(**spec):
-    base = {"model": {"tiny": {}}, "task": {"builtin": "add"}}
-    return {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": "t"},
-        "spec": {**base, **spec},
-    }
 
 
 def test_the_example_parses_with_its_defaults():

@@ -22,8 +22,9 @@ import kopf
 import pytest
 import yaml
 from kubernetes import client, watch
-from support.kube import APPLY, HISTORY, ApiError, Cluster, clusters, path, until
+from support.kube import APPLY, HISTORY, ApiError, Cluster, clusters, path
 from support.kubelet import Kubelet, kubelets
+from support.wait import until
 
 pytestmark = pytest.mark.kube
 

@@ -5,7 +5,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import mutate, random_tensor
+from support.tensors import mutate, mutated, random_tensor
 
 from sparrowrl.delta import DeltaFile, Slot, apply_delta, state_hash, write_delta
 from sparrowrl.delta.apply import DeviceSlot, hash_through
@@ -16,7 +16,7 @@ from sparrowrl.delta.errors import VerifyError
 def test_apply_into_fused_qkv(rng):
     q, k, v = (random_tensor(rng, "BF16", (n, 16)) for n in (32, 8, 8))
     old = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v}
-    new = {n: mutate(rng, t, 0.05) for n, t in old.items()}
+    new = mutated(rng, old, 0.05)
     buf = io.BytesIO()
     write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1, segment=100)
 
@@ -61,7 +61,7 @@ def test_a_wrong_layout_is_caught_by_the_full_hash_and_rolled_back(rng, device):
     assignment passes, the full hash afterwards does not, and the rows get their old bits back."""
     k = random_tensor(rng, "BF16", (8, 16))
     old = {"k_proj.weight": k, "v_proj.weight": k.clone()}
-    new = {n: mutate(rng, t, 0.3) for n, t in old.items()}
+    new = mutated(rng, old, 0.3)
     buf = io.BytesIO()
     write_delta(buf, old, new, base_version=0, base_hash=state_hash(old), target_version=1)
     rows = k.clone()

@@ -9,11 +9,14 @@ import math
 
 import pytest
 import torch
+from support.jobs import job, tiny
 
 from sparrowrl.rollout.coordinator import REFILL, Batch
-from sparrowrl.spec.job import GrpoSpec, JobError, parse
+from sparrowrl.spec.grpo import GrpoSpec
+from sparrowrl.spec.job import JobError, parse
 from sparrowrl.trainer import grpo, lr, models
-from sparrowrl.trainer.learner import Learner, device
+from sparrowrl.trainer.device import device
+from sparrowrl.trainer.learner import Learner
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,18 +114,13 @@ def test_the_schedule_is_a_function_of_the_step():
 
 
 def _job(**grpo_fields) -> dict:
-    return {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": "learner"},
-        "spec": {
-            "steps": 4,
-            "model": {"tiny": {"hidden": 32, "layers": 2, "heads": 2}},
-            "task": {"builtin": "add"},
-            "grpo": {"groupSize": 3, "promptsPerStep": 2, "maxNewTokens": 4, "klCoef": 0.05, **grpo_fields},
-            "topology": {"regions": [{"name": "a", "workers": 1}]},
-        },
-    }
+    return job(
+        "learner",
+        steps=4,
+        model=tiny(layers=2),
+        grpo={"groupSize": 3, "promptsPerStep": 2, "maxNewTokens": 4, "klCoef": 0.05, **grpo_fields},
+        topology={"regions": [{"name": "a", "workers": 1}]},
+    )
 
 
 def _near(learner: Learner, group: int, ids: list[int], g: torch.Generator) -> list[float]:

@@ -10,8 +10,6 @@ import threading
 import aiohttp
 import numpy as np
 import pytest
-from aiohttp import web
-from conftest import mutate, random_tensor
 from safetensors.torch import load as load_safetensors
 from support.netfaults import Faults, FaultyProxy
 from support.servers import (
@@ -20,16 +18,18 @@ from support.servers import (
     Server,
     free_port,
     get,
+    listen,
     next_version,
     paused_publish,
-    same,
     serving,
     start_server,
-    until,
 )
+from support.tensors import mutate, mutated, random_tensor, same
+from support.wait import until_async
 
 from sparrowrl.delta import apply_delta, state_hash
-from sparrowrl.store.store import BASE_PART, Store
+from sparrowrl.store.index import BASE_PART
+from sparrowrl.store.store import Store
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.relay import Relay, make_relay_app
 
@@ -39,11 +39,7 @@ class RelayServer:
         self.relay = Relay([upstream], mirror, keep=keep, token=TOKEN, backoff=0.01, **client_kw)
 
     async def __aenter__(self):
-        self.runner = web.AppRunner(make_relay_app(self.relay, TOKEN))
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, self.url = await listen(make_relay_app(self.relay, TOKEN))
         await asyncio.wait_for(self.relay.synced.wait(), 60)
         return self
 
@@ -62,15 +58,11 @@ def test_a_worker_that_starts_before_its_relay_has_synced_waits_for_it(history, 
     async def go():
         async with Server(path) as origin, FaultyProxy(origin.port, Faults(cut_after=0, cuts=10**6)) as wan:
             relay = Relay([wan.url], tmp_path / "mirror", token=TOKEN, backoff=0.01)
-            runner = web.AppRunner(make_relay_app(relay, TOKEN))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            runner, url = await listen(make_relay_app(relay, TOKEN))
             try:
                 async with Client([url, origin.url], token=TOKEN, backoff=0.01) as worker:
                     fetch = asyncio.create_task(worker.advance(6))
-                    await until(lambda: worker.stats.requests >= 5, "the worker's requests to the relay")
+                    await until_async(lambda: worker.stats.requests >= 5, 60, "the worker's requests to the relay")
                     assert not relay.synced.is_set() and not fetch.done()
                     wan.faults.cuts = 0  # the upstream comes up
                     state, _ = await asyncio.wait_for(fetch, 60)
@@ -136,13 +128,16 @@ def test_relay_is_cut_through(history, tmp_path, rng):
             Client(relay.url, token=TOKEN) as worker,
         ):
             t = paused_publish(store, old, new, got_first, writer_done)
-            for _ in range(12):  # long-polls of 5 s: a minute
-                if v0 + 1 in (listed := await worker.versions(after=v0, wait=5))["producing"] + [listed["newest"]]:
-                    break
-            else:
-                pytest.fail(f"v{v0 + 1} never listed")
-            await until(
-                lambda: len(getattr(relay.relay.tables.get(v0 + 1), "pieces", [])) >= 2, "the relay mirrors two pieces"
+
+            async def listed() -> bool:  # a long-poll of 5 s
+                got = await worker.versions(after=v0, wait=5)
+                return v0 + 1 in got["producing"] + [got["newest"]]
+
+            await until_async(listed, 60, f"v{v0 + 1} listed", every=0)
+            await until_async(
+                lambda: len(getattr(relay.relay.tables.get(v0 + 1), "pieces", [])) >= 2,
+                60,
+                "the relay mirrors two pieces",
             )
             # meanwhile, a client that listed its pieces elsewhere (the origin, before falling back
             # here) gets only bytes that have verified at the relay, at once
@@ -200,14 +195,17 @@ def test_relay_killed_workers_fall_back(history, tmp_path):
         async def go():
             urls = [f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{origin_port}"]
             async with Client(urls, token=TOKEN, backoff=0.05) as c:
-                for _ in range(200):  # the relay has mirrored the newest version
+
+                async def mirrored() -> bool:  # the newest version, at the relay
                     try:
                         if (await c.json("/v1/versions"))["newest"] == 6 and c.servers.server == 0:
-                            break
+                            return True
                     except Exception:
                         pass
                     c.servers.server = 0
-                    await asyncio.sleep(0.1)
+                    return False
+
+                await until_async(mirrored, 60, "the relay listing v6", every=0.1)
                 state, _ = await c.advance(6)
                 assert same(state, states[6]) and c.servers.server == 0  # served by the relay
                 relay.kill()
@@ -225,11 +223,11 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
     """A relay lists a delta's pieces as they verify, in any order; once stored it lists them in
     file order. A worker that switches lists midway (or servers) lists anew and loses nothing."""
     from sparrowrl.auth.signing import Signer
-    from sparrowrl.transport.relay import Mirror
+    from sparrowrl.transport.piece_table import PieceTable
     from sparrowrl.transport.server import make_app
 
     path, states = history
-    table = Mirror("delta", 5, path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
+    table = PieceTable("delta", 5, path / "deltas" / Store(path).versions[5].delta)  # its pieces are in that file
     active = {"on": True}
     app = make_app(
         path,
@@ -248,7 +246,7 @@ def test_pieces_in_arrival_order_then_in_file_order(history):
                 table.add(p)
 
             async def switch():  # midway, the list turns to file order (as after a fallback to the origin)
-                await until(lambda: len(got) >= 2, "two pieces arrive")
+                await until_async(lambda: len(got) >= 2, 60, "two pieces arrive")
                 active["on"] = False
                 table.close()
 
@@ -301,7 +299,7 @@ def test_relay_serves_a_base_cut_through(big_base, tmp_path):
 
             crossed = wan.bytes_down
             download = asyncio.create_task(worker.base_parts(0, entry, keep))
-            await until(lambda: relay_busy, "the worker's first part")
+            await until_async(lambda: relay_busy, 60, "the worker's first part")
             url = f"{relay.url}/v1/versions/0/base"
             async with curl.get(url, headers={"Range": "bytes=0-99"}) as r:  # in: the worker has it
                 assert (r.status, r.headers["Content-Range"], await r.read()) == (
@@ -318,7 +316,7 @@ def test_relay_serves_a_base_cut_through(big_base, tmp_path):
             assert len(relay_busy) == len(entry["base"]["parts"])
             assert same(load_safetensors(bytes(buf)), states[0])
             assert len(whole) <= wan.bytes_down - crossed < len(whole) + 64 * 1024  # once, for everyone
-            await until(lambda: 0 not in relay.relay.bases, "the relay stores base v0")
+            await until_async(lambda: 0 not in relay.relay.bases, 60, "the relay stores base v0")
             async with curl.get(url) as r:
                 assert r.status == 200 and await r.read() == whole
             assert (tmp_path / "mirror" / "bases" / "v00000000.safetensors").read_bytes() == whole
@@ -370,10 +368,10 @@ def test_a_base_pruned_while_fetched_is_dropped(history, tmp_path):
             Client([relay.url, origin.url], token=TOKEN, backoff=0.01) as worker,
         ):
             fetch = asyncio.create_task(worker.advance(6))  # from base 4: six seconds over this link
-            await until(lambda: 4 in relay.relay.bases, "the relay starts fetching base v4")
+            await until_async(lambda: 4 in relay.relay.bases, 60, "the relay starts fetching base v4")
             table = relay.relay.bases[4][0]
             for _ in range(3):  # v7, v8 (a base), v9: base 8 now serves the relay's two newest
-                states.append({k: mutate(rng, t, 0.02) for k, t in states[-1].items()})
+                states.append(mutated(rng, states[-1], 0.02))
                 await asyncio.to_thread(store.add, states[-1])
             state, _ = await fetch
             assert same(state, states[6]) and worker.servers.server == 1
@@ -400,7 +398,7 @@ def test_a_relay_behind_the_origins_pruned_versions_starts_again_from_its_newest
             async with RelayServer(origin.url, tmp_path / "mirror"):
                 assert Store(tmp_path / "mirror").newest == 6
             for _ in range(4):  # v7..v10, base 8; then pruned for workers at v9
-                states.append({k: mutate(rng, t, 0.02) for k, t in states[-1].items()})
+                states.append(mutated(rng, states[-1], 0.02))
                 await asyncio.to_thread(store.add, states[-1])
             assert store.prune(keep=2) == list(range(8))
             async with (
@@ -440,14 +438,11 @@ def test_a_relay_raises_its_soft_limit_of_open_files(history, tmp_path):
     first = (path / "deltas" / info.delta).read_bytes()[:1000]
     try:
 
-        def ready() -> bool:
-            try:
-                return get(f"{url}/readyz") == 200
-            except OSError:  # not listening yet
-                return relay.poll() is not None
+        def ready() -> bool:  # or ended: said below
+            return get(f"{url}/readyz") == 200 or relay.poll() is not None
 
         async def go():
-            await until(ready, "the relay syncs")
+            await until_async(ready, 60, "the relay syncs")
             assert relay.poll() is None, relay.stdout.read()
             timeout = aiohttp.ClientTimeout(total=30)
             auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -457,7 +452,9 @@ def test_a_relay_raises_its_soft_limit_of_open_files(history, tmp_path):
                 async def stream(s: aiohttp.ClientSession) -> bytes:
                     async with s.get(f"{url}/v1/versions") as r:  # its connection stays open
                         assert r.status == 200
-                    await until(lambda: len(os.listdir(f"/proc/{relay.pid}/fd")) > 96, "96 streams open at once", 30)
+                    await until_async(
+                        lambda: len(os.listdir(f"/proc/{relay.pid}/fd")) > 96, 30, "96 streams open at once"
+                    )
                     async with s.get(f"{url}/v1/versions/6/delta", headers={"Range": "bytes=0-999"}) as r:
                         assert r.status == 206, await r.text()
                         return await r.read()

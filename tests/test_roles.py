@@ -4,14 +4,15 @@ and the role commands, started by hand."""
 import json
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 import yaml
+from support import jobs
 from support.bounded import EXE, free_port
-from support.servers import get, wait_for
+from support.servers import get
+from support.wait import until
 
 from sparrowrl.spec.job import parse
 from sparrowrl.spec.layout import Process, processes
@@ -20,14 +21,7 @@ pytestmark = pytest.mark.e2e
 
 
 def spec(*regions) -> object:
-    return parse(
-        {
-            "apiVersion": "sparrowrl.dev/v1alpha1",
-            "kind": "SparrowRLJob",
-            "metadata": {"name": "t"},
-            "spec": {"model": {"tiny": {}}, "task": {"builtin": "add"}, "topology": {"regions": list(regions)}},
-        }
-    ).spec
+    return parse(jobs.job(topology={"regions": list(regions)})).spec
 
 
 def url(name: str, region: str) -> str:
@@ -55,20 +49,13 @@ def test_a_relay_per_region_with_workers_and_workers_that_prefer_it():
 
 def test_placements_are_the_regions_in_a_cluster():
     j = parse(
-        {
-            "apiVersion": "sparrowrl.dev/v1alpha1",
-            "kind": "SparrowRLJob",
-            "metadata": {"name": "t"},
-            "spec": {
-                "model": {"tiny": {}},
-                "task": {"builtin": "add"},
-                "trainer": {"service": {"type": "LoadBalancer"}},
-                "placements": [
-                    {"region": "us", "replicas": 2},
-                    {"region": "eu", "cluster": "eu-west", "replicas": 1, "relay": False},
-                ],
-            },
-        }
+        jobs.job(
+            trainer={"service": {"type": "LoadBalancer"}},
+            placements=[
+                {"region": "us", "replicas": 2},
+                {"region": "eu", "cluster": "eu-west", "replicas": 1, "relay": False},
+            ],
+        )
     )
     assert [(r.kind, r.name, r.trainer, r.relay) for r in processes(j.spec, url)] == [
         ("trainer", "trainer", None, None),
@@ -91,19 +78,7 @@ def test_names_are_unique_dns_labels():
 def test_role_commands_started_by_hand_form_a_job(tmp_path):
     """The README's commands, one process each, sharing nothing but the network: a worker gets
     the job, the model's config and tokenizer, and its weights over HTTP."""
-    job = {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": "by-hand"},
-        "spec": {
-            "steps": 3,
-            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
-            "task": {"builtin": "add"},
-            "grpo": {"groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
-            "rollout": {"groupsPerLease": 1},
-            "topology": {"regions": [{"name": "a", "workers": 1}, {"name": "b", "workers": 1, "relay": False}]},
-        },
-    }
+    job = jobs.job("by-hand", steps=3, grpo=jobs.GRPO, rollout={"groupsPerLease": 1}, topology=jobs.TWO_REGIONS)
     for d in ("trainer", "relay", "w0", "w1"):
         (tmp_path / d).mkdir()
     (tmp_path / "trainer" / "job.yaml").write_text(yaml.safe_dump(job))
@@ -218,12 +193,9 @@ def test_role_commands_started_by_hand_form_a_job(tmp_path):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
             )
-            wait_for(probes[name], procs)
+            until(lambda: get(probes[name]) == 200, 240, f"{probes[name]} answering", every=0.2, alive=procs)
         summary = tmp_path / "trainer" / "state" / "summary.json"
-        deadline = time.monotonic() + 300
-        while not summary.exists():
-            assert time.monotonic() < deadline and procs["trainer"].poll() is None, procs["trainer"].stdout.read()
-            time.sleep(0.5)
+        until(summary.exists, 300, "the run's summary", every=0.5, alive={"trainer": procs["trainer"]})
         s = json.loads(summary.read_text())
         assert s["steps"] == 3 and s["weights_mismatch"] == 0 and s["weights_verified"] == 2 * 4  # v0..v3, 2 workers
         assert s["prompt_groups_lost"] == 0 and s["prompt_groups_discarded_late"] == 0 and s["trainer_restarts"] == 0
@@ -266,15 +238,8 @@ def scrape(url: str, open_url: str, token: str) -> dict:
 def test_the_trainer_answers_its_liveness_probe_while_it_loads(tmp_path):
     """A large model takes minutes to load and write v0: meanwhile the trainer's port says it
     lives (a kubelet's liveness probe), not that it is ready, and asks callers to come back."""
-    job = {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": "slow"},
-        "spec": {  # the supervised warm-up stands in for a long load: it runs before v0 is written
-            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 100_000}},
-            "task": {"builtin": "add"},
-        },
-    }
+    # the supervised warm-up stands in for a long load: it runs before v0 is written
+    job = jobs.job("slow", model=jobs.tiny(warmupSteps=100_000))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -282,7 +247,9 @@ def test_the_trainer_answers_its_liveness_probe_while_it_loads(tmp_path):
     args = [EXE, "trainer", "job.yaml", "--state-dir", "state", "--port", str(port)]
     p = subprocess.Popen(args, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        wait_for(f"{base}/healthz", {"trainer": p}, 120)
+        until(
+            lambda: get(f"{base}/healthz") == 200, 120, "the trainer's liveness probe", every=0.2, alive={"trainer": p}
+        )
         assert get(f"{base}/readyz") == 503
         try:
             urllib.request.urlopen(f"{base}/v1/work", timeout=5)

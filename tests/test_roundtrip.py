@@ -5,9 +5,9 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import adam_step_pair, mutate, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.tensors import adam_step_pair, mutate, random_tensor
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits

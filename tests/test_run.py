@@ -5,17 +5,18 @@ import os
 import re
 import signal
 import subprocess
-import time
 import urllib.request
 
 import pytest
 import torch
 import yaml
 from safetensors import safe_open
+from support import jobs
 from support.servers import EXE
+from support.wait import until
 
 from sparrowrl.delta import state_hash
-from sparrowrl.spec.job import PLANNED_RESUME
+from sparrowrl.spec.statedir import PLANNED_RESUME
 from sparrowrl.store.store import Store
 from sparrowrl.trainer import models
 
@@ -26,23 +27,20 @@ STEPS = 3
 
 
 def job(mode: str, **spec) -> dict:
-    return {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": f"t-{mode}"},
-        "spec": {
+    return jobs.job(
+        f"t-{mode}",
+        **{
             "steps": STEPS,
             "seed": 7,
-            "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 60}},
-            "task": {"builtin": "add"},
-            "grpo": {"learningRate": 1e-3, "groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
+            "model": jobs.tiny(warmupSteps=60),
+            "grpo": {"learningRate": 1e-3, **jobs.GRPO},
             "rollout": {"groupsPerLease": 1},
             "sync": {"mode": mode, "staleness": 0, "baseEvery": 2},
             "export": {"every": 2, "tensorBoard": True},
-            "topology": {"regions": [{"name": "a", "workers": 1}, {"name": "b", "workers": 1, "relay": False}]},
+            "topology": jobs.TWO_REGIONS,
             **spec,
         },
-    }
+    )
 
 
 def run(tmp_path, name: str, spec: dict) -> tuple[subprocess.CompletedProcess, object]:
@@ -220,6 +218,26 @@ def status(run_dir, cli: bool = False) -> dict:
         return json.loads(r.read())
 
 
+def step(run_dir) -> int:
+    """The step of a run in progress; 0 before its trainer serves."""
+    try:
+        return status(run_dir)["step"]
+    except OSError:  # not serving yet
+        return 0
+
+
+def past_a_checkpoint(p: subprocess.Popen, run_dir, first: int) -> int:
+    """Waits for the run's step to be two or three after a checkpoint (every 5 steps), from step
+    `first` on; returns that step."""
+    return until(
+        lambda: (at := step(run_dir)) >= first and at % 5 in (2, 3) and at,
+        400,
+        f"a step from {first} on, two or three after a checkpoint",
+        every=0.2,
+        alive={"run": p},
+    )
+
+
 def start(tmp_path, spec: dict) -> tuple[subprocess.Popen, object]:
     """`sparrowrl run` in the background, into tmp_path/run."""
     f = tmp_path / "j.yaml"
@@ -237,21 +255,22 @@ def test_a_lost_worker_leases_go_to_the_others(tmp_path):
     spec["spec"]["rollout"]["leaseSeconds"] = 3
     spec["spec"]["topology"]["regions"][1]["workers"] = 2
     p, out = start(tmp_path, spec)
-    deadline = time.time() + 300
-    while not (out / "processes.json").exists() and time.time() < deadline:
-        time.sleep(0.1)
+    until((out / "processes.json").exists, 300, "the run's processes", every=0.1, alive={"run": p})
     victim = json.loads((out / "processes.json").read_text())["workers"]["worker-b-1"]
 
     def holds_a_lease() -> bool:
         return any(w["name"] == "worker-b-1" and w["leases_held"] for w in status(out)["workers"])
 
-    while True:  # frozen (SIGSTOP) at a moment it holds a lease, then killed
-        assert p.poll() is None and time.time() < deadline, "the run ended before a worker could be lost"
+    def frozen_with_a_lease() -> bool:
+        """Frozen (SIGSTOP) at a moment it holds a lease, to be killed: else thawed, for the next try."""
         if holds_a_lease():
             os.kill(victim, signal.SIGSTOP)
             if holds_a_lease():  # still: it cannot hand the lease back now
-                break
+                return True
             os.kill(victim, signal.SIGCONT)
+        return False
+
+    until(frozen_with_a_lease, 300, "worker-b-1 holding a lease", every=0, alive={"run": p})
     s = status(out, cli=True)  # while its lease holds back the batch, the run goes on
     regions = {w["name"]: w["region"] for w in s["workers"]}  # a slow starter may not have called in yet
     lost_at = next(w["committed_version"] for w in s["workers"] if w["name"] == "worker-b-1")
@@ -305,15 +324,7 @@ def test_a_trainer_killed_mid_run_with_refills_trains_its_batches_again_as_they_
     spec["spec"]["grpo"].update(zeroVarianceGroups="refill", maxGenBatches=2)
     spec["spec"]["trainer"] = {"checkpoint": {"every": 5, "keep": 2}}
     p, out = start(tmp_path, spec)
-    deadline = time.time() + 400
-    while True:
-        assert p.poll() is None and time.time() < deadline, "the run ended before the trainer could be killed"
-        try:
-            if (at := status(out)["step"]) >= 6 and at % 5 in (2, 3):
-                break
-        except OSError:  # not serving yet
-            pass
-        time.sleep(0.2)
+    past_a_checkpoint(p, out, 6)
     os.kill(json.loads((out / "processes.json").read_text())["trainer"], signal.SIGKILL)
     _, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-3000:]
@@ -344,17 +355,13 @@ def test_children_stop_when_the_runner_is_killed(tmp_path):
     p = subprocess.Popen(
         [EXE, "run", str(f), "--run-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    deadline = time.time() + 300
-    while not (out / "processes.json").exists() and time.time() < deadline:
-        time.sleep(0.1)
+    until((out / "processes.json").exists, 300, "the run's processes", every=0.1, alive={"run": p})
     procs = json.loads((out / "processes.json").read_text())
     children = [procs["trainer"], *procs["workers"].values(), *procs["relays"].values()]
     assert all(alive(c) for c in children)
     p.kill()  # SIGKILL: no handler runs
     p.wait()
-    while any(alive(c) for c in children) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not [c for c in children if alive(c)]
+    until(lambda: not [c for c in children if alive(c)], 300, f"the runner's children {children} to end", every=0.1)
 
 
 def test_a_finished_run_goes_on_with_more_steps(tmp_path):
@@ -414,15 +421,13 @@ def _rank1(trainer: int) -> int:
         except FileNotFoundError:  # a thread or child that ended meanwhile (a thread's children move to another)
             return ""
 
-    deadline = time.monotonic() + 30
-    while True:
+    def rank1() -> int | None:
         tasks = os.listdir(f"/proc/{trainer}/task")
         kids = [int(c) for t in tasks for c in read(f"/proc/{trainer}/task/{t}/children").split()]
         ranks = [k for k in kids if "spawn_main" in read(f"/proc/{k}/cmdline")]
-        if len(ranks) == 1:
-            return ranks[0]
-        assert time.monotonic() < deadline, kids
-        time.sleep(0.1)
+        return ranks[0] if len(ranks) == 1 else None
+
+    return until(rank1, 30, f"one child of trainer {trainer} running spawn_main", every=0.1)
 
 
 @pytest.mark.parametrize("ranks,killed", [(1, "trainer"), (2, "rank 1")])
@@ -436,21 +441,13 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, 
     commit verified, and reward still rising, as much with 2 ranks as with one."""
     steps = 40
     spec = job("sparse", steps=steps, seed=0)
-    spec["spec"]["model"]["tiny"] = {"hidden": 64, "layers": 1, "heads": 2, "warmupSteps": 200}
+    spec["spec"]["model"] = jobs.tiny(hidden=64, warmupSteps=200)
     spec["spec"]["grpo"] = {"learningRate": 1e-4, "groupSize": 8, "promptsPerStep": 8, "maxNewTokens": 4}
     spec["spec"]["rollout"] = {"groupsPerLease": 2}
     spec["spec"]["sync"] = {"mode": "sparse", "staleness": 1, "baseEvery": 10}
     spec["spec"]["trainer"] = {"ranks": ranks, "checkpoint": {"every": 5, "keep": 2}}
     p, out = start(tmp_path, spec)
-    deadline = time.time() + 400
-    while True:
-        assert p.poll() is None and time.time() < deadline, "the run ended before the trainer could be killed"
-        try:
-            if (at := status(out)["step"]) >= steps // 3 and at % 5 in (2, 3):
-                break
-        except OSError:  # not serving yet
-            pass
-        time.sleep(0.2)
+    at = past_a_checkpoint(p, out, steps // 3)
     before = json.loads((out / "processes.json").read_text())
     published = {v: (x.state_hash, x.delta_sha256) for v, x in Store(out / "store").versions.items()}
     os.kill(before["trainer"] if ranks == 1 else _rank1(before["trainer"]), signal.SIGKILL)

@@ -8,33 +8,27 @@ import subprocess
 
 import pytest
 import yaml
+from support import jobs
 from support.servers import EXE
 
 from sparrowrl.trainer import rewards
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<{% endfor %}"
-    "{% if add_generation_prompt %}a:{% endif %}"
-)
-
 
 def job(**spec) -> dict:
-    return {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": "t"},
-        "spec": {
+    """The tiny job as these runs make it: two steps, a worker in each of two regions."""
+    return jobs.job(
+        **{
             "steps": 2,
             "seed": 7,
-            "grpo": {"learningRate": 1e-3, "groupSize": 4, "promptsPerStep": 4, "maxNewTokens": 3},
+            "grpo": {"learningRate": 1e-3, **jobs.GRPO},
             "rollout": {"groupsPerLease": 1},
             "sync": {"staleness": 0},
-            "topology": {"regions": [{"name": "a", "workers": 1}, {"name": "b", "workers": 1, "relay": False}]},
+            "topology": jobs.TWO_REGIONS,
             **spec,
-        },
-    }
+        }
+    )
 
 
 def run(tmp_path, spec: dict, name: str = "run", env: dict | None = None, *flags: str) -> subprocess.CompletedProcess:
@@ -98,7 +92,7 @@ def test_a_reward_that_raises_hangs_or_returns_nan_stops_nothing(tmp_path):
     )
     (tmp_path / "rw.py").write_text(REWARD)
     spec = job(
-        model={"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 10}},
+        model=jobs.tiny(warmupSteps=10),
         task={"jsonl": "qa.jsonl", "reward": "rw:judge", "rewardWorkers": 4, "rewardTimeoutSeconds": 1},
     )
     spec["spec"]["grpo"]["promptsPerStep"] = 6
@@ -142,12 +136,12 @@ def test_a_pretrained_folder_then_the_same_model_and_data_from_the_hub(tmp_path)
     Then the same model and data from the stand-in hub (a private model: HF_TOKEN), which the
     trainer downloads into its state dir (that a restart asks the hub nothing: tests/test_hub.py)."""
     from support.hub import Hub
+    from support.models import TEMPLATE, chat_tokenizer
 
     from sparrowrl.store.store import Store
     from sparrowrl.trainer import models, tasks
 
-    tok = models.char_tokenizer()
-    tok.chat_template = TEMPLATE
+    tok = chat_tokenizer()
     prompts = models.Prompts(tok)
     model = models.tiny_qwen3(len(tok), 64, 1, 2, 0)
     models.warm_up(model, prompts, tasks.Add(0, prompts), 300)  # knows sums, often runs on: RL's starting point

@@ -12,8 +12,9 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from conftest import mutate
-from support.servers import TOKEN, Server, same, serving
+from support.jobs import job
+from support.servers import TOKEN, Server, listen, serving
+from support.tensors import mutated, same
 
 from sparrowrl.auth.signing import (
     Signer,
@@ -64,11 +65,7 @@ class Forger:
 
         app = web.Application()
         app.router.add_get("/{path:.*}", answer)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, self.url = await listen(app)
         return self
 
     async def __aexit__(self, *exc):
@@ -182,7 +179,7 @@ def jobs(history, tmp_path_factory):
     additive hash is recomputed to match them."""
     path, states = history
     other = Store.init(tmp_path_factory.mktemp("other") / "s", states[4], base_every=4, version=4)
-    other.add({k: mutate(np.random.default_rng(9), v, 0.02) for k, v in states[4].items()})
+    other.add(mutated(np.random.default_rng(9), states[4], 0.02))
     forged_state = {k: v.clone() for k, v in states[5].items()}
     forged_state["w"].view(-1)[:100] = 0.5  # the weights the forger wants every worker of its region to run
     forged = Store.init(tmp_path_factory.mktemp("forged") / "s", states[4], base_every=4, version=4)
@@ -331,19 +328,13 @@ def test_what_each_role_may_do():
     assert acts_as(worker, "w1") and not acts_as(worker, "w2") and not acts_as(relay, "eu")
 
 
-SPEC = {
-    "apiVersion": "sparrowrl.dev/v1alpha1",
-    "kind": "SparrowRLJob",
-    "metadata": {"name": "roles"},
-    "spec": {
-        "steps": 2,
-        "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
-        "task": {"builtin": "add"},
-        "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
-        "rollout": {"groupsPerLease": 1},
-        "topology": {"regions": [{"name": "a", "workers": 1}]},
-    },
-}
+SPEC = job(
+    "roles",
+    steps=2,
+    grpo={"groupSize": 2, "promptsPerStep": 2, "maxNewTokens": 2},
+    rollout={"groupsPerLease": 1},
+    topology={"regions": [{"name": "a", "workers": 1}]},
+)
 
 
 @pytest.mark.timeout(120)
@@ -354,11 +345,7 @@ def test_per_role_tokens_over_http(tmp_path):
     w2 = mint(SIGNER, "worker", "w2")
 
     async def go():
-        runner = web.AppRunner(run.app())
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await listen(run.app())
         try:
             async with aiohttp.ClientSession() as s:
 
@@ -368,7 +355,7 @@ def test_per_role_tokens_over_http(tmp_path):
                     ) as r:
                         return r.status, await r.text()
 
-                h0 = run.coord.hashes[0]
+                h0 = run.coord.hash_of(0)
                 lease = json.loads((await call(WORKER, "POST", "/v1/work", {"worker": "w1", "version": 0}))[1])
                 lease = lease["lease"]
                 status, text = await call(w2, "POST", "/v1/work", {"worker": "w1", "version": 0})
@@ -387,7 +374,7 @@ def test_per_role_tokens_over_http(tmp_path):
                 assert (await call(w2, "POST", "/v1/results", body))[0] == 403  # w1's lease, w2's token
                 malformed = {**body, "generate_s": -1.0}  # refuses its lease, but only its worker's token may
                 assert (await call(w2, "POST", "/v1/results", malformed))[0] == 403
-                assert lease["id"] in run.coord.leases
+                assert lease["id"] in [x.id for x in run.coord.leases()]
                 assert (await call(RELAY, "POST", "/v1/results", body))[0] == 403
                 assert run.coord.counts.admitted == 0
                 status, text = await call(w2, "POST", "/v1/commit", {"worker": "w1", "version": 0, "state_hash": h0})
@@ -426,12 +413,8 @@ def test_a_relay_forwards_signatures_it_cannot_make(history, tmp_path, monkeypat
     async def go():
         async with Server(path) as origin:
             relay = Relay([origin.url], tmp_path / "mirror", token=RELAY, backoff=0.01)
-            runner = web.AppRunner(make_relay_app(relay, RELAY))  # never a signer: it has no key
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            runner, url = await listen(make_relay_app(relay, RELAY))  # never a signer: it has no key
             try:
-                url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
                 async with Client([url], token=WORKER, trust=key) as c:
                     await c.versions(delta=6, wait=30)
                     state, _ = await c.advance(6, have(states, 4))
@@ -453,12 +436,12 @@ def test_a_base_listed_in_arrival_order_then_in_file_order_is_not_refused(histor
     """A relay lists a base's parts as they arrive, then (stored) in file order from the same
     index on: the client reads the new order anew, and checks that every part is listed only
     then, not on the answer it will read again."""
-    from sparrowrl.transport.relay import Mirror
+    from sparrowrl.transport.piece_table import PieceTable
     from sparrowrl.transport.server import make_app
 
     path, states = history
     info = Store(path).versions[0]
-    table = Mirror("base", 0, path / "bases" / info.base, info.base_bytes)
+    table = PieceTable("base", 0, path / "bases" / info.base, info.base_bytes)
     active = {"on": True}
     app = make_app(
         path,

@@ -4,7 +4,7 @@ import io
 
 import numpy as np
 import torch
-from conftest import mutate, random_tensor
+from support.tensors import mutated, random_tensor
 
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash, write_delta
 from sparrowrl.delta.bitview import bits
@@ -43,7 +43,7 @@ def test_incremental_equals_full_over_a_chain(rng):
     h = state_hash(state)
     receiver = {k: v.clone() for k, v in state.items()}
     for step in range(6):
-        new = {k: mutate(rng, v, 0.05) for k, v in state.items()}
+        new = mutated(rng, state, 0.05)
         buf = io.BytesIO()
         write_delta(buf, state, new, base_version=step, base_hash=h, target_version=step + 1)
         h = apply_delta(DeltaFile(buf.getvalue()), receiver, base_hash=h)  # tracked, never recomputed

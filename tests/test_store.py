@@ -7,27 +7,18 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import mutate, random_tensor
+from support.tensors import layer, mutate, mutated, random_tensor, same, stored, versions
 
 from sparrowrl.delta import state_hash
-from sparrowrl.delta.bitview import bits
-from sparrowrl.store.store import Store, StoreError, listen
+from sparrowrl.store.changes import listen
+from sparrowrl.store.store import Store, StoreError
 from sparrowrl.transport.server import Watch
 
 
 @pytest.fixture
 def chain(rng, tmp_path):
-    states = [{"w": random_tensor(rng, "BF16", (256, 64)), "n": random_tensor(rng, "F32", (64,))}]
-    for _ in range(12):
-        states.append({k: mutate(rng, v, 0.01) for k, v in states[-1].items()})
-    store = Store.init(tmp_path / "s", states[0], base_every=5)
-    for s in states[1:]:
-        store.add(s)
-    return store, states
-
-
-def same(a, b):
-    return set(a) == set(b) and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
+    states = versions(rng, layer(rng, 256, 64), 12, 0.01)
+    return stored(tmp_path / "s", states, base_every=5), states
 
 
 def test_every_version_materializes_exactly(chain):
@@ -94,7 +85,7 @@ def test_index_survives_reopen(chain, tmp_path):
 
 
 def test_a_small_base_is_cut_into_parts_for_every_stream_and_an_older_index_still_opens(rng, tmp_path):
-    from sparrowrl.store.store import BASE_PART, BASE_PARTS, MIN_BASE_PART, part_bytes
+    from sparrowrl.store.index import BASE_PART, BASE_PARTS, MIN_BASE_PART, part_bytes
 
     state = {"w": random_tensor(rng, "BF16", (3000, 1000))}  # 6 MB: one part of BASE_PART would feed one stream
     store = Store.init(tmp_path / "s", state)
@@ -119,7 +110,7 @@ def test_store_and_forward_publishes_a_delta_no_reader_sees_until_sealed(chain):
     from sparrowrl.delta.tensors import TensorSpec
 
     store, states = chain
-    new = {k: mutate(np.random.default_rng(1), v, 0.01) for k, v in states[-1].items()}
+    new = mutated(np.random.default_rng(1), states[-1], 0.01)
     old = store.materialize(store.newest)
     with store.publish([TensorSpec.of(n, t) for n, t in new.items()], cut_through=False) as w:
         w.add((n, old[n], new[n]) for n in new)

@@ -4,7 +4,7 @@ import hashlib
 import io
 import struct
 
-from conftest import mutate, random_tensor
+from support.tensors import mutated, random_tensor
 
 from sparrowrl.delta import DeltaFile, DeltaWriter, apply_delta, state_hash
 from sparrowrl.delta.frame import CHUNK, HEAD
@@ -24,7 +24,7 @@ class Tap(io.BytesIO):
 
 def test_chunks_are_on_the_wire_before_the_last_tensor_is_added(rng):
     old = {f"layer{i}": random_tensor(rng, "BF16", (200, 50)) for i in range(4)}
-    new = {k: mutate(rng, v, 0.05) for k, v in old.items()}
+    new = mutated(rng, old, 0.05)
     out = Tap()
     w = DeltaWriter(
         out,

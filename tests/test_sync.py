@@ -10,7 +10,6 @@ import dataclasses
 import io
 import os
 import re
-import socket
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support.servers import free_port
+from support.tensors import bf16, same
 
 from sparrowrl.auth.signing import Signer, public_text
 from sparrowrl.delta import state_hash
@@ -52,18 +53,10 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None
     opt.zero_grad()
 
 
-def _bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
-
-
 def test_versions_reach_a_state_dict_bit_exact_and_a_restarted_publisher_goes_on(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    held = _bf16(model)  # the rollout side starts from the same checkpoint: it holds v0
+    held = bf16(model)  # the rollout side starts from the same checkpoint: it holds v0
     pub = Publisher(dict(model.named_parameters()), tmp_path / "store", base_every=3)
     with pub.serve(SECRET) as origin:
 
@@ -76,7 +69,7 @@ def test_versions_reach_a_state_dict_bit_exact_and_a_restarted_publisher_goes_on
             _step(model, opt, v)
             assert pub.publish() == v
         asyncio.run(follow(0, 2, pub.state_hash))
-        assert _same(held, _bf16(model))
+        assert same(held, bf16(model))
 
         # a restarted trainer, from a checkpoint one step behind what it published: the next delta
         # must apply to what subscribers hold (v2), not to the checkpoint's weights
@@ -87,7 +80,7 @@ def test_versions_reach_a_state_dict_bit_exact_and_a_restarted_publisher_goes_on
         assert again.version == 2 and again.weights_hash() != again.state_hash
         assert again.publish() == 3 and again.store.versions[3].base  # base_every=3
         asyncio.run(follow(2, 3, again.state_hash))
-        assert _same(held, _bf16(model))
+        assert same(held, bf16(model))
 
 
 def test_whole_versions_and_following(tmp_path):
@@ -120,7 +113,7 @@ def test_whole_versions_and_following(tmp_path):
 
         assert asyncio.run(main()) == [1, 2]
         trainer.join()
-    assert _same(_bf16(rollout), _bf16(model))
+    assert same(bf16(rollout), bf16(model))
 
 
 def test_refused_updates_leave_the_tensors_as_they_were(tmp_path):
@@ -133,13 +126,13 @@ def test_refused_updates_leave_the_tensors_as_they_were(tmp_path):
     with pub.serve(SECRET) as origin:
 
         async def main() -> None:
-            tensors = _bf16(_model())
+            tensors = bf16(_model())
             before = {n: t.clone() for n, t in tensors.items()}
             forger = public_text(Signer("another job's secret").key)  # a key that did not sign these versions
             async with Subscriber(origin.url, tensors, held=0, token=SECRET, trainer_key=forger, attempts=1) as sub:
                 with pytest.raises(FetchError, match="signature"):
                     await sub.pull(1)
-                assert _same(tensors, before) and sub.version == 0
+                assert same(tensors, before) and sub.version == 0
             async with Subscriber(origin.url, tensors, held=0, token=SECRET) as sub:
                 staged = await sub.fetch(2)  # v2's delta applies to v1, not to what is held
                 with pytest.raises(MismatchError, match="v1, not v0"):
@@ -147,7 +140,7 @@ def test_refused_updates_leave_the_tensors_as_they_were(tmp_path):
                 passed_off = dataclasses.replace(staged, version=1)  # another version's delta: its base hash says no
                 with pytest.raises(MismatchError, match="base hash"):
                     sub.apply(passed_off)
-                assert _same(tensors, before) and sub.version == 0
+                assert same(tensors, before) and sub.version == 0
                 await sub.pull(1)
                 with pytest.raises(ValueError, match="only go forward"):
                     await sub.pull(0)
@@ -156,7 +149,7 @@ def test_refused_updates_leave_the_tensors_as_they_were(tmp_path):
                 changed = {n: t.clone() for n, t in tensors.items()}
                 with pytest.raises(MismatchError, match="base hash"):
                     await sub.pull(1)
-                assert _same(tensors, changed)
+                assert same(tensors, changed)
 
         asyncio.run(main())
 
@@ -173,8 +166,8 @@ def test_a_subscriber_finds_the_version_its_tensors_hold(tmp_path):
             async with Subscriber(origin.url, tensors, token="") as sub:
                 return await sub.find(), sub.version
 
-        assert asyncio.run(find(_bf16(model))) == (1, 1)
-        other = _bf16(model)
+        assert asyncio.run(find(bf16(model))) == (1, 1)
+        other = bf16(model)
         other["model.norm.weight"][0] += 1
         assert asyncio.run(find(other)) == (None, -1)  # no version: the first fetch is then the whole state
 
@@ -186,7 +179,7 @@ def test_bf16_weights_publish_what_changed(tmp_path):
     model = _model().to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     pub = Publisher(dict(model.named_parameters()), tmp_path / "store")
-    held = _bf16(model)
+    held = bf16(model)
     with pub.serve(SECRET) as origin:
 
         async def main() -> None:
@@ -199,13 +192,13 @@ def test_bf16_weights_publish_what_changed(tmp_path):
                     assert sub.state_hash == pub.state_hash
 
         asyncio.run(main())
-    assert _same(held, _bf16(model))
+    assert same(held, bf16(model))
 
 
 def test_a_lagging_subscriber_takes_a_base_past_pruned_deltas(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    held = _bf16(model)
+    held = bf16(model)
     pub = Publisher(model, tmp_path / "store", base_every=2)
     for v in range(1, 6):
         _step(model, opt, v)
@@ -219,7 +212,7 @@ def test_a_lagging_subscriber_takes_a_base_past_pruned_deltas(tmp_path):
                 assert sub.stats.kinds.get("base", 0) > 0  # the base v4, then v5's delta
 
         asyncio.run(main())
-    assert _same(held, _bf16(model))
+    assert same(held, bf16(model))
 
 
 def test_bad_arguments_are_refused_naming_them(tmp_path):
@@ -229,7 +222,7 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
         Publisher(model, tmp_path / "store", base_every=2)
     with pytest.raises(ValueError, match="base_every: 0"):
         Publisher(model, tmp_path / "other", base_every=0)
-    tensors = _bf16(model)
+    tensors = bf16(model)
     with pytest.raises(ValueError, match="no signature would be checked"):
         Subscriber("http://relay.example:8471", tensors, token="")
     with pytest.raises(ValueError, match="held: -1"):
@@ -251,12 +244,6 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
     pub.close()
     with pytest.raises(RuntimeError, match="closed"):
         pub.publish()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ddp_rank(rank: int, port: int, out: str) -> None:
@@ -282,4 +269,4 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.e2e
 def test_a_ddp_trainer_publishes_from_rank_0_alone(tmp_path):
-    mp.spawn(_ddp_rank, args=(_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_ddp_rank, args=(free_port(), str(tmp_path)), nprocs=2)

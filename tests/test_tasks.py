@@ -8,20 +8,10 @@ import sys
 
 import huggingface_hub
 import pytest
+from support.models import chat_tokenizer
 
-from sparrowrl.spec.job import TaskSpec
+from sparrowrl.spec.task import TaskSpec
 from sparrowrl.trainer import models, rewards, tasks
-
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<{% endfor %}"
-    "{% if add_generation_prompt %}a:{% endif %}"
-)
-
-
-def chat_tokenizer():
-    tok = models.char_tokenizer()
-    tok.chat_template = TEMPLATE
-    return tok
 
 
 def rows(path, prompts=None, **task) -> tasks.Rows:
@@ -250,7 +240,7 @@ def test_datasets_is_imported_only_by_a_job_that_has_one():
 
 def test_reward_failures_add_up_in_the_summary_and_in_prometheus():
     from sparrowrl.rollout.coordinator import Coordinator
-    from sparrowrl.trainer import ledger
+    from sparrowrl.trainer import reports
 
     def row(version: int, **failed) -> dict:
         return {
@@ -264,7 +254,7 @@ def test_reward_failures_add_up_in_the_summary_and_in_prometheus():
         }
 
     rows = [{k: v for k, v in row(1).items() if k != "reward_failed"}, row(2, raised=2), row(3, raised=1, timeout=4)]
-    snap = ledger.Snapshot(
+    snap = reports.Snapshot(
         job=Coordinator(1, 1, 60.0, 1, 3, "pull").view(),
         steps=3,
         rows=rows,  # the first as written before failures were counted
@@ -274,8 +264,8 @@ def test_reward_failures_add_up_in_the_summary_and_in_prometheus():
         redone=0,
         finished=False,
     )
-    assert ledger.summary(snap)["reward_failed"] == {**dict.fromkeys(rewards.FAILURES, 0), "raised": 3, "timeout": 4}
-    (family,) = (m for m in ledger.metrics(snap) if m.name == "sparrowrl_reward_failures")
+    assert reports.summary(snap)["reward_failed"] == {**dict.fromkeys(rewards.FAILURES, 0), "raised": 3, "timeout": 4}
+    (family,) = (m for m in reports.metrics(snap) if m.name == "sparrowrl_reward_failures")
     assert {s.labels["kind"]: s.value for s in family.samples} == {
         **dict.fromkeys(rewards.FAILURES, 0),
         "raised": 3,

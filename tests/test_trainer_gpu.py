@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tensors import bf16
 from test_learner import _batch, _job
 
 from sparrowrl.delta import state_hash
@@ -28,11 +29,6 @@ def _spec(device: str):
     return parse(job).spec
 
 
-def _host_policy(learner: Learner) -> dict[str, torch.Tensor]:
-    """The bf16 cast of the master weights, made on the host."""
-    return {n: p.detach().cpu().to(torch.bfloat16) for n, p in learner.model.named_parameters()}
-
-
 def test_one_rank_trains_on_the_gpu(tmp_path):
     gpu, cpu = Learner(_spec("cuda"), tmp_path / "gpu"), Learner(_spec("cpu"), tmp_path / "cpu")
     assert gpu.device.type == "cuda" and cpu.device.type == "cpu"
@@ -50,7 +46,7 @@ def test_one_rank_trains_on_the_gpu(tmp_path):
         gpu.publish()
         gpu.checkpoint()()
         v = gpu.store.versions[b + 1]
-        host = _host_policy(gpu)
+        host = bf16(gpu.model)
         assert v.state_hash == state_hash(host) == state_hash(models.policy_state(gpu.model))
         published = gpu.store.materialize(b + 1)
         assert all(torch.equal(published[n].view(torch.int16), t.view(torch.int16)) for n, t in host.items())
@@ -79,4 +75,4 @@ def test_killed_after_publishing_it_trains_again_on_the_gpu_and_diffs_from_the_s
     print(f"trained again on the GPU: {'the same bits' if again.holds(1) else 'other bits'} than v1")
     again.train(_batch(again, 1))
     again.publish()
-    assert again.store.versions[2].state_hash == state_hash(_host_policy(again))
+    assert again.store.versions[2].state_hash == state_hash(bf16(again.model))

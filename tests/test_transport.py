@@ -10,10 +10,10 @@ import threading
 import time
 
 import pytest
-from conftest import mutate
 from safetensors.torch import save_file
 from support.netfaults import Faults, FaultyProxy
-from support.servers import EXE, TOKEN, Server, free_port, next_version, paused_publish, same, start_server
+from support.servers import EXE, TOKEN, Server, free_port, listen, next_version, paused_publish, start_server
+from support.tensors import mutated, same
 
 from sparrowrl.delta import apply_delta, state_hash
 from sparrowrl.store.store import Store
@@ -132,13 +132,9 @@ def test_a_server_that_ignores_range_still_serves_each_piece():
     async def go():
         app = web.Application()
         app.router.add_get("/file", whole)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, url = await listen(app)
         try:
-            async with Client(f"http://127.0.0.1:{port}", token=TOKEN, streams=2, group_bytes=1) as c:
+            async with Client(url, token=TOKEN, streams=2, group_bytes=1) as c:
                 got = await c.download("/file", len(data), pieces)
                 assert bytes(got) == data and c.stats.refetched == 0
         finally:
@@ -238,7 +234,7 @@ def test_long_poll_wakes_on_a_new_version(history, tmp_path, rng):
                 # a long-poll held longer than the read timeout is not a stalled read
                 assert (await impatient.versions(after=newest, wait=0.5))["newest"] == newest
             state = Store(path).materialize(newest)
-            adder = threading.Timer(0.5, lambda: Store(path).add({k: mutate(rng, v, 0.01) for k, v in state.items()}))
+            adder = threading.Timer(0.5, lambda: Store(path).add(mutated(rng, state, 0.01)))
             adder.start()
             t0 = time.monotonic()
             listing = await c.versions(after=newest, wait=30)
@@ -258,7 +254,7 @@ def test_long_poll_waits_for_a_base_snapshot(history, tmp_path, rng):
     path = tmp_path / "s"
     shutil.copytree(history[0], path)
     store = Store(path)
-    new = {k: mutate(rng, t, 0.01) for k, t in store.materialize(store.newest).items()}
+    new = mutated(rng, store.materialize(store.newest), 0.01)
     v = store.add(new).version
     assert not store.versions[v].base  # not a base version: written below, as full sync does
 
@@ -286,7 +282,7 @@ def test_long_poll_waits_for_a_version_to_be_stored(history, tmp_path, rng):
     async def go():
         async with Server(path) as s, Client(s.url, token=TOKEN) as c:
             assert (await c.versions(delta=newest, wait=30))["newest"] == newest  # stored: at once
-            adder = threading.Timer(0.3, lambda: Store(path).add({k: mutate(rng, v, 0.01) for k, v in state.items()}))
+            adder = threading.Timer(0.3, lambda: Store(path).add(mutated(rng, state, 0.01)))
             adder.start()
             listing = await c.versions(delta=newest + 1, wait=30)  # also while it is only being written
             adder.join()

@@ -8,14 +8,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from support import jobs
 from support.liar import LyingProxy
-from support.servers import EXE, free_port, wait_for
+from support.servers import EXE, free_port, get
+from support.wait import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -24,29 +25,24 @@ STEPS = 40
 
 @pytest.mark.parametrize("correction", ["truncate", "off"])
 def test_a_workers_false_log_probs_are_refused_and_the_run_learns_on(tmp_path, correction):
-    job = {
-        "apiVersion": "sparrowrl.dev/v1alpha1",
-        "kind": "SparrowRLJob",
-        "metadata": {"name": "untrusted"},
-        "spec": {
-            "steps": STEPS,
-            "seed": 0,
-            "model": {"tiny": {"hidden": 64, "layers": 1, "heads": 2, "warmupSteps": 200}},
-            "task": {"builtin": "add"},
-            "grpo": {
-                "learningRate": 1e-4,
-                "groupSize": 8,
-                "promptsPerStep": 8,
-                "maxNewTokens": 4,
-                "behaviour": {"correction": correction},
-            },
-            "rollout": {"groupsPerLease": 2},
-            "sync": {"staleness": 1},
-            "topology": {
-                "regions": [{"name": "a", "workers": 1, "relay": False}, {"name": "b", "workers": 1, "relay": False}]
-            },
+    job = jobs.job(
+        "untrusted",
+        steps=STEPS,
+        seed=0,
+        model=jobs.tiny(hidden=64, warmupSteps=200),
+        grpo={
+            "learningRate": 1e-4,
+            "groupSize": 8,
+            "promptsPerStep": 8,
+            "maxNewTokens": 4,
+            "behaviour": {"correction": correction},
         },
-    }
+        rollout={"groupsPerLease": 2},
+        sync={"staleness": 1},
+        topology={
+            "regions": [{"name": "a", "workers": 1, "relay": False}, {"name": "b", "workers": 1, "relay": False}]
+        },
+    )
     for d in ("trainer", "honest", "liar"):
         (tmp_path / d).mkdir()
     (tmp_path / "trainer" / "job.yaml").write_text(yaml.safe_dump(job))
@@ -75,7 +71,7 @@ def test_a_workers_false_log_probs_are_refused_and_the_run_learns_on(tmp_path, c
     with LyingProxy(trainer) as proxy:
         try:
             start("trainer", ["trainer", "job.yaml", "--state-dir", "state", "--port", port], env)
-            wait_for(f"{trainer}/readyz", procs)
+            until(lambda: get(f"{trainer}/readyz") == 200, 240, "the trainer ready", every=0.2, alive=procs)
             for name, worker, url in (("honest", "worker-a-0", trainer), ("liar", "worker-b-0", proxy.url)):
                 token = given("worker", worker)
                 start(
@@ -84,10 +80,7 @@ def test_a_workers_false_log_probs_are_refused_and_the_run_learns_on(tmp_path, c
                     dict(env, SPARROWRL_TOKEN=token, SPARROWRL_TRAINER_KEY=key),
                 )
             summary = tmp_path / "trainer" / "state" / "summary.json"
-            deadline = time.monotonic() + 480
-            while not summary.exists():
-                assert time.monotonic() < deadline and procs["trainer"].poll() is None, procs["trainer"].stdout.read()
-                time.sleep(0.5)
+            until(summary.exists, 480, "the run's summary", every=0.5, alive={"trainer": procs["trainer"]})
             assert procs["trainer"].wait(60) == 0
         finally:
             for p in procs.values():

@@ -11,6 +11,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
 
 from support.servers import TOKEN  # noqa: E402
+from support.tensors import bf16  # noqa: E402
+from support.wait import until  # noqa: E402
 
 from sparrowrl.delta import state_hash  # noqa: E402
 from sparrowrl.integrations.vllm_backend import MAX_STAGED, _Follower  # noqa: E402
@@ -30,15 +32,8 @@ def step(w: dict[str, torch.Tensor]) -> None:
 
 def follower(url: str, w: dict[str, torch.Tensor]) -> _Follower:
     """A follower whose tensors hold v0 (the trainer's bf16 cast), as a server started from it."""
-    held = {n: t.to(torch.bfloat16) for n, t in w.items()}
+    held = bf16(w)
     return _Follower(Subscriber([url], held, held=0, token=TOKEN, attempts=2))
-
-
-def until(ready, s: float = 60) -> None:
-    end = time.monotonic() + s
-    while not ready():
-        assert time.monotonic() < end, "not within the deadline"
-        time.sleep(0.05)
 
 
 def update(f: _Follower, target: int) -> list[list[int]]:
@@ -63,7 +58,7 @@ def test_follower_outlives_an_outage_and_a_pruned_chain(tmp_path):
     # to hang until the client's read timeout (60 s with a long poll's wait)
     f = follower(origin.url, w)
     try:
-        until(lambda: f.failures >= 1)
+        until(lambda: f.failures >= 1, 60, "the follower's first failed fetch")
         # a fetch that fails while the update waits fails it (the follower retries every RETRY_S)
         with pytest.raises(RuntimeError, match="is not fetched: from"):
             f.take(1, time.monotonic() + 60, f.failures)
@@ -77,7 +72,7 @@ def test_follower_outlives_an_outage_and_a_pruned_chain(tmp_path):
         # the failures before it do not fail this update, and the follower takes a base, not v1's delta
         takes = update(f, 6)
         assert takes[0][0] in (5, 6) and f.sub.version == 6, takes
-        assert f.sub.state_hash == pub.state_hash == state_hash({n: t.to(torch.bfloat16) for n, t in w.items()})
+        assert f.sub.state_hash == pub.state_hash == state_hash(bf16(w))
     finally:
         f.stop()
         origin.close()
@@ -94,7 +89,7 @@ def test_follower_stages_a_bounded_number_ahead_and_an_update_further_ahead_gets
             for _ in range(n):
                 step(w)
                 pub.publish()
-            until(lambda: len(f.staged) == MAX_STAGED)
+            until(lambda: len(f.staged) == MAX_STAGED, 60, f"{MAX_STAGED} versions staged")
             time.sleep(0.5)  # time to stage more, were there no bound
             assert sorted(f.staged) == list(range(1, MAX_STAGED + 1)) and f.known == MAX_STAGED
             takes = update(f, n)

@@ -7,9 +7,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM lives in its own venv: make test-vllm")
 
+from support.models import decisive_qwen3  # noqa: E402
+
 import sparrowrl.worker.engines.vllm as vllm_engine  # noqa: E402
 from sparrowrl.delta import state_hash  # noqa: E402
-from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
+from sparrowrl.trainer.models import policy_state  # noqa: E402
 from sparrowrl.worker.engines import Prompt, Sampling  # noqa: E402
 
 pytestmark = [
@@ -19,12 +21,7 @@ pytestmark = [
 
 
 def test_tensor_parallel_shards_join_to_the_trainers_version(tmp_path):
-    tok = char_tokenizer()
-    model = tiny_qwen3(len(tok), 128, 2, 4, seed=0)  # 2 key/value heads: each rank holds one
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 1.0 if "embed" in name else 0.2)
+    model, tok = decisive_qwen3()  # 2 key/value heads: each rank holds one
     model.config.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     state = policy_state(model)

@@ -10,11 +10,12 @@ import resource
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch  # noqa: F401  (BASELINE: the address space of a process with torch loaded)
+
+from support.wait import listening, until
 
 EXE = Path(sys.executable).parent / "sparrowrl"
 MEMORY = 2 << 30  # bytes a case may take beyond what the code under test needs to start
@@ -115,15 +116,7 @@ def serving(*args, token: str = TOKEN):
         preexec_fn=limit_memory,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert p.poll() is None, p.stdout.read()
-                assert time.monotonic() < deadline, "server did not start"
-                time.sleep(0.1)
+        until(lambda: listening(port), 60, f"sparrowrl {args[0]} on port {port}", every=0.1, alive={args[0]: p})
         yield p, port
     finally:
         p.terminate()

@@ -109,7 +109,7 @@ def run(
             wake()
         else:
             waiting[w] = ("wait", moves)
-            at(clock[0] + (rng.uniform(0.5, 1.5) if c.many else UPDATE_WAIT_S), lambda: look(w, "wait"))
+            at(clock[0] + (rng.uniform(0.5, 1.5) if c.fleet.many else UPDATE_WAIT_S), lambda: look(w, "wait"))
 
     def look(w: str, kind: str) -> None:
         if w in waiting and waiting[w][0] == kind:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from support.servers import listen
+
 API = re.compile(r"/api/(models|datasets)/(.+)/(revision|tree)/([^/]+)(/.*)?")
 RESOLVE = re.compile(r"/(datasets/)?(.+)/resolve/([^/]+)/(.+)")
 
@@ -58,11 +60,7 @@ class Hub:
 
     def __enter__(self) -> Hub:
         self._thread.start()
-        self._runner = web.AppRunner(self._app())
-        asyncio.run_coroutine_threadsafe(self._runner.setup(), self._loop).result(10)
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        asyncio.run_coroutine_threadsafe(site.start(), self._loop).result(10)
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self._runner, self.url = asyncio.run_coroutine_threadsafe(listen(self._app()), self._loop).result(10)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -3,7 +3,7 @@ emulator (by kopf's author) on a loopback port, in a thread with its own event l
 
 `Emulator` adds to kmock what a real API server does and an operator relies on (its docstring
 says what, and what is still missing); `Cluster` serves one behind a `Gate`, so a test can make
-the cluster unreachable; `clusters()` starts several; `until()` waits with a deadline.
+the cluster unreachable; `clusters()` starts several.
 
 Addresses: every 127/8 address is loopback, so each cluster owns a /16, 127.A.0.0, with A unique
 in this process and claimed against other processes (a socket bound to 127.A.254.254:65535):
@@ -26,7 +26,6 @@ import random
 import re
 import socket
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -42,6 +41,8 @@ import jsonpointer
 import kmock
 import kubernetes
 import yaml
+
+from support.wait import until  # noqa: F401  (tests/test_operator*.py import it from here)
 
 T = TypeVar("T")
 
@@ -869,16 +870,3 @@ def clusters(*names: str) -> Iterator[tuple[Cluster, ...]]:
     finally:
         for cluster in reversed(started):
             cluster.stop()
-
-
-def until(probe: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:
-    """Poll until probe() returns something truthy, and return it; fail naming `what` (and the
-    last value) if the deadline passes first."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
-        time.sleep(every)

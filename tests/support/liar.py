@@ -12,6 +12,8 @@ import threading
 import aiohttp
 from aiohttp import web
 
+from support.servers import listen
+
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 FALSE_LOGPROB = -1e4
 
@@ -19,16 +21,12 @@ FALSE_LOGPROB = -1e4
 class LyingProxy:
     def __init__(self, target: str):
         self.target = target.rstrip("/")
-        self.port = 0
+        self.url = ""
         self.results = 0  # results bodies forwarded
         self.falsified = 0  # groups whose log-probs it rewrote and the trainer admitted
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LyingProxy:
         self._thread.start()
@@ -46,11 +44,7 @@ class LyingProxy:
         self._stop = asyncio.Event()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        runner, self.url = await listen(app)
         async with aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)) as s:
             self._session = s
             self._ready.set()

@@ -13,11 +13,19 @@ TEMPLATE = (
 )
 
 
-def save_tiny(folder: Path, hidden: int = 32, seed: int = 0) -> Path:
+def chat_tokenizer():
+    """The built-in character tokenizer with TEMPLATE."""
     from sparrowrl.trainer import models
 
     tok = models.char_tokenizer()
     tok.chat_template = TEMPLATE
+    return tok
+
+
+def save_tiny(folder: Path, hidden: int = 32, seed: int = 0) -> Path:
+    from sparrowrl.trainer import models
+
+    tok = chat_tokenizer()
     models.tiny_qwen3(len(tok), hidden, 1, 2, seed).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

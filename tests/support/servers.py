@@ -1,42 +1,42 @@
 """Servers for transport tests: the app on a real loopback socket, or the CLI as a process."""
 
-import asyncio
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import numpy as np
 from aiohttp import web
 
 from sparrowrl.auth.signing import Signer
-from sparrowrl.delta.bitview import bits
+from sparrowrl.store.store import Store
 from sparrowrl.transport.server import make_app
+from support.tensors import mutated
+from support.wait import listening, until
 
 TOKEN = "t0ken-for-tests"
 EXE = Path(sys.executable).parent / "sparrowrl"
 
 
-def same(a, b):
-    return set(a) == set(b) and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
+async def listen(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:
+    """`app` on 127.0.0.1:`port` (0: a free one), in this event loop: its runner, to clean up, and its URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 @asynccontextmanager
 async def serving(app: web.Application):
     """`app` on a real loopback socket, in this test's event loop; yields its URL."""
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, url = await listen(app)
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        yield url
     finally:
         await runner.cleanup()
 
@@ -48,19 +48,13 @@ class Server:
         self.store, self.token, self.port = store, token, port
 
     async def __aenter__(self):
-        self.runner = web.AppRunner(make_app(self.store, self.token, signer=Signer(self.token) if self.token else None))
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        app = make_app(self.store, self.token, signer=Signer(self.token) if self.token else None)
+        self.runner, self.url = await listen(app, self.port)
+        self.port = self.runner.addresses[0][1]
         return self
 
     async def __aexit__(self, *exc):
         await self.runner.cleanup()
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
 
 
 def free_port() -> int:
@@ -78,29 +72,18 @@ def start_server(store, port, *extra, token=TOKEN):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return p
-        except OSError:
-            assert p.poll() is None, p.stdout.read()
-            time.sleep(0.1)
-    raise AssertionError("server did not start")
+    until(lambda: listening(port), 60, f"sparrowrl serve on port {port}", every=0.1, alive={"serve": p})
+    return p
 
 
 def next_version(history, tmp_path, rng) -> tuple:
     """A private copy of the history store, its newest version and state, and a next state."""
-    from conftest import mutate
-
-    from sparrowrl.store.store import Store
-
     path = tmp_path / "s"
     shutil.copytree(history[0], path)
     store = Store(path)
     v0 = store.newest
     old = store.materialize(v0)
-    return path, store, v0, old, {k: mutate(rng, t, 0.02) for k, t in old.items()}
+    return path, store, v0, old, mutated(rng, old, 0.02)
 
 
 def paused_publish(store, old: dict, new: dict, resume, done) -> threading.Thread:
@@ -122,34 +105,12 @@ def paused_publish(store, old: dict, new: dict, resume, done) -> threading.Threa
     return t
 
 
-async def until(condition, what: str, seconds: float = 60.0) -> None:
-    """Until `condition()` holds; fails naming `what` after `seconds` (a test must not hang)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not condition():
-        assert loop.time() < deadline, f"after {seconds:g} s: {what}"
-        await asyncio.sleep(0.005)
-
-
 def get(url: str) -> int:
-    """The status of a GET (an error status too)."""
+    """The status of a GET (an error status too); 0 when nothing answers, as before a server listens."""
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
-
-
-def wait_for(url: str, procs: dict, seconds: float = 240) -> None:
-    """Until `url` answers 200 (a readiness probe), while every process in `procs` lives."""
-    deadline = time.monotonic() + seconds
-    while True:
-        dead = {n: p for n, p in procs.items() if p.poll() is not None}
-        assert not dead, {n: p.stdout.read()[-5000:] for n, p in dead.items()}
-        try:
-            if get(url) == 200:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{url} not ready"
-        time.sleep(0.2)
+    except OSError:
+        return 0

@@ -10,22 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 from sparrowrl.auth.signing import KEY_ENV, public_text, signing_key
-from support.servers import TOKEN, free_port
+from support.servers import TOKEN, free_port, get
+from support.wait import until
 
 START_S = 300  # vLLM's three processes start in about a minute on a 2-core VM
-
-
-def _healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:  # not listening yet
-        return False
 
 
 @contextlib.contextmanager
@@ -56,11 +48,13 @@ def vllm_serve(folder: str | Path, log: Path, origin: str, *flags: str, **env: s
     t0 = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy() -> bool:  # the log says why, if it ended first
+        assert proc.poll() is None, log.read_text()[-5000:]
+        return get(base + "/health") == 200
+
     try:
-        while not _healthy(base):
-            assert proc.poll() is None, log.read_text()[-5000:]
-            assert time.monotonic() - t0 < START_S, f"not up after {START_S} s:\n{log.read_text()[-5000:]}"
-            time.sleep(0.5)
+        until(healthy, START_S, "vllm serve answering /health", every=0.5)
         print(f"vllm serve up in {time.monotonic() - t0:.1f} s")
         yield base
     finally:
