@@ -157,3 +157,10 @@ def test_a_wrong_type_fails_the_type_check(tree, module, code, at, error):
     where = f"runtime/sparrowrl/{module}:{before.count(chr(10)) + 1 + at}: "
     assert p.returncode == 1 and f"{where}{error}" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
     assert "Found 1 error in 1 file" in p.stdout, p.stdout[-3000:]  # not the unannotated function in cli/
+
+
+def test_no_module_is_over_500_lines():
+    """A module a newcomer reads in one sitting: past 500 lines, split it by concern."""
+    sources = [*(ROOT / "runtime" / "sparrowrl").rglob("*.py"), *(ROOT / "operator").rglob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > 500}
+    assert len(sources) > 100 and not long, long

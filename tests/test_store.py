@@ -12,7 +12,7 @@ from support.tensors import layer, mutate, mutated, random_tensor, same, stored,
 from sparrowrl.delta import state_hash
 from sparrowrl.store.changes import listen
 from sparrowrl.store.store import Store, StoreError
-from sparrowrl.transport.server import Watch
+from sparrowrl.transport.watch import Watch
 
 
 @pytest.fixture

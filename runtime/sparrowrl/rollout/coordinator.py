@@ -12,9 +12,8 @@ With refills on (`grpo.zeroVarianceGroups: refill`, DAPO's dynamic sampling) a b
 waits for the trainer's rewards: the trainer scores each group as it is admitted (`unscored`,
 `scored`), and each group whose samples all scored alike, which teaches nothing, is replaced by
 a new one, from prompts beyond the job's own (`REFILL`), up to `refill` groups per batch. They
-are the batch's groups, leased like the others, so within the same staleness bound.
-
-How many groups a lease holds is the job's `split` policy (sizing.py).
+are the batch's groups, leased like the others, so within the same staleness bound. How many
+groups a lease holds is the job's `split` policy (sizing.py).
 
 It owns the job's state: leases, admitted results, commits, one `Worker` per worker with what
 it said of itself (its region, its fetch times, the answers it refused), and when rollouts
