@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from datetime import datetime, timedelta
 
 import pytest
@@ -22,8 +23,9 @@ def sparrowrl_logger(monkeypatch):
     """The `sparrowrl` logger as a test found it, again after the test: `setup` changes it for the process."""
     logger = logging.getLogger(logs.ROOT)
     saved = logger.handlers[:], logger.level, logger.propagate
-    monkeypatch.delenv(logs.FORMAT_ENV, raising=False)
-    monkeypatch.delenv(logs.LEVEL_ENV, raising=False)
+    for name in (logs.FORMAT_ENV, logs.LEVEL_ENV):  # set, then unset: undone as the test found them (setup sets them)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     yield logger
     logger.handlers[:], logger.level, logger.propagate = saved
 
@@ -85,8 +87,8 @@ def test_setup_writes_each_line_once_to_stdout_in_its_format(sparrowrl_logger, c
     log.warning("worker-0: pace missed")
     assert capsys.readouterr().out == "worker-0: pace missed\n"
     assert not sparrowrl_logger.propagate  # a root logger that the host process configured would say it again
-    with pytest.raises(ValueError, match="text or json"):
-        logs.setup("yaml")
+    with pytest.raises(ValueError, match="log format 'yaml'"):
+        logs.setup("yaml")  # type: ignore[arg-type]
 
 
 def test_adopt_takes_the_environment_and_keeps_a_setup_made(sparrowrl_logger, capsys, monkeypatch):
@@ -104,6 +106,31 @@ def test_adopt_takes_the_environment_and_keeps_a_setup_made(sparrowrl_logger, ca
     logs.adopt()
     log.info("sparrowrl: serving v3")
     assert capsys.readouterr().out == "sparrowrl: serving v3\n"
+
+
+def test_adopt_never_stops_a_process_over_a_value_it_cannot_read(sparrowrl_logger, capsys, monkeypatch):
+    """vLLM calls the plugin unguarded: `JSON` is json, and a format or level it does not know is
+    text at info, not an exception that would stop every `vllm serve` on the machine."""
+    log = logging.getLogger("sparrowrl.integrations.vllm_backend")
+    for fmt, level, want in (("JSON", "Warning", "json"), ("xml", "trace", "text")):
+        sparrowrl_logger.handlers[:] = [h for h in sparrowrl_logger.handlers if not isinstance(h, logs.Stdout)]
+        monkeypatch.setenv(logs.FORMAT_ENV, fmt)
+        monkeypatch.setenv(logs.LEVEL_ENV, level)
+        logs.adopt()
+        log.info("sparrowrl: serving v3")
+        out = capsys.readouterr().out
+        assert out == ("" if want == "json" else "sparrowrl: serving v3\n"), (fmt, level, out)
+
+
+@pytest.mark.e2e
+def test_setup_hands_its_format_to_the_processes_this_one_starts(sparrowrl_logger):
+    """A trainer's ranks and vLLM's engine processes `adopt` what the environment says: a format
+    given as a flag reaches them too."""
+    logs.setup("json", "warning")
+    assert (os.environ[logs.FORMAT_ENV], os.environ[logs.LEVEL_ENV]) == ("json", "warning")
+    code = "from sparrowrl import logs; import logging; logs.adopt(); logging.getLogger('sparrowrl.x').warning('w')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["message"] == "w"
 
 
 @pytest.mark.e2e
@@ -153,3 +180,8 @@ def test_a_role_started_by_hand_logs_in_the_format_asked(tmp_path):
         ), lines
     assert out["text"][0] == banner.format(procs["text"][0]) + "\n", out["text"]
     assert out["quiet"][0] == "", out["quiet"]
+
+
+def test_a_test_that_set_up_logs_leaves_no_environment_behind():
+    """Tests after one of this file's would otherwise start their roles logging JSON (pytest's order)."""
+    assert logs.FORMAT_ENV not in os.environ and logs.LEVEL_ENV not in os.environ

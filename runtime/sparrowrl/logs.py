@@ -12,10 +12,11 @@ import logging
 import os
 import sys
 from datetime import datetime, timezone
-from typing import Literal, cast
+from typing import Literal, cast, get_args
 
 Format = Literal["text", "json"]
 Level = Literal["debug", "info", "warning", "error"]
+FORMATS, LEVELS = get_args(Format), get_args(Level)
 FORMAT_ENV = "SPARROWRL_LOG_FORMAT"
 LEVEL_ENV = "SPARROWRL_LOG_LEVEL"
 ROOT = "sparrowrl"
@@ -54,9 +55,10 @@ def setup(fmt: Format = "text", level: Level = "info") -> None:
     """Write the records of the `sparrowrl` loggers at `level` and above to stdout in `fmt`. Called
     again, it replaces its handler: a line is never written twice. The records stop at the
     `sparrowrl` logger: a root logger that the host process configured (vLLM's, an application's)
-    would write them a second time."""
-    if fmt not in ("text", "json"):
-        raise ValueError(f"log format {fmt!r}: text or json")
+    would write them a second time. The environment then says the same, so that the processes
+    this one starts (vLLM's engine, a trainer's ranks) `adopt` it."""
+    if fmt not in FORMATS or level not in LEVELS:
+        raise ValueError(f"log format {fmt!r}, level {level!r}: one of {FORMATS}, one of {LEVELS}")
     logger = logging.getLogger(ROOT)
     for h in [h for h in logger.handlers if isinstance(h, Stdout)]:
         logger.removeHandler(h)
@@ -65,13 +67,19 @@ def setup(fmt: Format = "text", level: Level = "info") -> None:
     logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False
+    os.environ[FORMAT_ENV], os.environ[LEVEL_ENV] = fmt, level
 
 
 def adopt() -> None:
-    """In a process another program started (vLLM's, through the plugin): `setup` as
+    """In a process another started (vLLM's, through the plugin; a trainer's ranks): `setup` as
     SPARROWRL_LOG_FORMAT and SPARROWRL_LOG_LEVEL say, unless this process set up already (a
-    worker's in-process vLLM engine loads the plugin too)."""
+    worker's in-process vLLM engine loads the plugin too). Never raises: vLLM calls the plugin
+    unguarded, and a value it cannot read (`JSON`, `trace`) must not stop a server, which logs
+    text at info then."""
     if not any(isinstance(h, Stdout) for h in logging.getLogger(ROOT).handlers):
-        fmt = cast(Format, os.environ.get(FORMAT_ENV) or "text")  # setup refuses another format
-        level = cast(Level, (os.environ.get(LEVEL_ENV) or "info").lower())  # as logging refuses another level
-        setup(fmt, level)
+        fmt = (os.environ.get(FORMAT_ENV) or "").lower()
+        level = (os.environ.get(LEVEL_ENV) or "").lower()
+        setup(
+            cast(Format, fmt) if fmt in FORMATS else "text",
+            cast(Level, level) if level in LEVELS else "info",
+        )

@@ -53,8 +53,8 @@ class Coordinator:
         refill: int = 0,
         clock=time.monotonic,
     ):
-        self.per_step, self.per_lease, self.lease_seconds = prompts_per_step, groups_per_lease, lease_seconds
-        self.staleness, self.steps, self.split, self.clock = staleness, steps, split, clock
+        self.per_step, self.lease_seconds = prompts_per_step, lease_seconds
+        self.staleness, self.steps, self.clock = staleness, steps, clock
         self.refill = refill  # the most groups a batch adds in place of zero-variance ones (0: none, unscored)
         self._refills: dict[int, int] = {}  # untrained batch → refill groups added to it
         self._hashes: dict[int, str] = {}  # published version → state hash

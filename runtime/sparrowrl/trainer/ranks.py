@@ -26,6 +26,8 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.distributed as dist
 
+from sparrowrl import logs
+
 log = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails (a step can be long)
@@ -109,6 +111,7 @@ def _rank(rank: int, world: int, port: int, parent: int, follower: Callable[...,
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # rank 0 died before the line above
         os._exit(1)
+    logs.adopt()  # rank 0's format and level, from the environment it was started with
     _join(rank, world, port)
     follower(*args)
     dist.destroy_process_group()
