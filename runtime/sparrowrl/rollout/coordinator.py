@@ -29,10 +29,11 @@ import copy
 import functools
 import heapq
 import time
+from collections import Counter
 from dataclasses import asdict
 
 from sparrowrl.rollout.facts import Batch, Counts, Lease, Score, View, Worker
-from sparrowrl.rollout.fleet import Fleet
+from sparrowrl.rollout.fleet import Fleet, FleetView
 from sparrowrl.rollout.sizing import Sizer, Split
 
 # the first refill group's id: beyond every job's own groups (steps x promptsPerStep < 2^36), and
@@ -70,9 +71,14 @@ class Coordinator:
         self._sizer = Sizer(split, groups_per_lease, clock)
         self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, lease id) of the leases handed out
         self._events: list[list] = []  # changes since `changes()` was last called (the trainer journals them)
-        self.fleet = Fleet(lease_seconds, quorum, clock, self._events.append)  # the workers: others only read it
+        self._fleet = Fleet(lease_seconds, quorum, clock, self._events.append)
 
     # ---- what others read: copies and counts, never the dicts themselves ----
+    @property
+    def fleet(self) -> FleetView:
+        """The workers, to read: changing them is the coordinator's."""
+        return self._fleet
+
     @property
     def published(self) -> int:
         return max(self._hashes, default=-1)
@@ -95,9 +101,8 @@ class Coordinator:
 
     @property
     def passes(self) -> int:
-        """Passes over every worker so far (a balanced split solved, `staged` checked): what a
-        scale test counts."""
-        return self.fleet.passes + self._sizer.solves
+        """Passes over every worker (a balanced split solved, `staged` checked): what scale tests count."""
+        return self._fleet.passes + self._sizer.solves
 
     @property
     def taken(self) -> int:
@@ -226,7 +231,7 @@ class Coordinator:
         answered one by one (it asks again within UPDATE_WAIT_S meanwhile, worker.py)."""
         self.expire()
         self.heard(worker)
-        self.fleet.locate(worker, region)
+        self._fleet.locate(worker, region)
         if not self.started():
             return {"wait": True}
         if all(self._batch(b).complete for b in range(self._taken, self.steps)):
@@ -238,7 +243,7 @@ class Coordinator:
             if version < self.min_version(b):
                 return {"update": self.min_version(b)}
             ready = functools.partial(self._ready, b=b)
-            n = self._sizer.size(self.fleet[worker], batch, self.fleet, self._leases.values(), ready)
+            n = self._sizer.size(self._fleet[worker], batch, self._fleet, self._leases.values(), ready)
             if not n:  # the others finish this batch sooner: perhaps the next one
                 continue
             groups, batch.pending = batch.pending[:n], batch.pending[n:]
@@ -250,7 +255,7 @@ class Coordinator:
             self._events.append(["lease", lease.id, worker, b, groups])
             return {"lease": {"id": lease.id, "batch": b, "groups": groups, "deadline_s": self.lease_seconds}}
         coming = self.published + 1  # the oldest version the next batch allows
-        if self.fleet.many and version < coming and coming + self.staleness < self.steps and self._trains(coming):
+        if self._fleet.many and version < coming and coming + self.staleness < self.steps and self._trains(coming):
             return {"update": coming}
         return {"wait": True}
 
@@ -261,21 +266,19 @@ class Coordinator:
 
     def heard(self, worker: str) -> None:
         """A worker called (for work, with results, with a commit)."""
-        self.fleet.heard(worker)
+        self._fleet.heard(worker)
 
     def started(self) -> bool:
         """Whether rollouts have started (`Fleet.started`): a move the first time."""
-        if not self.fleet.begun and self.fleet.started():
+        if not self._fleet.begun and self._fleet.started():
             self._moves += 1
-        return self.fleet.begun
+        return self._fleet.begun
 
     def _ready(self, w: Worker, busy: float, b: int) -> float:
         """Seconds until `w` can start on batch b: its leases done (`busy`), the batch's version fetched."""
-        now = self.clock()
-        need = self.min_version(b)
-        fetch = 0.0
+        need, fetch = self.min_version(b), 0.0
         if (w.committed or (-1,))[0] < need and need in self._published_at:
-            fetch = max(0.0, w.speed.fetch_s(self._payload[need]) - (now - self._published_at[need]))
+            fetch = max(0.0, w.speed.fetch_s(self._payload[need]) - (self.clock() - self._published_at[need]))
         return max(busy, fetch)
 
     def submit(
@@ -312,7 +315,7 @@ class Coordinator:
             return {"admitted": 0, "refused": f"results cover groups {sorted(results)}, the lease has {lease.groups}"}
         del self._leases[lease_id]
         self._events.append(["drop", lease_id])
-        self._sizer.measured(self.fleet[worker], results, generate_s)
+        self._sizer.measured(self._fleet[worker], results, generate_s)
         return self._admit(lease_id, worker, b, version, results, generate_s)
 
     def _admit(
@@ -378,7 +381,7 @@ class Coordinator:
         many answers from its servers it has refused so far; True if the weights are the
         trainer's, bit for bit."""
         ok = self._hashes.get(version) == state_hash
-        self.fleet.committed(worker, version, state_hash, fetch_s, self._payload.get(version, 0), refused)
+        self._fleet.committed(worker, version, state_hash, fetch_s, self._payload.get(version, 0), refused)
         if ok:
             self._counts.verified += 1
         else:
@@ -401,17 +404,15 @@ class Coordinator:
         return batch
 
     def view(self) -> View:
-        held: dict[str, int] = {}
-        for lease in self._leases.values():
-            held[lease.worker] = held.get(lease.worker, 0) + 1
+        held = Counter(x.worker for x in self._leases.values())
         return View(
             published=self.published,
             state_hash=self._hashes.get(self.published),
-            started=self.fleet.begun or self.fleet.quorate(),
+            started=self._fleet.begun or self._fleet.quorate(),
             counts=self.counts,
             lost=self.lost,
             leases_active=len(self._leases),
-            workers=self.fleet.views(held, self._hashes),
+            workers=self._fleet.views(held, self._hashes),
         )
 
     @property
@@ -427,7 +428,7 @@ class Coordinator:
         return {
             "next_lease": self._next_lease,
             "counts": asdict(self._counts),
-            **self.fleet.state(),
+            **self._fleet.state(),
             "leases": {str(x.id): [x.worker, x.batch, x.groups] for x in self._leases.values()},
             "delivered": {str(k): list(d) for k, d in self._delivered.items()},
             "worker_seconds": {str(b): x.worker_seconds for b, x in self._batches.items() if x.worker_seconds},
@@ -496,4 +497,4 @@ class Coordinator:
             batch = self._batch(b)
             leased = {g for x in self._leases.values() if x.batch == b for g in x.groups}
             batch.pending = [g for g in batch.groups if g not in batch.results and g not in leased]
-        self.fleet.restore(state)
+        self._fleet.restore(state)

@@ -1,14 +1,31 @@
 """The workers of a job, one `Worker` object each: who has called, who is live, what each has
 staged and committed, and when rollouts may start. The coordinator owns one (coordinator.py);
-the trainer, the ledger and the control plane read it through `Coordinator.fleet`, with copies
-and counts, never its objects."""
+the trainer, the ledger and the control plane read it through `Coordinator.fleet`, a `FleetView`:
+copies and counts, never its objects, and none of its changes."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 from sparrowrl.rollout.facts import Worker, WorkerView
 from sparrowrl.rollout.schedule import EXACT_SEATS, Speed
+
+
+class FleetView(Protocol):
+    """What the trainer, its control plane and its ledger may ask of the workers."""
+
+    @property
+    def heard_from(self) -> int: ...
+    @property
+    def many(self) -> bool: ...
+    def knows(self, name: str) -> bool: ...
+    def refused_by(self, name: str) -> int: ...
+    def region_of(self, name: str) -> str | None: ...
+    def live(self) -> list[str]: ...
+    def staged(self, version: int) -> bool: ...
+    def transfer_s(self, version: int) -> float | None: ...
+    def behind(self, version: int) -> list[str]: ...
+    def held(self) -> list[int]: ...
 
 
 class Fleet:
