@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Literal, cast, overload
+from typing import cast
 
 import torch
 
@@ -101,26 +101,19 @@ def row_weight(length: int, samples: int, tokens: int, how: str, max_new_tokens:
     return 1.0 / max(per, 1)
 
 
-@overload
-def token_logprobs(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    attention: torch.Tensor,
-    n_prompt: int,
-    temperature: float,
-    positions: torch.Tensor | None = None,
-    entropy: Literal[False] = False,
-) -> torch.Tensor: ...
-@overload
-def token_logprobs(
+def _log_softmax(
     model: torch.nn.Module,
     ids: torch.Tensor,
     attention: torch.Tensor,
     n_prompt: int,
     temperature: float,
     positions: torch.Tensor | None,
-    entropy: Literal[True] | None,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
+) -> torch.Tensor:
+    """The log-distribution over the vocabulary at each completion position: [batch, len, vocab]."""
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions)
+    return torch.log_softmax(out.logits[:, n_prompt - 1 : -1].float() / temperature, dim=-1)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     ids: torch.Tensor,
@@ -128,18 +121,26 @@ def token_logprobs(
     n_prompt: int,
     temperature: float,
     positions: torch.Tensor | None = None,
-    entropy: bool | None = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Log-probs of ids[:, n_prompt:] under `model` at `temperature`: [batch, completion_len].
-    With left padding, `positions` must count from each row's first real token, as in generation.
-    `entropy`: also each position's entropy (True: with its gradient; None: without)."""
-    out = model(input_ids=ids, attention_mask=attention, position_ids=positions)
-    logits = out.logits[:, n_prompt - 1 : -1].float() / temperature
-    full = torch.log_softmax(logits, dim=-1)
+    With left padding, `positions` must count from each row's first real token, as in generation."""
+    full = _log_softmax(model, ids, attention, n_prompt, temperature, positions)
+    return full.gather(-1, ids[:, n_prompt:, None]).squeeze(-1)
+
+
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    n_prompt: int,
+    temperature: float,
+    positions: torch.Tensor | None,
+    grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs`, and each position's entropy: with its gradient when it is in the loss."""
+    full = _log_softmax(model, ids, attention, n_prompt, temperature, positions)
     logp = full.gather(-1, ids[:, n_prompt:, None]).squeeze(-1)
-    if entropy is False:
-        return logp
-    with nullcontext() if entropy else torch.no_grad():
+    with nullcontext() if grad else torch.no_grad():
         h = -(full.exp() * full).sum(-1)
     return logp, h
 
@@ -370,8 +371,8 @@ def accumulate(
         ids, attention, positions, mask, behaviour = (t.to(device) for t in pad(part, pad_id))
         n_prompt = max(len(p) for p, _, _ in part)
         with _compute(device, bf16):
-            logp, h = token_logprobs(
-                model, ids, attention, n_prompt, obj.temperature, positions, True if obj.entropy_coef > 0 else None
+            logp, h = token_logprobs_and_entropy(
+                model, ids, attention, n_prompt, obj.temperature, positions, grad=obj.entropy_coef > 0
             )
             logp_ref = None
             if ref is not None:
