@@ -159,14 +159,14 @@ def test_the_trainers_batch_scores_each_row_as_a_forward_of_that_row_alone():
     tok = models.char_tokenizer()
     m = models.tiny_qwen3(len(tok), 32, 2, 2, 0).eval()
     rows = [
-        (models.prompt_ids(tok, "1+2="), [5, 6, 2], [0.0] * 3),
-        (models.prompt_ids(tok, "11+12="), [7, 2], [0.0] * 2),
-        (models.prompt_ids(tok, "3="), [8, 9, 10, 2], [0.0] * 4),
+        (models.prompt_ids(tok, "1+2="), [5, 6, 2], [0.0] * 3, None),
+        (models.prompt_ids(tok, "11+12="), [7, 2], [0.0] * 2, None),
+        (models.prompt_ids(tok, "3="), [8, 9, 10, 2], [0.0] * 4, None),
     ]
     ids, att, pos, mask, _ = grpo.pad(rows, tok.pad_token_id)
-    n = max(len(p) for p, _, _ in rows)
+    n = max(len(p) for p, *_ in rows)
     both = grpo.token_logprobs(m, ids, att, n, 0.7, pos)
-    for i, (p, c, _) in enumerate(rows):
+    for i, (p, c, *_) in enumerate(rows):
         alone = grpo.token_logprobs(
             m, torch.tensor([p + c]), torch.ones(1, len(p) + len(c), dtype=torch.long), len(p), 0.7
         )

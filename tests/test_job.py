@@ -179,8 +179,11 @@ def test_relative_paths_are_relative_to_the_job_file(tmp_path):
 @pytest.mark.parametrize(
     "task, reason",
     [
-        ({"builtin": "add", "jsonl": "x.jsonl"}, "give exactly one of task.builtin, task.jsonl and task.dataset"),
-        ({"reward": "exact"}, "give exactly one of task.builtin, task.jsonl and task.dataset"),
+        (
+            {"builtin": "add", "jsonl": "x.jsonl"},
+            "give exactly one of task.builtin, task.jsonl, task.dataset and task.environment",
+        ),
+        ({"reward": "exact"}, "give exactly one of task.builtin, task.jsonl, task.dataset and task.environment"),
         ({"builtin": "add", "chatTemplate": "maybe"}, "spec.task.chatTemplate: Input should be a valid boolean"),
         (
             {"builtin": "add", "maxPromptTokens": 0},

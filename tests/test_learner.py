@@ -30,7 +30,7 @@ def _rows(tok, model) -> list[grpo.Row]:
         p, c = models.prompt_ids(tok, prompt), torch.randint(3, len(tok), (n,), generator=g).tolist()
         with torch.no_grad():
             logp = grpo.token_logprobs(model, torch.tensor([p + c]), torch.ones(1, len(p) + n), len(p), 0.7)[0]
-        out.append((p, c, (logp + 0.6 * torch.rand(n, generator=g) - 0.3).tolist()))
+        out.append((p, c, (logp + 0.6 * torch.rand(n, generator=g) - 0.3).tolist(), None))
     return out
 
 
@@ -56,7 +56,7 @@ def test_micro_batches_add_up_to_the_one_pass_gradient_and_metrics():
     ref = models.tiny_qwen3(len(tok), 32, 2, 2, seed=1).requires_grad_(False)  # another policy: the KL is not 0
     rows = _rows(tok, model)
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 2.0])
-    tokens = float(sum(len(c) for _, c, _ in rows))
+    tokens = float(sum(len(c) for _, c, *_ in rows))
     loss, stats, want = _grads(model, ref, rows, adv, grpo.micro_batches(rows, None), tokens)
     assert stats["kl"] > 0 and stats["gap"] > 0 and 0 < stats["truncated"] < 1
     for budget in (1, 16, 25, 40, 10_000):
@@ -76,7 +76,7 @@ def test_micro_batches_add_up_to_the_one_pass_gradient_and_metrics():
 
 
 def test_the_number_of_micro_batches_follows_the_budget():
-    rows = [([1] * p, [3] * c, [0.0] * c) for p, c in [(4, 3), (6, 2), (3, 5), (5, 1), (4, 3)]]
+    rows = [([1] * p, [3] * c, [0.0] * c, None) for p, c in [(4, 3), (6, 2), (3, 5), (5, 1), (4, 3)]]
     # longest first: rows 1, 2 (8 tokens each), 0, 4 (7), 3 (6)
     assert grpo.micro_batches(rows, None) == [[0, 1, 2, 3, 4]]
     assert grpo.micro_batches(rows, 1) == [[1], [2], [0], [4], [3]]  # every row over the budget goes alone
@@ -279,7 +279,7 @@ def test_accumulate_with_the_proximal_policy_given_is_the_one_pass_step():
     model = models.tiny_qwen3(len(tok), 32, 2, 2, seed=0)
     rows = _rows(tok, model)
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 2.0])
-    tokens = float(sum(len(c) for _, c, _ in rows))
+    tokens = float(sum(len(c) for _, c, *_ in rows))
     _, _, want = _grads(model, None, rows, adv, grpo.micro_batches(rows, None), tokens)
     prox = grpo.proximal(
         model, rows, grpo.micro_batches(rows, 16), pad_id=0, temperature=0.7, device=torch.device("cpu")

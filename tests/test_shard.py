@@ -186,6 +186,7 @@ def _micro(rank: int, world: int, port: int, out: str) -> None:
                 torch.randint(3, VOCAB, (p,), generator=g).tolist(),
                 torch.randint(3, VOCAB, (c,), generator=g).tolist(),
                 (-4.0 + torch.rand(c, generator=g)).tolist(),
+                None,
             )
             for p, c in shapes
         ]

@@ -131,7 +131,9 @@ class JobSpec(Section):
     @property
     def lease_tokens(self) -> int:
         """The most tokens one lease's results carry."""
-        return self.grpo.group_size * self.rollout.groups_per_lease * self.grpo.max_new_tokens
+        env = self.task.environment
+        per_sample = env.max_episode_tokens if env else self.grpo.max_new_tokens
+        return self.grpo.group_size * self.rollout.groups_per_lease * per_sample
 
     @model_validator(mode="after")
     def _placements(self) -> JobSpec:
@@ -172,7 +174,9 @@ class JobSpec(Section):
     def _lease_fits_a_request(self) -> JobSpec:
         if self.lease_tokens > MAX_LEASE_TOKENS:
             raise ValueError(
-                f"grpo.groupSize x rollout.groupsPerLease x grpo.maxNewTokens is {self.lease_tokens:,} "
+                f"grpo.groupSize x rollout.groupsPerLease x "
+                f"{'task.environment.maxEpisodeTokens' if self.task.environment else 'grpo.maxNewTokens'} is "
+                f"{self.lease_tokens:,} "
                 f"tokens per lease (limit {MAX_LEASE_TOKENS:,}): a lease's results travel in one request"
             )
         return self
@@ -279,6 +283,9 @@ def load(path: str | Path) -> SparrowRLJob:
     data = spec.task.dataset
     if data and not Path(data.path).is_absolute() and (base / data.path).exists():  # else a name on the hub
         task["dataset"] = data.model_copy(update={"path": str(base / data.path)})
+    env = spec.task.environment
+    if env and env.load.endswith(".py") and not Path(env.load).is_absolute():  # else an installed module
+        task["environment"] = env.model_copy(update={"load": str(base / env.load)})
     if spec.task.reward and ":" in spec.task.reward:  # user code: a file beside the job, never a module on the path
         module, fn = spec.task.reward.rsplit(":", 1)
         task["reward"] = f"{base / (module if module.endswith('.py') else module + '.py')}:{fn}"

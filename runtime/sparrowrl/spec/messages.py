@@ -9,6 +9,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from sparrowrl.spec.limits import first_problem
+from sparrowrl.spec.task import MAX_EPISODE_TOKENS, EnvironmentSpec
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,252}$")]
 Version = Annotated[int, Field(ge=-1, lt=10**8)]  # -1: a worker that holds no version yet
@@ -28,12 +29,44 @@ class Work(Body):
     region: Region | None = None
 
 
+MAX_MESSAGE_CHARS = 1 << 18
+MAX_REASON_CHARS = 1000
+End = Literal["done", "max_turns", "max_tokens", "length", "timeout", "error"]  # why an episode ended
+Count = Annotated[int, Field(ge=0, le=MAX_EPISODE_TOKENS)]
+
+
+class Message(Body):
+    """An environment's message: a user played by code, or a tool's output."""
+
+    role: Literal["user", "tool"]
+    content: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+
+
+class EnvTurn(Body):
+    """The environment's turn of an episode: its messages, and where their tokens sit in the
+    sample's (the trainer renders them itself and checks)."""
+
+    at: Count
+    tokens: Count
+    messages: Annotated[list[Message], Field(min_length=1, max_length=64)]
+
+
+class Episode(Body):
+    turns: Annotated[list[EnvTurn], Field(max_length=256)]
+    end: End
+    reason: Annotated[str, Field(max_length=MAX_REASON_CHARS)] | None = None
+    seconds: Seconds
+    tool_calls: Count = 0
+    tool_errors: Count = 0
+
+
 class Sample(Body):
-    tokens: Annotated[list[StrictInt], Field(max_length=4096)]
-    logprobs: Annotated[list[Annotated[float, Field(ge=-1e4, le=0)]], Field(max_length=4096)]
+    tokens: Annotated[list[StrictInt], Field(max_length=MAX_EPISODE_TOKENS)]
+    logprobs: Annotated[list[Annotated[float, Field(ge=-1e4, le=0)]], Field(max_length=MAX_EPISODE_TOKENS)]
     finish: Literal["eos", "stop", "length"] | None = (
         None  # why it ended, as its engine says; None: a worker before it said
     )
+    episode: Episode | None = Field(None, exclude_if=lambda e: e is None)  # task.environment's: its turns, how it ended
 
 
 class Group(Body):
@@ -81,6 +114,8 @@ class Job(BaseModel):
     mode: Literal["sparse", "full"]
     engine: Literal["hf", "vllm"]
     streams: Annotated[int, Field(ge=1, le=64)]
+    environment: EnvironmentSpec | None = None  # task.environment, its file's path as the trainer has it
+    templated: bool = False  # prompts are rendered with the chat template: so are an environment's turns
 
 
 class EvalSampling(BaseModel):

@@ -3,8 +3,9 @@ held-out examples evaluated."""
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
@@ -23,6 +24,68 @@ def _reward(name: str) -> str:
 
 
 FieldName = Annotated[str, Field(min_length=1, max_length=256)]
+MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*|[^:]+\.py")
+MAX_ENV_ARGS_CHARS = 65536  # its arguments as JSON
+MAX_EPISODE_TOKENS = 16384  # of one episode, after its prompt: a sample travels in one request
+
+
+def _module(name: str) -> str:
+    if not MODULE.fullmatch(name.replace("-", "_")):
+        raise ValueError(f"{name!r} is not an installed module's name (my_env) or a FILE.py beside the job file")
+    return name
+
+
+def _args(args: dict[str, Any]) -> dict[str, Any]:
+    try:
+        text = json.dumps(args, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not plain JSON values ({e})") from None
+    if len(text) > MAX_ENV_ARGS_CHARS:
+        raise ValueError(f"{len(text):,} characters as JSON (limit {MAX_ENV_ARGS_CHARS:,})")
+    return args
+
+
+class EnvironmentSpec(Section):
+    """An environment: multi-turn episodes, with tools or a game or a user played by code, as
+    verifiers' environments are. Its data set supplies the prompts and its rubric the rewards."""
+
+    load: Annotated[Text, AfterValidator(_module)] = Field(
+        description=(
+            "The environment's code: an installed module's name (as verifiers' load_environment takes it: "
+            "my-env or my_env) or a FILE.py (relative to the job file), with a function "
+            "load_environment(**args) that returns it (docs/environments.md)."
+        )
+    )
+    args: Annotated[dict[str, Any], AfterValidator(_args)] = Field(
+        {},
+        description="Keyword arguments of load_environment.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    max_turns: int = Field(8, ge=1, le=256, description="Model turns per episode at most; then it ends, truncated.")
+    max_episode_tokens: int = Field(
+        1024,
+        ge=1,
+        le=MAX_EPISODE_TOKENS,
+        description=(
+            "Tokens per episode after its prompt at most (the model's and the environment's turns): a turn that "
+            "would go beyond ends it, truncated. Each model turn is also at most grpo.maxNewTokens."
+        ),
+    )
+    episode_seconds: float = Field(
+        300.0, gt=0, le=86400, description="An episode still running after this long ends, truncated."
+    )
+    turn_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description=(
+            "The environment's turn (its reply, with its tool calls) at most: a turn that takes longer ends its "
+            "episode with reward 0, and its process is replaced."
+        ),
+    )
+    processes: int | None = Field(
+        None, ge=1, le=64, description="Processes per worker that run the environment's turns; default: min(4, CPUs)."
+    )
 
 
 class DatasetSpec(Section):
@@ -90,8 +153,12 @@ class TaskSpec(Section):
             "x-kubernetes-validations": [
                 {
                     "rule": "(has(self.builtin) ? 1 : 0) + (has(self.jsonl) ? 1 : 0) + (has(self.dataset) ? 1 : 0) "
-                    "== 1",
-                    "message": "give exactly one of task.builtin, task.jsonl and task.dataset",
+                    "+ (has(self.environment) ? 1 : 0) == 1",
+                    "message": "give exactly one of task.builtin, task.jsonl, task.dataset and task.environment",
+                },
+                {
+                    "rule": "!has(self.environment) || (!has(self.reward) && !has(self.eval))",
+                    "message": "an environment brings its own rubric: give no task.reward, and no task.eval yet",
                 },
                 {
                     "rule": "!has(self.eval) || has(self.eval.jsonl) || has(self.eval.dataset) || has(self.builtin)",
@@ -106,6 +173,9 @@ class TaskSpec(Section):
         None, description='A file of {"prompt", "answer", ...} or {"messages", "answer", ...} lines.'
     )
     dataset: DatasetSpec | None = None
+    environment: EnvironmentSpec | None = Field(
+        None, description="Multi-turn episodes from an environment's code: its data set, turns and rubric."
+    )
     reward: Annotated[Text, AfterValidator(_reward)] | None = Field(
         None,
         description=(
@@ -153,8 +223,10 @@ class TaskSpec(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
-        if sum(x is not None for x in (self.builtin, self.jsonl, self.dataset)) != 1:
-            raise ValueError("give exactly one of task.builtin, task.jsonl and task.dataset")
+        if sum(x is not None for x in (self.builtin, self.jsonl, self.dataset, self.environment)) != 1:
+            raise ValueError("give exactly one of task.builtin, task.jsonl, task.dataset and task.environment")
+        if self.environment is not None and (self.reward is not None or self.eval is not None):
+            raise ValueError("an environment brings its own rubric: give no task.reward, and no task.eval yet")
         e = self.eval
         if e is not None and e.jsonl is None and e.dataset is None and self.builtin is None:
             raise ValueError(

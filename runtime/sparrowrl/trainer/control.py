@@ -185,6 +185,8 @@ class Control:
                 mode=self.spec.sync.mode,
                 engine=r.engine,
                 streams=self.spec.sync.streams,
+                environment=self.spec.task.environment,
+                templated=self.learner.prompts.templated,
             ).model_dump()
         )
 
@@ -226,10 +228,21 @@ class Control:
                     "group": g,
                     "ids": self.learner.prompt_ids(g),
                     "seed": group_seed(self.spec.seed, g),
+                    **({"example": self._example(g)} if self.spec.task.environment else {}),
                 }
                 for g in ans["lease"]["groups"]
             ]
         return ans, waited
+
+    def _example(self, group: int) -> dict:
+        """What an episode's environment is shown of its example: the prompt's messages, the
+        answer and the row's other fields."""
+        ex = self.learner.prompt(group)
+        return {
+            "messages": [{"role": r, "content": c} for r, c in ex.messages],
+            "answer": ex.answer,
+            "fields": ex.fields,
+        }
 
     @idempotent(messages.Results)
     async def h_results(self, body: dict) -> tuple[dict, float]:
@@ -264,8 +277,9 @@ class Control:
 
     def _malformed(self, results: dict[int, dict], per_group: int | None = None) -> str | None:
         """Workers are not trusted: a result that would break the training step is refused."""
-        g, vocab = self.spec.grpo, len(self.learner.tok)
+        g, vocab, env = self.spec.grpo, len(self.learner.tok), self.spec.task.environment
         n = per_group or g.group_size
+        most = env.max_episode_tokens if env else g.max_new_tokens
         for group, r in results.items():
             samples = r["samples"]
             if len(samples) != n:
@@ -273,8 +287,10 @@ class Control:
                 return f"group {group}: {len(samples)} samples, {what} is {n}"
             for x in samples:
                 t, lp = x["tokens"], x["logprobs"]
-                if not 1 <= len(t) <= g.max_new_tokens or len(t) != len(lp):
-                    return f"group {group}: {len(t)} tokens with {len(lp)} log-probs (1..{g.max_new_tokens} tokens)"
+                if not 1 <= len(t) <= most or len(t) != len(lp):
+                    return f"group {group}: {len(t)} tokens with {len(lp)} log-probs (1..{most} tokens)"
+                if (x.get("episode") is None) != (env is None):
+                    return f"group {group}: a sample {'without' if env else 'with'} an episode (task.environment)"
                 if not all(0 <= i < vocab for i in t):
                     return f"group {group}: a token id outside the vocabulary (0..{vocab - 1})"
         return None

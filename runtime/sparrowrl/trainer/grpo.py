@@ -21,7 +21,9 @@ import torch
 
 from sparrowrl.spec.grpo import GrpoSpec
 
-Row = tuple[list[int], list[int], list[float]]  # prompt ids, completion ids, the completion's behaviour log-probs
+# prompt ids, completion ids, the completion's behaviour log-probs, and which of its tokens were
+# sampled (None: all; an episode's environment turns are not: they are context, never trained)
+Row = tuple[list[int], list[int], list[float], list[bool] | None]
 
 LOG_W_SHOWN = 20.0  # the weight's metrics clamp log w to ±this: a false log-prob must not make a metric infinite
 
@@ -261,18 +263,18 @@ def loss(
 
 def pad(rows: list[Row], pad_id: int):
     """Left-pad prompts, right-pad completions: prompts end at one column, so completion token j
-    sits at the same position in every row."""
-    n_prompt = max(len(p) for p, _, _ in rows)
-    n_comp = max(len(c) for _, c, _ in rows)
+    sits at the same position in every row. The mask is 1 on the tokens sampled."""
+    n_prompt = max(len(p) for p, *_ in rows)
+    n_comp = max(len(c) for _, c, *_ in rows)
     ids = torch.full((len(rows), n_prompt + n_comp), pad_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
     mask = torch.zeros(len(rows), n_comp)
     behaviour = torch.zeros(len(rows), n_comp)
-    for i, (p, c, lp) in enumerate(rows):
+    for i, (p, c, lp, sampled) in enumerate(rows):
         ids[i, n_prompt - len(p) : n_prompt] = torch.tensor(p)
         ids[i, n_prompt : n_prompt + len(c)] = torch.tensor(c, dtype=torch.long)
         attention[i, n_prompt - len(p) : n_prompt + len(c)] = 1
-        mask[i, : len(c)] = 1
+        mask[i, : len(c)] = 1 if sampled is None else torch.tensor(sampled, dtype=torch.float32)
         behaviour[i, : len(c)] = torch.tensor(lp)
     positions = (attention.cumsum(1) - 1).clamp(min=0)
     return ids, attention, positions, mask, behaviour
@@ -336,7 +338,7 @@ def proximal(
             part = [rows[i] for i in idx or [0]]
             ids, attention, positions, mask, _ = (t.to(device) for t in pad(part, pad_id))
             with _compute(device, bf16):
-                logp = token_logprobs(model, ids, attention, max(len(p) for p, _, _ in part), temperature, positions)
+                logp = token_logprobs(model, ids, attention, max(len(p) for p, *_ in part), temperature, positions)
             for j, i in enumerate(idx):
                 out[i] = logp[j, : len(rows[i][1])].float()
     return cast(list[torch.Tensor], out)  # batches hold every row
@@ -369,7 +371,7 @@ def accumulate(
     for idx in batches:
         part = [rows[i] for i in idx or [0]]
         ids, attention, positions, mask, behaviour = (t.to(device) for t in pad(part, pad_id))
-        n_prompt = max(len(p) for p, _, _ in part)
+        n_prompt = max(len(p) for p, *_ in part)
         with _compute(device, bf16):
             logp, h = token_logprobs_and_entropy(
                 model, ids, attention, n_prompt, obj.temperature, positions, grad=obj.entropy_coef > 0

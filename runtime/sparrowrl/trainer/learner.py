@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from sparrowrl.agents.turns import Turns
 from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
@@ -95,6 +96,7 @@ class Learner(Scoring):
         self.model.train()
         eos = self.model.config.eos_token_id
         self.eos = {self.tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # as engines end
+        self.turns = Turns(self.tok, self.prompts.templated, self.eos) if spec.task.environment else None
         self.dense_bytes = sum(t.numel * 2 for t in self.table)
         self.model_dir = state_dir / "model"
         if rank == 0:  # workers build the architecture from this folder; the weights come from the store
@@ -108,9 +110,7 @@ class Learner(Scoring):
         self.publisher = self._open_store()
         self.store = self.publisher.store  # rank 0's; None on the others
         # rank 0 scores each batch, and hands the rewards to the other ranks
-        self.scorer = (
-            rewards.Scorer(reward, spec.task.reward_workers, spec.task.reward_timeout_seconds) if rank == 0 else None
-        )
+        self.scorer = rewards.for_job(local, reward) if rank == 0 else None
 
     def _models(self, spec: JobSpec, warm: bool):
         """(policy model, frozen reference or None). One rank: the model as loaded. N
@@ -191,7 +191,7 @@ class Learner(Scoring):
         rewards, failed = scored or self._score(batch)
         self._lead("train", batch, (rewards, failed))
         samples = [batch.results[group]["samples"] for group in batch.groups]
-        ends = [[self._finish(s["tokens"]) for s in group] for group in samples]  # the trainer's reading
+        ends, masks, limit, unread = self.read(samples)  # the trainer's reading
         r = torch.tensor(rewards, dtype=torch.float32)  # finite and bounded (rewards.MAX_REWARD)
         shaped = torch.tensor([self._shaped(x, group) for x, group in zip(rewards, samples)])
         varied = (shaped.max(1).values != shaped.min(1).values).tolist()
@@ -201,11 +201,13 @@ class Learner(Scoring):
             for j, s in enumerate(group)
             if s.get("finish") not in (None, ends[i][j])  # None: a worker from before workers said
         }
+        refused = claims | unread
+        cut = {(i, j) for i, e in enumerate(ends) for j, x in enumerate(e) if x == "length"} | limit  # truncated
         trained = [
             [
                 (v or g.zero_variance_groups == "train")  # refill: the batch holds others in their place
-                and not (g.mask_truncated and ends[i][j] == "length")
-                and (i, j) not in claims
+                and not (g.mask_truncated and (i, j) in cut)
+                and (i, j) not in refused
                 for j in range(len(group))
             ]
             for i, (v, group) in enumerate(zip(varied, samples))
@@ -215,17 +217,19 @@ class Learner(Scoring):
             p = self.prompt_ids(group)
             for j, s in enumerate(samples[i]):
                 if i % self.world == self.rank:
-                    rows.append((p, s["tokens"], s["logprobs"]))
+                    rows.append((p, s["tokens"], s["logprobs"], masks[i][j]))
                     mine.append((i, j))
-                lengths.append((len(s["tokens"]), trained[i][j]))
+                m = masks[i][j]
+                lengths.append((len(s["tokens"]) if m is None else sum(m), trained[i][j]))
         n = sum(t for _, t in lengths)  # samples trained, over every rank
         tokens = sum(k for k, t in lengths if t)
         adv = grpo.advantages(shaped, g.scale_rewards)[[i for i, _ in mine], [j for _, j in mine]].to(self.device)
-        how = (g.loss_aggregation, g.max_new_tokens)
+        env = self.spec.task.environment
+        how = (g.loss_aggregation, env.max_episode_tokens if env else g.max_new_tokens)
         scale = torch.tensor(  # times the ranks, whose gradients are averaged
             [
-                self.world * grpo.row_weight(len(c), n, tokens, *how) * trained[i][j]
-                for (i, j), (_, c, _) in zip(mine, rows)
+                self.world * grpo.row_weight(len(c) if m is None else sum(m), n, tokens, *how) * trained[i][j]
+                for (i, j), (_, c, _, m) in zip(mine, rows)
             ],
             device=self.device,
         )
@@ -264,15 +268,16 @@ class Learner(Scoring):
             "train_s": time.perf_counter() - t0,
             "skipped": skipped,
             **step_metrics.diagnostics(total),
-            **step_metrics.behaviour(batch, seen or {}, claims),
+            **step_metrics.behaviour(batch, seen or {}, claims, unread),
             "zero_variance_groups": 1.0 - sum(varied) / len(varied),
             "groups_varied": sum(varied),
             "refill_groups": len(batch.groups) - g.prompts_per_step,
-            "truncated": sum(e == "length" for group in ends for e in group) / len(lengths),
+            "truncated": len(cut) / len(lengths),
             "completion_len_min": min(k for k, _ in lengths),
             "completion_len_max": max(k for k, _ in lengths),
             "behaviour_versions": sorted({res["version"] for res in batch.results.values()}),
             "reward_failed": failed,
+            **(step_metrics.episodes(samples, unread) if self.turns is not None else {}),
         }
 
     def _proximal(self, rows: list[grpo.Row]) -> list[torch.Tensor]:

@@ -153,14 +153,14 @@ class Prompts:
         if self.system is not None and all(role != "system" for role, _ in messages):
             messages.insert(0, ("system", self.system))
         if not self.templated:
-            return Example("\n".join(content for _, content in messages), src.answer, src.fields)
+            return Example("\n".join(content for _, content in messages), src.answer, src.fields, tuple(messages))
         try:
             text = self.tok.apply_chat_template(
                 [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
             )
         except Exception as e:  # jinja's errors, and what a template's own raise_exception raises
             raise ValueError(f"the chat template refused it ({type(e).__name__}: {e})") from None
-        return Example(text, src.answer, src.fields)
+        return Example(text, src.answer, src.fields, tuple(messages))
 
     def ids(self, text: str) -> list[int]:
         """A rendered prompt's token ids, as both the worker (to generate) and the trainer (to score) see them."""

@@ -1,11 +1,13 @@
 """How the learner reads its samples: each group's prompt, rewards with overlong shaping, why a
-completion ended (from its tokens, not the worker's word), and eval rounds scored. A base of
-`Learner`, whose __init__ sets the attributes it reads."""
+completion ended (from its tokens, not the worker's word), an episode's turns (task.environment:
+its messages, rendered and checked here, and the tokens to train), and eval rounds scored. A base
+of `Learner`, whose __init__ sets the attributes it reads."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from sparrowrl.agents.turns import Turns
 from sparrowrl.rollout import evals
 from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
@@ -20,6 +22,38 @@ class Scoring:
     held_out: list[tasks.Example]  # task.eval's examples; rank 0's only
     scorer: rewards.Scorer | None  # rank 0's only
     eos: set[int]
+    turns: Turns | None  # task.environment's: an episode's tokens read as messages
+
+    LIMITS = ("max_turns", "max_tokens", "length", "timeout")  # an episode that ended at one is truncated
+
+    def read(self, samples: list[list[dict]]) -> tuple[list[list[str]], list[list[list[bool] | None]], set, set]:
+        """Each sample as the trainer reads it: why its (last) model turn ended, from its tokens;
+        which of its tokens were sampled (None: all of them); the (group, sample) of episodes that
+        ended at a limit; and of those whose tokens are not their turns (refused, never trained)."""
+        ends = [[self._finish(s["tokens"]) for s in group] for group in samples]
+        masks: list[list[list[bool] | None]] = [[None] * len(group) for group in samples]
+        limit, unread = set(), set()
+        if self.turns is not None:
+            for i, group in enumerate(samples):
+                for j, s in enumerate(group):
+                    read = self.episode(s)
+                    if isinstance(read, str):
+                        unread.add((i, j))
+                        masks[i][j] = [False] * len(s["tokens"])
+                    else:
+                        masks[i][j] = read[1]
+                    if s["episode"]["end"] in self.LIMITS:
+                        limit.add((i, j))
+        return ends, masks, limit, unread
+
+    def episode(self, s: dict) -> tuple[list[dict[str, str]], list[bool]] | str:
+        """An episode's messages after its prompt, and which of its tokens the model sampled; or
+        why its tokens do not read as its turns."""
+        assert self.turns is not None  # task.environment's
+        try:
+            return self.turns.read(s["tokens"], s["episode"])
+        except ValueError as e:
+            return str(e)
 
     def prompt(self, group: int) -> tasks.Example:
         return self.task.example(group)
@@ -34,7 +68,7 @@ class Scoring:
         of them."""
         e = self.spec.task.eval
         assert e is not None and self.scorer is not None  # eval rounds are task.eval's, scored on rank 0
-        items = []
+        items: list[rewards.Item] = []
         for i, res in sorted(results.items()):
             ex = self.held_out[i]
             for s in res["samples"]:
@@ -71,14 +105,24 @@ class Scoring:
         return [batch.scores[g][0] if g in batch.scores else fresh[g] for g in batch.groups], failed
 
     def _rewards(self, results: dict[int, dict]) -> tuple[dict[int, list[float]], dict[str, int]]:
-        """Groups' samples scored in one call: each group's rewards, and the failures by kind."""
-        items = []
+        """Groups' samples scored in one call: each group's rewards, and the failures by kind. An
+        episode is scored from its messages; one that failed on its worker, or whose tokens are
+        not its turns, scores 0.0 unscored."""
+        items: list[rewards.Item | None] = []
         for group, res in results.items():
             ex = self.prompt(group)
+            prompt = [{"role": r, "content": c} for r, c in ex.messages]
             for s in res["samples"]:
-                items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
+                if self.turns is None:
+                    items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
+                    continue
+                read = self.episode(s)
+                ok = not isinstance(read, str) and s["episode"]["end"] != "error"
+                items.append((prompt, read[0], ex.answer, ex.fields) if ok else None)
         assert self.scorer is not None  # rank 0 scores
-        flat, failed = self.scorer.score(items)
+        scored, failed = self.scorer.score([x for x in items if x is not None])
+        it = iter(scored)
+        flat = [next(it) if x is not None else 0.0 for x in items]
         n = self.spec.grpo.group_size
         return {g: flat[i * n : (i + 1) * n] for i, g in enumerate(results)}, failed
 
@@ -93,7 +137,10 @@ class Scoring:
         return out
 
     def _shaped(self, rewards: list[float], samples: list[dict]) -> list[float]:
-        """A group's rewards after overlong shaping: what its advantages are taken from."""
+        """A group's rewards after overlong shaping (not of episodes: grpo.maxNewTokens bounds
+        their turns, not them): what its advantages are taken from."""
+        if self.turns is not None:
+            return list(rewards)
         return [r + self._overlong(len(s["tokens"])) for r, s in zip(rewards, samples, strict=True)]
 
     def _finish(self, tokens: list[int]) -> str:

@@ -43,10 +43,16 @@ def diagnostics(st: grpo.Stats) -> dict[str, float]:
     }
 
 
-def behaviour(batch: Batch, seen: dict[tuple[int, int], tuple], claims: set[tuple[int, int]]) -> dict:
+def behaviour(
+    batch: Batch,
+    seen: dict[tuple[int, int], tuple],
+    claims: set[tuple[int, int]],
+    unread: frozenset[tuple[int, int]] | set[tuple[int, int]] = frozenset(),
+) -> dict:
     """The samples' gaps between the worker's log-probs and the trainer's, by the age of the
     version that sampled them and by worker; and the refused samples, by worker and reason
-    (`claims`: those whose worker said they ended otherwise than their tokens show)."""
+    (`claims`: those whose worker said they ended otherwise than their tokens show; `unread`:
+    episodes whose tokens are not their turns)."""
     by_age: dict[str, dict] = {}
     by_worker: dict[str, dict] = {}
     refused: dict[str, dict[str, int]] = {}
@@ -55,7 +61,8 @@ def behaviour(batch: Batch, seen: dict[tuple[int, int], tuple], claims: set[tupl
         worker = res.get("worker", "unknown")  # results journaled before workers were kept have none
         for j in range(len(res["samples"])):
             gapped = (i, j) in seen and seen[i, j][3]
-            why = [w for w, yes in (("logprob_gap", gapped), ("finish_claim", (i, j) in claims)) if yes]
+            reasons = (("logprob_gap", gapped), ("finish_claim", (i, j) in claims), ("episode_turns", (i, j) in unread))
+            why = [w for w, yes in reasons if yes]
             for w in why:
                 refused.setdefault(worker, {}).setdefault(w, 0)
                 refused[worker][w] += 1
@@ -72,3 +79,24 @@ def behaviour(batch: Batch, seen: dict[tuple[int, int], tuple], claims: set[tupl
     for d in (*by_age.values(), *by_worker.values()):
         d["mismatch_mean"] = d.pop("gap") / max(d["tokens"], 1)
     return {"by_age": by_age, "by_worker": by_worker, "refused_samples": refused}
+
+
+def episodes(samples: list[list[dict]], unread: set[tuple[int, int]]) -> dict:
+    """A step's episodes (task.environment): model turns, tool calls and errors, seconds, and how
+    they ended, as their workers say; and how many did not read as their turns (refused)."""
+    eps = [s["episode"] for group in samples for s in group]
+    turns = [len(e["turns"]) + 1 for e in eps]
+    seconds = [e["seconds"] for e in eps]
+    ends: dict[str, int] = {}
+    for e in eps:
+        ends[e["end"]] = ends.get(e["end"], 0) + 1
+    return {
+        "episode_turns_mean": sum(turns) / len(turns),
+        "episode_turns_max": max(turns),
+        "episode_seconds_mean": sum(seconds) / len(seconds),
+        "episode_seconds_max": max(seconds),
+        "episode_tool_calls": sum(e.get("tool_calls", 0) for e in eps),
+        "episode_tool_errors": sum(e.get("tool_errors", 0) for e in eps),
+        "episode_ends": ends,
+        "episode_unread": len(unread),
+    }

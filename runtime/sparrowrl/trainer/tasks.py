@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from sparrowrl.agents import environment
 from sparrowrl.cachedir import own, writable
 from sparrowrl.spec.limits import MAX_TASK_BYTES, read_bounded
 from sparrowrl.trainer.hub import dataset_repo
@@ -57,6 +58,7 @@ class Example:
     prompt: str
     answer: str
     fields: dict = field(default_factory=dict, hash=False)
+    messages: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # the prompt's: what an environment is shown
 
 
 class Prompts(Protocol):
@@ -296,6 +298,24 @@ def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
     )
 
 
+def environment_rows(env: object) -> Iterator[tuple[str, Source | str]]:
+    """An environment's data set as examples: verifiers' columns (a prompt as text or messages, or
+    a question; an answer, if any; info and the rest as fields)."""
+    for i, row in enumerate(environment.rows(env)):
+        r = dict(row)
+        if "prompt" not in r and "question" in r:
+            r["prompt"] = r.pop("question")
+        r.setdefault("answer", "")
+        chat = isinstance(r.get("prompt"), list)
+        src = source(r, None if chat else "prompt", "prompt" if chat else None, "answer")
+        if not isinstance(src, str):
+            try:
+                json.dumps(src.fields, allow_nan=False)  # they travel to workers, in leases
+            except (TypeError, ValueError) as e:
+                src = f"its fields are not plain JSON values ({e})"
+        yield f"the environment's dataset row {i}", src
+
+
 class Rows(Task):
     """User examples, each rendered and checked once here, cycled in a seeded order."""
 
@@ -342,6 +362,9 @@ def check_unrendered(spec: JobSpec) -> None:
     example waits for the tokenizer (for_job). ValueError names the file."""
     t = spec.task
     rows: Iterable[tuple[str, Source | str]] | None
+    if t.environment:
+        environment.load(t.environment.load, t.environment.args)  # its data set, env_response and rubric
+        return
     if t.builtin:
         name, rows = t.reward or BUILTIN[t.builtin].default_reward, []
     else:
@@ -360,6 +383,10 @@ def for_job(spec: JobSpec, prompts: Prompts) -> tuple[Task, str]:
     """The job's task, every user example read, rendered and checked, and the name of its reward,
     checked to take the examples' fields (a user's file is loaded here: errors name it)."""
     t = spec.task
+    if t.environment:
+        env = environment.load(t.environment.load, t.environment.args)
+        what = f"environment {t.environment.load!r}"
+        return Rows(spec.seed, prompts, environment_rows(env), t, what), what
     if t.builtin:
         task = BUILTIN[t.builtin](spec.seed, prompts)
     elif t.jsonl:

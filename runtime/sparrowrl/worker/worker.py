@@ -15,26 +15,35 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
 import torch
 from aiohttp import web
 from pydantic import BaseModel, Field
+from transformers import AutoConfig, AutoTokenizer
 
+from sparrowrl.agents import environment
+from sparrowrl.agents.turns import Turns
 from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
+from sparrowrl.calls import Pool
 from sparrowrl.delta import state_hash
 from sparrowrl.spec import messages
 from sparrowrl.spec.messages import Job
+from sparrowrl.spec.task import EnvironmentSpec
 from sparrowrl.sync import Staged, Subscriber
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.failover import FetchError
 from sparrowrl.transport.http import GATE, add_health, auth, listen
 from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.worker.engines import Engine, Prompt, Sampling, make_engine
+from sparrowrl.worker.episodes import Episodes
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +65,10 @@ class Worker:
         on_engine: ThreadPoolExecutor,
         region: str | None = None,
         pace: float | None = None,
+        episodes: Episodes | None = None,
     ):
         self.name, self.sub, self.control, self.engine = name, sub, control, engine
+        self.episodes = episodes  # task.environment's: a lease's groups are episodes
         self.region = region
         self.pace = pace  # tokens/s this worker's generation is held to (benchmarks: a dedicated accelerator)
         self.on_engine = on_engine  # one thread for all engine work: vLLM's CPU kernels check that
@@ -203,13 +214,18 @@ class Worker:
             sampling = replace(sampling, n=e.samples)
             if e.greedy:
                 sampling = replace(sampling, top_k=1, top_p=1.0)
-        groups = await self._run(
-            self.engine.generate, [Prompt(p["ids"], p["seed"]) for p in lease["prompts"]], sampling
-        )
-        results = {
-            p["group"]: {"samples": [{"tokens": s.tokens, "logprobs": s.logprobs, "finish": s.finish} for s in samples]}
-            for p, samples in zip(lease["prompts"], groups, strict=True)
-        }
+        prompts = [Prompt(p["ids"], p["seed"]) for p in lease["prompts"]]
+        if self.episodes is not None and "eval" not in lease:
+            episodes = await self._run(self.episodes.run, prompts, [p["example"] for p in lease["prompts"]], sampling)
+            results = {p["group"]: {"samples": e} for p, e in zip(lease["prompts"], episodes, strict=True)}
+        else:
+            groups = await self._run(self.engine.generate, prompts, sampling)
+            results = {
+                p["group"]: {
+                    "samples": [{"tokens": s.tokens, "logprobs": s.logprobs, "finish": s.finish} for s in samples]
+                }
+                for p, samples in zip(lease["prompts"], groups, strict=True)
+            }
         if self.pace:
             tokens = sum(len(s["tokens"]) for r in results.values() for s in r["samples"])
             left = tokens / self.pace - (time.perf_counter() - t0)
@@ -240,6 +256,25 @@ class ModelFile(BaseModel):
 
 class ModelFiles(BaseModel):
     files: Annotated[list[ModelFile], Field(max_length=64)]
+
+
+@contextmanager
+def episodes_of(job: dict, engine: Engine, model_dir: Path) -> Iterator[Episodes | None]:
+    """task.environment's episodes, with the processes that run its turns (closed after); None
+    for a job without one."""
+    if job["environment"] is None:
+        yield None
+        return
+    env = EnvironmentSpec.model_validate(job["environment"])
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    eos = AutoConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+    ends = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # as the trainer reads them
+    size = env.processes or min(4, os.cpu_count() or 1)
+    pool = Pool(partial(environment.turn_caller, env.load, env.args), size, env.turn_seconds, "environment")
+    try:
+        yield Episodes(engine, Turns(tok, job["templated"], ends), env, pool)
+    finally:
+        pool.close()
 
 
 async def fetch_model(control: Client, dest: Path) -> None:
@@ -308,7 +343,8 @@ async def main(
                     rate_mbit=rate_mbit,
                     local_ports=local_ports,
                 ) as sub:
-                    worker = Worker(name, sub, control, built, on_engine, region, pace)
-                    await worker.run()
+                    with episodes_of(job, built, Path(model_dir)) as episodes:
+                        worker = Worker(name, sub, control, built, on_engine, region, pace, episodes)
+                        await worker.run()
     finally:
         await probes.cleanup()

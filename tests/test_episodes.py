@@ -1,0 +1,163 @@
+"""A worker's episodes against its real engine (hf, a tiny model) and an environment in processes
+of its own: turns appended as tokens, each limit ending its episode with its reason, and an
+environment that raises, hangs, dies, or replies malformed ending one episode while the others
+run on. Then `sparrowrl run` on the multi-turn example: it trains, every commit verified."""
+
+import json
+import subprocess
+import textwrap
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from support.servers import EXE
+
+from sparrowrl.agents import environment
+from sparrowrl.agents.turns import Turns
+from sparrowrl.calls import Pool
+from sparrowrl.spec.task import EnvironmentSpec
+from sparrowrl.trainer import models
+from sparrowrl.worker.engines import Prompt, Sampling, make_engine
+from sparrowrl.worker.episodes import Episodes
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+EOS = 2
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+ENV = """
+    import os, time
+
+    class Env:
+        dataset = []
+        def env_response(self, messages, state):
+            kind = state["info"]["kind"]
+            if kind == "raise":
+                raise RuntimeError("the environment broke")
+            if kind == "hang":
+                time.sleep(600)
+            if kind == "die":
+                os._exit(3)
+            if kind == "bad":
+                return [{"role": "assistant", "content": "not mine"}]
+            if kind == "long":
+                return [{"role": "user", "content": "1" * 50}]
+            if kind == "once" and state["turn"] >= 2:
+                return []
+            return [{"role": "user", "content": f"q{state['turn']}"}]
+        def reward(self, prompt, completion, answer, **fields):
+            return 0.0
+
+    def load_environment():
+        return Env()
+"""
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """The hf engine on a tiny model that ends every turn at once: its first token is EOS, so
+    each model turn is [EOS] and the environment sets the pace."""
+    folder = tmp_path_factory.mktemp("model")
+    tok = models.char_tokenizer()
+    model = models.tiny_qwen3(len(tok), 32, 1, 2, 0)
+    with torch.no_grad():
+        e = model.model.embed_tokens.weight  # tied: the head too
+        e[:, 0] = 1.0  # every token writes +1 into dimension 0 ...
+        e[EOS, 0] = 50.0  # ... and EOS's row reads it 50 times stronger
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0  # the head sees dimension 0 only
+        for layer in model.model.layers:  # which no layer writes into
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+    model.config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    hf = make_engine("hf", str(folder))
+    for n, t in hf.tensors().items():
+        t.copy_(models.policy_state(model)[n])
+    return hf, tok
+
+
+def episodes(engine, tmp_path, **limits):
+    hf, tok = engine
+    f = tmp_path / "env.py"
+    f.write_text(textwrap.dedent(ENV))
+    spec = EnvironmentSpec(load=str(f), **{"turn_seconds": 3.0, **limits})
+    pool = Pool(partial(environment.turn_caller, spec.load, {}), 2, spec.turn_seconds, "environment")
+    return Episodes(hf, Turns(tok, False, {EOS}), spec, pool), pool
+
+
+def run(driver, kinds, n=2):
+    prompts = [Prompt(models.prompt_ids(models.char_tokenizer(), "1+1="), 10 + i) for i in range(len(kinds))]
+    examples = [
+        {"messages": [{"role": "user", "content": "1+1="}], "answer": "2", "fields": {"info": {"kind": k}}}
+        for k in kinds
+    ]
+    return driver.run(prompts, examples, Sampling(n=n, max_new_tokens=3, temperature=1.0))
+
+
+def test_each_episode_ends_at_its_own_limit_or_fault_and_the_others_run_on(engine, tmp_path):
+    driver, pool = episodes(engine, tmp_path, max_turns=3, max_episode_tokens=40)
+    try:
+        kinds = ["once", "chat", "long", "raise", "hang", "die", "bad"]
+        groups = run(driver, kinds)
+    finally:
+        pool.close()
+    tok = engine[1]
+    ends = {k: [(s["episode"]["end"], s["episode"]["reason"]) for s in g] for k, g in zip(kinds, groups)}
+    assert ends["once"] == [("done", None)] * 2
+    assert ends["chat"] == [("max_turns", None)] * 2
+    for kind, end, reason in [
+        ("long", "max_tokens", "the environment's turn of 50 tokens leaves no room in maxEpisodeTokens (40) after 1"),
+        ("raise", "error", "the environment's turn failed (raised): RuntimeError: the environment broke"),
+        ("hang", "error", "the environment's turn failed (timeout): no answer in 3 s"),
+        ("die", "error", "the environment's turn failed (raised): its process died (exit code 3)"),
+        ("bad", "error", "the environment's turn failed (raised): ValueError: env_response's message 0 is not"),
+    ]:
+        assert all(e == end and r.startswith(reason) for e, r in ends[kind]), (kind, ends[kind])
+    once = groups[0][0]
+    q1 = tok("q1", add_special_tokens=False).input_ids
+    assert once["tokens"] == [EOS, *q1, EOS]  # the model's turns as sampled, the environment's between them
+    assert once["logprobs"][1:3] == [0.0, 0.0] and once["episode"]["turns"] == [
+        {"at": 1, "tokens": 2, "messages": [{"role": "user", "content": "q1"}]}
+    ]
+    chat = groups[1][0]
+    assert len(chat["episode"]["turns"]) == 2 and chat["tokens"].count(EOS) == 3  # maxTurns: 3 model turns
+    # what the trainer reads of them: the same messages, and the model's tokens only trained
+    messages, mask = Turns(tok, False, {EOS}).read(once["tokens"], once["episode"])
+    assert messages == [
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": ""},
+    ]
+    assert mask == [True, False, False, True]
+
+
+def test_an_episode_past_its_wall_time_ends_truncated(engine, tmp_path):
+    driver, pool = episodes(engine, tmp_path, episode_seconds=0.001)
+    try:
+        [group] = run(driver, ["chat"], n=1)
+    finally:
+        pool.close()
+    assert group[0]["episode"]["end"] == "timeout" and "episodeSeconds (0.001 s)" in group[0]["episode"]["reason"]
+
+
+def test_the_multi_turn_example_trains_with_every_commit_verified(tmp_path):
+    """examples/multi-turn.yaml for a few steps, as a user runs it from a fresh clone."""
+    out = tmp_path / "run"
+    p = subprocess.run(
+        [EXE, "run", str(EXAMPLES / "multi-turn.yaml"), "--run-dir", str(out), "--steps", "4"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "episode_turns_mean" in r]
+    assert summary["weights_mismatch"] == 0 and summary["weights_verified"] >= 4, summary
+    assert len(steps) == 4
+    for r in steps:
+        assert 1.0 <= r["episode_turns_mean"] <= 2.0 and r["episode_turns_max"] <= 2
+        assert sum(r["episode_ends"].values()) == 16 * 8 and set(r["episode_ends"]) <= {"done", "length"}
+        assert r["episode_unread"] == 0 and r["refused_samples"] == {} and r["skipped"] is None
+    assert any(r["episode_turns_max"] == 2 for r in steps)  # the environment's second question was asked
