@@ -202,8 +202,8 @@ def test_the_environment_s_reply_is_checked():
     ]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("{", r"\{")):
             environment.reply(Env(out), [], {})
-    assert environment.reply(Env("more"), [], {}) == ([{"role": "user", "content": "more"}], False)
-    assert environment.reply(Env([]), [], {}) == ([], True)
+    assert environment.reply(Env("more"), [], {}) == environment.Turn([{"role": "user", "content": "more"}], False)
+    assert environment.reply(Env([]), [], {}) == environment.Turn([], True)
 
 
 @pytest.mark.parametrize(

@@ -141,11 +141,12 @@ def test_an_episode_past_its_wall_time_ends_truncated(engine, tmp_path):
     assert group[0]["episode"]["end"] == "timeout" and "episodeSeconds (0.001 s)" in group[0]["episode"]["reason"]
 
 
-def test_the_multi_turn_example_trains_with_every_commit_verified(tmp_path):
-    """examples/multi-turn.yaml for a few steps, as a user runs it from a fresh clone."""
+def example(name, tmp_path, steps):
+    """An example job for a few steps, as a user runs it from a fresh clone: its summary, and its
+    steps' metrics."""
     out = tmp_path / "run"
     p = subprocess.run(
-        [EXE, "run", str(EXAMPLES / "multi-turn.yaml"), "--run-dir", str(out), "--steps", "4"],
+        [EXE, "run", str(EXAMPLES / name), "--run-dir", str(out), "--steps", str(steps)],
         capture_output=True,
         text=True,
         timeout=280,
@@ -153,11 +154,26 @@ def test_the_multi_turn_example_trains_with_every_commit_verified(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "episode_turns_mean" in r]
-    assert summary["weights_mismatch"] == 0 and summary["weights_verified"] >= 4, summary
+    assert summary["weights_mismatch"] == 0 and summary["weights_verified"] >= steps, summary
+    return summary, [r for r in rows if "episode_turns_mean" in r]
+
+
+def test_the_multi_turn_example_trains_with_every_commit_verified(tmp_path):
+    summary, steps = example("multi-turn.yaml", tmp_path, 4)
     assert len(steps) == 4
     for r in steps:
         assert 1.0 <= r["episode_turns_mean"] <= 2.0 and r["episode_turns_max"] <= 2
         assert sum(r["episode_ends"].values()) == 16 * 8 and set(r["episode_ends"]) <= {"done", "length"}
         assert r["episode_unread"] == 0 and r["refused_samples"] == {} and r["skipped"] is None
     assert any(r["episode_turns_max"] == 2 for r in steps)  # the environment's second question was asked
+
+
+def test_the_tool_example_calls_its_tool_and_trains(tmp_path):
+    """examples/tools.yaml: the calculator is called (in processes of its own), its answers are
+    appended and read back on the trainer, and the steps train."""
+    summary, steps = example("tools.yaml", tmp_path, 3)
+    assert len(steps) == 3
+    for r in steps:
+        assert r["episode_tool_calls"] > 0 and r["episode_turns_max"] == 2, r
+        assert r["episode_unread"] == 0 and r["refused_samples"] == {} and r["skipped"] is None
+        assert r["tokens"] > 0 and r["reward_failed"] == dict.fromkeys(r["reward_failed"], 0)

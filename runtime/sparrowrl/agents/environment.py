@@ -21,10 +21,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import pickle
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from sparrowrl.agents.sandbox import Limits, available
+from sparrowrl.agents.tools import ToolFailure, hermes, run
+
+log = logging.getLogger(__name__)
 
 ROLES = ("user", "tool")  # of the environment's messages
 
@@ -68,12 +75,21 @@ def load(ref: str, args: dict[str, Any]) -> Any:
 
 
 def check(env: object, what: str) -> None:
-    for name in ("dataset", "env_response"):
-        if getattr(env, name, None) is None:
-            raise ValueError(f"{what}: the environment has no {name} (docs/environments.md says what it needs)")
-    if not callable(getattr(env, "env_response")):
+    if getattr(env, "dataset", None) is None:
+        raise ValueError(f"{what}: the environment has no dataset (docs/environments.md says what it needs)")
+    if getattr(env, "env_response", None) is None and not tools_of(env):
+        raise ValueError(f"{what}: the environment has no env_response and no tools")
+    if getattr(env, "env_response", None) is not None and not callable(getattr(env, "env_response")):
         raise ValueError(f"{what}: its env_response is not callable")
+    for name, fn in tools_of(env).items():
+        if not callable(fn):
+            raise ValueError(f"{what}: its tool {name!r} is not callable")
     reward_of(env, what)
+
+
+def tools_of(env: object) -> dict[str, Any]:
+    """The environment's tools by name: `tools`, a list of functions (as verifiers' ToolEnv takes them)."""
+    return {getattr(fn, "__name__", str(i)): fn for i, fn in enumerate(getattr(env, "tools", None) or [])}
 
 
 def reward_of(env: object, what: str) -> Callable[..., float]:
@@ -128,18 +144,48 @@ def rows(env: object) -> list[dict[str, Any]]:
         raise ValueError(f"the environment's dataset cannot be read as rows: {type(e).__name__}: {e}") from None
 
 
-def reply(env: Any, messages: list[dict[str, str]], state: dict[str, Any]) -> tuple[list[dict[str, str]], bool]:
-    """The environment's turn: its messages, checked, and whether the episode is over (it said so
-    first, or it has nothing to say). ValueError: a reply that is not messages."""
+@dataclass
+class Turn:
+    """The environment's turn: its messages, whether the episode is over, and its tool calls."""
+
+    messages: list[dict[str, str]]
+    done: bool
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+def reply(env: Any, messages: list[dict[str, str]], state: dict[str, Any], tool: ToolLimits | None = None) -> Turn:
+    """The environment's turn after the model's: the tools the model called, run (each in a
+    process of its own), or else env_response's messages, checked; the episode is over when the
+    environment says so first (is_completed), or has nothing to say (no tool called, and no
+    env_response or an empty one). ValueError: a reply that is not messages; ToolFailure: a tool
+    that hung or died."""
     done = getattr(env, "is_completed", None)
     if done is not None and _awaited(done(messages, state)):
-        return [], True
+        return Turn([], True)
+    tools = tools_of(env)
+    if tools:
+        parse = getattr(env, "parse_tool_calls", None) or hermes
+        calls = parse(messages[-1]["content"])
+        if calls:
+            limits = tool or ToolLimits()
+            out, errors = [], 0
+            for i, call in enumerate(calls):
+                if i < limits.calls:
+                    ok, text = run(tools, call, Limits(limits.seconds, limits.memory), limits.output)
+                else:
+                    ok, text = False, f"Error: more than {limits.calls} tool calls in one turn"
+                errors += not ok
+                out.append({"role": "tool", "content": text})
+            return Turn(out, False, len(calls), errors)
+        if getattr(env, "env_response", None) is None:
+            return Turn([], True)
     out = _awaited(env.env_response(messages, state))
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):  # verifiers 0.1's (messages, state)
         out, new = out
         state.update(new)
     if out is None:
-        return [], True
+        return Turn([], True)
     if isinstance(out, str):
         out = [{"role": "user", "content": out}]
     if not isinstance(out, list):
@@ -149,7 +195,7 @@ def reply(env: Any, messages: list[dict[str, str]], state: dict[str, Any]) -> tu
             raise ValueError(
                 f"env_response's message {i} is not {{'role': 'user' or 'tool', 'content': text}}: {str(m)[:200]}"
             )
-    return [{"role": m["role"], "content": m["content"]} for m in out], not out
+    return Turn([{"role": m["role"], "content": m["content"]} for m in out], not out)
 
 
 def _awaited(x: Any) -> Any:
@@ -168,19 +214,39 @@ def _show(args: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in args.items())[:300]
 
 
-def turn_caller(ref: str, args: dict[str, Any]) -> Callable[[tuple[Any, ...]], tuple[str, object]]:
+@dataclass(frozen=True)
+class ToolLimits:
+    """Each tool call's (task.environment's tool fields)."""
+
+    seconds: float = 10.0
+    memory: int = 1 << 30
+    output: int = 8192  # characters of its answer
+    calls: int = 8  # per turn
+
+
+def turn_caller(
+    ref: str, args: dict[str, Any], tool: ToolLimits | None = None
+) -> Callable[[tuple[Any, ...]], tuple[str, object]]:
     """In an environment process (sparrowrl.calls): the environment loaded, and each call
-    (messages, state) answered with ("ok", (its messages, the state, done)) or why it failed."""
+    (messages, state) answered with ("ok", (its Turn, the state)) or why it failed."""
     env = load(ref, args)
+    if tools_of(env) and (missing := {"landlock", "seccomp"} - set(available())):
+        log.warning(
+            f"environment {ref!r}: this kernel lacks {' and '.join(sorted(missing))}: tool calls run without "
+            f"{'the filesystem wall (writes are bounded by size only)' if 'landlock' in missing else ''}"
+            f"{' and ' if len(missing) == 2 else ''}{'the wall against new processes' if 'seccomp' in missing else ''}"
+        )
 
     def turn(item: tuple[Any, ...]) -> tuple[str, object]:
         messages, state = item
         try:
-            out, done = reply(env, messages, state)
+            out = reply(env, messages, state, tool)
             pickle.dumps(state)  # it travels back: a state that cannot fails here, with a reason
+        except ToolFailure as e:
+            return "tool", str(e)
         except BaseException as e:  # an environment's sys.exit() ends its episode, not the process
             return "raised", f"{type(e).__name__}: {str(e)[:500]}"
-        return "ok", (out, state, done)
+        return "ok", (out, state)
 
     return turn
 

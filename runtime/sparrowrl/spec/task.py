@@ -86,6 +86,30 @@ class EnvironmentSpec(Section):
     processes: int | None = Field(
         None, ge=1, le=64, description="Processes per worker that run the environment's turns; default: min(4, CPUs)."
     )
+    tool_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="A tool call at most: one that takes longer, or whose process dies, ends its episode (reward 0).",
+    )
+    tool_memory_mib: int = Field(
+        1024, ge=64, le=1 << 20, alias="toolMemoryMiB", description="A tool call's address space at most, in MiB."
+    )
+    tool_output_chars: int = Field(
+        8192, ge=1, le=1 << 18, description="A tool's answer beyond this is cut, and says so."
+    )
+    max_tool_calls: int = Field(
+        8, ge=1, le=64, description="Tool calls in one model turn at most; the others are answered with an error."
+    )
+
+    @model_validator(mode="after")
+    def _tools_fit_a_turn(self) -> EnvironmentSpec:
+        if self.tool_seconds > self.turn_seconds:
+            raise ValueError(
+                f"toolSeconds ({self.tool_seconds:g}) exceeds turnSeconds ({self.turn_seconds:g}), which bounds "
+                f"the environment's whole turn, its tool calls included"
+            )
+        return self
 
 
 class DatasetSpec(Section):

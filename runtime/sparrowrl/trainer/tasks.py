@@ -58,7 +58,9 @@ class Example:
     prompt: str
     answer: str
     fields: dict = field(default_factory=dict, hash=False)
-    messages: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # the prompt's: what an environment is shown
+    messages: tuple[tuple[str, str], ...] = field(
+        default=(), compare=False
+    )  # the prompt's: what an environment is shown
 
 
 class Prompts(Protocol):

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+from sparrowrl.agents.environment import Turn
 from sparrowrl.agents.turns import Turns
 from sparrowrl.calls import Pool
 from sparrowrl.spec.task import EnvironmentSpec
@@ -39,6 +40,8 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     turns: list[dict[str, Any]] = field(default_factory=list)
     model_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
     finish: str = "eos"
     end: str | None = None
     reason: str | None = None
@@ -62,7 +65,14 @@ class Episode:
         self.seconds = time.monotonic() - self.started
 
     def result(self) -> dict[str, Any]:
-        episode = {"turns": self.turns, "end": self.end, "reason": self.reason, "seconds": self.seconds}
+        episode = {
+            "turns": self.turns,
+            "end": self.end,
+            "reason": self.reason,
+            "seconds": self.seconds,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+        }
         return {"tokens": self.tokens, "logprobs": self.logprobs, "finish": self.finish, "episode": episode}
 
 
@@ -129,7 +139,10 @@ class Episodes:
             if kind != "ok":
                 e.close("error", f"the environment's turn failed ({kind}): {value}")
                 continue
-            messages, e.state, done = cast(tuple[list[dict[str, str]], dict[str, Any], bool], value)  # turn_caller's
+            turn, e.state = cast(tuple[Turn, dict[str, Any]], value)  # turn_caller's
+            messages, done = turn.messages, turn.done
+            e.tool_calls += turn.tool_calls
+            e.tool_errors += turn.tool_errors
             if done:
                 e.close("done")
                 continue

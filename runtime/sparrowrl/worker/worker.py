@@ -270,7 +270,10 @@ def episodes_of(job: dict, engine: Engine, model_dir: Path) -> Iterator[Episodes
     eos = AutoConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
     ends = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # as the trainer reads them
     size = env.processes or min(4, os.cpu_count() or 1)
-    pool = Pool(partial(environment.turn_caller, env.load, env.args), size, env.turn_seconds, "environment")
+    tool = environment.ToolLimits(
+        env.tool_seconds, env.tool_memory_mib << 20, env.tool_output_chars, env.max_tool_calls
+    )
+    pool = Pool(partial(environment.turn_caller, env.load, env.args, tool), size, env.turn_seconds, "environment")
     try:
         yield Episodes(engine, Turns(tok, job["templated"], ends), env, pool)
     finally:
