@@ -219,3 +219,21 @@ def test_the_environment_s_reply_is_checked():
 def test_a_bad_environment_spec_is_refused(task, message):
     with pytest.raises(ValueError, match=message):
         TaskSpec.model_validate(task)
+
+
+def test_a_reasoning_gym_task_is_an_environment_scored_by_its_own_scorer():
+    """reasoning-gym, directly: its data set generated offline, each reply scored by the task's
+    score_answer from the row's index (the trainer's processes generate the same data set)."""
+    args = {"dataset": "basic_arithmetic", "size": 20, "seed": 3, "config": {"max_terms": 2}}
+    env = environment.load("sparrowrl.agents.reasoning_gym", args)
+    rows = environment.rows(env)
+    assert len(rows) == 20 and rows[4]["prompt"].startswith("Calculate") and rows[4]["info"] == {"index": 4}
+    reward = environment.reward_caller("sparrowrl.agents.reasoning_gym", args)  # as a reward process loads it
+    right = [{"role": "assistant", "content": f" {rows[4]['answer']} "}]
+    wrong = [{"role": "assistant", "content": "no idea"}]
+    assert reward([], right, rows[4]["answer"], info={"index": 4}) == 1.0
+    assert reward([], wrong, rows[4]["answer"], info={"index": 4}) == 0.0
+    tagged = environment.reward_caller("sparrowrl.agents.reasoning_gym", {**args, "answer_tag": "answer"})
+    said = [{"role": "assistant", "content": f"thinking... <answer>{rows[4]['answer']}</answer>"}]
+    assert tagged([], said, rows[4]["answer"], info={"index": 4}) == 1.0
+    assert environment.reply(env, right, {}) == environment.Turn([], True)  # one turn

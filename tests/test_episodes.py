@@ -177,3 +177,9 @@ def test_the_tool_example_calls_its_tool_and_trains(tmp_path):
         assert r["episode_tool_calls"] > 0 and r["episode_turns_max"] == 2, r
         assert r["episode_unread"] == 0 and r["refused_samples"] == {} and r["skipped"] is None
         assert r["tokens"] > 0 and r["reward_failed"] == dict.fromkeys(r["reward_failed"], 0)
+
+
+def test_the_reasoning_gym_example_runs_as_a_task(tmp_path):
+    summary, steps = example("reasoning-gym.yaml", tmp_path, 2)
+    assert len(steps) == 2 and all(r["episode_ends"].keys() <= {"done", "length"} for r in steps)
+    assert all(r["reward_failed"] == dict.fromkeys(r["reward_failed"], 0) for r in steps)
