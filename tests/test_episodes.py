@@ -183,3 +183,35 @@ def test_the_reasoning_gym_example_runs_as_a_task(tmp_path):
     summary, steps = example("reasoning-gym.yaml", tmp_path, 2)
     assert len(steps) == 2 and all(r["episode_ends"].keys() <= {"done", "length"} for r in steps)
     assert all(r["reward_failed"] == dict.fromkeys(r["reward_failed"], 0) for r in steps)
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("", "environment: one episode against a stub model (it answers with the example's answer): 2 model turns"),
+        (
+            "env_response",
+            "spec.task.environment: one episode against a stub model failed: the environment's turn failed (raised): "
+            "RuntimeError: env_response broke",
+        ),
+        ("reward", "its rubric failed on one episode against a stub model: RuntimeError: reward broke"),
+    ],
+)
+def test_check_runs_one_episode_against_a_stub_model(tmp_path, fault, message):
+    """`sparrowrl check` (a trainer pod's init container) loads the environment and runs one
+    episode before the trainer starts: a broken environment or rubric stops the job there."""
+    env = (EXAMPLES / "envs" / "two_turn_sum.py").read_text()
+    if fault:
+        env = env.replace(
+            f"    def {fault}(self, ",
+            f"    def {fault}(self, *a, **k):\n        raise RuntimeError('{fault} broke')\n\n    def _{fault}(self, ",
+        )
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "two_turn_sum.py").write_text(env)
+    (tmp_path / "job.yaml").write_text((EXAMPLES / "multi-turn.yaml").read_text())
+    p = subprocess.run([EXE, "check", str(tmp_path / "job.yaml")], capture_output=True, text=True, timeout=120)
+    assert (p.returncode == 0) == (not fault), p.stdout + p.stderr
+    if fault:
+        assert p.returncode == 3 and message in p.stdout + p.stderr, p.stdout + p.stderr
+    else:
+        assert message in p.stdout, p.stdout

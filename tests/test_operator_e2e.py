@@ -341,3 +341,37 @@ def test_jobs_whose_inputs_come_from_volumes_and_the_hub_and_one_that_cannot_run
         trained = tmp_path / "home" / "volumes" / NS / "volumes-state" / "final"
         loaded = AutoModelForCausalLM.from_pretrained(trained, local_files_only=True)
         assert loaded.config.hidden_size == 32
+
+
+@pytest.mark.timeout(600)
+def test_an_environment_job_runs_its_episodes_in_two_clusters(tmp_path):
+    """examples/k8s/job-environment.yaml in small: the environment's code in a ConfigMap in each
+    cluster, mounted under the working folder of the trainer's pod and of each worker's. The
+    trainer's check runs one episode against a stub model before it starts; the workers run the
+    episodes (one in a member cluster) and the job succeeds with every commit verified."""
+    example = Path(__file__).parent.parent / "examples" / "k8s" / "job-environment.yaml"
+    config_map, job_doc = yaml.safe_load_all(example.read_text())
+    with clusters("home", "east") as (home, east), kubelets(home, east, root=tmp_path), operator(home):
+        add_member(home, east, "east")
+        for c in (home, east):
+            c.create(config_map | {"metadata": config_map["metadata"] | {"namespace": NS}})
+        mount = {"name": "env", "mountPath": "/var/lib/sparrowrl/envs", "readOnly": True}
+        volume = {"name": "env", "configMap": {"name": "two-turn-sum"}}
+        job = inputs_job(
+            "env",
+            job_doc["spec"]["model"] | {"tiny": {"hidden": 32, "layers": 1, "heads": 2, "warmupSteps": 60}},
+            job_doc["spec"]["task"],
+            {"containers": [{"name": "trainer", "volumeMounts": [mount]}], "volumes": [volume]},
+        )
+        for p in job["spec"]["placements"]:
+            p["template"] = {"spec": {"containers": [{"name": "worker", "volumeMounts": [mount]}], "volumes": [volume]}}
+        home.create(job)
+
+        def finished() -> dict | None:
+            j = home.get(JOBS, NS, "env") or {}
+            return j if (j.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+        done = until(finished, 400, "the environment's job finished")
+        assert done["status"]["phase"] == "Succeeded", (condition(done, "Failed"), done["status"])
+        assert done["status"]["progress"]["commitsMismatched"] == 0
+        assert {p["region"]: p["desired"] for p in done["status"]["placements"]} == {"us": 1, "eu": 1}

@@ -122,7 +122,9 @@ def trainer_pod(example: str) -> tuple[dict, World]:
     return w.pods[None][f"{job['metadata']['name']}-trainer-0"], w
 
 
-@pytest.mark.parametrize("example", ["job.yaml", "job-volumes.yaml", "job-hub.yaml", "job-image.yaml"])
+@pytest.mark.parametrize(
+    "example", ["job.yaml", "job-volumes.yaml", "job-hub.yaml", "job-image.yaml", "job-environment.yaml"]
+)
 def test_every_pod_of_the_examples_is_a_valid_pod(example):
     """What a real API server would refuse (an init container with a probe, a mount of no volume)."""
     import kubernetes_validate
@@ -169,3 +171,17 @@ def test_the_trainer_pod_takes_its_template_and_checks_the_job_before_it_starts(
     assert spec["serviceAccountName"] == "sparrowrl-trainer" and spec["priorityClassName"] == "training-high"
     assert "nodeAffinity" in spec["affinity"]
     assert spec["initContainers"][0]["image"] == "registry.example.com/team/sparrowrl-rewards:1.2.0-gpu"
+
+
+def test_an_environment_is_mounted_at_one_place_in_the_trainer_s_pod_and_every_worker_s():
+    """examples/k8s/job-environment.yaml: the ConfigMap of its code, at /var/lib/sparrowrl/envs in
+    the trainer's pod (and its check's) and in each worker's, where the job's envs/FILE.py names it."""
+    pod, w = trainer_pod("job-environment.yaml")
+    workers = [p for name, p in w.pods[None].items() if "-worker-" in name]
+    assert len(workers) == 2
+    for p in [pod, *workers]:
+        spec = p["spec"]
+        assert {"name": "env", "configMap": {"name": "two-turn-sum"}} in spec["volumes"]
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert c["workingDir"] == "/var/lib/sparrowrl"
+            assert {"name": "env", "mountPath": "/var/lib/sparrowrl/envs", "readOnly": True} in c["volumeMounts"]

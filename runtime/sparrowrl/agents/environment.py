@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from sparrowrl.agents.sandbox import Limits, available
 from sparrowrl.agents.tools import ToolFailure, hermes, run
+from sparrowrl.spec.task import EnvironmentSpec
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,10 @@ class ToolLimits:
     memory: int = 1 << 30
     output: int = 8192  # characters of its answer
     calls: int = 8  # per turn
+
+    @classmethod
+    def of(cls, env: EnvironmentSpec) -> ToolLimits:
+        return cls(env.tool_seconds, env.tool_memory_mib << 20, env.tool_output_chars, env.max_tool_calls)
 
 
 def turn_caller(

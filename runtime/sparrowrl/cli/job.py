@@ -27,6 +27,7 @@ def check(
     is not asked, and nothing is written: a model the trainer has yet to download is checked by
     it then (its data and reward are checked here). Exit 3 with one line naming the field and
     the path when the job cannot run; in a cluster this is the trainer pod's init container."""
+    from sparrowrl.cli import rehearsal
     from sparrowrl.spec.job import JobError, load
     from sparrowrl.spec.layout import INVALID_EXIT
     from sparrowrl.trainer import preflight
@@ -35,11 +36,14 @@ def check(
         j = load(job)
         preflight.state_is_this_jobs(j.spec, state_dir)
         task = preflight.check(j.spec, str(job), state_dir, ask_hub=False)
+        episode = rehearsal.rehearse(j.spec, task, str(job)) if task and j.spec.task.environment else None
     except JobError as e:
         fail(e, INVALID_EXIT)
     if task is not None and task.skipped:
         err.print(f"task: {task.skipped}", highlight=False, soft_wrap=True)
     out.print(f"{job}: the model, data and reward load here", highlight=False, soft_wrap=True)
+    if episode:
+        out.print(f"{job}: environment: {episode}", highlight=False, soft_wrap=True)
 
 
 def run(
@@ -62,7 +66,7 @@ def run(
 ) -> None:
     """Run a job on this machine: trainer, relays and workers as local processes on loopback, each
     logging to RUN/logs/NAME.log. Everything that can be checked is checked before anything is written."""
-    from sparrowrl.cli import report, runner
+    from sparrowrl.cli import rehearsal, report, runner
     from sparrowrl.spec.job import JobError, load, parse
     from sparrowrl.trainer import preflight
 
@@ -86,6 +90,8 @@ def run(
     # the task's data and reward load before any process starts; a resumed run's downloads are in its run dir
     try:
         task = preflight.check(j.spec, str(job), run_dir if resume else None)
+        if task is not None and j.spec.task.environment:
+            err.print(f"environment: {rehearsal.rehearse(j.spec, task, str(job))}", highlight=False, soft_wrap=True)
     except JobError as e:
         fail(e)
     if task is not None and task.skipped:

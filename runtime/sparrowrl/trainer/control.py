@@ -23,6 +23,7 @@ import functools
 import logging
 import random
 import time
+from pathlib import Path
 from typing import Callable
 
 from aiohttp import web
@@ -32,6 +33,7 @@ from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.rollout.evals import Evals
 from sparrowrl.spec import messages
 from sparrowrl.spec.job import JobSpec
+from sparrowrl.spec.task import EnvironmentSpec
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.tasks import HELD_OUT
 from sparrowrl.transport.http import PRINCIPAL
@@ -107,6 +109,18 @@ async def _wait(event: asyncio.Event, seconds: float) -> float:
     except TimeoutError:
         pass
     return time.monotonic() - t0
+
+
+def _for_workers(env: EnvironmentSpec | None) -> EnvironmentSpec | None:
+    """task.environment as workers load it: a file under this process's working folder named
+    relative to it, as a worker finds it under its own (every job pod's is /var/lib/sparrowrl,
+    where the job's volumes are mounted; `sparrowrl run`'s processes share one)."""
+    if env is None or not env.load.endswith(".py"):
+        return env
+    try:
+        return env.model_copy(update={"load": str(Path(env.load).relative_to(Path.cwd()))})
+    except ValueError:  # elsewhere: by its absolute path
+        return env
 
 
 def _lease_of(raw: object) -> messages.LeaseOf | None:
@@ -185,7 +199,7 @@ class Control:
                 mode=self.spec.sync.mode,
                 engine=r.engine,
                 streams=self.spec.sync.streams,
-                environment=self.spec.task.environment,
+                environment=_for_workers(self.spec.task.environment),
                 templated=self.learner.prompts.templated,
             ).model_dump()
         )
@@ -228,7 +242,7 @@ class Control:
                     "group": g,
                     "ids": self.learner.prompt_ids(g),
                     "seed": group_seed(self.spec.seed, g),
-                    **({"example": self._example(g)} if self.spec.task.environment else {}),
+                    **({"example": self.learner.prompt(g).shown()} if self.spec.task.environment else {}),
                 }
                 for g in ans["lease"]["groups"]
             ]

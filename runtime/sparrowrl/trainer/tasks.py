@@ -58,9 +58,13 @@ class Example:
     prompt: str
     answer: str
     fields: dict = field(default_factory=dict, hash=False)
-    messages: tuple[tuple[str, str], ...] = field(
-        default=(), compare=False
-    )  # the prompt's: what an environment is shown
+    messages: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # the prompt's (an environment's)
+
+    def shown(self) -> dict:
+        """What an episode's environment is shown of it (a lease carries it to the worker): the
+        prompt's messages, the answer and the row's other fields."""
+        messages = [{"role": r, "content": c} for r, c in self.messages]
+        return {"messages": messages, "answer": self.answer, "fields": self.fields}
 
 
 class Prompts(Protocol):

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from sparrowrl.agents.environment import Turn
 from sparrowrl.agents.turns import Turns
 from sparrowrl.calls import Pool
 from sparrowrl.spec.task import EnvironmentSpec
-from sparrowrl.worker.engines import Engine, Prompt, Sample, Sampling
+from sparrowrl.worker.engines import Prompt, Sample, Sampling
 
 MAX_REASON = 1000  # characters of an episode's reason
 
@@ -80,8 +80,14 @@ def turn_seed(seed: int, sample: int, turn: int) -> int:
     return ((seed * 1_000_003 + sample) * 1_000_033 + turn) % 2**63
 
 
+class Sampler(Protocol):
+    """What episodes need of an engine (engines.Engine has it)."""
+
+    def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[list[Sample]]: ...
+
+
 class Episodes:
-    def __init__(self, engine: Engine, turns: Turns, env: EnvironmentSpec, pool: Pool):
+    def __init__(self, engine: Sampler, turns: Turns, env: EnvironmentSpec, pool: Pool):
         self.engine, self.turns, self.env, self.pool = engine, turns, env, pool
 
     def run(self, prompts: list[Prompt], examples: list[dict[str, Any]], sampling: Sampling) -> list[list[dict]]:
