@@ -102,15 +102,6 @@ class EnvironmentSpec(Section):
         8, ge=1, le=64, description="Tool calls in one model turn at most; the others are answered with an error."
     )
 
-    @model_validator(mode="after")
-    def _tools_fit_a_turn(self) -> EnvironmentSpec:
-        if self.tool_seconds > self.turn_seconds:
-            raise ValueError(
-                f"toolSeconds ({self.tool_seconds:g}) exceeds turnSeconds ({self.turn_seconds:g}), which bounds "
-                f"the environment's whole turn, its tool calls included"
-            )
-        return self
-
 
 class DatasetSpec(Section):
     """A `datasets` data set: a local file or folder, or a name on the Hugging Face Hub."""
