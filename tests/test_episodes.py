@@ -215,3 +215,50 @@ def test_check_runs_one_episode_against_a_stub_model(tmp_path, fault, message):
         assert p.returncode == 3 and message in p.stdout + p.stderr, p.stdout + p.stderr
     else:
         assert message in p.stdout, p.stdout
+
+
+STATEFUL = """
+    class Env:
+        dataset = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(9)]
+        def env_response(self, messages, state):
+            state["seen"] = messages[-1]["content"]  # what only the worker keeps
+            return []
+        def reward(self, prompt, completion, answer, state, **fields):
+            return 0.7 if "seen" in state else 0.1
+
+    def load_environment():
+        return Env()
+"""
+
+
+def test_a_rubric_that_needs_state_is_refused_unless_worker_rewards_are_trusted(tmp_path):
+    """The trainer scores transcripts; a rubric that reads the worker's state is refused at the
+    check, naming trustWorkerRewards. With it set, the workers' own scores train the job, and the
+    metrics say whose they are."""
+    import yaml
+    from support import jobs
+
+    (tmp_path / "env.py").write_text(textwrap.dedent(STATEFUL))
+    environment = {"load": "env.py", "maxTurns": 2, "maxEpisodeTokens": 8}
+    spec = {
+        "steps": 2,
+        "model": jobs.tiny(warmupSteps=100),  # enough to end some turns with EOS (those the environment sees)
+        "grpo": jobs.GRPO | {"maxNewTokens": 4},
+        "rollout": {"groupsPerLease": 2},
+    }
+    f = tmp_path / "job.yaml"
+    f.write_text(yaml.safe_dump(jobs.job(task={"environment": environment}, **spec)))
+    p = subprocess.run([EXE, "check", str(f)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and "takes `state`, which stays on the worker" in p.stderr + p.stdout, p.stderr
+    assert "task.environment.trustWorkerRewards" in p.stderr + p.stdout
+    f.write_text(yaml.safe_dump(jobs.job(task={"environment": environment | {"trustWorkerRewards": True}}, **spec)))
+    out = tmp_path / "run"
+    p = subprocess.run([EXE, "run", str(f), "--run-dir", str(out)], capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "episode_ends" in r]
+    assert len(steps) == 2 and all(r["reward_from_workers"] for r in steps)
+    for r in steps:  # 0.7 where the environment took its turn (its state), 0.1 where a turn was cut first
+        done = r["episode_ends"].get("done", 0) / sum(r["episode_ends"].values())
+        assert r["reward_mean"] == pytest.approx(0.1 + 0.6 * done, abs=1e-5), r
+    assert any(r["episode_ends"].get("done") for r in steps)

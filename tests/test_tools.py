@@ -138,9 +138,9 @@ def test_an_environment_s_tools_answer_the_model_s_calls(tmp_path):
     )
     turn = environment.turn_caller(str(f), {}, environment.ToolLimits(calls=2))
     asked = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>'
-    ok, (t, state) = turn(([{"role": "assistant", "content": asked * 3}], {"turn": 1}))
+    ok, (t, state) = turn(("turn", [{"role": "assistant", "content": asked * 3}], {"turn": 1}))
     assert ok == "ok" and not t.done and (t.tool_calls, t.tool_errors) == (3, 1)
     assert [m["content"] for m in t.messages] == ["4", "4", "Error: more than 2 tool calls in one turn"]
     assert [m["role"] for m in t.messages] == ["tool"] * 3
-    ok, (t, _) = turn(([{"role": "assistant", "content": "4"}], {"turn": 2}))
+    ok, (t, _) = turn(("turn", [{"role": "assistant", "content": "4"}], {"turn": 2}))
     assert ok == "ok" and t.done and t.messages == []  # no call, and no env_response: the end, as ToolEnv's

@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import pickle
 import sys
 from dataclasses import dataclass
@@ -37,10 +38,11 @@ log = logging.getLogger(__name__)
 ROLES = ("user", "tool")  # of the environment's messages
 
 
-def load(ref: str, args: dict[str, Any]) -> Any:
-    """The environment `ref` names, made by its load_environment(**args) and checked; ValueError
-    names what is wrong. A FILE.py is loaded under a name of its own, never imported from the
-    path (its folder goes last on the path, for its own helpers)."""
+def load(ref: str, args: dict[str, Any], trusted: bool = False) -> Any:
+    """The environment `ref` names, made by its load_environment(**args) and checked (`trusted`:
+    its rubric may take the worker's state, trustWorkerRewards); ValueError names what is wrong.
+    A FILE.py is loaded under a name of its own, never imported from the path (its folder goes
+    last on the path, for its own helpers)."""
     what = f"environment {ref!r}"
     try:
         if ref.endswith(".py"):
@@ -71,11 +73,11 @@ def load(ref: str, args: dict[str, Any]) -> Any:
         env = make(**args)
     except Exception as e:
         raise ValueError(f"{what}: load_environment({_show(args)}) failed: {type(e).__name__}: {e}") from None
-    check(env, what)
+    check(env, what, trusted)
     return env
 
 
-def check(env: object, what: str) -> None:
+def check(env: object, what: str, trusted: bool = False) -> None:
     if getattr(env, "dataset", None) is None:
         raise ValueError(f"{what}: the environment has no dataset (docs/environments.md says what it needs)")
     if getattr(env, "env_response", None) is None and not tools_of(env):
@@ -85,7 +87,7 @@ def check(env: object, what: str) -> None:
     for name, fn in tools_of(env).items():
         if not callable(fn):
             raise ValueError(f"{what}: its tool {name!r} is not callable")
-    reward_of(env, what)
+    reward_of(env, what, trusted)
 
 
 def tools_of(env: object) -> dict[str, Any]:
@@ -93,11 +95,12 @@ def tools_of(env: object) -> dict[str, Any]:
     return {getattr(fn, "__name__", str(i)): fn for i, fn in enumerate(getattr(env, "tools", None) or [])}
 
 
-def reward_of(env: object, what: str) -> Callable[..., float]:
+def reward_of(env: object, what: str, trusted: bool = False) -> Callable[..., float]:
     """The environment's rubric as one reward, fn(prompt, completion, answer, **fields): its own
     `reward`, or a verifiers Rubric's functions by weight, each given the arguments it names
     (prompt, completion, answer, parser, and the row's fields such as info). A function that
-    needs `state` is refused: state stays on the worker, and the trainer scores transcripts."""
+    needs `state` is refused: state stays on the worker, and the trainer scores transcripts;
+    unless `trusted` (trustWorkerRewards), where workers score, and pass it."""
     own = getattr(env, "reward", None)
     rubric = getattr(env, "rubric", None)
     funcs = list(getattr(rubric, "funcs", None) or getattr(rubric, "reward_funcs", None) or [])
@@ -106,11 +109,12 @@ def reward_of(env: object, what: str) -> Callable[..., float]:
     if own is not None and not callable(own):
         raise ValueError(f"{what}: its reward is not callable")
     for fn in [own] if own is not None else funcs:
-        if "state" in _params(fn):
+        if "state" in _params(fn) and not trusted:
             raise ValueError(
                 f"{what}: its reward {getattr(fn, '__name__', '')} takes `state`, which stays on the worker: the "
                 f"trainer scores an episode from its transcript (prompt, completion, answer and the row's "
-                f"fields); keep what the reward needs in the messages or the row"
+                f"fields); keep what the reward needs in the messages or the row, or set "
+                f"task.environment.trustWorkerRewards to use the workers' own scores"
             )
     if own is not None:
         return own
@@ -230,11 +234,14 @@ class ToolLimits:
 
 
 def turn_caller(
-    ref: str, args: dict[str, Any], tool: ToolLimits | None = None
+    ref: str, args: dict[str, Any], tool: ToolLimits | None = None, trusted: bool = False
 ) -> Callable[[tuple[Any, ...]], tuple[str, object]]:
     """In an environment process (sparrowrl.calls): the environment loaded, and each call
-    (messages, state) answered with ("ok", (its Turn, the state)) or why it failed."""
-    env = load(ref, args)
+    answered with ("ok", value) or why it failed: ("turn", messages, state), with (its Turn, the
+    state); ("score", prompt, completion, answer, fields, state), with the rubric's reward, for
+    trustWorkerRewards (`trusted`)."""
+    env = load(ref, args, trusted)
+    rubric = reward_of(env, f"environment {ref!r}", trusted) if trusted else None
     if tools_of(env) and (missing := {"landlock", "seccomp"} - set(available())):
         log.warning(
             f"environment {ref!r}: this kernel lacks {' and '.join(sorted(missing))}: tool calls run without "
@@ -243,7 +250,10 @@ def turn_caller(
         )
 
     def turn(item: tuple[Any, ...]) -> tuple[str, object]:
-        messages, state = item
+        if item[0] == "score":
+            assert rubric is not None  # asked for with trustWorkerRewards only
+            return score(rubric, *item[1:])
+        _, messages, state = item
         try:
             out = reply(env, messages, state, tool)
             pickle.dumps(state)  # it travels back: a state that cannot fails here, with a reason
@@ -256,6 +266,23 @@ def turn_caller(
     return turn
 
 
-def reward_caller(ref: str, args: dict[str, Any]) -> Callable[..., float]:
+MAX_REWARD = 1e6  # as the trainer's (rewards.MAX_REWARD)
+
+
+def score(
+    rubric: Callable[..., float], prompt: Any, completion: Any, answer: str, fields: dict, state: dict
+) -> tuple[str, object]:
+    """A worker's own score of its episode (trustWorkerRewards): ("ok", a finite, bounded number) or why not."""
+    try:
+        r = rubric(prompt, completion, answer, state=state, **fields)
+        r = float(r)
+    except BaseException as e:
+        return "raised", f"{type(e).__name__}: {str(e)[:500]}"
+    if not math.isfinite(r) or abs(r) > MAX_REWARD:
+        return "raised", f"returned {r:g}, not a finite number within ±{MAX_REWARD:g}"
+    return "ok", r
+
+
+def reward_caller(ref: str, args: dict[str, Any], trusted: bool = False) -> Callable[..., float]:
     """In a reward process on the trainer: the environment's rubric as one reward."""
-    return reward_of(load(ref, args), f"environment {ref!r}")
+    return reward_of(load(ref, args, trusted), f"environment {ref!r}", trusted)

@@ -39,7 +39,8 @@ def rehearse(spec: JobSpec, task: Task, job: str) -> str:
     stub = Stub(tok(ex.answer, add_special_tokens=False).input_ids, tok.eos_token_id)
     turns = Turns(tok, prompts.templated, {tok.eos_token_id})
     tool = environment.ToolLimits.of(env)
-    pool = Pool(partial(environment.turn_caller, env.load, env.args, tool), 1, env.turn_seconds, "environment")
+    load = partial(environment.turn_caller, env.load, env.args, tool, env.trust_worker_rewards)
+    pool = Pool(load, 1, env.turn_seconds, "environment")
     try:
         [[result]] = Episodes(stub, turns, env, pool).run(
             [Prompt(prompts.ids(ex.prompt), 0)],
@@ -55,12 +56,18 @@ def rehearse(spec: JobSpec, task: Task, job: str) -> str:
         messages, _ = turns.read(result["tokens"], episode)
     except ValueError as e:
         raise JobError(f"{where}: one episode against a stub model does not read back: {e}") from None
-    try:
-        prompt = [{"role": r, "content": c} for r, c in ex.messages]
-        reward = environment.reward_caller(env.load, env.args)(prompt, messages, ex.answer, **ex.fields)
-        reward = float(reward)
-    except Exception as e:
-        raise JobError(f"{where}: its rubric failed on one episode against a stub model: {type(e).__name__}: {e}")
+    if env.trust_worker_rewards:  # scored as a worker scores it
+        if "reward" not in episode:
+            raise JobError(f"{where}: its rubric failed on one episode against a stub model: {episode['reason']}")
+        reward = episode["reward"]
+    else:
+        try:
+            prompt = [{"role": r, "content": c} for r, c in ex.messages]
+            reward = float(environment.reward_caller(env.load, env.args)(prompt, messages, ex.answer, **ex.fields))
+        except Exception as e:
+            raise JobError(
+                f"{where}: its rubric failed on one episode against a stub model: {type(e).__name__}: {e}"
+            ) from None
     return (
         f"one episode against a stub model (it answers with the example's answer): {len(episode['turns']) + 1} "
         f"model turns, {episode['tool_calls']} tool calls, ended {episode['end']}, reward {reward:g}"

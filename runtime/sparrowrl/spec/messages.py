@@ -58,6 +58,7 @@ class Episode(Body):
     seconds: Seconds
     tool_calls: Count = 0
     tool_errors: Count = 0
+    reward: Annotated[float, Field(ge=-1e6, le=1e6)] | None = Field(None, exclude_if=lambda r: r is None)  # trusted
 
 
 class Sample(Body):

@@ -98,6 +98,13 @@ class EnvironmentSpec(Section):
     tool_output_chars: int = Field(
         8192, ge=1, le=1 << 18, description="A tool's answer beyond this is cut, and says so."
     )
+    trust_worker_rewards: bool = Field(
+        False,
+        description=(
+            "Use the workers' own scores, by the rubric with each episode's state, unchecked: for a rubric that "
+            "needs state its transcript does not carry. Workers are not trusted otherwise (docs/environments.md)."
+        ),
+    )
     max_tool_calls: int = Field(
         8, ge=1, le=64, description="Tool calls in one model turn at most; the others are answered with an error."
     )

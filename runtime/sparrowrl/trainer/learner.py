@@ -71,6 +71,8 @@ class Learner(Scoring):
         self.task, reward = tasks.for_job(local, self.prompts)
         if rank == 0 and self.task.skipped:
             log.warning(f"trainer: task: {self.task.skipped}")
+        if rank == 0 and local.task.environment and local.task.environment.trust_worker_rewards:
+            log.warning("trainer: task.environment.trustWorkerRewards: rewards are the workers' own scores, unchecked")
         self.held_out = tasks.held_out(local, self.prompts, self.task) if rank == 0 else []  # task.eval
         keep = spec.trainer.checkpoint.keep
         self.saved = (
@@ -277,7 +279,7 @@ class Learner(Scoring):
             "completion_len_max": max(k for k, _ in lengths),
             "behaviour_versions": sorted({res["version"] for res in batch.results.values()}),
             "reward_failed": failed,
-            **(step_metrics.episodes(samples, unread) if self.turns is not None else {}),
+            **(step_metrics.episodes(samples, unread, env.trust_worker_rewards) if env is not None else {}),
         }
 
     def _proximal(self, rows: list[grpo.Row]) -> list[torch.Tensor]:

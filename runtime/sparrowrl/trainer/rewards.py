@@ -113,5 +113,9 @@ class Scorer:
 def for_job(spec: JobSpec, name: str) -> Scorer:
     """The job's reward: `name`'s, or task.environment's rubric (its processes load the environment)."""
     t, env = spec.task, spec.task.environment
-    load = None if env is None else partial(judged, partial(environment.reward_caller, env.load, env.args))
+    load = (
+        None
+        if env is None
+        else partial(judged, partial(environment.reward_caller, env.load, env.args, env.trust_worker_rewards))
+    )
     return Scorer(name, t.reward_workers, t.reward_timeout_seconds, load)

@@ -81,9 +81,10 @@ def behaviour(
     return {"by_age": by_age, "by_worker": by_worker, "refused_samples": refused}
 
 
-def episodes(samples: list[list[dict]], unread: set[tuple[int, int]]) -> dict:
+def episodes(samples: list[list[dict]], unread: set[tuple[int, int]], trusted: bool) -> dict:
     """A step's episodes (task.environment): model turns, tool calls and errors, seconds, and how
-    they ended, as their workers say; and how many did not read as their turns (refused)."""
+    they ended, as their workers say; how many did not read as their turns (refused); and whose
+    rewards these are."""
     eps = [s["episode"] for group in samples for s in group]
     turns = [len(e["turns"]) + 1 for e in eps]
     seconds = [e["seconds"] for e in eps]
@@ -99,4 +100,5 @@ def episodes(samples: list[list[dict]], unread: set[tuple[int, int]]) -> dict:
         "episode_tool_errors": sum(e.get("tool_errors", 0) for e in eps),
         "episode_ends": ends,
         "episode_unread": len(unread),
+        "reward_from_workers": trusted,  # trustWorkerRewards: the rewards are the workers' own, unchecked
     }

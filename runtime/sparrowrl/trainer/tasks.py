@@ -369,7 +369,8 @@ def check_unrendered(spec: JobSpec) -> None:
     t = spec.task
     rows: Iterable[tuple[str, Source | str]] | None
     if t.environment:
-        environment.load(t.environment.load, t.environment.args)  # its data set, env_response and rubric
+        e = t.environment
+        environment.load(e.load, e.args, e.trust_worker_rewards)  # its data set, env_response and rubric
         return
     if t.builtin:
         name, rows = t.reward or BUILTIN[t.builtin].default_reward, []
@@ -390,7 +391,7 @@ def for_job(spec: JobSpec, prompts: Prompts) -> tuple[Task, str]:
     checked to take the examples' fields (a user's file is loaded here: errors name it)."""
     t = spec.task
     if t.environment:
-        env = environment.load(t.environment.load, t.environment.args)
+        env = environment.load(t.environment.load, t.environment.args, t.environment.trust_worker_rewards)
         what = f"environment {t.environment.load!r}"
         return Rows(spec.seed, prompts, environment_rows(env), t, what), what
     if t.builtin:

@@ -45,6 +45,7 @@ class Episode:
     finish: str = "eos"
     end: str | None = None
     reason: str | None = None
+    reward: float | None = None  # trustWorkerRewards: the rubric's score here
     seconds: float = 0.0
 
     def sampled(self, s: Sample, turns: Turns) -> None:
@@ -72,6 +73,7 @@ class Episode:
             "seconds": self.seconds,
             "tool_calls": self.tool_calls,
             "tool_errors": self.tool_errors,
+            **({"reward": self.reward} if self.reward is not None else {}),
         }
         return {"tokens": self.tokens, "logprobs": self.logprobs, "finish": self.finish, "episode": episode}
 
@@ -126,7 +128,21 @@ class Episodes:
                     continue
                 for e, [s] in zip(batch, out, strict=True):
                     e.sampled(s, self.turns)
+        if self.env.trust_worker_rewards:
+            self._score([(e, ex) for episodes, ex in zip(groups, examples) for e in episodes if e.end != "error"])
         return [[e.result() for e in episodes] for episodes in groups]
+
+    def _score(self, done: list[tuple[Episode, dict[str, Any]]]) -> None:
+        """trustWorkerRewards: each episode scored here, by the rubric with the episode's state."""
+        asks = []
+        for e, ex in done:
+            n = len(ex["messages"])
+            asks.append(("score", e.messages[:n], e.messages[n:], ex["answer"], ex.get("fields", {}), e.state))
+        for (e, _), (kind, value) in zip(done, self.pool.run(asks), strict=True):
+            if kind == "ok":
+                e.reward = cast(float, value)
+            else:
+                e.reason = f"the rubric failed here ({kind}): {value}"[:MAX_REASON]
 
     def _environment(self, episodes: list[Episode]) -> list[Episode]:
         """The environment's turn in every episode that goes on; the ones that continue, each with
@@ -141,7 +157,7 @@ class Episodes:
                 e.state["turn"] = e.model_turns
                 asked.append(e)
         going = []
-        for e, (kind, value) in zip(asked, self.pool.run([(e.messages, e.state) for e in asked]), strict=True):
+        for e, (kind, value) in zip(asked, self.pool.run([("turn", e.messages, e.state) for e in asked]), strict=True):
             if kind != "ok":
                 e.close("error", f"the environment's turn failed ({kind}): {value}")
                 continue

@@ -273,7 +273,8 @@ def episodes_of(job: dict, engine: Engine, model_dir: Path) -> Iterator[Episodes
     tool = environment.ToolLimits(
         env.tool_seconds, env.tool_memory_mib << 20, env.tool_output_chars, env.max_tool_calls
     )
-    pool = Pool(partial(environment.turn_caller, env.load, env.args, tool), size, env.turn_seconds, "environment")
+    load = partial(environment.turn_caller, env.load, env.args, tool, env.trust_worker_rewards)
+    pool = Pool(load, size, env.turn_seconds, "environment")
     try:
         yield Episodes(engine, Turns(tok, job["templated"], ends), env, pool)
     finally:
