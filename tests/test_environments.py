@@ -11,7 +11,7 @@ import torch
 from sparrowrl.agents import environment
 from sparrowrl.agents.turns import Turns
 from sparrowrl.spec.task import TaskSpec
-from sparrowrl.trainer import grpo, models
+from sparrowrl.trainer import grpo, models, tasks
 
 EOS = 2
 # a chat template whose assistant turns end with EOS, as real ones end with their end-of-turn token
@@ -237,3 +237,31 @@ def test_a_reasoning_gym_task_is_an_environment_scored_by_its_own_scorer():
     said = [{"role": "assistant", "content": f"thinking... <answer>{rows[4]['answer']}</answer>"}]
     assert tagged([], said, rows[4]["answer"], info={"index": 4}) == 1.0
     assert environment.reply(env, right, {}) == environment.Turn([], True)  # one turn
+
+
+def test_a_tool_environment_s_prompts_show_its_tools_through_the_chat_template():
+    def calc(expression: str) -> str:
+        """Evaluate arithmetic.
+
+        Args:
+            expression: such as 2*3
+        """
+        return expression
+
+    def bare(x):
+        return x
+
+    class Env:
+        tools = [calc]
+
+    schemas = environment.schemas(Env())
+    assert schemas[0]["function"]["name"] == "calc"
+    assert schemas[0]["function"]["parameters"]["properties"]["expression"]["description"] == "such as 2*3"
+    listing = "{% if tools %}t:{% for t in tools %}{{ t['function']['name'] }},{% endfor %}<{% endif %}"
+    tok = tok_with(listing + CHAT)
+    p = models.Prompts(tok).with_tools(schemas)
+    assert p.render(tasks.Source("1+1=", None, "2")).prompt == "t:calc,<u:1+1=<a:"
+    assert models.Prompts(tok).render(tasks.Source("1+1=", None, "2")).prompt == "u:1+1=<a:"  # no tools, none shown
+    Env.tools = [calc, bare]
+    with pytest.raises(ValueError, match="its tool bare: no JSON schema for the chat template to show the model"):
+        environment.schemas(Env())

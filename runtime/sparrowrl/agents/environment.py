@@ -95,6 +95,24 @@ def tools_of(env: object) -> dict[str, Any]:
     return {getattr(fn, "__name__", str(i)): fn for i, fn in enumerate(getattr(env, "tools", None) or [])}
 
 
+def schemas(env: object) -> list[dict[str, Any]]:
+    """The environment's tools as JSON schemas, for the chat template to show the model (from
+    each function's signature and docstring, as transformers reads them). ValueError names a
+    tool whose docstring does not describe it."""
+    from transformers.utils import get_json_schema
+
+    out = []
+    for name, fn in tools_of(env).items():
+        try:
+            out.append(get_json_schema(fn))
+        except Exception as e:
+            raise ValueError(
+                f"its tool {name}: no JSON schema for the chat template to show the model ({e}); give it a "
+                f"docstring with an Args: section that describes each argument, and type hints"
+            ) from None
+    return out
+
+
 def reward_of(env: object, what: str, trusted: bool = False) -> Callable[..., float]:
     """The environment's rubric as one reward, fn(prompt, completion, answer, **fields): its own
     `reward`, or a verifiers Rubric's functions by weight, each given the arguments it names

@@ -132,12 +132,18 @@ class Prompts:
     system prompt, if any, and the messages' contents, joined by newlines: a plain prompt alone
     is itself, as before chat templates were known here."""
 
-    def __init__(self, tok, chat_template: bool | None = None, system_prompt: str | None = None):
+    def __init__(
+        self, tok, chat_template: bool | None = None, system_prompt: str | None = None, tools: list | None = None
+    ):
         has = bool(getattr(tok, "chat_template", None))
         if chat_template and not has:
             raise ValueError("chatTemplate: true, but the tokenizer has no chat template")
         self.tok, self.system = tok, system_prompt
         self.templated = has if chat_template is None else chat_template
+        self.tools = tools  # an environment's tools' JSON schemas: the template shows them to the model
+
+    def with_tools(self, tools: list) -> Prompts:
+        return Prompts(self.tok, self.templated, self.system, tools or None)
 
     @classmethod
     def for_job(cls, spec: JobSpec, tok) -> Prompts:
@@ -156,7 +162,10 @@ class Prompts:
             return Example("\n".join(content for _, content in messages), src.answer, src.fields, tuple(messages))
         try:
             text = self.tok.apply_chat_template(
-                [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+                [{"role": r, "content": c} for r, c in messages],
+                tools=self.tools,
+                tokenize=False,
+                add_generation_prompt=True,
             )
         except Exception as e:  # jinja's errors, and what a template's own raise_exception raises
             raise ValueError(f"the chat template refused it ({type(e).__name__}: {e})") from None

@@ -74,6 +74,11 @@ class Prompts(Protocol):
 
     def ids(self, text: str) -> list[int]: ...
 
+    @property
+    def templated(self) -> bool: ...
+
+    def with_tools(self, tools: list) -> Prompts: ...
+
 
 def char_match(prompt: str, completion: str, answer: str, **fields) -> float:
     """Share of answer characters right at their position; extra characters count against."""
@@ -393,7 +398,8 @@ def for_job(spec: JobSpec, prompts: Prompts) -> tuple[Task, str]:
     if t.environment:
         env = environment.load(t.environment.load, t.environment.args, t.environment.trust_worker_rewards)
         what = f"environment {t.environment.load!r}"
-        return Rows(spec.seed, prompts, environment_rows(env), t, what), what
+        shown = prompts.with_tools(environment.schemas(env)) if prompts.templated else prompts
+        return Rows(spec.seed, shown, environment_rows(env), t, what), what
     if t.builtin:
         task = BUILTIN[t.builtin](spec.seed, prompts)
     elif t.jsonl:
