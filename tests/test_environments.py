@@ -210,6 +210,7 @@ def test_the_environment_s_reply_is_checked():
     "task, message",
     [
         ({"environment": {"load": "e.py"}, "reward": "exact"}, "an environment brings its own rubric"),
+        ({"environment": {"load": "e.py"}, "eval": {"jsonl": "x.jsonl"}}, "an environment's eval examples are its"),
         ({"environment": {"load": "e.py"}, "builtin": "add"}, "give exactly one of"),
         ({"environment": {"load": "a b"}}, "is not an installed module's name"),
         ({"environment": {"load": "e.py", "args": {"x": float("nan")}}}, "not plain JSON values"),

@@ -166,6 +166,9 @@ def test_the_multi_turn_example_trains_with_every_commit_verified(tmp_path):
         assert sum(r["episode_ends"].values()) == 16 * 8 and set(r["episode_ends"]) <= {"done", "length"}
         assert r["episode_unread"] == 0 and r["refused_samples"] == {} and r["skipped"] is None
     assert any(r["episode_turns_max"] == 2 for r in steps)  # the environment's second question was asked
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 4]  # the environment's eval_dataset, as episodes, at v0 and the last
+    assert all(e["prompts"] == 64 and e["samples"] == 4 and 0 < e["reward_mean"] < 1 for e in evals), evals
 
 
 def test_the_tool_example_calls_its_tool_and_trains(tmp_path):

@@ -17,13 +17,19 @@ def char_match(got: str, want: str) -> float:
     return hits / max(len(want), len(got), 1)
 
 
+def dialogues(n: int, seed: int) -> list[dict]:
+    r = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, c = r.randrange(10), r.randrange(10), r.randrange(10)
+        out.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "info": {"then": c}})
+    return out
+
+
 class TwoTurnSum:
     def __init__(self, examples: int, seed: int):
-        r = random.Random(seed)
-        self.dataset = []
-        for _ in range(examples):
-            a, b, c = r.randrange(10), r.randrange(10), r.randrange(10)
-            self.dataset.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "info": {"then": c}})
+        self.dataset = dialogues(examples, seed)
+        self.eval_dataset = dialogues(64, seed + 1)  # task.eval's held-out dialogues
 
     def env_response(self, messages, state):
         """After the model's first answer, the next question; after its second, the end."""

@@ -158,13 +158,14 @@ def _params(fn: Any) -> dict[str, inspect.Parameter]:
         return {}
 
 
-def rows(env: object) -> list[dict[str, Any]]:
-    """The environment's data set, as rows (a list, or any iterable of dicts: a `datasets` one)."""
-    data = getattr(env, "dataset")
+def rows(env: object, which: str = "dataset") -> list[dict[str, Any]]:
+    """The environment's data set (or `eval_dataset`), as rows (a list, or any iterable of dicts:
+    a `datasets` one)."""
+    data = getattr(env, which)
     try:
         return [dict(r) if not isinstance(r, dict) else r for r in data]
     except Exception as e:
-        raise ValueError(f"the environment's dataset cannot be read as rows: {type(e).__name__}: {e}") from None
+        raise ValueError(f"the environment's {which} cannot be read as rows: {type(e).__name__}: {e}") from None
 
 
 @dataclass

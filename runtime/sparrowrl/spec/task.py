@@ -150,8 +150,8 @@ class EvalSpec(Section):
         ge=1,
         le=65_536,
         description=(
-            "How many: the first of the file or data set, or, for a built-in task without either, examples "
-            "training never draws."
+            "How many: the first of the file or data set (an environment's: its eval_dataset), or, for a built-in "
+            "task without either, examples training never draws."
         ),
     )
     every: int = Field(10, ge=1, le=10_000_000, description="Every this many versions (and at v0 and the last).")
@@ -179,11 +179,18 @@ class TaskSpec(Section):
                     "message": "give exactly one of task.builtin, task.jsonl, task.dataset and task.environment",
                 },
                 {
-                    "rule": "!has(self.environment) || (!has(self.reward) && !has(self.eval))",
-                    "message": "an environment brings its own rubric: give no task.reward, and no task.eval yet",
+                    "rule": "!has(self.environment) || !has(self.reward)",
+                    "message": "an environment brings its own rubric: give no task.reward",
                 },
                 {
-                    "rule": "!has(self.eval) || has(self.eval.jsonl) || has(self.eval.dataset) || has(self.builtin)",
+                    "rule": "!has(self.environment) || !has(self.eval) || (!has(self.eval.jsonl) && "
+                    "!has(self.eval.dataset))",
+                    "message": "an environment's eval examples are its eval_dataset: give no eval.jsonl or "
+                    "eval.dataset",
+                },
+                {
+                    "rule": "!has(self.eval) || has(self.eval.jsonl) || has(self.eval.dataset) || has(self.builtin) "
+                    "|| has(self.environment)",
                     "message": "eval: give eval.jsonl or eval.dataset (held-out examples are drawn only for a "
                     "built-in task)",
                 },
@@ -247,10 +254,12 @@ class TaskSpec(Section):
     def _one_source(self) -> TaskSpec:
         if sum(x is not None for x in (self.builtin, self.jsonl, self.dataset, self.environment)) != 1:
             raise ValueError("give exactly one of task.builtin, task.jsonl, task.dataset and task.environment")
-        if self.environment is not None and (self.reward is not None or self.eval is not None):
-            raise ValueError("an environment brings its own rubric: give no task.reward, and no task.eval yet")
+        if self.environment is not None and self.reward is not None:
+            raise ValueError("an environment brings its own rubric: give no task.reward")
+        if self.environment is not None and self.eval is not None and (self.eval.jsonl or self.eval.dataset):
+            raise ValueError("an environment's eval examples are its eval_dataset: give no eval.jsonl or eval.dataset")
         e = self.eval
-        if e is not None and e.jsonl is None and e.dataset is None and self.builtin is None:
+        if e is not None and e.jsonl is None and e.dataset is None and self.builtin is None and not self.environment:
             raise ValueError(
                 "eval: give eval.jsonl or eval.dataset (held-out examples are drawn only for a built-in task)"
             )

@@ -221,7 +221,12 @@ class Control:
             e = self.spec.task.eval
             assert e is not None  # eval rounds are task.eval's
             lease["prompts"] = [
-                {"group": i, "ids": self.learner.eval_ids(i), "seed": group_seed(self.spec.seed, HELD_OUT + i)}
+                {
+                    "group": i,
+                    "ids": self.learner.eval_ids(i),
+                    "seed": group_seed(self.spec.seed, HELD_OUT + i),
+                    **({"example": self.learner.held_out[i].shown()} if self.spec.task.environment else {}),
+                }
                 for i in lease.pop("prompts")
             ]
             lease["eval"] = {"samples": e.samples, "greedy": e.decoding == "greedy"}

@@ -68,12 +68,7 @@ class Scoring:
         of them."""
         e = self.spec.task.eval
         assert e is not None and self.scorer is not None  # eval rounds are task.eval's, scored on rank 0
-        items: list[rewards.Item] = []
-        for i, res in sorted(results.items()):
-            ex = self.held_out[i]
-            for s in res["samples"]:
-                items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
-        flat, failed = self.scorer.score(items)
+        flat, failed = self._scored([(self.held_out[i], res["samples"]) for i, res in sorted(results.items())])
         n = e.samples
         correct = [sum(r >= 1.0 for r in flat[i : i + n]) for i in range(0, len(flat), n)]
         row = {
@@ -108,11 +103,16 @@ class Scoring:
         """Groups' samples scored in one call: each group's rewards, and the failures by kind. An
         episode is scored from its messages; one that failed on its worker, or whose tokens are
         not its turns, scores 0.0 unscored."""
+        flat, failed = self._scored([(self.prompt(g), res["samples"]) for g, res in results.items()])
+        n = self.spec.grpo.group_size
+        return {g: flat[i * n : (i + 1) * n] for i, g in enumerate(results)}, failed
+
+    def _scored(self, groups: list[tuple[tasks.Example, list[dict]]]) -> tuple[list[float], dict[str, int]]:
+        """Each sample's reward, in order, and the failures by kind."""
         items: list[rewards.Item | None] = []
-        for group, res in results.items():
-            ex = self.prompt(group)
+        for ex, samples in groups:
             prompt = [{"role": r, "content": c} for r, c in ex.messages]
-            for s in res["samples"]:
+            for s in samples:
                 if self.turns is None:
                     items.append((ex.prompt, models.completion_text(self.tok, s["tokens"]), ex.answer, ex.fields))
                     continue
@@ -122,16 +122,13 @@ class Scoring:
         assert self.scorer is not None  # rank 0 scores
         env = self.spec.task.environment
         if env is not None and env.trust_worker_rewards:  # the workers' own scores, unchecked
-            flat = [s["episode"].get("reward") for res in results.values() for s in res["samples"]]
+            own = [s["episode"].get("reward") for _, samples in groups for s in samples]
             failed = dict.fromkeys(rewards.FAILURES, 0)
-            failed["raised"] = sum(r is None and x is not None for r, x in zip(flat, items))
-            flat = [r if r is not None and x is not None else 0.0 for r, x in zip(flat, items)]
-        else:
-            scored, failed = self.scorer.score([x for x in items if x is not None])
-            it = iter(scored)
-            flat = [next(it) if x is not None else 0.0 for x in items]
-        n = self.spec.grpo.group_size
-        return {g: flat[i * n : (i + 1) * n] for i, g in enumerate(results)}, failed
+            failed["raised"] = sum(r is None and x is not None for r, x in zip(own, items))
+            return [r if r is not None and x is not None else 0.0 for r, x in zip(own, items)], failed
+        scored, failed = self.scorer.score([x for x in items if x is not None])
+        it = iter(scored)
+        return [next(it) if x is not None else 0.0 for x in items], failed
 
     def score(self, results: dict[int, dict]) -> dict[int, tuple[list[float], dict[str, int], bool]]:
         """Admitted groups scored as they come (refills on): each one's rewards, its failures by

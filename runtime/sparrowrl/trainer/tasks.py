@@ -309,10 +309,10 @@ def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
     )
 
 
-def environment_rows(env: object) -> Iterator[tuple[str, Source | str]]:
-    """An environment's data set as examples: verifiers' columns (a prompt as text or messages, or
-    a question; an answer, if any; info and the rest as fields)."""
-    for i, row in enumerate(environment.rows(env)):
+def environment_rows(env: object, which: str = "dataset") -> Iterator[tuple[str, Source | str]]:
+    """An environment's data set (or `eval_dataset`) as examples: verifiers' columns (a prompt as
+    text or messages, or a question; an answer, if any; info and the rest as fields)."""
+    for i, row in enumerate(environment.rows(env, which)):
         r = dict(row)
         if "prompt" not in r and "question" in r:
             r["prompt"] = r.pop("question")
@@ -324,7 +324,7 @@ def environment_rows(env: object) -> Iterator[tuple[str, Source | str]]:
                 json.dumps(src.fields, allow_nan=False)  # they travel to workers, in leases
             except (TypeError, ValueError) as e:
                 src = f"its fields are not plain JSON values ({e})"
-        yield f"the environment's dataset row {i}", src
+        yield f"the environment's {which} row {i}", src
 
 
 class Rows(Task):
@@ -424,6 +424,13 @@ def held_out(spec: JobSpec, prompts: Prompts, task: Task) -> list[Example]:
     e, t = spec.task.eval, spec.task
     if e is None:
         return []
+    if t.environment:
+        env = environment.load(t.environment.load, t.environment.args, t.environment.trust_worker_rewards)
+        if getattr(env, "eval_dataset", None) is None:
+            raise ValueError(f"eval: the environment {t.environment.load!r} has no eval_dataset to evaluate on")
+        shown = prompts.with_tools(environment.schemas(env)) if prompts.templated else prompts
+        what = f"eval of environment {t.environment.load!r}"
+        return Rows(spec.seed, shown, itertools.islice(environment_rows(env, "eval_dataset"), e.prompts), t, what).rows
     if e.jsonl:
         rows = Rows(spec.seed, prompts, itertools.islice(jsonl(e.jsonl), e.prompts), t, f"eval {e.jsonl}").rows
     elif e.dataset:

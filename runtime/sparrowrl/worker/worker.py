@@ -215,7 +215,7 @@ class Worker:
             if e.greedy:
                 sampling = replace(sampling, top_k=1, top_p=1.0)
         prompts = [Prompt(p["ids"], p["seed"]) for p in lease["prompts"]]
-        if self.episodes is not None and "eval" not in lease:
+        if self.episodes is not None:  # an eval lease's too: its groups are episodes of the eval examples
             episodes = await self._run(self.episodes.run, prompts, [p["example"] for p in lease["prompts"]], sampling)
             results = {p["group"]: {"samples": e} for p, e in zip(lease["prompts"], episodes, strict=True)}
         else:
