@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-import torch
+from support.models import eos_first
 from support.servers import EXE
 
 from sparrowrl.agents import environment
@@ -55,26 +55,14 @@ ENV = """
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    """The hf engine on a tiny model that ends every turn at once: its first token is EOS, so
-    each model turn is [EOS] and the environment sets the pace."""
+    """The hf engine on a tiny model whose every turn is its EOS (support.models.eos_first): the
+    environment sets the pace."""
     folder = tmp_path_factory.mktemp("model")
-    tok = models.char_tokenizer()
-    model = models.tiny_qwen3(len(tok), 32, 1, 2, 0)
-    with torch.no_grad():
-        e = model.model.embed_tokens.weight  # tied: the head too
-        e[:, 0] = 1.0  # every token writes +1 into dimension 0 ...
-        e[EOS, 0] = 50.0  # ... and EOS's row reads it 50 times stronger
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[0] = 1.0  # the head sees dimension 0 only
-        for layer in model.model.layers:  # which no layer writes into
-            layer.self_attn.o_proj.weight[0].zero_()
-            layer.mlp.down_proj.weight[0].zero_()
-    model.config.save_pretrained(folder)
-    tok.save_pretrained(folder)
+    state = eos_first(folder)
     hf = make_engine("hf", str(folder))
     for n, t in hf.tensors().items():
-        t.copy_(models.policy_state(model)[n])
-    return hf, tok
+        t.copy_(state[n])
+    return hf, models.char_tokenizer()
 
 
 def episodes(engine, tmp_path, **limits):

@@ -45,3 +45,28 @@ def decisive_qwen3():
             if p.dim() == 2:
                 p.normal_(0, 1.0 if "embed" in name else 0.2)
     return model, tok
+
+
+def eos_first(folder: Path, hidden: int = 32, heads: int = 2) -> dict:
+    """A tiny Qwen3 whose every turn is its EOS at once (its first token is EOS, whatever came
+    before), saved as a worker's folder (config and tokenizer); returns its bf16 policy. An
+    environment sets the pace of its episodes: the same on every engine."""
+    import torch
+
+    from sparrowrl.trainer import models
+
+    tok = models.char_tokenizer()
+    model = models.tiny_qwen3(len(tok), hidden, 1, heads, 0)
+    eos = tok.eos_token_id
+    with torch.no_grad():
+        e = model.model.embed_tokens.weight  # tied: the head too
+        e[:, 0] = 1.0  # every token writes +1 into dimension 0 ...
+        e[eos, 0] = 50.0  # ... and EOS's row reads it 50 times stronger
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0  # the head sees dimension 0 only
+        for layer in model.model.layers:  # which no layer writes into
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+    model.config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return models.policy_state(model)
