@@ -26,6 +26,15 @@ def reward_failed(rows: list[dict]) -> dict[str, int]:
     return total
 
 
+def episode_ends(rows: list[dict]) -> dict[str, int]:
+    """Episodes (task.environment) by how they ended, over the rows."""
+    total: dict[str, int] = {}
+    for r in rows:
+        for end, n in r.get("episode_ends", {}).items():
+            total[end] = total.get(end, 0) + n
+    return total
+
+
 def refused_samples(rows: list[dict]) -> dict[tuple[str, str], int]:
     """Samples not trained because their worker's log-probs were false, by (worker, reason)."""
     total: dict[tuple[str, str], int] = {}
@@ -327,6 +336,25 @@ def metrics(snap: Snapshot) -> list:
             "reward_failures",
             "Samples scored 0.0 because their reward call failed, by kind",
             by=("kind", reward_failed(snap.rows)),
+        ),
+        family(
+            "counter",
+            "episodes",
+            "Episodes of an environment (task.environment) by how they ended: done, max_turns, max_tokens, length, "
+            "timeout, error",
+            by=("end", episode_ends(snap.rows)),
+        ),
+        family(
+            "counter", "tool_calls", "Tool calls of episodes", sum(r.get("episode_tool_calls", 0) for r in snap.rows)
+        ),
+        family(
+            "counter",
+            "tool_errors",
+            "Tool calls that answered with an error (the model's mistake, or the tool's)",
+            sum(r.get("episode_tool_errors", 0) for r in snap.rows),
+        ),
+        family(
+            "gauge", "episode_turns", "The last step's mean model turns per episode", last.get("episode_turns_mean")
         ),
         family("gauge", "changed_fraction", "Share of elements the last step changed", s.last_changed_fraction),
         family("gauge", "payload_bytes", "Bytes the last step shipped", s.last_payload_bytes),
