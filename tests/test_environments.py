@@ -222,6 +222,15 @@ def test_a_bad_environment_spec_is_refused(task, message):
         TaskSpec.model_validate(task)
 
 
+def test_stop_strings_are_refused_with_an_environment():
+    from support.jobs import job
+
+    from sparrowrl.spec.job import JobError, parse
+
+    with pytest.raises(JobError, match="grpo.stop: an environment's model turns end at the model's end-of-turn"):
+        parse(job(task={"environment": {"load": "e.py"}}, grpo={"stop": ["</tool_call>"]}), "j.yaml")
+
+
 def test_a_reasoning_gym_task_is_an_environment_scored_by_its_own_scorer():
     """reasoning-gym, directly: its data set generated offline, each reply scored by the task's
     score_answer from the row's index (the trainer's processes generate the same data set)."""

@@ -181,6 +181,15 @@ class JobSpec(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _turns_end_at_their_token(self) -> JobSpec:
+        if self.task.environment and self.grpo.stop:
+            raise ValueError(
+                "grpo.stop: an environment's model turns end at the model's end-of-turn token, where the "
+                "environment's turn is appended; stop strings are not taken with task.environment"
+            )
+        return self
+
 
 class SparrowRLJob(Section):
     api_version: Literal["sparrowrl.dev/v1alpha1"] = Field(alias="apiVersion")
