@@ -101,6 +101,14 @@ def test_an_episode_whose_tokens_are_not_its_turns_is_refused():
         turns.read(tokens, dict(ep, turns=[dict(ep["turns"][0], at=0)]))
     with pytest.raises(ValueError, match="ends with the environment's turn"):
         turns.read(tokens[: ep["turns"][0]["at"] + 4], ep)
+    # tokens after a turn's end-of-turn token would be trained and never scored
+    smuggled = tokens + ids(tok, "66") + [EOS]
+    with pytest.raises(ValueError, match="the model's turn 1 goes on after its end-of-turn token"):
+        turns.read(smuggled, ep)
+    at = ep["turns"][0]["at"]
+    early = [tokens[0], EOS, *tokens[1:]]  # "7", EOS, EOS: the first turn goes on past its end
+    with pytest.raises(ValueError, match="the model's turn 0 goes on after its end-of-turn token"):
+        turns.read(early, dict(ep, turns=[dict(ep["turns"][0], at=at + 1)]))
 
 
 def test_the_loss_trains_the_sampled_tokens_only():
@@ -275,3 +283,29 @@ def test_a_tool_environment_s_prompts_show_its_tools_through_the_chat_template()
     Env.tools = [calc, bare]
     with pytest.raises(ValueError, match="its tool bare: no JSON schema for the chat template to show the model"):
         environment.schemas(Env())
+
+
+def test_a_worker_s_own_score_passes_state_only_to_a_rubric_that_takes_it():
+    def plain(prompt, completion, answer):
+        return 0.25
+
+    def stateful(prompt, completion, answer, state, **fields):
+        return state["seen"]
+
+    assert environment.score(plain, [], [], "", {}, {"seen": 1.0}) == ("ok", 0.25)
+    assert environment.score(stateful, [], [], "", {"state": "a field"}, {"seen": 1.0}) == ("ok", 1.0)
+    assert environment.score(lambda *a, **k: float("inf"), [], [], "", {}, {})[0] == "raised"
+
+
+def test_an_episode_beyond_the_job_s_limits_is_refused_at_the_door():
+    from sparrowrl.spec.task import EnvironmentSpec
+    from sparrowrl.trainer.control import bad_episode
+
+    env = EnvironmentSpec(load="e.py", max_turns=2)
+    turn = {"at": 1, "tokens": 1, "messages": [{"role": "user", "content": "q"}]}
+    ok = {"turns": [turn], "end": "done", "seconds": 0.1, "tool_calls": 1, "tool_errors": 1}
+    assert bad_episode(ok, env) is None
+    assert (
+        bad_episode(ok | {"turns": [turn, turn]}, env) == "an episode of 3 model turns (task.environment.maxTurns: 2)"
+    )
+    assert bad_episode(ok | {"tool_errors": 2}, env) == "an episode of 2 tool errors in 1 calls"

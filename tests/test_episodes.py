@@ -120,6 +120,33 @@ def test_each_episode_ends_at_its_own_limit_or_fault_and_the_others_run_on(engin
     assert mask == [True, False, False, True]
 
 
+def test_an_episode_the_engine_has_no_room_for_ends_on_the_model_s_turn(engine, tmp_path):
+    """rollout.maxModelLen: where the engine refuses a batch, each episode is asked alone, and one
+    without room ends without the environment's turn that left it none, readable by the trainer."""
+    hf, tok = engine
+    f = tmp_path / "env.py"
+    f.write_text(textwrap.dedent(ENV))
+    short = make_engine("hf", str(hf.model_dir), max_model_len=12)
+    for n, t in short.tensors().items():
+        t.copy_(hf.tensors()[n])
+    spec = EnvironmentSpec(load=str(f), max_turns=8, max_episode_tokens=40)
+    pool = Pool(partial(environment.turn_caller, spec.load, {}), 2, spec.turn_seconds, "environment")
+    turns = Turns(tok, False, {EOS})
+    examples = [{"messages": [{"role": "user", "content": p}], "answer": "", "fields": {"info": {"kind": "chat"}}}
+                for p in ("1+1=", "11+11=")]  # fmt: skip
+    prompts = [Prompt(models.prompt_ids(tok, e["messages"][0]["content"]), 3) for e in examples]
+    try:
+        a, b = Episodes(short, turns, spec, pool).run(prompts, examples, Sampling(n=1, max_new_tokens=3, temperature=1))
+    finally:
+        pool.close()
+    for [x], prompt, model_turns in ((a, prompts[0], 3), (b, prompts[1], 2)):
+        ep = x["episode"]
+        assert ep["end"] == "max_tokens" and ep["reason"].startswith("the engine refused the model's next turn")
+        assert x["tokens"][-1] == EOS and x["tokens"].count(EOS) == model_turns  # the longer prompt ran out first
+        assert len(prompt.ids) + len(x["tokens"]) <= 12
+        turns.read(x["tokens"], ep)  # it reads back: the trainer scores and trains it
+
+
 def test_an_episode_past_its_wall_time_ends_truncated(engine, tmp_path):
     driver, pool = episodes(engine, tmp_path, episode_seconds=0.001)
     try:
@@ -185,7 +212,7 @@ def test_the_reasoning_gym_example_runs_as_a_task(tmp_path):
             "spec.task.environment: one episode against a stub model failed: the environment's turn failed (raised): "
             "RuntimeError: env_response broke",
         ),
-        ("reward", "its rubric failed on one episode against a stub model: RuntimeError: reward broke"),
+        ("reward", "its rubric failed on one episode against a stub model (raised): RuntimeError: reward broke"),
     ],
 )
 def test_check_runs_one_episode_against_a_stub_model(tmp_path, fault, message):

@@ -7,6 +7,7 @@ import os
 import textwrap
 
 import pytest
+from support.wait import until
 
 from sparrowrl.agents import environment, sandbox
 from sparrowrl.agents.sandbox import Limits
@@ -92,15 +93,38 @@ def test_a_tool_answers_and_its_mistakes_are_the_model_s_to_see():
     assert call("add", a=2, b=3) == (True, "5")
     ok, text = call("loud")
     assert ok and text == "x" * 1000 + "\n[output cut at 1000 characters]"
+    assert call("wide") == (True, "é" * 1000 + "\n[output cut at 1000 characters]")  # characters, not bytes
     assert call("raises") == (False, "Error: KeyError: 'nothing here'")
     assert call("nope")[1].startswith("Error: no tool 'nope' (the tools are add, ")
     assert call("add", a=1)[1].startswith('Error: add(a: int, b: int) -> int cannot take {"a": 1}')
     assert run(TOOLS, ("", "the tool call is not JSON"), LIMITS, 1000) == (False, "Error: the tool call is not JSON")
 
 
+def hides() -> str:
+    import time
+
+    os.close(3)  # its answer's pipe: the end of its output, and it lives on
+    time.sleep(60)
+    return "late"
+
+
+def peeks(fd: int) -> str:
+    os.fstat(fd)
+    return "it sees the worker's descriptor"
+
+
+def wide() -> str:
+    return "é" * 5000
+
+
+TOOLS.update({f.__name__: f for f in (hides, peeks, wide)})
+
+
 def test_a_tool_that_hangs_or_dies_ends_its_episode():
     with pytest.raises(ToolFailure, match="tool sleeps took longer than 3 s"):
         call("sleeps")
+    with pytest.raises(ToolFailure, match="tool hides took longer than 3 s"):
+        call("hides")
     with pytest.raises(ToolFailure, match=r"tool dies's process died \(exit code 9\)"):
         call("dies")
     with pytest.raises(ToolFailure, match=r"tool crashes's process died \(signal 11\)"):
@@ -117,6 +141,31 @@ def test_a_tool_is_walled_in(tmp_path):
     assert not ok and "Operation not permitted" in text
     assert call("eats") == (False, "Error: MemoryError: ")
     assert not [p for p in os.listdir("/tmp") if p.startswith("sparrowrl-tool-")]  # each call's folder is gone
+
+
+def test_a_tool_holds_no_descriptor_of_the_worker_s(tmp_path):
+    """The environment's process holds the pipe its pool reads answers from (and unpickles): a
+    tool forked from it must not be able to write there."""
+    with open(tmp_path / "f", "w") as f:
+        ok, text = call("peeks", fd=f.fileno())
+    assert not ok and "Bad file descriptor" in text, text
+
+
+def test_a_tool_dies_with_the_environment_s_process(tmp_path):
+    """A turn past turnSeconds kills the environment's process: its tool call goes with it."""
+    import multiprocessing
+    import signal
+
+    def env_process():
+        run(TOOLS, ("sleeps", {}), Limits(seconds=60.0, memory=256 << 20), 100, str(tmp_path))
+
+    p = multiprocessing.get_context("fork").Process(target=env_process)
+    p.start()
+    children = f"/proc/{p.pid}/task/{p.pid}/children"
+    [tool] = until(lambda: open(children).read().split(), 10, "the tool's process")
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    until(lambda: not os.path.exists(f"/proc/{tool}"), 10, "the tool's end with the environment's process")
 
 
 def test_an_environment_s_tools_answer_the_model_s_calls(tmp_path):
@@ -138,9 +187,15 @@ def test_an_environment_s_tools_answer_the_model_s_calls(tmp_path):
     )
     turn = environment.turn_caller(str(f), {}, environment.ToolLimits(calls=2))
     asked = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>'
-    ok, (t, state) = turn(("turn", [{"role": "assistant", "content": asked * 3}], {"turn": 1}))
-    assert ok == "ok" and not t.done and (t.tool_calls, t.tool_errors) == (3, 1)
-    assert [m["content"] for m in t.messages] == ["4", "4", "Error: more than 2 tool calls in one turn"]
+    ok, (t, state) = turn(("turn", [{"role": "assistant", "content": asked * 70}], {"turn": 1}, False))
+    assert ok == "ok" and not t.done and (t.tool_calls, t.tool_errors) == (70, 68)
+    assert [m["content"] for m in t.messages] == [
+        "4",
+        "4",
+        "Error: 68 calls beyond the 2 one turn may make were not run",
+    ]  # one message for those beyond: a turn's messages stay within what a worker may send (64)
     assert [m["role"] for m in t.messages] == ["tool"] * 3
-    ok, (t, _) = turn(("turn", [{"role": "assistant", "content": "4"}], {"turn": 2}))
+    ok, (t, _) = turn(("turn", [{"role": "assistant", "content": "4"}], {"turn": 2}, False))
     assert ok == "ok" and t.done and t.messages == []  # no call, and no env_response: the end, as ToolEnv's
+    ok, (t, _) = turn(("turn", [{"role": "assistant", "content": asked}], {"turn": 2}, True))
+    assert ok == "ok" and not t.done and t.messages == [] and t.tool_calls == 0  # after the last turn: not run

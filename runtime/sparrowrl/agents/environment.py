@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from sparrowrl.agents.sandbox import Limits, available
 from sparrowrl.agents.tools import ToolFailure, hermes, run
+from sparrowrl.spec.messages import MAX_MESSAGE_CHARS, MAX_TURN_MESSAGES
 from sparrowrl.spec.task import EnvironmentSpec
 
 log = logging.getLogger(__name__)
@@ -178,12 +179,19 @@ class Turn:
     tool_errors: int = 0
 
 
-def reply(env: Any, messages: list[dict[str, str]], state: dict[str, Any], tool: ToolLimits | None = None) -> Turn:
+def reply(
+    env: Any,
+    messages: list[dict[str, str]],
+    state: dict[str, Any],
+    tool: ToolLimits | None = None,
+    last: bool = False,
+) -> Turn:
     """The environment's turn after the model's: the tools the model called, run (each in a
     process of its own), or else env_response's messages, checked; the episode is over when the
     environment says so first (is_completed), or has nothing to say (no tool called, and no
-    env_response or an empty one). ValueError: a reply that is not messages; ToolFailure: a tool
-    that hung or died."""
+    env_response or an empty one). After the model's `last` turn (maxTurns) only whether it is
+    over is asked: a call is not run. ValueError: a reply that is not messages; ToolFailure: a
+    tool that hung or died."""
     done = getattr(env, "is_completed", None)
     if done is not None and _awaited(done(messages, state)):
         return Turn([], True)
@@ -191,16 +199,24 @@ def reply(env: Any, messages: list[dict[str, str]], state: dict[str, Any], tool:
     if tools:
         parse = getattr(env, "parse_tool_calls", None) or hermes
         calls = parse(messages[-1]["content"])
+        if calls and last:
+            return Turn([], False)  # it would go on: maxTurns ends it
         if calls:
             limits = tool or ToolLimits()
             out, errors = [], 0
-            for i, call in enumerate(calls):
-                if i < limits.calls:
-                    ok, text = run(tools, call, Limits(limits.seconds, limits.memory), limits.output)
-                else:
-                    ok, text = False, f"Error: more than {limits.calls} tool calls in one turn"
+            for call in calls[: limits.calls]:
+                ok, text = run(tools, call, Limits(limits.seconds, limits.memory), limits.output, limits.root)
                 errors += not ok
                 out.append({"role": "tool", "content": text})
+            if len(calls) > limits.calls:
+                out.append(
+                    {
+                        "role": "tool",
+                        "content": f"Error: {len(calls) - limits.calls} calls beyond the "
+                        f"{limits.calls} one turn may make were not run",
+                    }
+                )
+                errors += len(calls) - limits.calls
             return Turn(out, False, len(calls), errors)
         if getattr(env, "env_response", None) is None:
             return Turn([], True)
@@ -219,6 +235,16 @@ def reply(env: Any, messages: list[dict[str, str]], state: dict[str, Any], tool:
             raise ValueError(
                 f"env_response's message {i} is not {{'role': 'user' or 'tool', 'content': text}}: {str(m)[:200]}"
             )
+        try:
+            m["content"].encode()
+        except UnicodeEncodeError as e:
+            raise ValueError(f"env_response's message {i} is not text that UTF-8 can carry ({e.reason})") from None
+        if len(m["content"]) > MAX_MESSAGE_CHARS:
+            raise ValueError(
+                f"env_response's message {i} is {len(m['content']):,} characters (limit {MAX_MESSAGE_CHARS:,})"
+            )
+    if len(out) > MAX_TURN_MESSAGES:
+        raise ValueError(f"env_response returned {len(out)} messages (limit {MAX_TURN_MESSAGES})")
     return Turn([{"role": m["role"], "content": m["content"]} for m in out], not out)
 
 
@@ -246,10 +272,11 @@ class ToolLimits:
     memory: int = 1 << 30
     output: int = 8192  # characters of its answer
     calls: int = 8  # per turn
+    root: str | None = None  # where each call's folder is made (the worker's, removed when it ends)
 
     @classmethod
-    def of(cls, env: EnvironmentSpec) -> ToolLimits:
-        return cls(env.tool_seconds, env.tool_memory_mib << 20, env.tool_output_chars, env.max_tool_calls)
+    def of(cls, env: EnvironmentSpec, root: str | None = None) -> ToolLimits:
+        return cls(env.tool_seconds, env.tool_memory_mib << 20, env.tool_output_chars, env.max_tool_calls, root)
 
 
 def turn_caller(
@@ -272,9 +299,9 @@ def turn_caller(
         if item[0] == "score":
             assert rubric is not None  # asked for with trustWorkerRewards only
             return score(rubric, *item[1:])
-        _, messages, state = item
+        _, messages, state, last = item
         try:
-            out = reply(env, messages, state, tool)
+            out = reply(env, messages, state, tool, last)
             pickle.dumps(state)  # it travels back: a state that cannot fails here, with a reason
         except ToolFailure as e:
             return "tool", str(e)
@@ -292,9 +319,10 @@ def score(
     rubric: Callable[..., float], prompt: Any, completion: Any, answer: str, fields: dict, state: dict
 ) -> tuple[str, object]:
     """A worker's own score of its episode (trustWorkerRewards): ("ok", a finite, bounded number) or why not."""
+    params = _params(rubric)
+    takes = "state" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     try:
-        r = rubric(prompt, completion, answer, state=state, **fields)
-        r = float(r)
+        r = float(rubric(prompt, completion, answer, **({**fields, "state": state} if takes else fields)))
     except BaseException as e:
         return "raised", f"{type(e).__name__}: {str(e)[:500]}"
     if not math.isfinite(r) or abs(r) > MAX_REWARD:

@@ -1,8 +1,9 @@
 """The walls of a tool call's process, raised in the child before the tool runs: it may write only
 in its own folder (Landlock), it may not start processes (seccomp: fork, vfork and clone without
-CLONE_THREAD fail; threads still start), and rlimits bound its memory, CPU time, file sizes and
-open files. Linux only, with no privileges needed: Landlock and seccomp are what an unprivileged
-process can do to itself, once it has given up gaining privileges (no_new_privs).
+CLONE_THREAD fail; threads still start), and rlimits bound its memory (beyond what the process
+had mapped when it forked), CPU time, file sizes and open files. Linux only, with no privileges
+needed: Landlock and seccomp are what an unprivileged process can do to itself, once it has given
+up gaining privileges (no_new_privs).
 
 Where the kernel has no Landlock (before 5.13, or not enabled), writes are bounded by RLIMIT_FSIZE
 only; `confine` says which walls stand, and the environment's process logs it once."""
@@ -27,13 +28,16 @@ _REFER, _TRUNCATE = 1 << 13, 1 << 14
 _PATH_BENEATH = 1
 
 # seccomp (linux/seccomp.h, linux/filter.h): process-creating syscalls refused
-_SECCOMP = {  # arch: (AUDIT_ARCH, clone, clone3, fork and vfork if it has them)
-    "x86_64": (0xC000003E, 56, 435, (57, 58)),
-    "aarch64": (0xC00000B7, 220, 435, ()),
+_SECCOMP = {  # arch: (AUDIT_ARCH, clone, clone3, fork and vfork if it has them, the x32 ABI's bit)
+    "x86_64": (0xC000003E, 56, 435, (57, 58), 0x40000000),
+    "aarch64": (0xC00000B7, 220, 435, (), None),
 }
 _CLONE_THREAD = 0x10000
 _ALLOW, _KILL, _ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
 _EPERM, _ENOSYS = 1, 38
+
+
+FILES = 256  # open file descriptors
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,10 @@ def confine(folder: str, limits: Limits) -> list[str]:
     """In the tool's child process: the walls up, in that order. Returns the walls that could not
     be raised (the kernel lacks them). Raises OSError where one that should stand does not."""
     missing = []
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory, limits.memory))
+    with open("/proc/self/statm") as f:  # its first field: the address space mapped now, in pages
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + limits.memory, mapped + limits.memory))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FILES, FILES))
     cpu = int(limits.seconds) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.files, limits.files))
@@ -96,17 +103,21 @@ def _no_processes() -> bool:
     arch = _SECCOMP.get(platform.machine())
     if arch is None:
         return False
-    audit, clone, clone3, forks = arch
+    audit, clone, clone3, forks, x32 = arch
 
     def op(code: int, jt: int, jf: int, k: int) -> bytes:
         return struct.pack("=HBBI", code, jt, jf, k)  # struct sock_filter
 
-    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
     prog = [
         op(ld, 0, 0, 4),  # seccomp_data.arch
         op(jeq, 1, 0, audit),
         op(ret, 0, 0, _KILL),
         op(ld, 0, 0, 0),  # seccomp_data.nr
+    ]
+    if x32 is not None:  # x32's numbers (the same calls, this bit set) are refused whole
+        prog += [op(jge, 0, 1, x32), op(ret, 0, 0, _ERRNO | _EPERM)]
+    prog += [
         op(jeq, 0, 1, clone3),
         op(ret, 0, 0, _ERRNO | _ENOSYS),  # the C library falls back to clone, whose flags can be read
     ]

@@ -54,6 +54,12 @@ class Turns:
         end = next((i for i, t in enumerate(ids) if t in self.eos), len(ids))
         return str(self.tok.decode(ids[:end], skip_special_tokens=True))
 
+    def _one_turn(self, span: list[int], k: int) -> None:
+        """A model turn ends at its first end-of-turn token: tokens after one would be trained and
+        never read by the rubric."""
+        if any(t in self.eos for t in span[:-1]):
+            raise ValueError(f"the model's turn {k} goes on after its end-of-turn token")
+
     def read(self, tokens: list[int], episode: dict[str, Any]) -> tuple[list[dict[str, str]], list[bool]]:
         """A worker's episode as the messages after its prompt (the model's, decoded here, and the
         environment's) and the mask of the tokens the model sampled. ValueError: its tokens are
@@ -69,6 +75,7 @@ class Turns:
                 )
             if tokens[at - 1] not in self.eos:
                 raise ValueError(f"the environment's turn {k} follows a model turn that did not end")
+            self._one_turn(tokens[pos:at], k)
             messages.append({"role": "assistant", "content": self.text(tokens[pos:at])})
             if tokens[at : at + n] != self.tokens(turn["messages"], tokens[at - 1]):
                 raise ValueError(f"the environment's turn {k}: its tokens are not its messages'")
@@ -77,5 +84,6 @@ class Turns:
             pos = at + n
         if pos >= len(tokens):
             raise ValueError("the episode ends with the environment's turn, not the model's")
+        self._one_turn(tokens[pos:], len(episode["turns"]))
         messages.append({"role": "assistant", "content": self.text(tokens[pos:])})
         return messages, mask

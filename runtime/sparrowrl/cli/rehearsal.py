@@ -6,12 +6,13 @@ trainer's does. The stub answers each turn with the example's answer, then its e
 from __future__ import annotations
 
 from functools import partial
+from typing import cast
 
 from sparrowrl.agents import environment
 from sparrowrl.agents.turns import Turns
 from sparrowrl.calls import Pool
 from sparrowrl.spec.job import JobError, JobSpec
-from sparrowrl.trainer import models
+from sparrowrl.trainer import models, rewards
 from sparrowrl.trainer.tasks import Task
 from sparrowrl.worker.engines import Prompt, Sample, Sampling
 from sparrowrl.worker.episodes import Episodes
@@ -60,14 +61,21 @@ def rehearse(spec: JobSpec, task: Task, job: str) -> str:
         if "reward" not in episode:
             raise JobError(f"{where}: its rubric failed on one episode against a stub model: {episode['reason']}")
         reward = episode["reward"]
-    else:
+    else:  # as the trainer's reward processes score it: in a process of its own, within its timeout
+        prompt = [{"role": r, "content": c} for r, c in ex.messages]
+        rubric = Pool(
+            partial(rewards.judged, partial(environment.reward_caller, env.load, env.args)),
+            1,
+            spec.task.reward_timeout_seconds,
+            "reward",
+        )
         try:
-            prompt = [{"role": r, "content": c} for r, c in ex.messages]
-            reward = float(environment.reward_caller(env.load, env.args)(prompt, messages, ex.answer, **ex.fields))
-        except Exception as e:
-            raise JobError(
-                f"{where}: its rubric failed on one episode against a stub model: {type(e).__name__}: {e}"
-            ) from None
+            [(kind, value)] = rubric.run([(prompt, messages, ex.answer, ex.fields)])
+        finally:
+            rubric.close()
+        if kind != "ok":
+            raise JobError(f"{where}: its rubric failed on one episode against a stub model ({kind}): {value}")
+        reward = float(cast(float, value))
     return (
         f"one episode against a stub model (it answers with the example's answer): {len(episode['turns']) + 1} "
         f"model turns, {episode['tool_calls']} tool calls, ended {episode['end']}, reward {reward:g}"

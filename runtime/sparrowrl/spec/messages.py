@@ -30,6 +30,7 @@ class Work(Body):
 
 
 MAX_MESSAGE_CHARS = 1 << 18
+MAX_TURN_MESSAGES = 64
 MAX_REASON_CHARS = 1000
 End = Literal["done", "max_turns", "max_tokens", "length", "timeout", "error"]  # why an episode ended
 Count = Annotated[int, Field(ge=0, le=MAX_EPISODE_TOKENS)]
@@ -48,7 +49,7 @@ class EnvTurn(Body):
 
     at: Count
     tokens: Count
-    messages: Annotated[list[Message], Field(min_length=1, max_length=64)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_TURN_MESSAGES)]
 
 
 class Episode(Body):

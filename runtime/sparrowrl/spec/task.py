@@ -106,7 +106,7 @@ class EnvironmentSpec(Section):
         ),
     )
     max_tool_calls: int = Field(
-        8, ge=1, le=64, description="Tool calls in one model turn at most; the others are answered with an error."
+        8, ge=1, le=32, description="Tool calls in one model turn at most; the others are answered with an error."
     )
 
 

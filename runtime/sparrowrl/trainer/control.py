@@ -111,6 +111,15 @@ async def _wait(event: asyncio.Event, seconds: float) -> float:
     return time.monotonic() - t0
 
 
+def bad_episode(ep: dict, env: EnvironmentSpec) -> str | None:
+    """An episode's claims that its job's limits rule out."""
+    if len(ep["turns"]) >= env.max_turns:
+        return f"an episode of {len(ep['turns']) + 1} model turns (task.environment.maxTurns: {env.max_turns})"
+    if ep["tool_errors"] > ep["tool_calls"]:
+        return f"an episode of {ep['tool_errors']} tool errors in {ep['tool_calls']} calls"
+    return None
+
+
 def _for_workers(env: EnvironmentSpec | None) -> EnvironmentSpec | None:
     """task.environment as workers load it: a file under this process's working folder named
     relative to it, as a worker finds it under its own (every job pod's is /var/lib/sparrowrl,
@@ -253,16 +262,6 @@ class Control:
             ]
         return ans, waited
 
-    def _example(self, group: int) -> dict:
-        """What an episode's environment is shown of its example: the prompt's messages, the
-        answer and the row's other fields."""
-        ex = self.learner.prompt(group)
-        return {
-            "messages": [{"role": r, "content": c} for r, c in ex.messages],
-            "answer": ex.answer,
-            "fields": ex.fields,
-        }
-
     @idempotent(messages.Results)
     async def h_results(self, body: dict) -> tuple[dict, float]:
         results = body["results"]
@@ -310,6 +309,8 @@ class Control:
                     return f"group {group}: {len(t)} tokens with {len(lp)} log-probs (1..{most} tokens)"
                 if (x.get("episode") is None) != (env is None):
                     return f"group {group}: a sample {'without' if env else 'with'} an episode (task.environment)"
+                if env is not None and (bad := bad_episode(x["episode"], env)):
+                    return f"group {group}: {bad}"
                 if not all(0 <= i < vocab for i in t):
                     return f"group {group}: a token id outside the vocabulary (0..{vocab - 1})"
         return None

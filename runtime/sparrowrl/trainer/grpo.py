@@ -218,7 +218,8 @@ def loss(
     stats = Stats()
     s = stats.sums
     if logp_ref is not None and obj.kl_coef > 0:
-        k = kl(logp, logp_ref, obj.kl_estimator)
+        # off the mask (padding, an environment's tokens) the estimate is 0: no overflow there to turn into NaN
+        k = kl(logp, torch.where(mask > 0, logp_ref, logp.detach()), obj.kl_estimator)
         per_token = per_token + obj.kl_coef * k
         s["kl"] = float((k.detach() * mask).sum())
     if entropy is not None:

@@ -61,6 +61,11 @@ class Episode:
         self.logprobs += [0.0] * len(ids)
         self.messages += messages
 
+    def unreply(self) -> None:
+        """The environment's last turn taken back: the episode ends with the model's."""
+        turn = self.turns.pop()
+        del self.tokens[turn["at"] :], self.logprobs[turn["at"] :], self.messages[-len(turn["messages"]) :]
+
     def close(self, end: str, reason: str | None = None) -> None:
         self.end, self.reason = end, reason[:MAX_REASON] if reason else None
         self.seconds = time.monotonic() - self.started
@@ -119,15 +124,7 @@ class Episodes:
             for e in running:
                 by_room.setdefault(min(sampling.max_new_tokens, budget - len(e.tokens)), []).append(e)
             for room, batch in by_room.items():
-                asked = [Prompt(e.prompt + e.tokens, turn_seed(e.seed, index[id(e)], e.model_turns)) for e in batch]
-                try:
-                    out = self.engine.generate(asked, replace(sampling, n=1, max_new_tokens=room))
-                except ValueError as x:  # the engine's refusal (a context beyond maxModelLen): these episodes end
-                    for e in batch:
-                        e.close("max_tokens", f"the engine refused the model's next turn: {x}")
-                    continue
-                for e, [s] in zip(batch, out, strict=True):
-                    e.sampled(s, self.turns)
+                self._turn(batch, replace(sampling, n=1, max_new_tokens=room), index)
         if self.env.trust_worker_rewards:
             self._score([(e, ex) for episodes, ex in zip(groups, examples) for e in episodes if e.end != "error"])
         return [[e.result() for e in episodes] for episodes in groups]
@@ -144,6 +141,24 @@ class Episodes:
             else:
                 e.reason = f"the rubric failed here ({kind}): {value}"[:MAX_REASON]
 
+    def _turn(self, batch: list[Episode], sampling: Sampling, index: dict[int, int]) -> None:
+        """The model's next turn in each episode of `batch`, in one call. Where the engine refuses
+        the call (a context beyond rollout.maxModelLen), each is asked alone, and one it refuses
+        ends without the environment's turn that left it no room: its tokens end with the model's."""
+        asked = [Prompt(e.prompt + e.tokens, turn_seed(e.seed, index[id(e)], e.model_turns)) for e in batch]
+        try:
+            out = self.engine.generate(asked, sampling)
+        except ValueError as x:
+            if len(batch) > 1:
+                for e in batch:
+                    self._turn([e], sampling, index)
+                return
+            batch[0].unreply()
+            batch[0].close("max_tokens", f"the engine refused the model's next turn: {x}")
+            return
+        for e, [s] in zip(batch, out, strict=True):
+            e.sampled(s, self.turns)
+
     def _environment(self, episodes: list[Episode]) -> list[Episode]:
         """The environment's turn in every episode that goes on; the ones that continue, each with
         room for a model turn after the environment's."""
@@ -157,7 +172,8 @@ class Episodes:
                 e.state["turn"] = e.model_turns
                 asked.append(e)
         going = []
-        for e, (kind, value) in zip(asked, self.pool.run([("turn", e.messages, e.state) for e in asked]), strict=True):
+        asks = [("turn", e.messages, e.state, e.model_turns >= env.max_turns) for e in asked]
+        for e, (kind, value) in zip(asked, self.pool.run(asks), strict=True):
             if kind != "ok":
                 e.close("error", f"the environment's turn failed ({kind}): {value}")
                 continue

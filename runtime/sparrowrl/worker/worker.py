@@ -270,15 +270,14 @@ def episodes_of(job: dict, engine: Engine, model_dir: Path) -> Iterator[Episodes
     eos = AutoConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
     ends = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # as the trainer reads them
     size = env.processes or min(4, os.cpu_count() or 1)
-    tool = environment.ToolLimits(
-        env.tool_seconds, env.tool_memory_mib << 20, env.tool_output_chars, env.max_tool_calls
-    )
-    load = partial(environment.turn_caller, env.load, env.args, tool, env.trust_worker_rewards)
-    pool = Pool(load, size, env.turn_seconds, "environment")
-    try:
-        yield Episodes(engine, Turns(tok, job["templated"], ends), env, pool)
-    finally:
-        pool.close()
+    with tempfile.TemporaryDirectory(prefix="sparrowrl-tools-") as root:  # tool calls' folders: gone with the worker
+        tool = environment.ToolLimits.of(env, root)
+        load = partial(environment.turn_caller, env.load, env.args, tool, env.trust_worker_rewards)
+        pool = Pool(load, size, env.turn_seconds, "environment")
+        try:
+            yield Episodes(engine, Turns(tok, job["templated"], ends), env, pool)
+        finally:
+            pool.close()
 
 
 async def fetch_model(control: Client, dest: Path) -> None:
