@@ -188,8 +188,9 @@ def test_the_multi_turn_example_trains_with_every_commit_verified(tmp_path):
 
 def test_the_tool_example_calls_its_tool_and_trains(tmp_path):
     """examples/tools.yaml: the calculator is called (in processes of its own), its answers are
-    appended and read back on the trainer, and the steps train."""
+    appended and read back on the trainer, and the steps train; episodes.png plots them."""
     summary, steps = example("tools.yaml", tmp_path, 3)
+    assert (tmp_path / "run" / "episodes.png").stat().st_size > 0
     assert len(steps) == 3
     for r in steps:
         assert r["episode_tool_calls"] > 0 and r["episode_turns_max"] == 2, r

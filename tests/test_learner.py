@@ -50,13 +50,19 @@ def _grads(model, ref, rows, adv, batches, tokens):
     )
 
 
-def test_micro_batches_add_up_to_the_one_pass_gradient_and_metrics():
+@pytest.mark.parametrize("episodes", [False, True], ids=["completions", "episodes"])
+def test_micro_batches_add_up_to_the_one_pass_gradient_and_metrics(episodes):
+    """And so an episode (its environment's tokens masked out) fits the trainer's memory by
+    grpo.microBatchTokens as a long completion does."""
     tok = models.char_tokenizer()
     model = models.tiny_qwen3(len(tok), 32, 2, 2, seed=0)
     ref = models.tiny_qwen3(len(tok), 32, 2, 2, seed=1).requires_grad_(False)  # another policy: the KL is not 0
     rows = _rows(tok, model)
+    if episodes:  # every other row an episode: its middle tokens an environment's turn
+        rows = [(p, c, lp, [k in (0, len(c) - 1) for k in range(len(c))] if i % 2 else None)
+                for i, (p, c, lp, _) in enumerate(rows)]  # fmt: skip
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 2.0])
-    tokens = float(sum(len(c) for _, c, *_ in rows))
+    tokens = float(sum(len(c) if m is None else sum(m) for _, c, _, m in rows))
     loss, stats, want = _grads(model, ref, rows, adv, grpo.micro_batches(rows, None), tokens)
     assert stats["kl"] > 0 and stats["gap"] > 0 and 0 < stats["truncated"] < 1
     for budget in (1, 16, 25, 40, 10_000):

@@ -112,6 +112,7 @@ def run(
         f"results in {run_dir}/: metrics.jsonl, summary.json, processes.json, reward.png, step_time.png, "
         f"payload.png, objective.png, "
         + ("eval.jsonl, eval.png, " if j.spec.task.eval else "")
+        + ("episodes.png, " if j.spec.task.environment else "")
         + "final/ (the trained model)",
         highlight=False,
     )

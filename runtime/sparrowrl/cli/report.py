@@ -110,7 +110,34 @@ def plots(run_dir: Path, mode: str) -> list[Path]:
         )
         ax.legend()
         out.append(_save(fig, run_dir / "eval.png"))
+
+    if any("episode_ends" in r for r in rows):
+        out.append(_episodes(rows, run_dir / "episodes.png"))
     return out
+
+
+def _episodes(rows: list[dict], path: Path) -> Path:
+    """task.environment's episodes per step: how they ended (stacked), and their turns and tool calls."""
+    rows = [r for r in rows if "episode_ends" in r]
+    v = [r["version"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    base = [0] * len(rows)
+    for end in ("done", "max_turns", "max_tokens", "length", "timeout", "error"):
+        n = [r["episode_ends"].get(end, 0) for r in rows]
+        if any(n):
+            top.bar(v, n, bottom=base, label=end, width=0.9)
+            base = [b + x for b, x in zip(base, n)]
+    top.set(ylabel="episodes", title="Episodes per step, by how they ended")
+    top.legend(fontsize=8)
+    bottom.plot(v, [r["episode_turns_mean"] for r in rows], lw=1, label="model turns per episode (mean)")
+    calls = [r["episode_tool_calls"] / max(sum(r["episode_ends"].values()), 1) for r in rows]
+    if any(calls):
+        bottom.plot(v, calls, lw=1, label="tool calls per episode")
+        errors = [r["episode_tool_errors"] / max(sum(r["episode_ends"].values()), 1) for r in rows]
+        bottom.plot(v, errors, lw=1, label="tool errors per episode")
+    bottom.set(xlabel="version", title="Turns and tool calls")
+    bottom.legend(fontsize=8)
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
