@@ -186,6 +186,40 @@ def test_the_multi_turn_example_trains_with_every_commit_verified(tmp_path):
     assert all(e["prompts"] == 64 and e["samples"] == 4 and 0 < e["reward_mean"] < 1 for e in evals), evals
 
 
+# a chat template whose assistant turns end with EOS, as real ones end with their end-of-turn token
+CHAT = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}</s>{% else %}<{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def test_a_chat_model_s_episodes_render_on_the_worker_as_the_trainer_reads_them(tmp_path):
+    """A user's model folder with a chat template: prompts and the environment's turns are the
+    template's (u:...<a:), rendered by the worker after each sampled EOS and again by the trainer,
+    which reads every episode back; none is refused."""
+    import yaml
+    from support import jobs
+
+    eos_first(tmp_path / "model", template=CHAT)
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "two_turn_sum.py").write_text((EXAMPLES / "envs" / "two_turn_sum.py").read_text())
+    env = {"load": "envs/two_turn_sum.py", "maxTurns": 2, "maxEpisodeTokens": 32}
+    spec = {"steps": 2, "model": {"path": "model"}, "grpo": jobs.GRPO, "rollout": {"groupsPerLease": 2}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(jobs.job(task={"environment": env}, **spec)))
+    out = tmp_path / "run"
+    p = subprocess.run(
+        [EXE, "run", str(tmp_path / "job.yaml"), "--run-dir", str(out)], capture_output=True, text=True, timeout=280
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "episode_ends" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["episode_unread"] == 0 and r["refused_samples"] == {}, r
+        assert r["episode_turns_max"] == 2 and r["episode_ends"].get("done", 0) > 0, r
+
+
 def test_the_tool_example_calls_its_tool_and_trains(tmp_path):
     """examples/tools.yaml: the calculator is called (in processes of its own), its answers are
     appended and read back on the trainer, and the steps train; episodes.png plots them."""

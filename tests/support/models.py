@@ -47,10 +47,11 @@ def decisive_qwen3():
     return model, tok
 
 
-def eos_first(folder: Path, hidden: int = 32, heads: int = 2) -> dict:
+def eos_first(folder: Path, hidden: int = 32, heads: int = 2, template: str | None = None) -> dict:
     """A tiny Qwen3 whose every turn is its EOS at once (its first token is EOS, whatever came
-    before), saved as a worker's folder (config and tokenizer); returns its bf16 policy. An
-    environment sets the pace of its episodes: the same on every engine."""
+    before), saved as a user's model folder (config, weights, tokenizer: with `template`, its chat
+    template); returns its bf16 policy. An environment sets the pace of its episodes: the same on
+    every engine."""
     import torch
 
     from sparrowrl.trainer import models
@@ -67,6 +68,7 @@ def eos_first(folder: Path, hidden: int = 32, heads: int = 2) -> dict:
         for layer in model.model.layers:  # which no layer writes into
             layer.self_attn.o_proj.weight[0].zero_()
             layer.mlp.down_proj.weight[0].zero_()
-    model.config.save_pretrained(folder)
+    model.save_pretrained(folder)
+    tok.chat_template = template
     tok.save_pretrained(folder)
     return models.policy_state(model)
