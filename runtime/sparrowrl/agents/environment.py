@@ -221,9 +221,6 @@ def reply(
         if getattr(env, "env_response", None) is None:
             return Turn([], True)
     out = _awaited(env.env_response(messages, state))
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):  # verifiers 0.1's (messages, state)
-        out, new = out
-        state.update(new)
     if out is None:
         return Turn([], True)
     if isinstance(out, str):

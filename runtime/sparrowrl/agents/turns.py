@@ -23,6 +23,12 @@ from typing import Any
 BASE = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
 
 
+def end_tokens(tok: Any, config_eos: int | list[int] | None) -> set[int]:
+    """The tokens a model turn ends at: the tokenizer's EOS and the model config's (some list
+    several), as the engines stop at them."""
+    return {tok.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])} - {None}
+
+
 class Turns:
     def __init__(self, tok: Any, templated: bool, eos: set[int]):
         self.tok, self.templated, self.eos = tok, templated, eos

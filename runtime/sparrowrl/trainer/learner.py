@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from sparrowrl.agents.turns import Turns
+from sparrowrl.agents.turns import Turns, end_tokens
 from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
@@ -96,8 +96,7 @@ class Learner(Scoring):
             self.version = newest
             self.saved.load(newest, self.model, self.opt)
         self.model.train()
-        eos = self.model.config.eos_token_id
-        self.eos = {self.tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # as engines end
+        self.eos = end_tokens(self.tok, self.model.config.eos_token_id)
         self.turns = Turns(self.tok, self.prompts.templated, self.eos) if spec.task.environment else None
         self.dense_bytes = sum(t.numel * 2 for t in self.table)
         self.model_dir = state_dir / "model"

@@ -34,7 +34,7 @@ from sparrowrl.trainer.hub import dataset_repo
 
 if TYPE_CHECKING:
     from sparrowrl.spec.job import JobSpec
-    from sparrowrl.spec.task import DatasetSpec, TaskSpec
+    from sparrowrl.spec.task import DatasetSpec, EnvironmentSpec, TaskSpec
 
 Reward = Callable[..., float]
 ROLES = ("system", "user", "assistant")
@@ -309,6 +309,12 @@ def dataset(d: DatasetSpec) -> tuple[str, Iterator[tuple[str, Source | str]]]:
     )
 
 
+def _environment(e: EnvironmentSpec, prompts: Prompts) -> tuple[object, Prompts]:
+    """task.environment loaded, and the prompts that show its tools to a chat template."""
+    env = environment.load(e.load, e.args, e.trust_worker_rewards)
+    return env, prompts.with_tools(environment.schemas(env)) if prompts.templated else prompts
+
+
 def environment_rows(env: object, which: str = "dataset") -> Iterator[tuple[str, Source | str]]:
     """An environment's data set (or `eval_dataset`) as examples: verifiers' columns (a prompt as
     text or messages, or a question; an answer, if any; info and the rest as fields)."""
@@ -396,9 +402,8 @@ def for_job(spec: JobSpec, prompts: Prompts) -> tuple[Task, str]:
     checked to take the examples' fields (a user's file is loaded here: errors name it)."""
     t = spec.task
     if t.environment:
-        env = environment.load(t.environment.load, t.environment.args, t.environment.trust_worker_rewards)
+        env, shown = _environment(t.environment, prompts)
         what = f"environment {t.environment.load!r}"
-        shown = prompts.with_tools(environment.schemas(env)) if prompts.templated else prompts
         return Rows(spec.seed, shown, environment_rows(env), t, what), what
     if t.builtin:
         task = BUILTIN[t.builtin](spec.seed, prompts)
@@ -425,10 +430,9 @@ def held_out(spec: JobSpec, prompts: Prompts, task: Task) -> list[Example]:
     if e is None:
         return []
     if t.environment:
-        env = environment.load(t.environment.load, t.environment.args, t.environment.trust_worker_rewards)
+        env, shown = _environment(t.environment, prompts)
         if getattr(env, "eval_dataset", None) is None:
             raise ValueError(f"eval: the environment {t.environment.load!r} has no eval_dataset to evaluate on")
-        shown = prompts.with_tools(environment.schemas(env)) if prompts.templated else prompts
         what = f"eval of environment {t.environment.load!r}"
         return Rows(spec.seed, shown, itertools.islice(environment_rows(env, "eval_dataset"), e.prompts), t, what).rows
     if e.jsonl:

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 from transformers import AutoConfig, AutoTokenizer
 
 from sparrowrl.agents import environment
-from sparrowrl.agents.turns import Turns
+from sparrowrl.agents.turns import Turns, end_tokens
 from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
 from sparrowrl.calls import Pool
@@ -267,8 +267,7 @@ def episodes_of(job: dict, engine: Engine, model_dir: Path) -> Iterator[Episodes
         return
     env = EnvironmentSpec.model_validate(job["environment"])
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    eos = AutoConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
-    ends = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # as the trainer reads them
+    ends = end_tokens(tok, AutoConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
     size = env.processes or min(4, os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="sparrowrl-tools-") as root:  # tool calls' folders: gone with the worker
         tool = environment.ToolLimits.of(env, root)
