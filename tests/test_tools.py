@@ -85,8 +85,8 @@ def eats() -> str:
 TOOLS = {f.__name__: f for f in (add, loud, raises, sleeps, dies, crashes, writes, writes_here, forks, eats)}
 
 
-def call(name, **args):
-    return run(TOOLS, (name, args), LIMITS, 1000)
+def call(name, root=None, **args):
+    return run(TOOLS, (name, args), LIMITS, 1000, root)
 
 
 def test_a_tool_answers_and_its_mistakes_are_the_model_s_to_see():
@@ -133,14 +133,15 @@ def test_a_tool_that_hangs_or_dies_ends_its_episode():
 
 @pytest.mark.skipif(set(sandbox.available()) != {"landlock", "seccomp"}, reason="this kernel lacks Landlock or seccomp")
 def test_a_tool_is_walled_in(tmp_path):
-    outside = tmp_path / "outside.txt"
-    ok, text = call("writes", path=str(outside))
+    outside, root = tmp_path / "outside.txt", tmp_path / "tools"
+    root.mkdir()
+    ok, text = call("writes", root, path=str(outside))
     assert not ok and "Permission denied" in text and not outside.exists()
-    assert call("writes_here") == (True, "mine")  # its own folder is its to write
-    ok, text = call("forks")
+    assert call("writes_here", root) == (True, "mine")  # its own folder is its to write
+    ok, text = call("forks", root)
     assert not ok and "Operation not permitted" in text
-    assert call("eats") == (False, "Error: MemoryError: ")
-    assert not [p for p in os.listdir("/tmp") if p.startswith("sparrowrl-tool-")]  # each call's folder is gone
+    assert call("eats", root) == (False, "Error: MemoryError: ")
+    assert not os.listdir(root)  # each call's folder is gone
 
 
 def test_a_tool_holds_no_descriptor_of_the_worker_s(tmp_path):
