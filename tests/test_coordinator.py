@@ -61,6 +61,24 @@ def test_an_expired_lease_is_reassigned_and_a_late_duplicate_is_dropped():
     assert late["admitted"] == 0 and c.counts.discarded_late == 2 and c.counts.admitted == 2
 
 
+def test_a_retried_delivery_gets_its_answer_after_its_batch_is_trained_for_a_lease_period():
+    """The answer lost (a trainer killed after journaling it): the restarted trainer may train the
+    batch again before the worker, backing off, retries. The retry is told it was admitted, not
+    counted as results discarded late; a lease period later the answer is let go."""
+    c, clock = coord()
+    a, b = c.work("w1", 0)["lease"], c.work("w2", 0)["lease"]
+    assert c.submit(a["id"], "w1", 0, "h0", result(a))["admitted"] == 2
+    assert c.submit(b["id"], "w2", 0, "h0", result(b))["admitted"] == 2
+    assert c.take(0) is not None
+    clock.t = 9.9
+    assert c.submit(a["id"], "w1", 0, "h0", result(a)) == {"admitted": 2, "batch": 0, "groups": []}
+    not_live = "is not live (expired or reassigned)"
+    assert c.submit(a["id"], "w2", 0, "h0", result(a))["refused"] == f"lease {a['id']} {not_live}"
+    clock.t = 10
+    assert c.submit(b["id"], "w2", 0, "h0", result(b))["refused"] == f"lease {b['id']} {not_live}"
+    assert c.counts.discarded_late == 2 + 2 and c.state()["delivered"] == {}
+
+
 def test_a_late_result_still_counts_for_groups_nobody_delivered():
     c, clock = coord()
     slow = c.work("slow", 0)["lease"]

@@ -29,7 +29,7 @@ import copy
 import functools
 import heapq
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict
 
 from sparrowrl.rollout.facts import Batch, Counts, Lease, Score, View, Worker
@@ -66,7 +66,11 @@ class Coordinator:
         self._counts = Counts()
         self._taken = 0  # batches handed to the trainer; their results are let go
         self._next_lease = 1
-        self._delivered: dict[int, tuple[str, int, int]] = {}  # lease → (worker, groups admitted, batch), untrained
+        # lease → (worker, groups admitted, batch): a retried delivery (its answer lost) gets the same
+        # answer, also once its batch is trained, for a lease period: a restarted trainer trains
+        # again from its journal faster than a worker backing off through its absence retries
+        self._delivered: dict[int, tuple[str, int, int]] = {}
+        self._forget: deque[tuple[float, int]] = deque()  # (when, lease) of deliveries of trained batches
         self._moves = 0  # bumps whenever a worker told to wait may have work now (see `moves`)
         self._sizer = Sizer(split, groups_per_lease, clock)
         self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, lease id) of the leases handed out
@@ -193,8 +197,11 @@ class Coordinator:
         return open_
 
     def expire(self) -> None:
-        """Drop the leases whose deadline has passed: a heap, so a call costs nothing while none has."""
+        """Drop the leases whose deadline has passed, and the answers kept past their batch: a heap
+        and a queue, so a call costs nothing while none is due."""
         now = self.clock()
+        while self._forget and self._forget[0][0] <= now:
+            self._delivered.pop(self._forget.popleft()[1], None)
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, lid = heapq.heappop(self._deadlines)
             lease = self._leases.get(lid)
@@ -396,7 +403,8 @@ class Coordinator:
         del self._batches[b]
         self._sizer.forget(b)
         self._taken = b + 1
-        self._delivered = {k: d for k, d in self._delivered.items() if d[2] > b}
+        forget = self.clock() + self.lease_seconds
+        self._forget.extend((forget, k) for k, d in self._delivered.items() if d[2] == b)
         if self._refills.pop(b, 0):
             self._events.append(["refills", b, 0])
         self._counts.batches_trained += 1
