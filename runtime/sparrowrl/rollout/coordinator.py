@@ -29,9 +29,10 @@ import copy
 import functools
 import heapq
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import asdict
 
+from sparrowrl.rollout.answers import Answers
 from sparrowrl.rollout.facts import Batch, Counts, Lease, Score, View, Worker
 from sparrowrl.rollout.fleet import Fleet, FleetView
 from sparrowrl.rollout.sizing import Sizer, Split
@@ -66,11 +67,7 @@ class Coordinator:
         self._counts = Counts()
         self._taken = 0  # batches handed to the trainer; their results are let go
         self._next_lease = 1
-        # lease → (worker, groups admitted, batch): a retried delivery (its answer lost) gets the same
-        # answer, also once its batch is trained, for a lease period: a restarted trainer trains
-        # again from its journal faster than a worker backing off through its absence retries
-        self._delivered: dict[int, tuple[str, int, int]] = {}
-        self._forget: deque[tuple[float, int]] = deque()  # (when, lease) of deliveries of trained batches
+        self._answers = Answers(lease_seconds)  # a retried delivery's (answers.py)
         self._moves = 0  # bumps whenever a worker told to wait may have work now (see `moves`)
         self._sizer = Sizer(split, groups_per_lease, clock)
         self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, lease id) of the leases handed out
@@ -197,11 +194,9 @@ class Coordinator:
         return open_
 
     def expire(self) -> None:
-        """Drop the leases whose deadline has passed, and the answers kept past their batch: a heap
-        and a queue, so a call costs nothing while none is due."""
+        """Drop the leases whose deadline has passed: a heap, so a call costs nothing while none has."""
         now = self.clock()
-        while self._forget and self._forget[0][0] <= now:
-            self._delivered.pop(self._forget.popleft()[1], None)
+        self._answers.expire(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, lid = heapq.heappop(self._deadlines)
             lease = self._leases.get(lid)
@@ -302,10 +297,9 @@ class Coordinator:
         self.expire()
         self.heard(worker)
         lease = self._leases.get(lease_id)
-        if lease is None:
-            if (d := self._delivered.get(lease_id)) and d[0] == worker:  # delivered again (a retry): the same answer
-                return {"admitted": d[1], "batch": d[2], "groups": []}
-            return self._late(lease_id, worker, version, state_hash, results, generate_s)
+        if lease is None:  # a retry gets the answer its delivery was given; others came late
+            again = self._answers.get(lease_id, worker)
+            return again or self._late(lease_id, worker, version, state_hash, results, generate_s)
         if lease.worker != worker:
             return {"admitted": 0, "refused": f"lease {lease_id} is not {worker}'s"}
         b = lease.batch
@@ -343,7 +337,7 @@ class Coordinator:
             self._events.append(["worker_seconds", b, batch.worker_seconds])
         self._counts.admitted += len(new)
         if new:
-            self._delivered[lease_id] = (worker, len(new), b)
+            self._answers.give(lease_id, worker, len(new), b)
             self._events.append(["delivered", lease_id, worker, len(new), b])
         return {"admitted": len(new), "batch": b, "groups": sorted(new)}
 
@@ -403,8 +397,7 @@ class Coordinator:
         del self._batches[b]
         self._sizer.forget(b)
         self._taken = b + 1
-        forget = self.clock() + self.lease_seconds
-        self._forget.extend((forget, k) for k, d in self._delivered.items() if d[2] == b)
+        self._answers.trained(b, self.clock())
         if self._refills.pop(b, 0):
             self._events.append(["refills", b, 0])
         self._counts.batches_trained += 1
@@ -438,7 +431,7 @@ class Coordinator:
             "counts": asdict(self._counts),
             **self._fleet.state(),
             "leases": {str(x.id): [x.worker, x.batch, x.groups] for x in self._leases.values()},
-            "delivered": {str(k): list(d) for k, d in self._delivered.items()},
+            "delivered": self._answers.state(),
             "worker_seconds": {str(b): x.worker_seconds for b, x in self._batches.items() if x.worker_seconds},
             "refills": {str(b): n for b, n in self._refills.items()},
         }
@@ -484,16 +477,14 @@ class Coordinator:
         self._taken, self._next_lease = taken, state["next_lease"]
         self._counts = Counts(**state["counts"])
         self._counts.batches_trained, self._counts.trained = taken, taken * self.per_step
-        self._delivered = {int(k): (d[0], d[1], d[2]) for k, d in state["delivered"].items() if d[2] >= taken}
+        self._answers.restore(state["delivered"], taken)
         self._refills = {int(b): n for b, n in state["refills"].items() if int(b) >= taken}
-        for b, groups in results.items():  # a batch trained since the checkpoint has let its refills go
-            if b >= taken and (refills := [g for g in groups if g >= REFILL]):
+        for b, groups in ((b, groups) for b, groups in results.items() if b >= taken):
+            if refills := [g for g in groups if g >= REFILL]:  # a batch trained since the checkpoint let them go
                 self._refills[b] = max(self._refills.get(b, 0), max(refills) - self._refill_base(b) + 1)
-        for b, groups in results.items():
-            if b >= taken:
-                batch = self._batch(b)
-                batch.results.update(groups)
-                batch.done = self.clock() if batch.complete else None
+            batch = self._batch(b)  # with its refill groups
+            batch.results.update(groups)
+            batch.done = self.clock() if batch.complete else None
         for b, seconds in state["worker_seconds"].items():
             if int(b) >= taken:
                 self._batch(int(b)).worker_seconds = seconds
