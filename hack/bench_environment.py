@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """What the environment layer costs: the same single-turn task run through it (task.environment,
-hack/envs/single_turn_add.py: the built-in add task as a one-turn environment) and through the
-single-turn path (task.builtin: add), side by side in one run on this machine.
+hack/envs/single_turn_add.py: the built-in add task as a one-turn environment; and
+hack/envs/vf_single_turn_add.py: the same written with verifiers, a vf.SingleTurnEnv) and through
+the single-turn path (task.builtin: add), side by side in one run on this machine.
 
 Two measurements:
 - one lease, in process: the hf engine's `generate` of 16 groups x 8 samples, against
-  `Episodes.run` of the same groups (the same seeds, so the same tokens), which adds the
-  environment's turn in a process of its own and the bookkeeping. Tokens per second of each,
-  best of --repeats.
+  `Episodes.run` of the same groups (the same seeds, so the same tokens) with either environment,
+  which adds the environment's turn in a process of its own and the bookkeeping. Tokens per
+  second of each, best of --repeats.
 - the whole job: `sparrowrl run` of the same job (the demo's model and settings, --steps steps)
-  with either task; tokens per second and training seconds from each run's summary.
+  with each task; tokens per second and training seconds from each run's summary.
 
     python3 hack/bench_environment.py [--steps 30] [--repeats 5] [--out docs/bench_environment.json]
 """
@@ -43,11 +44,15 @@ from sparrowrl.worker.engines import Prompt, Sampling, make_engine  # noqa: E402
 from sparrowrl.worker.episodes import Episodes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = str(ROOT / "hack" / "envs" / "single_turn_add.py")
+ENVS = {  # the same task, as an environment of SparrowRL's protocol and as a verifiers one
+    "environment": str(ROOT / "hack" / "envs" / "single_turn_add.py"),
+    "verifiers": str(ROOT / "hack" / "envs" / "vf_single_turn_add.py"),
+}
 
 
 def lease(repeats: int) -> dict:
-    """One lease's generation, with and without the environment layer: the best of `repeats`."""
+    """One lease's generation, with and without the environment layer (either environment): the
+    best of `repeats`."""
     torch.set_num_threads(1)  # as a worker
     tok = models.char_tokenizer()
     with tempfile.TemporaryDirectory() as folder:
@@ -57,36 +62,44 @@ def lease(repeats: int) -> dict:
         engine = make_engine("hf", folder)
         for n, t in engine.tensors().items():
             t.copy_(models.policy_state(model)[n])
-        env = EnvironmentSpec(load=ENV, max_turns=1, max_episode_tokens=4)
-        rows = environment.rows(environment.load(ENV, {}))[:16]
+        rows = environment.rows(environment.load(ENVS["environment"], {}))[:16]
         prompts = [Prompt(models.prompt_ids(tok, r["prompt"]), 1000 + i) for i, r in enumerate(rows)]
         examples = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
         sampling = Sampling(n=8, max_new_tokens=4, temperature=1.0)
-        pool = Pool(partial(environment.turn_caller, ENV, {}), 2, 30.0, "environment")
-        episodes = Episodes(engine, Turns(tok, False, {tok.eos_token_id}), env, pool)
-        best = {"generate": float("inf"), "episodes": float("inf")}
-        try:
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                plain = engine.generate(prompts, sampling)
-                t1 = time.perf_counter()
-                through = episodes.run(prompts, examples, sampling)
-                t2 = time.perf_counter()
-                best["generate"] = min(best["generate"], t1 - t0)
-                best["episodes"] = min(best["episodes"], t2 - t1)
-        finally:
-            pool.close()
+        best = dict.fromkeys(["generate", *ENVS], float("inf"))
+        through = {}
+        for name, ref in ENVS.items():
+            env = EnvironmentSpec(load=ref, max_turns=1, max_episode_tokens=4)
+            pool = Pool(partial(environment.turn_caller, ref, {}), 2, 30.0, "environment")
+            episodes = Episodes(engine, Turns(tok, False, {tok.eos_token_id}), env, pool)
+            try:
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    plain = engine.generate(prompts, sampling)
+                    t1 = time.perf_counter()
+                    through[name] = episodes.run(prompts, examples, sampling)
+                    t2 = time.perf_counter()
+                    best["generate"] = min(best["generate"], t1 - t0)
+                    best[name] = min(best[name], t2 - t1)
+            finally:
+                pool.close()
     tokens = sum(len(s.tokens) for g in plain for s in g)
-    assert tokens == sum(len(s["tokens"]) for g in through for s in g)  # the same samples, seed for seed
+    for name in ENVS:  # the same samples, seed for seed
+        assert tokens == sum(len(s["tokens"]) for g in through[name] for s in g)
     return {
         "groups": len(prompts),
         "samples": len(prompts) * sampling.n,
         "tokens": tokens,
         "generate_s": best["generate"],
-        "episodes_s": best["episodes"],
         "generate_tokens_per_s": tokens / best["generate"],
-        "episodes_tokens_per_s": tokens / best["episodes"],
-        "overhead_ms": 1000 * (best["episodes"] - best["generate"]),
+        **{
+            name: {
+                "episodes_s": best[name],
+                "episodes_tokens_per_s": tokens / best[name],
+                "overhead_ms": 1000 * (best[name] - best["generate"]),
+            }
+            for name in ENVS
+        },
     }
 
 
@@ -101,7 +114,10 @@ def job(steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name, task in [
             ("single_turn", {"builtin": "add"}),
-            ("environment", {"environment": {"load": ENV, "maxTurns": 1, "maxEpisodeTokens": 4}}),
+            *(
+                (name, {"environment": {"load": ref, "maxTurns": 1, "maxEpisodeTokens": 4}})
+                for name, ref in ENVS.items()
+            ),
         ]:
             spec["task"] = task
             f = Path(tmp) / f"{name}.yaml"
@@ -133,8 +149,11 @@ def main() -> None:
     one = lease(a.repeats)
     print(
         f"one lease ({one['samples']} samples, {one['tokens']} tokens): generate {one['generate_tokens_per_s']:.0f} "
-        f"tokens/s, through the environment layer {one['episodes_tokens_per_s']:.0f} tokens/s "
-        f"(+{one['overhead_ms']:.1f} ms)",
+        f"tokens/s; through the environment layer: "
+        + ", ".join(
+            f"{name} {one[name]['episodes_tokens_per_s']:.0f} tokens/s (+{one[name]['overhead_ms']:.1f} ms)"
+            for name in ENVS
+        ),
         flush=True,
     )
     whole = job(a.steps)

@@ -186,6 +186,20 @@ def test_the_multi_turn_example_trains_with_every_commit_verified(tmp_path):
     assert all(e["prompts"] == 64 and e["samples"] == 4 and 0 < e["reward_mean"] < 1 for e in evals), evals
 
 
+def test_the_verifiers_example_trains_through_verifiers_own_hooks(tmp_path):
+    """examples/verifiers.yaml: the same dialogue as a vf.MultiTurnEnv with a vf.Rubric. Its
+    episodes run on the workers through verifiers' hooks (its max_turns ends them), the trainer
+    reads every one back and scores it with the rubric, and its eval_dataset is evaluated."""
+    summary, steps = example("verifiers.yaml", tmp_path, 2)
+    assert len(steps) == 2
+    for r in steps:
+        assert r["episode_turns_max"] == 2 and r["episode_ends"].get("done", 0) > 0, r
+        assert r["episode_unread"] == 0 and r["refused_samples"] == {} and r["skipped"] is None
+        assert r["reward_failed"] == dict.fromkeys(r["reward_failed"], 0) and 0 < r["reward_mean"] < 1, r
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 2] and all(e["prompts"] == 64 for e in evals), evals
+
+
 # a chat template whose assistant turns end with EOS, as real ones end with their end-of-turn token
 CHAT = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"

@@ -44,6 +44,7 @@ def on_the_machine() -> set[str]:
 OPTIONAL = {
     "datasets": "task.dataset, a job's Hugging Face data set",
     "httpx2": "the errors of huggingface_hub 2 (the image's is 1.x), only for a model or data set from the hub",
+    "verifiers": "task.environment of verifiers' own (agents/classic.py), sparrowrl[verifiers]",
 }
 
 

@@ -14,7 +14,10 @@ offers, so such an environment is one here:
 
 `state` is a dict of the episode's own: {"answer", "info", "turn"} to start, and whatever the
 environment keeps there between its turns. It stays on the worker: the rubric never sees it, so
-a reward is computed from the transcript alone (docs/environments.md)."""
+a reward is computed from the transcript alone (docs/environments.md).
+
+A verifiers environment itself (vf.SingleTurnEnv, MultiTurnEnv, ToolEnv, ...) is one too: it is
+driven through its own hooks (agents/classic.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +26,16 @@ import importlib.util
 import inspect
 import logging
 import math
+import os
 import pickle
+import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from sparrowrl.agents.classic import Classic, is_classic
 from sparrowrl.agents.sandbox import Limits, available
 from sparrowrl.agents.tools import ToolFailure, hermes, run
 from sparrowrl.spec.messages import MAX_MESSAGE_CHARS, MAX_TURN_MESSAGES
@@ -45,6 +52,7 @@ def load(ref: str, args: dict[str, Any], trusted: bool = False) -> Any:
     A FILE.py is loaded under a name of its own, never imported from the path (its folder goes
     last on the path, for its own helpers)."""
     what = f"environment {ref!r}"
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # verifiers' rows are map()ped: a bar per load
     try:
         if ref.endswith(".py"):
             path = Path(ref).resolve()
@@ -64,21 +72,65 @@ def load(ref: str, args: dict[str, Any], trusted: bool = False) -> Any:
     except ValueError:
         raise
     except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "verifiers":
+            raise ValueError(f"{what}: verifiers is not installed here: pip install 'sparrowrl[verifiers]'") from None
         raise ValueError(f"{what}: no module {e.name!r} here (install it, or give a FILE.py)") from None
+    except AttributeError as e:
+        raise ValueError(f"{what}: loading it failed: AttributeError: {e}{_verifiers_hint()}") from None
     except Exception as e:
         raise ValueError(f"{what}: loading it failed: {type(e).__name__}: {e}") from None
     make = getattr(module, "load_environment", None)
     if not callable(make):
         raise ValueError(f"{what} defines no function load_environment")
     try:
-        env = make(**args)
+        with _own_signals():
+            env = make(**args)
     except Exception as e:
         raise ValueError(f"{what}: load_environment({_show(args)}) failed: {type(e).__name__}: {e}") from None
+    if is_classic(env):
+        try:
+            env = Classic(env, what)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"{what}: reading the verifiers environment failed: {type(e).__name__}: {e}") from None
     check(env, what, trusted)
     return env
 
 
+def _verifiers_hint() -> str:
+    """Why verifiers' classic names may be missing: a verifiers without them is installed."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("verifiers")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    if importlib.util.find_spec("verifiers.legacy") is not None or version.startswith(("0.1.", "0.2.")):
+        return ""
+    return (
+        f" (verifiers {version} is installed, which has only verifiers.v1: its classic environments, "
+        f"MultiTurnEnv and the rest, run here with verifiers 0.3.1, pip install 'sparrowrl[verifiers]')"
+    )
+
+
+@contextmanager
+def _own_signals() -> Iterator[None]:
+    """While an environment is made, its signal handlers are not installed: verifiers' Environment
+    sets SIGINT's and SIGTERM's as it is made (and cannot, outside the main thread), and this
+    process keeps its own (a trainer's and a worker's stop cleanly on SIGTERM)."""
+    install = signal.signal
+    signal.signal = lambda sig, handler: signal.getsignal(sig)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = install
+
+
 def check(env: object, what: str, trusted: bool = False) -> None:
+    if isinstance(env, Classic):
+        reward_of(env, what, trusted)
+        return
     if getattr(env, "dataset", None) is None:
         raise ValueError(f"{what}: the environment has no dataset (docs/environments.md says what it needs)")
     if getattr(env, "env_response", None) is None and not tools_of(env):
@@ -102,6 +154,8 @@ def schemas(env: object) -> list[dict[str, Any]]:
     tool whose docstring does not describe it."""
     from transformers.utils import get_json_schema
 
+    if isinstance(env, Classic):
+        return env.schemas()
     out = []
     for name, fn in tools_of(env).items():
         try:
@@ -120,6 +174,10 @@ def reward_of(env: object, what: str, trusted: bool = False) -> Callable[..., fl
     (prompt, completion, answer, parser, and the row's fields such as info). A function that
     needs `state` is refused: state stays on the worker, and the trainer scores transcripts;
     unless `trusted` (trustWorkerRewards), where workers score, and pass it."""
+    if isinstance(env, Classic):
+        for fn, _, _ in env.reward_functions():
+            _needs_state(fn, what, trusted)
+        return env.reward()
     own = getattr(env, "reward", None)
     rubric = getattr(env, "rubric", None)
     funcs = list(getattr(rubric, "funcs", None) or getattr(rubric, "reward_funcs", None) or [])
@@ -128,13 +186,7 @@ def reward_of(env: object, what: str, trusted: bool = False) -> Callable[..., fl
     if own is not None and not callable(own):
         raise ValueError(f"{what}: its reward is not callable")
     for fn in [own] if own is not None else funcs:
-        if "state" in _params(fn) and not trusted:
-            raise ValueError(
-                f"{what}: its reward {getattr(fn, '__name__', '')} takes `state`, which stays on the worker: the "
-                f"trainer scores an episode from its transcript (prompt, completion, answer and the row's "
-                f"fields); keep what the reward needs in the messages or the row, or set "
-                f"task.environment.trustWorkerRewards to use the workers' own scores"
-            )
+        _needs_state(fn, what, trusted)
     if own is not None:
         return own
     weights = list(getattr(rubric, "weights", None) or getattr(rubric, "reward_weights", None) or [1.0] * len(funcs))
@@ -150,6 +202,17 @@ def reward_of(env: object, what: str, trusted: bool = False) -> Callable[..., fl
         return total
 
     return reward
+
+
+def _needs_state(fn: Any, what: str, trusted: bool) -> None:
+    """A reward that takes `state` is refused unless `trusted`: state stays on the worker."""
+    if "state" in _params(fn) and not trusted:
+        raise ValueError(
+            f"{what}: its reward {getattr(fn, '__name__', '')} takes `state`, which stays on the worker: the "
+            f"trainer scores an episode from its transcript (prompt, completion, answer and the row's "
+            f"fields); keep what the reward needs in the messages or the row, or set "
+            f"task.environment.trustWorkerRewards to use the workers' own scores"
+        )
 
 
 def _params(fn: Any) -> dict[str, inspect.Parameter]:
@@ -192,6 +255,8 @@ def reply(
     env_response or an empty one). After the model's `last` turn (maxTurns) only whether it is
     over is asked: a call is not run. ValueError: a reply that is not messages; ToolFailure: a
     tool that hung or died."""
+    if isinstance(env, Classic):
+        return Turn(*env.reply(messages, state, tool or ToolLimits(), last))
     done = getattr(env, "is_completed", None)
     if done is not None and _awaited(done(messages, state)):
         return Turn([], True)
