@@ -188,7 +188,7 @@ def test_an_environment_s_tools_answer_the_model_s_calls(tmp_path):
     )
     turn = environment.turn_caller(str(f), {}, environment.ToolLimits(calls=2))
     asked = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>'
-    ok, (t, state) = turn(("turn", [{"role": "assistant", "content": asked * 70}], {"turn": 1}, False))
+    ok, (t, state) = turn(("turn", [{"role": "assistant", "content": asked * 70}], {}, False, 1))
     assert ok == "ok" and not t.done and (t.tool_calls, t.tool_errors) == (70, 68)
     assert [m["content"] for m in t.messages] == [
         "4",
@@ -196,7 +196,7 @@ def test_an_environment_s_tools_answer_the_model_s_calls(tmp_path):
         "Error: 68 calls beyond the 2 one turn may make were not run",
     ]  # one message for those beyond: a turn's messages stay within what a worker may send (64)
     assert [m["role"] for m in t.messages] == ["tool"] * 3
-    ok, (t, _) = turn(("turn", [{"role": "assistant", "content": "4"}], {"turn": 2}, False))
+    ok, (t, _) = turn(("turn", [{"role": "assistant", "content": "4"}], {}, False, 2))
     assert ok == "ok" and t.done and t.messages == []  # no call, and no env_response: the end, as ToolEnv's
-    ok, (t, _) = turn(("turn", [{"role": "assistant", "content": asked}], {"turn": 2}, True))
+    ok, (t, _) = turn(("turn", [{"role": "assistant", "content": asked}], {}, True, 2))
     assert ok == "ok" and not t.done and t.messages == [] and t.tool_calls == 0  # after the last turn: not run

@@ -56,6 +56,14 @@ TOOLS = """
     import verifiers as vf
     from datasets import Dataset
 
+    async def later(x: int) -> int:
+        \"\"\"Answers after a while, as an async tool.
+
+        Args:
+            x: the number
+        \"\"\"
+        return x + 100
+
     def add(a: int, b: int) -> int:
         \"\"\"Adds two integers.
 
@@ -91,7 +99,7 @@ TOOLS = """
             env = Scaled(dataset=ds, max_turns=3, rubric=vf.Rubric(funcs=[right]))
             env.add_tool(scale, args_to_skip=["factor"])
             return env
-        return vf.ToolEnv(dataset=ds, tools=[add], max_turns=4, rubric=vf.Rubric(funcs=[right]))
+        return vf.ToolEnv(dataset=ds, tools=[add, later], max_turns=6, rubric=vf.Rubric(funcs=[right]))
 """
 
 
@@ -104,6 +112,43 @@ def call(text):
     return f'<tool_call>{{"name": "{text[0]}", "arguments": {text[1]}}}</tool_call>'
 
 
+EDGES = """
+    import verifiers as vf
+    from datasets import Dataset
+
+    class Edges(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            kind = state["input"]["kind"]
+            if kind == "final":
+                state["final_env_response"] = [vf.UserMessage(content="bye")]
+                return []
+            if kind == "system":
+                return [vf.SystemMessage(content="you are now someone else")]
+            return [vf.UserMessage(content="again")]
+
+        async def get_prompt_messages(self, state):
+            if state["trajectory"] and state["input"]["kind"] == "rewrite":
+                return [vf.UserMessage(content="a fresh start")]
+            return await super().get_prompt_messages(state)
+
+    def kind_is_ok(task):
+        return float(task["kind"] == "ok")
+
+    def broken(completion):
+        raise RuntimeError("this reward broke")
+
+    def load_environment():
+        rows = [{"question": "1+1=", "answer": "2", "kind": k} for k in ("ok", "final", "system", "rewrite")]
+        return Edges(
+            dataset=Dataset.from_list(rows),
+            eval_dataset=lambda: Dataset.from_list(rows[:2]),  # built when asked for
+            few_shot=[{"role": "user", "content": "0+0="}, {"role": "assistant", "content": "0"}],
+            rubric=vf.Rubric(funcs=[kind_is_ok, broken]),
+            max_turns=3,
+        )
+"""
+
+
 class Worker:
     """An episode as a worker keeps it: its messages, and the state each environment turn hands
     back through a pipe (pickled)."""
@@ -111,7 +156,8 @@ class Worker:
     def __init__(self, env, row, tool=None):
         self.env, self.tool = env, tool or environment.ToolLimits()
         self.messages = list(row["prompt"])
-        self.state = {"answer": row["answer"], "info": row.get("info", {}), "turn": 0}
+        fields = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+        self.state = {"answer": row["answer"], "info": row.get("info", {}), "fields": fields, "turn": 0}
 
     def says(self, text, last=False):
         self.messages.append({"role": "assistant", "content": text})
@@ -150,6 +196,38 @@ def test_a_multi_turn_env_runs_through_its_own_hooks_and_is_scored_from_its_tran
     assert reward(row["prompt"], [{"role": "assistant", "content": "3"}], "2", info={"then": 2}) == 0.0
 
 
+def test_a_verifiers_environment_s_edges(tmp_path):
+    """A few-shot prompt (an assistant message in it) is the model's whole first prompt; the row's
+    own columns and example_id reach verifiers' state and the rubric's `task`; an eval data set
+    built from a function is read; a final_env_response ends the episode with its stop condition;
+    an environment message a worker may not send, and a history rewritten, end the episode with
+    the reason; a reward function that raises scores 0, as under verifiers."""
+    f = write(tmp_path / "edges.py", EDGES)
+    env = environment.load(f, {})
+    rows = {r["kind"]: r for r in environment.rows(env)}
+    assert [m["role"] for m in rows["ok"]["prompt"]] == ["user", "assistant", "user"]
+    assert len(environment.rows(env, "eval_dataset")) == 2
+
+    ok = Worker(env, rows["ok"])
+    assert ok.says("2").messages == [{"role": "user", "content": "again"}]
+    vs = ok.state["vf"]
+    assert vs["prompt"][1].content == "0" and len(vs["prompt"]) == 3  # the few-shot answer stays in the prompt
+    assert vs["input"]["kind"] == "ok" and vs["example_id"] == rows["ok"]["example_id"]
+    final = Worker(env, rows["final"])
+    assert final.says("2") == environment.Turn([], True)
+    assert final.state["vf"]["stop_condition"] == "has_final_env_response"
+    with pytest.raises(ValueError, match=r"the environment's turn's message 0 is not \{'role': 'user' or 'tool'"):
+        Worker(env, rows["system"]).says("2")
+    with pytest.raises(ValueError, match=r"get_prompt_messages did not extend the conversation the model had"):
+        Worker(env, rows["rewrite"]).says("2")
+
+    reward = environment.reward_caller(f, {})
+    said = [{"role": "assistant", "content": "2"}]
+    fields = {k: v for k, v in rows["ok"].items() if k not in ("prompt", "answer")}
+    assert reward(rows["ok"]["prompt"], said, "2", **fields) == 1.0  # kind_is_ok, and broken's 0
+    assert reward(rows["final"]["prompt"], said, "2", **{**fields, "kind": "final"}) == 0.0
+
+
 @pytest.mark.e2e  # each tool call is a process of its own
 def test_a_tool_env_s_calls_are_walled_and_worded_as_verifiers_words_them(tmp_path):
     env = environment.load(write(tmp_path / "tools.py", TOOLS), {})
@@ -160,11 +238,14 @@ def test_a_tool_env_s_calls_are_walled_and_worded_as_verifiers_words_them(tmp_pa
     turn = w.says(call(("add", '{"a": 1, "b": 2}')) + call(("nope", "{}")) + "<tool_call>bad</tool_call>")
     assert [m["role"] for m in turn.messages] == ["tool"] * 3 and (turn.tool_calls, turn.tool_errors) == (3, 2)
     assert turn.messages[0]["content"] == "3"
-    assert turn.messages[1]["content"] == "no tool 'nope' (the tools are add)"
+    assert turn.messages[1]["content"] == "no tool 'nope' (the tools are add, later)"
     assert turn.messages[2]["content"].startswith("the tool call is not JSON")
     turn = w.says(call(("add", '{"a": 13, "b": 0}')) + call(("add", '{"a": 1, "b": 1}')) * 3)
     assert "Permission denied" in turn.messages[0]["content"] and turn.messages[1]["content"] == "2"
-    assert turn.messages[3]["content"] == "calls beyond the 3 one turn may make are not run"
+    assert turn.messages[3]["content"] == "1 calls beyond the 3 one turn may make were not run"
+    many = w.says(call(("add", '{"a": 1, "b": 1}')) * 70)  # one message for those beyond: within what a worker sends
+    assert len(many.messages) == 4 and (many.tool_calls, many.tool_errors) == (70, 67)
+    assert w.says("x" + call(("later", '{"x": 1}'))).messages == [{"role": "tool", "content": "101"}]  # awaited
     assert w.says("3").done and w.state["vf"]["stop_condition"] == "no_tools_called"
     transcript = w.messages[1:]
     assert environment.reward_caller(str(tmp_path / "tools.py"), {})(row["prompt"], transcript, "3") == 1.0

@@ -12,8 +12,8 @@ offers, so such an environment is one here:
                    messages before and after its first model turn, `fields` the row's others
                    (such as `info`)
 
-`state` is a dict of the episode's own: {"answer", "info", "turn"} to start, and whatever the
-environment keeps there between its turns. It stays on the worker: the rubric never sees it, so
+`state` is a dict of the episode's own: {"answer", "info", "fields" (the row's), "turn"} to
+start, and whatever the environment keeps there between its turns. It stays on the worker: the rubric never sees it, so
 a reward is computed from the transcript alone (docs/environments.md).
 
 A verifiers environment itself (vf.SingleTurnEnv, MultiTurnEnv, ToolEnv, ...) is one too: it is
@@ -256,7 +256,7 @@ def reply(
     over is asked: a call is not run. ValueError: a reply that is not messages; ToolFailure: a
     tool that hung or died."""
     if isinstance(env, Classic):
-        return Turn(*env.reply(messages, state, tool or ToolLimits(), last))
+        return Turn(*_checked_reply(env.reply(messages, state, tool or ToolLimits(), last)))
     done = getattr(env, "is_completed", None)
     if done is not None and _awaited(done(messages, state)):
         return Turn([], True)
@@ -290,24 +290,33 @@ def reply(
         return Turn([], True)
     if isinstance(out, str):
         out = [{"role": "user", "content": out}]
+    out = _checked(out, "env_response")
+    return Turn(out, not out)
+
+
+def _checked_reply(turn: tuple[list[dict[str, str]], bool, int, int]) -> tuple[list[dict[str, str]], bool, int, int]:
+    return _checked(turn[0], "the environment's turn"), turn[1], turn[2], turn[3]
+
+
+def _checked(out: Any, what: str) -> list[dict[str, str]]:
+    """The environment's messages, as the trainer will check them (spec/messages.py): ValueError
+    names the first that is not a user or tool message of text within its bounds."""
     if not isinstance(out, list):
-        raise ValueError(f"env_response returned {type(out).__name__}, not a list of messages")
+        raise ValueError(f"{what} returned {type(out).__name__}, not a list of messages")
     for i, m in enumerate(out):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
             raise ValueError(
-                f"env_response's message {i} is not {{'role': 'user' or 'tool', 'content': text}}: {str(m)[:200]}"
+                f"{what}'s message {i} is not {{'role': 'user' or 'tool', 'content': text}}: {str(m)[:200]}"
             )
         try:
             m["content"].encode()
         except UnicodeEncodeError as e:
-            raise ValueError(f"env_response's message {i} is not text that UTF-8 can carry ({e.reason})") from None
+            raise ValueError(f"{what}'s message {i} is not text that UTF-8 can carry ({e.reason})") from None
         if len(m["content"]) > MAX_MESSAGE_CHARS:
-            raise ValueError(
-                f"env_response's message {i} is {len(m['content']):,} characters (limit {MAX_MESSAGE_CHARS:,})"
-            )
+            raise ValueError(f"{what}'s message {i} is {len(m['content']):,} characters (limit {MAX_MESSAGE_CHARS:,})")
     if len(out) > MAX_TURN_MESSAGES:
-        raise ValueError(f"env_response returned {len(out)} messages (limit {MAX_TURN_MESSAGES})")
-    return Turn([{"role": m["role"], "content": m["content"]} for m in out], not out)
+        raise ValueError(f"{what} returned {len(out)} messages (limit {MAX_TURN_MESSAGES})")
+    return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
 def _awaited(x: Any) -> Any:
@@ -345,9 +354,11 @@ def turn_caller(
     ref: str, args: dict[str, Any], tool: ToolLimits | None = None, trusted: bool = False
 ) -> Callable[[tuple[Any, ...]], tuple[str, object]]:
     """In an environment process (sparrowrl.calls): the environment loaded, and each call
-    answered with ("ok", value) or why it failed: ("turn", messages, state), with (its Turn, the
-    state); ("score", prompt, completion, answer, fields, state), with the rubric's reward, for
-    trustWorkerRewards (`trusted`)."""
+    answered with ("ok", value) or why it failed: ("turn", messages, state, last, turn), with (its
+    Turn, the state); ("score", prompt, completion, answer, fields, state), with the rubric's
+    reward, for trustWorkerRewards (`trusted`). A state comes back pickled, and goes in so or as
+    its first dict: the worker holds it and never reads it (what it holds may be of classes only
+    the environment's processes have)."""
     env = load(ref, args, trusted)
     rubric = reward_of(env, f"environment {ref!r}", trusted) if trusted else None
     if tools_of(env) and (missing := {"landlock", "seccomp"} - set(available())):
@@ -360,18 +371,25 @@ def turn_caller(
     def turn(item: tuple[Any, ...]) -> tuple[str, object]:
         if item[0] == "score":
             assert rubric is not None  # asked for with trustWorkerRewards only
-            return score(rubric, *item[1:])
-        _, messages, state, last = item
+            _, prompt, completion, answer, fields, held = item
+            return score(rubric, prompt, completion, answer, fields, _state(held))
+        _, messages, held, last, n = item
         try:
+            state = _state(held)
+            state["turn"] = n
             out = reply(env, messages, state, tool, last)
-            pickle.dumps(state)  # it travels back: a state that cannot fails here, with a reason
+            kept = pickle.dumps(state)  # it travels back: a state that cannot fails here, with a reason
         except ToolFailure as e:
             return "tool", str(e)
         except BaseException as e:  # an environment's sys.exit() ends its episode, not the process
             return "raised", f"{type(e).__name__}: {str(e)[:500]}"
-        return "ok", (out, state)
+        return "ok", (out, kept)
 
     return turn
+
+
+def _state(held: bytes | dict[str, Any]) -> dict[str, Any]:
+    return pickle.loads(held) if isinstance(held, bytes) else held
 
 
 MAX_REWARD = 1e6  # as the trainer's (rewards.MAX_REWARD)

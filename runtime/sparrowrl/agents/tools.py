@@ -150,6 +150,8 @@ def _child(fn: Callable[..., Any], args: dict, folder: str, limits: Limits, out:
         confine(folder, limits)
         try:
             result = fn(**args)
+            if inspect.isawaitable(result):  # an async tool (verifiers' may be)
+                result = _awaited(result)
             answer = b"o" + (result if isinstance(result, str) else json.dumps(result, default=str)).encode()
         except BaseException as e:  # the tool's own error: the model is told
             answer = b"e" + f"Error: {type(e).__name__}: {e}".encode()
@@ -159,3 +161,29 @@ def _child(fn: Callable[..., Any], args: dict, folder: str, limits: Limits, out:
     except BaseException:
         code = 70  # EX_SOFTWARE: the walls could not be raised, or the answer not sent
     os._exit(code)
+
+
+def _awaited(result: Any) -> Any:
+    """A coroutine run to its end, on a thread of its own: this process was forked from one whose
+    event loop may be running, and a loop is one per thread."""
+    import asyncio
+    import threading
+
+    out: list[tuple[bool, Any]] = []
+
+    async def wait() -> Any:
+        return await result
+
+    def run() -> None:
+        try:
+            out.append((True, asyncio.run(wait())))
+        except BaseException as e:
+            out.append((False, e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value

@@ -34,7 +34,7 @@ class Episode:
     prompt: list[int]
     seed: int
     messages: list[dict[str, str]]  # the conversation so far: what the environment is shown
-    state: dict[str, Any]
+    state: dict[str, Any] | bytes  # the environment's, pickled after its first turn: never read here
     started: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -107,7 +107,12 @@ class Episodes:
                     p.ids,
                     p.seed,
                     [dict(m) for m in ex["messages"]],
-                    {"answer": ex["answer"], "info": ex.get("fields", {}).get("info", {}), "turn": 0},
+                    {
+                        "answer": ex["answer"],
+                        "info": ex.get("fields", {}).get("info", {}),
+                        "fields": ex.get("fields", {}),
+                        "turn": 0,
+                    },
                 )
                 for _ in range(sampling.n)
             ]
@@ -169,15 +174,14 @@ class Episodes:
             elif time.monotonic() - e.started > env.episode_seconds:
                 e.close("timeout", f"the episode ran past episodeSeconds ({env.episode_seconds:g} s)")
             else:
-                e.state["turn"] = e.model_turns
                 asked.append(e)
         going = []
-        asks = [("turn", e.messages, e.state, e.model_turns >= env.max_turns) for e in asked]
+        asks = [("turn", e.messages, e.state, e.model_turns >= env.max_turns, e.model_turns) for e in asked]
         for e, (kind, value) in zip(asked, self.pool.run(asks), strict=True):
             if kind != "ok":
                 e.close("error", f"the environment's turn failed ({kind}): {value}")
                 continue
-            turn, e.state = cast(tuple[Turn, dict[str, Any]], value)  # turn_caller's
+            turn, e.state = cast(tuple[Turn, bytes], value)  # turn_caller's
             messages, done = turn.messages, turn.done
             e.tool_calls += turn.tool_calls
             e.tool_errors += turn.tool_errors
