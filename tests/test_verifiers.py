@@ -12,6 +12,7 @@ import textwrap
 import threading
 
 import pytest
+from test_environments import GOOD
 
 from sparrowrl.agents import environment
 
@@ -333,21 +334,9 @@ def test_loading_one_leaves_this_process_s_signals_alone_even_off_the_main_threa
 
 @pytest.mark.e2e  # a fresh interpreter, to see what it imported
 def test_an_environment_of_our_own_protocol_does_not_import_verifiers(tmp_path):
-    own = write(tmp_path / "own.py", OWN)
+    own = write(tmp_path / "own.py", GOOD)
     code = (
         "import sys; from sparrowrl.agents import environment; "
         f"environment.load({own!r}, {{}}); print('verifiers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
-
-
-OWN = """
-    class Env:
-        dataset = [{"prompt": "1+1=", "answer": "2"}]
-        def env_response(self, messages, state):
-            return []
-        def reward(self, prompt, completion, answer, **fields):
-            return 1.0
-    def load_environment():
-        return Env()
-"""
