@@ -61,6 +61,9 @@ def run(
             "finished one with more --steps. Its results are kept; another job's state is refused."
         ),
     ] = False,
+    tls: Annotated[
+        bool, typer.Option(help="HTTPS on every hop, under a CA made for the run (RUN/tls/ca.crt).")
+    ] = False,
     log_format: LogFormat = "text",
     log_level: LogLevel = "info",
 ) -> None:
@@ -104,7 +107,7 @@ def run(
             )
         )
     try:
-        s = runner.run(j, run_dir, err, overwrite, resume, log_format, log_level)
+        s = runner.run(j, run_dir, err, overwrite, resume, log_format, log_level, tls)
     except runner.RunError as e:
         fail(e)
     out.print(report.summary_table(s))
@@ -175,6 +178,8 @@ def status(
             fail(ValueError(f"{run_dir}: the run has ended; its results are in {run_dir / 'summary.json'}"))
 
     if run_dir is not None:
+        if ca_cert is None and (run_dir / "tls" / "ca.crt").is_file():  # `sparrowrl run --tls`: the run's own CA
+            ctx = trusting(run_dir / "tls" / "ca.crt")
         try:
             token = (run_dir / "token").read_text().strip()
             processes = json.loads((run_dir / "processes.json").read_text())

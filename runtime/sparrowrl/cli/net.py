@@ -7,8 +7,12 @@ import logging
 import os
 import ssl
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sparrowrl.cli.common import fail, in_range
+
+if TYPE_CHECKING:
+    from sparrowrl.transport.http import ServingTLS
 
 MAX_STREAMS = 64
 log = logging.getLogger(__name__)
@@ -36,6 +40,20 @@ def trusting(ca_cert: Path | None) -> ssl.SSLContext | None:
         return ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
     except (OSError, ssl.SSLError) as e:  # ssl's message does not name the file
         fail(ValueError(f"--ca-cert {ca_cert}: {e.strerror or e}"))
+
+
+TLS_CERT_HELP = "PEM certificate: serve HTTPS. Replaced on disk, it serves the next connections (no restart)."
+TLS_KEY_HELP = "PEM private key of --tls-cert."
+
+
+def serving(cert: Path | None, key: Path | None) -> ServingTLS | None:
+    """--tls-cert and --tls-key, checked before anything starts (one line, naming the flag)."""
+    from sparrowrl.transport.http import tls
+
+    try:
+        return tls(cert, key)
+    except (ValueError, OSError) as e:
+        fail(e)
 
 
 def listen(app, host: str, port: int, banner: str, ssl_context: ssl.SSLContext | None = None) -> None:

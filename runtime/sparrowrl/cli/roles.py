@@ -14,7 +14,16 @@ from pydantic import TypeAdapter
 
 from sparrowrl import logs
 from sparrowrl.cli.common import LogFormat, LogLevel, fail, in_range
-from sparrowrl.cli.net import MAX_STREAMS, listen, ports, server_token, trusting
+from sparrowrl.cli.net import (
+    MAX_STREAMS,
+    TLS_CERT_HELP,
+    TLS_KEY_HELP,
+    listen,
+    ports,
+    server_token,
+    serving,
+    trusting,
+)
 
 METRICS_PORT_HELP = (
     "Also serve /metrics here without the token, for a scraper that has none (this port serves nothing else)."
@@ -29,6 +38,8 @@ def trainer(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port: versions, work, status, /healthz, /readyz.")] = 8470,
     metrics_port: Annotated[int | None, typer.Option(help=METRICS_PORT_HELP)] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help=TLS_CERT_HELP)] = None,
+    tls_key: Annotated[Path | None, typer.Option(help=TLS_KEY_HELP)] = None,
     log_format: LogFormat = "text",
     log_level: LogLevel = "info",
 ) -> None:
@@ -46,6 +57,7 @@ def trainer(
     if token.startswith(TOKEN_PREFIX):
         fail(ValueError("the trainer signs versions: SPARROWRL_TOKEN must be the job's secret, not a role token"))
     in_range("--metrics-port", metrics_port, 1, 65535)
+    served = serving(tls_cert, tls_key)
     try:
         j = load(job)
     except JobError as e:
@@ -69,7 +81,7 @@ def trainer(
 
     logs.setup(log_format, log_level)
     try:
-        asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port, check))
+        asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port, check, served))
     except (JobError, ListenError, ResumeError, StoreError, HubError) as e:  # the port taken meanwhile; a state dir not
         fail(e)  # to resume; what the hub did not give
     if j.spec.trainer.ranks > 1:
@@ -92,6 +104,8 @@ def relay(
     ] = None,
     rate_mbit: Annotated[float | None, typer.Option(help="Cap on the download rate from upstream.")] = None,
     metrics_port: Annotated[int | None, typer.Option(help=METRICS_PORT_HELP)] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help=TLS_CERT_HELP)] = None,
+    tls_key: Annotated[Path | None, typer.Option(help=TLS_KEY_HELP)] = None,
     log_format: LogFormat = "text",
     log_level: LogLevel = "info",
 ) -> None:
@@ -105,6 +119,7 @@ def relay(
     in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
     local = ports(local_ports)
     ctx = trusting(ca_cert)
+    served = serving(tls_cert, tls_key)
     logs.setup(log_format, log_level)
     with tempfile.TemporaryDirectory(prefix="sparrowrl-relay-") as tmp:
         try:
@@ -123,7 +138,8 @@ def relay(
             make_relay_app(r, token, None if metrics_port is None else (host, metrics_port)),
             host,
             port,
-            f"relay for {upstream} on http://{host}:{port}/v1/versions",
+            f"relay for {upstream} on {'https' if served else 'http'}://{host}:{port}/v1/versions",
+            served.context if served else None,
         )
 
 
@@ -150,6 +166,9 @@ def worker(
         float | None,
         typer.Option(help="Hold generation to this rate (benchmarks: the time a dedicated accelerator would take)."),
     ] = None,
+    ca_cert: Annotated[
+        Path | None, typer.Option(help="CA bundle to trust for HTTPS to the trainer and the relay.")
+    ] = None,
     log_format: LogFormat = "text",
     log_level: LogLevel = "info",
 ) -> None:
@@ -166,6 +185,7 @@ def worker(
     in_range("--rate-mbit", rate_mbit, 1e-6, 1e6)
     in_range("--pace-tokens-per-s", pace_tokens_per_s, 1e-3, 1e9)
     local = ports(local_ports)
+    ctx = trusting(ca_cert)
     for flag, value, kind, rule in (
         ("--name", name, Name, "1..253 of [-A-Za-z0-9_.], starting with a letter or digit"),
         ("--region", region, Region, "a DNS label (lower-case letters, digits, -)"),
@@ -185,6 +205,8 @@ def worker(
         fail(e)
     logs.setup(log_format, log_level)
     try:
-        asyncio.run(main(trainer, relay, name, host, port, rate_mbit, region, metrics_port, local, pace_tokens_per_s))
+        asyncio.run(
+            main(trainer, relay, name, host, port, rate_mbit, region, metrics_port, local, pace_tokens_per_s, ctx)
+        )
     except (ListenError, FetchError) as e:
         fail(e)

@@ -12,6 +12,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -149,9 +150,9 @@ def _exit(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _get(url: str, token: str) -> dict:
+def _get(url: str, token: str, ctx: ssl.SSLContext | None = None) -> dict:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=5) as r:
+    with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
         return json.loads(r.read())
 
 
@@ -206,11 +207,35 @@ def claim_run_dir(run_dir: Path, job: SparrowRLJob, overwrite: bool, resume: boo
         raise RunError(f"--run-dir {run_dir}: {e.strerror} ({e.filename})") from None
 
 
-def argv(role: Process, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
+class Tls:
+    """`sparrowrl run --tls`: the run's own CA (RUN/tls/ca.crt) and a serving certificate for
+    127.0.0.1 it signs, which the trainer and the relays serve and every client trusts."""
+
+    def __init__(self, run_dir: Path, name: str):
+        from sparrowrl.auth import pki
+
+        self.folder = run_dir / "tls"
+        self.folder.mkdir(exist_ok=True)
+        ca = pki.authority(f"sparrowrl run {name}")
+        served = pki.serving(ca, ["127.0.0.1", "localhost"])
+        self.ca, self.cert, self.key = self.folder / "ca.crt", self.folder / "serving.crt", self.folder / "serving.key"
+        for path, data in ((self.ca, ca.cert), (self.cert, served.cert), (self.key, served.key)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        self.context = ssl.create_default_context(cafile=str(self.ca))
+
+    def serves(self) -> list[str]:
+        return ["--tls-cert", str(self.cert), "--tls-key", str(self.key)]
+
+
+def argv(role: Process, spec: JobSpec, run_dir: Path, port: int, tls: Tls | None = None) -> list[str]:
     """The role's command line, as a user would type it in a shell of its own (README)."""
     rate = ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []
+    trusts = ["--ca-cert", str(tls.ca)] if tls else []
     if role.kind == "trainer":
-        return ["trainer", str(run_dir / "job.yaml"), "--state-dir", str(run_dir), "--port", str(port)]
+        serves = tls.serves() if tls else []
+        return ["trainer", str(run_dir / "job.yaml"), "--state-dir", str(run_dir), "--port", str(port), *serves]
     assert role.trainer is not None and role.region is not None  # a relay's and a worker's (layout.processes)
     if role.kind == "relay":
         return [
@@ -224,6 +249,8 @@ def argv(role: Process, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
             "--streams",
             str(spec.sync.streams),
             *rate,
+            *trusts,
+            *(tls.serves() if tls else []),
         ]
     return [
         "worker",
@@ -237,16 +264,17 @@ def argv(role: Process, spec: JobSpec, run_dir: Path, port: int) -> list[str]:
         "--port",
         str(port),
         *rate,
+        *trusts,
     ]
 
 
-def _ready(url: str, procs: Processes) -> None:
+def _ready(url: str, procs: Processes, ctx: ssl.SSLContext | None = None) -> None:
     """Until `url`/readyz answers 200, as a kubelet's readiness probe would ask."""
     while True:
         if err := procs.failed():
             raise RunError(err)
         try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5, context=ctx) as r:
                 if r.status == 200:
                     return
         except OSError:  # not listening yet, or 503
@@ -262,11 +290,13 @@ def run(
     resume: bool = False,
     log_format: Format = "text",
     log_level: Level = "info",
+    tls: bool = False,
 ) -> dict:
     """Run `job` in `run_dir` (see `check_run_dir`): the roles of `layout.processes`, each a process
     on its own loopback port, started with the same commands a user types by hand. With `resume`,
     the trainer goes on from the run dir's state (with more steps, say). Each writes its log lines
-    to RUN/logs/NAME.log in `log_format` (their environment's SPARROWRL_LOG_FORMAT), from `log_level` up."""
+    to RUN/logs/NAME.log in `log_format` (their environment's SPARROWRL_LOG_FORMAT), from `log_level` up.
+    With `tls`, every hop is HTTPS, under the run's own CA (`Tls`)."""
     spec = job.spec
     kept = _token(run_dir) if resume else None
     claim_run_dir(run_dir, job, overwrite, resume)
@@ -282,9 +312,11 @@ def run(
         run_dir, {**env, "PYTHONUNBUFFERED": "1", FORMAT_ENV: log_format, LEVEL_ENV: log_level}, append=resume
     )
     ports: dict[str, int] = defaultdict(free_port)
+    secure = Tls(run_dir, job.metadata.name) if tls else None
+    ctx = secure.context if secure else None
 
     def url(name: str, _region: str | None = None) -> str:  # one machine: the same address from everywhere
-        return f"http://127.0.0.1:{ports[name]}"
+        return f"{'https' if secure else 'http'}://127.0.0.1:{ports[name]}"
 
     everyone = layout.processes(spec, url)
     origin = url("trainer")
@@ -297,17 +329,17 @@ def run(
             assert who is not None  # a relay's region (layout.processes)
             p = procs.start(
                 role.name,
-                argv(role, spec, run_dir, ports[role.name]),  # each its own credentials
+                argv(role, spec, run_dir, ports[role.name], secure),  # each its own credentials
                 tokens.environment(token, role.kind, who),
             )
             if role.kind == "trainer":
                 pids["trainer"] = p.pid
                 with console.status("starting the trainer (model, store, server) ..."):
-                    _ready(origin, procs)
+                    _ready(origin, procs, ctx)
             else:
                 pids[role.kind + "s"][role.name] = p.pid
         _write_pids(run_dir, pids)
-        _follow(origin, token, spec, procs, run_dir, console, pids)
+        _follow(origin, token, spec, procs, run_dir, console, pids, ctx)
         procs.procs["trainer"].wait(timeout=60)
     finally:
         procs.stop()
@@ -332,7 +364,14 @@ def _write_pids(run_dir: Path, pids: dict) -> None:
 
 
 def _follow(
-    origin: str, token: str, spec: JobSpec, procs: Processes, run_dir: Path, console: Console, pids: dict
+    origin: str,
+    token: str,
+    spec: JobSpec,
+    procs: Processes,
+    run_dir: Path,
+    console: Console,
+    pids: dict,
+    ctx: ssl.SSLContext | None = None,
 ) -> None:
     """Progress until the summary is written. A trainer that exits with an error is started again,
     `runPolicy.backoffLimit` times at most (as the operator does in a cluster); it resumes from
@@ -358,7 +397,7 @@ def _follow(
             if err := procs.failed():
                 raise RunError(err)
             try:
-                s = _get(f"{origin}/v1/status", token)
+                s = _get(f"{origin}/v1/status", token, ctx)
             except OSError:
                 s = None
             if s:

@@ -10,7 +10,7 @@ import typer
 
 from sparrowrl import logs
 from sparrowrl.cli.common import LogFormat, LogLevel, Out, fail, in_range, out
-from sparrowrl.cli.net import MAX_STREAMS, listen, server_token, trusting
+from sparrowrl.cli.net import MAX_STREAMS, TLS_CERT_HELP, TLS_KEY_HELP, listen, server_token, serving, trusting
 from sparrowrl.cli.store import open_store
 
 
@@ -18,8 +18,8 @@ def serve(
     store: Path,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8470,
-    tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve HTTPS.")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="PEM private key for --tls-cert.")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help=TLS_CERT_HELP)] = None,
+    tls_key: Annotated[Path | None, typer.Option(help=TLS_KEY_HELP)] = None,
     log_format: LogFormat = "text",
     log_level: LogLevel = "info",
 ) -> None:
@@ -27,17 +27,14 @@ def serve(
     admits clients, and signs every version served (clients check with the public key it derives,
     which `sparrowrl credentials key` prints)."""
     from sparrowrl.auth.signing import TOKEN_PREFIX, Signer
-    from sparrowrl.transport.http import tls_context
     from sparrowrl.transport.server import make_app
 
     token = server_token(host, port)
     if token.startswith(TOKEN_PREFIX):
         fail(ValueError("serve signs what it publishes: SPARROWRL_TOKEN must be the job's secret, not a role token"))
     open_store(store)
-    try:
-        ctx = tls_context(tls_cert, tls_key)
-    except (ValueError, OSError) as e:
-        fail(e)
+    served = serving(tls_cert, tls_key)
+    ctx = served.context if served else None
     logs.setup(log_format, log_level)
     listen(
         make_app(store, token, signer=Signer(token) if token else None),

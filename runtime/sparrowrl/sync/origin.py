@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from sparrowrl.auth.signing import Signer, public_text
-from sparrowrl.transport.http import is_loopback, listen
+from sparrowrl.transport.http import is_loopback, listen, tls
 from sparrowrl.transport.server import make_app
 
 T = TypeVar("T")
@@ -25,11 +25,23 @@ class Origin:
 
     `secret`: the job's secret. It admits clients (the secret itself, or role tokens minted from
     it: `sparrowrl credentials`) and signs every version served; subscribers check with `trainer_key`.
-    Without one, nothing is signed or checked, which is allowed on loopback only."""
+    Without one, nothing is signed or checked, which is allowed on loopback only.
 
-    def __init__(self, store: str | Path, secret: str = "", host: str = "127.0.0.1", port: int = 0):
+    `tls_cert` and `tls_key`: serve HTTPS with this PEM pair, read again when the files change
+    (a renewal serves the next connections); subscribers trust its CA (`ssl_context`)."""
+
+    def __init__(
+        self,
+        store: str | Path,
+        secret: str = "",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+    ):
         if not secret and not is_loopback(host):
             raise ValueError(f"refusing to serve on non-loopback address {host} without a secret")
+        self._tls = tls(Path(tls_cert) if tls_cert else None, Path(tls_key) if tls_key else None)
         self.trainer_key = public_text(Signer(secret).key) if secret else None
         self._app = make_app(store, secret, signer=Signer(secret) if secret else None, written_here=True)
         self._loop = asyncio.new_event_loop()
@@ -47,9 +59,10 @@ class Origin:
 
     async def _start(self, host: str, port: int) -> None:
         await self._runner.setup()
-        await listen(self._runner, host, port)
+        await listen(self._runner, host, port, self._tls)
         bound = self._runner.addresses[0]
-        self.url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
+        scheme = "https" if self._tls else "http"
+        self.url = f"{scheme}://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
 
     def close(self) -> None:
         """Stop serving: long polls end, connections close, the thread exits."""

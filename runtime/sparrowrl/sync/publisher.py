@@ -129,11 +129,18 @@ class Publisher:
         self.policy = new
         return self.version
 
-    def serve(self, secret: str = "", host: str = "127.0.0.1", port: int = 0) -> Origin:
+    def serve(
+        self,
+        secret: str = "",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+    ) -> Origin:
         """The store served from a thread of this process (rank 0's): see `Origin`."""
         if self.store is None:
             raise RuntimeError("only rank 0 holds the store: serve it there")
-        return Origin(self.store.path, secret, host, port)
+        return Origin(self.store.path, secret, host, port, tls_cert, tls_key)
 
     def close(self) -> None:
         """Let go of the version held in memory."""

@@ -29,7 +29,7 @@ from sparrowrl.trainer import cost, journal, ledger, reports, resume, retention
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.outputs import Outputs
-from sparrowrl.transport.http import add_health, freeze_heap, listen, more_open_files
+from sparrowrl.transport.http import ServingTLS, add_health, freeze_heap, listen, more_open_files
 from sparrowrl.transport.metrics import add_metrics
 from sparrowrl.transport.server import SENT, make_app
 
@@ -331,13 +331,14 @@ async def serve(
     token: str,
     metrics_port: int | None = None,
     check: Callable[[], None] | None = None,
+    served: ServingTLS | None = None,
 ) -> None:
     """`check`: the job's data and reward read and checked, answering /healthz meanwhile (a large
-    data set takes minutes, which no probe of the pod can know in advance)."""
+    data set takes minutes, which no probe of the pod can know in advance). `served`: HTTPS."""
     more_open_files("trainer")  # a long poll per worker
     early = web.AppRunner(starting_app())
     await early.setup()
-    await listen(early, host, port)
+    await listen(early, host, port, served)
     log.info(f"trainer: starting on {host}:{port}")
     try:
         if check is not None:
@@ -348,8 +349,8 @@ async def serve(
         await early.cleanup()  # the port is free again, for the trainer's own server at once
     runner = web.AppRunner(run.app(metrics_port, host))
     await runner.setup()
-    await listen(runner, host, port)
-    log.info(f"trainer: serving on {host}:{port}")
+    await listen(runner, host, port, served)
+    log.info(f"trainer: serving on {'https' if served else 'http'}://{host}:{port}")
     try:
         await run.train_loop()
         await asyncio.sleep(2.0)  # let workers see `finished` and the runner read the summary

@@ -53,10 +53,11 @@ class ListenError(Exception):
         return cls(f"cannot listen on {host}:{port}: {why}")
 
 
-async def listen(runner: web.AppRunner, host: str, port: int) -> None:
-    """Start `runner` on host:port; ListenError in one line if that address cannot be had."""
+async def listen(runner: web.AppRunner, host: str, port: int, served: ServingTLS | None = None) -> None:
+    """Start `runner` on host:port (HTTPS with `served`); ListenError in one line if that address
+    cannot be had."""
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=served.context if served else None).start()
     except OSError as e:
         raise ListenError.of(host, port, e) from None
 
@@ -82,24 +83,71 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+class ServingTLS:
+    """A server's certificate and key, from PEM files that may be replaced while it runs (a
+    Secret's volume, renewed): each TLS handshake looks at the files (a stat of each), and a
+    changed pair serves the connections from then on, with no restart. A pair that does not load
+    is logged, and the last good one goes on serving: a renewal half-written is never served, and
+    nothing falls back to plain HTTP. ValueError at start names the flag and the file."""
+
+    def __init__(self, cert: Path, key: Path):
+        self.cert, self.key = cert, key
+        self._stamp = self._stat()
+        self.context = self._load()  # what the listener is given; its callback hands over to `_current`
+        self._current = self.context
+        self._failed = ""  # the last reload's error, said once
+
+    def _stat(self) -> tuple[tuple[int, int, int], ...]:
+        out = []
+        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key)):
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                raise ValueError(f"{flag} {path}: {e.strerror}") from None
+            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        return tuple(out)
+
+    def _load(self) -> ssl.SSLContext:
+        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key)):  # ssl's own error does not say which
+            try:
+                open_regular(path, "a PEM file").close()
+            except ValueError as e:
+                raise ValueError(f"{flag} {e}") from None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+        except ssl.SSLError as e:
+            raise ValueError(
+                f"--tls-cert {self.cert} and --tls-key {self.key} are not a PEM certificate and its private key ({e})"
+            ) from None
+        ctx.sni_callback = self._handshake
+        return ctx
+
+    def _handshake(self, conn: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
+        try:
+            stamp = self._stat()
+            if stamp != self._stamp:
+                self._stamp = stamp  # a pair that does not load is said once, not at every handshake
+                self._current = self._load()
+                log.info(f"TLS: serving the certificate in {self.cert} from now on (it changed)")
+        except (ValueError, OSError) as e:
+            if str(e) != self._failed:
+                log.error(f"TLS: {e}; the certificate loaded before goes on serving")
+            self._failed = str(e)
+        else:
+            self._failed = ""
+        if conn.context is not self._current:
+            conn.context = self._current
+
+
+def tls(cert: Path | None, key: Path | None) -> ServingTLS | None:
+    """--tls-cert and --tls-key, both or neither; ValueError names what is wrong."""
     if cert is None and key is None:
         return None
     if cert is None or key is None:
         raise ValueError("TLS needs both --tls-cert and --tls-key")
-    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):  # ssl's own error does not say which
-        try:
-            open_regular(path, "a PEM file").close()
-        except ValueError as e:
-            raise ValueError(f"{flag} {e}") from None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(cert, key)
-    except ssl.SSLError as e:
-        raise ValueError(
-            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key ({e})"
-        ) from None
-    return ctx
+    return ServingTLS(cert, key)
 
 
 def more_open_files(who: str) -> tuple[int, int]:

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import ssl
 import tempfile
 import time
 from collections.abc import Iterator
@@ -300,12 +301,14 @@ async def main(
     metrics_port: int | None = None,
     local_ports: list[int] | None = None,
     pace: float | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """A worker needs only the network: the job, the model's config and tokenizer, and the
     weights come from the trainer (versions from its region's relay first). /healthz and
     /readyz (once a verified version is committed) on host:port, from the start. `local_ports`
     and `pace` are for benchmarks: fixed source ports for the download streams (per-flow shaped
-    links), and a generation rate to hold to."""
+    links), and a generation rate to hold to. `ssl_context`: what HTTPS to the trainer and the
+    relay trusts (the job's CA)."""
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
     worker: Worker | None = None
     app = web.Application(middlewares=[auth])  # /metrics wants a token (an admin's); the probes do not
@@ -319,7 +322,7 @@ async def main(
     await probes.setup()
     await listen(probes, host, port)
     try:
-        async with Client(trainer, attempts=ATTEMPTS) as control:
+        async with Client(trainer, attempts=ATTEMPTS, ssl_context=ssl_context) as control:
             job = await control.json("/v1/job", Job)
             with tempfile.TemporaryDirectory(prefix=f"sparrowrl-{name}-") as model_dir:
                 await fetch_model(control, Path(model_dir))
@@ -342,6 +345,7 @@ async def main(
                     snapshots=job["mode"] == "full",
                     streams=job["streams"],
                     attempts=ATTEMPTS,
+                    ssl_context=ssl_context,
                     rate_mbit=rate_mbit,
                     local_ports=local_ports,
                 ) as sub:
