@@ -108,7 +108,7 @@ def test_the_sync_api_serves_and_pulls_over_https_and_refuses_another_ca(tmp_pat
     from support.tensors import bf16
 
     from sparrowrl.delta import state_hash
-    from sparrowrl.sync import FetchError, Publisher, Subscriber
+    from sparrowrl.sync import FetchError, Origin, Publisher, Subscriber
     from sparrowrl.trainer import models
 
     job, other = pki.authority("job"), pki.authority("other")
@@ -122,17 +122,26 @@ def test_the_sync_api_serves_and_pulls_over_https_and_refuses_another_ca(tmp_pat
             next(model.parameters()).add_(0.5)  # a step
         assert pub.publish() == 1
 
-        async def pull(ctx):
+        async def pull(ctx, servers=None):
             async with Subscriber(
-                origin.url, held, held=0, token="a secret", trainer_key=origin.trainer_key, ssl_context=ctx, attempts=1
+                servers or origin.url,
+                held,
+                held=0,
+                token="a secret",
+                trainer_key=origin.trainer_key,
+                ssl_context=ctx,
+                attempts=1,
             ) as sub:
                 await sub.pull(1)
 
         before = state_hash(held)
-        with pytest.raises(FetchError):
+        with pytest.raises(FetchError, match="certificate not trusted"):
             asyncio.run(pull(trusting(other)))
         assert state_hash(held) == before
-        asyncio.run(pull(trusting(job)))
+        # a server whose certificate another CA signed is passed over for the next one
+        bad_cert, bad_key = write(tmp_path, pki.serving(other, ["127.0.0.1"]), "impostor")
+        with Origin(pub.store.path, "a secret", tls_cert=bad_cert, tls_key=bad_key) as impostor:
+            asyncio.run(pull(trusting(job), [impostor.url, origin.url]))
         assert state_hash(held) == pub.store.versions[1].state_hash != before
 
 

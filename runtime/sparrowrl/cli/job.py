@@ -159,6 +159,7 @@ def status(
     """A job's status, as its trainer reports it (GET /v1/status); the token comes from SPARROWRL_TOKEN,
     or from the run dir."""
     import http.client
+    import ssl
     import urllib.error
     import urllib.request
 
@@ -214,6 +215,8 @@ def status(
                     f"`sparrowrl run JOB --run-dir {run_dir} --resume` goes on from where it stopped"
                 )
             )
+        if isinstance(reason, ssl.SSLCertVerificationError):  # as the other clients say it
+            reason = f"certificate not trusted ({reason.verify_message}); give its CA with --ca-cert"
         fail(ValueError(f"{url}/v1/status: {reason}"))
     except ValidationError as e:
         fail(ValueError(f"{url}/v1/status: not a job's status ({first_problem(e)})"))

@@ -215,12 +215,14 @@ class Tls:
         from sparrowrl.auth import pki
 
         self.folder = run_dir / "tls"
-        self.folder.mkdir(exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.folder, 0o700)
         ca = pki.authority(f"sparrowrl run {name}")
-        served = pki.serving(ca, ["127.0.0.1", "localhost"])
+        served = pki.serving(ca, ["127.0.0.1", "localhost"], days=3650)  # the CA's key is not kept: none renews it
         self.ca, self.cert, self.key = self.folder / "ca.crt", self.folder / "serving.crt", self.folder / "serving.key"
         for path, data in ((self.ca, ca.cert), (self.cert, served.cert), (self.key, served.key)):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # one a previous run left keeps its mode otherwise
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
         self.context = ssl.create_default_context(cafile=str(self.ca))

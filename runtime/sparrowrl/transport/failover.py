@@ -205,8 +205,9 @@ class Servers:
                     busy += e.after
                     await asyncio.sleep(e.after)
                     continue
-            except aiohttp.ClientConnectorCertificateError as e:
-                raise FetchError(f"{url}: certificate not trusted ({e.certificate_error})") from None
+            except aiohttp.ClientConnectorCertificateError as e:  # not a server of this job: the next one, if any
+                self.refuse(server, f"{url}: certificate not trusted ({e.certificate_error})")
+                continue
             except aiohttp.ClientConnectorError as e:
                 if port is None or e.os_error.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                     last = f"{type(e).__name__}: {e}"

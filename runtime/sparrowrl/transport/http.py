@@ -97,14 +97,14 @@ class ServingTLS:
         self._current = self.context
         self._failed = ""  # the last reload's error, said once
 
-    def _stat(self) -> tuple[tuple[int, int, int], ...]:
+    def _stat(self) -> tuple[tuple[int, ...], ...]:
         out = []
         for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key)):
             try:
                 st = os.stat(path)
             except OSError as e:
                 raise ValueError(f"{flag} {path}: {e.strerror}") from None
-            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            out.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
         return tuple(out)
 
     def _load(self) -> ssl.SSLContext:
@@ -127,9 +127,9 @@ class ServingTLS:
     def _handshake(self, conn: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
         try:
             stamp = self._stat()
-            if stamp != self._stamp:
-                self._stamp = stamp  # a pair that does not load is said once, not at every handshake
+            if stamp != self._stamp:  # a pair that does not load is tried again at each handshake, said once
                 self._current = self._load()
+                self._stamp = stamp
                 log.info(f"TLS: serving the certificate in {self.cert} from now on (it changed)")
         except (ValueError, OSError) as e:
             if str(e) != self._failed:
