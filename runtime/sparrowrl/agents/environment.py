@@ -13,8 +13,8 @@ offers, so such an environment is one here:
                    (such as `info`)
 
 `state` is a dict of the episode's own: {"answer", "info", "fields" (the row's), "turn"} to
-start, and whatever the environment keeps there between its turns. It stays on the worker: the rubric never sees it, so
-a reward is computed from the transcript alone (docs/environments.md).
+start, and whatever the environment keeps there between its turns. It stays on the worker: the
+rubric never sees it, so a reward is computed from the transcript alone (docs/environments.md).
 
 A verifiers environment itself (vf.SingleTurnEnv, MultiTurnEnv, ToolEnv, ...) is one too: it is
 driven through its own hooks (agents/classic.py)."""

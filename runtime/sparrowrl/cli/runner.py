@@ -207,6 +207,14 @@ def claim_run_dir(run_dir: Path, job: SparrowRLJob, overwrite: bool, resume: boo
         raise RunError(f"--run-dir {run_dir}: {e.strerror} ({e.filename})") from None
 
 
+def _owners(path: Path, data: bytes) -> None:
+    """`data` written to `path`, readable by its owner alone (also where a previous run left it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 class Tls:
     """`sparrowrl run --tls`: the run's own CA (RUN/tls/ca.crt) and a serving certificate for
     127.0.0.1 it signs, which the trainer and the relays serve and every client trusts."""
@@ -221,10 +229,7 @@ class Tls:
         served = pki.serving(ca, ["127.0.0.1", "localhost"], days=3650)  # the CA's key is not kept: none renews it
         self.ca, self.cert, self.key = self.folder / "ca.crt", self.folder / "serving.crt", self.folder / "serving.key"
         for path, data in ((self.ca, ca.cert), (self.cert, served.cert), (self.key, served.key)):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.fchmod(fd, 0o600)  # one a previous run left keeps its mode otherwise
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            _owners(path, data)
         self.context = ssl.create_default_context(cafile=str(self.ca))
 
     def serves(self) -> list[str]:
@@ -306,9 +311,7 @@ def run(
         (run_dir / PLANNED_RESUME).write_text("sparrowrl run --resume\n")
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True), sort_keys=False))
     token = os.environ.get("SPARROWRL_TOKEN") or kept or secrets.token_hex(16)
-    fd = os.open(run_dir / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # for `sparrowrl status RUN_DIR`
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    _owners(run_dir / "token", (token + "\n").encode())  # for `sparrowrl status RUN_DIR`
     env = {k: x for k, x in os.environ.items() if k not in ("SPARROWRL_TOKEN", KEY_ENV)}
     procs = Processes(
         run_dir, {**env, "PYTHONUNBUFFERED": "1", FORMAT_ENV: log_format, LEVEL_ENV: log_level}, append=resume
