@@ -195,6 +195,8 @@ BAD = {  # refused by CEL in the API server and by parse in the operator and `sp
     "node selector key": lambda s: s["rollout"].update(nodeSelector={"bad key!": "x"}),
     "tensor parallelism with hf": lambda s: s["rollout"].update(engine="hf", tensorParallelSize=2),
     "resource name": lambda s: s["trainer"]["resources"]["requests"].update({"bad name!": "1"}),
+    "a plain trainer url with TLS on": lambda s: s["trainer"]["service"].update(url="http://t.example.com:8470"),
+    "a CA of one's own with TLS off": lambda s: s.update(tls={"mode": "Disabled", "caSecretName": "team-ca"}),
 }
 
 
@@ -204,6 +206,16 @@ def test_cel_refuses_what_parse_refuses(case):
     with pytest.raises(JobError):
         parse(job)
     assert admitted(job), f"{case}: the API server would store it"
+
+
+def test_a_plain_trainer_url_is_for_a_job_that_runs_unencrypted():
+    def plain(s):
+        s["trainer"]["service"].update(url="http://t.example.com:8470")
+        s["tls"] = {"mode": "Disabled"}
+
+    job = spec_with(plain)
+    assert admitted(job) == []
+    assert parse(job).spec.tls.mode == "Disabled"
 
 
 def test_managed_by_is_immutable():

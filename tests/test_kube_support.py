@@ -4,11 +4,13 @@ behaviour as kopf and the kubernetes client see it, and pods that really run and
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -25,6 +27,8 @@ from kubernetes import client, watch
 from support.kube import APPLY, HISTORY, ApiError, Cluster, clusters, path
 from support.kubelet import Kubelet, kubelets
 from support.wait import until
+
+from sparrowrl.auth import pki
 
 pytestmark = pytest.mark.kube
 
@@ -635,6 +639,59 @@ def test_env_from_secrets_and_the_downward_api_and_exit_codes(tmp_path: Path) ->
         )
         assert restarted["status"]["phase"] == "Running"
         assert container(restarted)["lastState"]["terminated"]["exitCode"] == 3
+
+
+@pytest.mark.timeout(90)
+def test_a_secret_volume_is_updated_in_place_and_an_https_probe_is_answered(tmp_path: Path) -> None:
+    """As a kubelet does: a Secret's volume follows the Secret while the pod runs (whole, by one
+    switch of ..data), a subPath of it stays as it was, and an HTTPS readiness probe is made
+    without checking the certificate (here one no CA signed)."""
+    serve = (
+        "import http.server, ssl, pathlib\n"
+        "ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain('tls/tls.crt', 'tls/tls.key')\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        body = (pathlib.Path('tls/note').read_text() + '|' + pathlib.Path('pinned').read_text()).encode()\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(body)\n"
+        "import os; s = http.server.HTTPServer((os.environ['IP'], 8443), H)\n"
+        "s.socket = ctx.wrap_socket(s.socket, server_side=True); s.serve_forever()\n"
+    )
+    served = pki.serving(pki.authority("nobody's"), ["web"])
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "tls"},
+        "stringData": {"tls.crt": served.cert.decode(), "tls.key": served.key.decode(), "note": "first"},
+    }
+    web = python(
+        "tls-web",
+        serve,
+        container={
+            "workingDir": "/srv",
+            "env": [{"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+            "ports": [{"name": "https", "containerPort": 8443}],
+            "readinessProbe": {"httpGet": {"path": "/", "port": "https", "scheme": "HTTPS"}},
+            "volumeMounts": [
+                {"name": "tls", "mountPath": "/srv/tls", "readOnly": True},
+                {"name": "tls", "mountPath": "/srv/pinned", "subPath": "note"},
+            ],
+        },
+        volumes=[{"name": "tls", "secret": {"secretName": "tls"}}],
+    )
+    insecure = ssl.create_default_context()
+    insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+
+    def fetch(ip: str) -> str:
+        with urllib.request.urlopen(f"https://{ip}:8443/", timeout=5, context=insecure) as r:
+            return r.read().decode()
+
+    with world(tmp_path) as (east, _, _, _):
+        east.create(secret)
+        east.create(web)
+        ip = ready(east, "tls-web")["status"]["podIP"]
+        assert fetch(ip) == "first|first"
+        east.patch("v1/secrets", "default", "tls", {"data": {"note": base64.b64encode(b"second").decode()}})
+        assert until(lambda: (got := fetch(ip)) != "first|first" and got, 20, "the volume updated") == "second|first"
 
 
 @pytest.mark.timeout(90)

@@ -29,7 +29,7 @@ JOB = {
         "steps": 3,
         "model": {"tiny": {"hidden": 32, "layers": 1, "heads": 2}},
         "task": {"builtin": "add"},
-        "trainer": {"service": {"url": "http://203.0.113.5:8470"}},
+        "trainer": {"service": {"url": "https://203.0.113.5:8470"}},
         "placements": [{"region": "us", "replicas": 1}, {"region": "eu", "cluster": "east", "replicas": 2}],
     },
 }
@@ -71,13 +71,13 @@ def test_a_job_spans_clusters_and_its_delete_cleans_them():
         until(
             lambda: (
                 names(east, "sparrowrl", "v1/secrets")
-                == {f"{m}-relay-eu-token", f"{m}-worker-eu-0-token", f"{m}-worker-eu-1-token"}
+                == {f"{m}-relay-eu-token", f"{m}-relay-eu-tls", f"{m}-worker-eu-0-token", f"{m}-worker-eu-1-token"}
             ),
             30,
-            "each relay's and worker slot's own token, and not the job's secret",
+            "each relay's and worker slot's own token, the relay's certificate, and not the job's secret",
         )
         worker = east.get("v1/pods", "sparrowrl", f"{m}-worker-eu-0-0")
-        assert worker["spec"]["containers"][0]["args"][:3] == ["worker", "--trainer", "http://203.0.113.5:8470"]
+        assert worker["spec"]["containers"][0]["args"][:3] == ["worker", "--trainer", "https://203.0.113.5:8470"]
         job = until(lambda: (j := home.get(JOBS, "default", "grpo")) and condition(j, "Created") and j, 30, "a status")
         assert condition(job, "Created")["status"] == "True" and job["status"]["phase"] == "Pending"
         assert job["status"]["display"]["rollout"] == "0/3"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from sparrowrl.auth import pki
 from sparrowrl.auth.signing import Verifier, parse_public
 from sparrowrl.auth.tokens import Gate, Principal
 from sparrowrl.spec.status import TrainerStatus, WorkerStatus
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 T0 = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc)
 IMAGE = "sparrowrl-runtime:test"
 MEMBERS = {"eu-west": Member("sparrowrl", True), "ap-south": Member("sparrowrl", True)}
+CA = pki.authority("sparrowrl test", now=T0)  # the CA the operator makes for a job whose Secret is missing
 
 
 def body(**spec_changes) -> dict:
@@ -54,6 +56,7 @@ class World:
         return Observed(
             now=now,
             token="tok",
+            authority=CA,
             members=self.members,
             trainer_service=svc,
             trainer=self.trainer,
@@ -188,6 +191,7 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     secrets = {(c, m["metadata"]["name"]): m["stringData"] for c, m in made if m["kind"] == "Secret"}
     assert {n for c, n in secrets if c == "ap-south"} == {
         "add-grpo-u-1-relay-ap-token",
+        "add-grpo-u-1-relay-ap-tls",  # the relay's serving certificate
         "add-grpo-u-1-worker-ap-0-token",
     }
     mine = secrets["ap-south", "add-grpo-u-1-worker-ap-0-token"]  # a slot's own token, and the trainer's key
@@ -197,7 +201,8 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     before = credentials.cache_info()
     w.step(job, 10)  # a cycle builds each slot's Secret again (to judge drift), and signs nothing again
     after = credentials.cache_info()
-    assert after.hits >= before.hits + len(secrets) - 1 and after.misses == before.misses
+    tokens = [n for _, n in secrets if n.endswith("-token")]
+    assert after.hits >= before.hits + len(tokens) - 1 and after.misses == before.misses
     env = {
         e["name"]: e["valueFrom"]["secretKeyRef"]
         for e in w.pods["ap-south"]["add-grpo-u-1-worker-ap-0-0"]["spec"]["containers"][0]["env"]
@@ -214,12 +219,12 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     assert args[:5] == [
         "worker",
         "--trainer",
-        "http://203.0.113.7:8470",
+        "https://203.0.113.7:8470",
         "--relay",
-        "http://add-grpo-u-1-relay-eu.sparrowrl.svc:8471",
-    ]  # the load balancer; the region's relay
+        "https://add-grpo-u-1-relay-eu.sparrowrl.svc:8471",
+    ]  # the load balancer; the region's relay: HTTPS by default
     home = w.pods[None]["add-grpo-worker-us-0-0"]["spec"]["containers"][0]["args"]
-    assert home[2] == "http://add-grpo-trainer.default.svc:8470"
+    assert home[2] == "https://add-grpo-trainer.default.svc:8470"
     assert w.pods["ap-south"]["add-grpo-u-1-worker-ap-0-0"]["spec"]["tolerations"] == [
         {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}
     ]  # the placement's template

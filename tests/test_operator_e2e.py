@@ -4,15 +4,25 @@ cluster and two members trains to completion, through faults, with every commit 
 
 from __future__ import annotations
 
+import base64
 import copy
+import http.client
+import socket
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from support.kube import clusters, until
 from support.kubelet import kubelets
 from support.operator_run import add_member, columns, operator
+
+from sparrowrl.auth import pki
 
 # The two tests run one after the other (make test: --dist loadgroup): each runs dozens of processes,
 # and together on this workplace's 2 cores their jobs starved (a 40-step job needed over 300 s).
@@ -98,6 +108,7 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
             lambda: settled(home, rollout="3/3", leases="1/1") or settled(home, rollout="3/3"), 60, "every worker ready"
         )
         (tmp_path / "running.yaml").write_text(yaml.safe_dump(running))
+        encrypted_every_hop(home, k_home, running)
         described = kubectl(kube_tools, home, tmp_path, "describe", "srl", "grpo")
         assert "Phase:" in described and "Type:" in described and "TrainerReady" in described, described
         (tmp_path / "describe.txt").write_text(described)
@@ -124,7 +135,7 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
         assert replaced == {"us": 0, "eu": 1, "ap": 0}, s["placements"]
         assert {"Created", "Replaced", "TrainerRestarted", "Succeeded"} <= set(reasons(home))
         assert s["display"]["step"] == "60/60"
-        assert s["trainerAddress"].startswith("http://127.")
+        assert s["trainerAddress"].startswith("https://127.")
         until(
             lambda: (
                 not [
@@ -136,6 +147,43 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
             30,
             "nothing left running in the member",
         )  # a finished job frees its machines
+
+
+def encrypted_every_hop(home, k_home, running: dict) -> None:
+    """TLS by default: the trainer's load balancer answers HTTPS with a certificate the job's CA
+    signed for its address (issued anew when the address appeared, after the trainer had started,
+    and read by it where it runs), refuses plain HTTP, and is refused by a client of another CA."""
+    assert condition(running, "Encrypted")["status"] == "True"
+    ca = base64.b64decode(home.get("v1/secrets", NS, "grpo-ca")["data"]["tls.crt"]).decode()
+    lb = running["status"]["trainerAddress"]
+    with urllib.request.urlopen(f"{lb}/healthz", timeout=10, context=ssl.create_default_context(cadata=ca)) as r:
+        assert r.status == 200
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(lb.replace("https://", "http://") + "/healthz", timeout=10)
+    other = ssl.create_default_context(cadata=pki.authority("another job").cert.decode())
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(f"{lb}/healthz", timeout=10, context=other)
+    host = lb.split("://")[1].split(":")[0]
+    assert events(home, "CertificateIssued", f"does not name {host}"), "issued anew for the load balancer"
+
+    def served() -> bytes:
+        with (
+            socket.create_connection((host, 8470), timeout=10) as s,
+            ssl.create_default_context(cadata=ca).wrap_socket(s, server_hostname=host) as t,
+        ):
+            return t.getpeercert(binary_form=True) or b""
+
+    def issued() -> bytes | None:
+        s = home.get("v1/secrets", NS, "grpo-trainer-tls")
+        pem = base64.b64decode(s["data"]["tls.crt"]) if s else None
+        return x509.load_pem_x509_certificate(pem).public_bytes(serialization.Encoding.DER) if pem else None
+
+    before = served()
+    assert before == issued()
+    home.delete("v1/secrets", NS, "grpo-trainer-tls")  # a certificate issued anew, while the trainer runs
+    after = until(lambda: (c := issued()) and c != before and c, 60, "a new certificate")
+    until(lambda: served() == after, 60, "the trainer serving it")
+    assert "serving the certificate in tls/tls.crt from now on" in k_home.log(NS, "grpo-trainer-0")  # no restart
 
 
 def small(name: str, **spec) -> dict:

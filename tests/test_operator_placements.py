@@ -18,7 +18,7 @@ def test_workers_in_members_wait_for_the_trainers_outside_address():
     assert "address" in condition(job, "RolloutReady")["message"]
     w.lb = "198.51.100.1"
     w.step(job, 5)
-    assert w.names("eu-west") and job["status"]["trainerAddress"] == "http://198.51.100.1:8470"
+    assert w.names("eu-west") and job["status"]["trainerAddress"] == "https://198.51.100.1:8470"
 
 
 def test_an_unreachable_member_degrades_the_job_and_the_others_go_on():
@@ -65,7 +65,7 @@ def test_a_failed_worker_is_replaced_after_its_backoff():
 @pytest.mark.parametrize(
     "service, node, address",
     [
-        ({"type": "NodePort"}, "198.51.100.9", "http://198.51.100.9:30123"),
+        ({"type": "NodePort"}, "198.51.100.9", "https://198.51.100.9:30123"),
         ({"type": "NodePort"}, None, None),  # no node address yet: members wait
         ({"url": "https://trainer.example.com:443/"}, None, "https://trainer.example.com:443"),
     ],

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from sparrowrl.auth.pki import Issued
 from sparrowrl.auth.signing import Signer, public_text
 from sparrowrl.auth.tokens import Role, mint
 from sparrowrl.spec.job import API_VERSION, JobSpec
@@ -21,7 +22,10 @@ from sparrowrl.spec.kubespec import Scheduling
 from sparrowrl.spec.layout import Process
 from sparrowrl_operator.constants import (
     ATTEMPT_LABEL,
+    CA_KEY,
+    CERT_KEY,
     JOB_LABEL,
+    KEY_KEY,
     MANAGED_BY_LABEL,
     MANAGER,
     METRICS_PORT,
@@ -30,6 +34,7 @@ from sparrowrl_operator.constants import (
     ROLE_LABEL,
     SLOT_LABEL,
     STEPS_ANNOTATION,
+    TLS_DIR,
     TOKEN_KEY,
     TRAINER_KEY_KEY,
     TRAINER_PORT,
@@ -132,10 +137,13 @@ def credentials_name(job: JobRef, role: Process) -> str:
     return f"{job.base}-{role.name}-token"
 
 
-def credentials_secret(job: JobRef, role: Process, secret: str, namespace: str, home: bool) -> dict:
+def credentials_secret(
+    job: JobRef, role: Process, secret: str, namespace: str, home: bool, ca: bytes | None = None
+) -> dict:
     """What a relay or a worker slot's pods get instead of the job's secret: a token for their role,
-    signed with the job's key (a worker's names its slot's pods, `{job}-worker-R-I-*`), and the
-    trainer's public key, to check what the relay serves and who asks."""
+    signed with the job's key (a worker's names its slot's pods, `{job}-worker-R-I-*`), the
+    trainer's public key, to check what the relay serves and who asks, and the job's CA (`ca`,
+    when the job is encrypted), the one CA its workers trust."""
     name = role.region if role.kind == "relay" else f"{job.base}-{role.name}-*"
     token, key = credentials(secret, role.kind, name)
     return {
@@ -143,8 +151,49 @@ def credentials_secret(job: JobRef, role: Process, secret: str, namespace: str, 
         "kind": "Secret",
         "type": "Opaque",
         "metadata": _meta(job, credentials_name(job, role), namespace, home, role=role.kind, region=role.region),
-        "stringData": {TOKEN_KEY: token, TRAINER_KEY_KEY: key},
+        "stringData": {TOKEN_KEY: token, TRAINER_KEY_KEY: key} | ({CA_KEY: ca.decode()} if ca else {}),
     }
+
+
+def encrypted(spec: JobSpec) -> bool:
+    return spec.tls.mode == "Enabled"
+
+
+def authority_name(job: JobRef, spec: JobSpec) -> str:
+    """The Secret holding the job's CA: the user's, or the one the operator makes."""
+    return spec.tls.ca_secret_name or f"{job.name}-ca"
+
+
+def authority_secret(job: JobRef, ca: Issued) -> dict:
+    """The CA the operator makes for a job, in the job's namespace; it goes with the job."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/tls",
+        "metadata": _meta(job, f"{job.name}-ca", job.namespace, True),
+        "stringData": {CERT_KEY: ca.cert.decode(), KEY_KEY: ca.key.decode()},
+    }
+
+
+def serving_name(job: JobRef, role: Process) -> str:
+    """The trainer's or a relay's serving certificate."""
+    return f"{trainer_name(job) if role.kind == 'trainer' else relay_name(job, role.region or '')}-tls"
+
+
+def serving_secret(job: JobRef, role: Process, namespace: str, home: bool, served: Issued, ca: bytes) -> dict:
+    """A serving certificate, its key and the CA that signed it, as cert-manager writes one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/tls",
+        "metadata": _meta(job, serving_name(job, role), namespace, home, role=role.kind, region=role.region),
+        "stringData": {CERT_KEY: served.cert.decode(), KEY_KEY: served.key.decode(), CA_KEY: ca.decode()},
+    }
+
+
+def service_names(name: str, namespace: str) -> list[str]:
+    """The names a Service is reached at inside its cluster."""
+    return [name, f"{name}.{namespace}", f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.cluster.local"]
 
 
 @functools.lru_cache(maxsize=1 << 15)
@@ -287,24 +336,42 @@ def relay_service(job: JobRef, region: str, namespace: str, home: bool) -> dict:
     }
 
 
-def trainer_url(job: JobRef) -> str:
+def scheme(spec: JobSpec) -> str:
+    return "https" if encrypted(spec) else "http"
+
+
+def trainer_url(job: JobRef, spec: JobSpec) -> str:
     """The trainer as pods of its own cluster reach it."""
-    return f"http://{trainer_name(job)}.{job.namespace}.svc:{TRAINER_PORT}"
+    return f"{scheme(spec)}://{trainer_name(job)}.{job.namespace}.svc:{TRAINER_PORT}"
 
 
-def relay_url(job: JobRef, region: str, namespace: str) -> str:
-    return f"http://{relay_name(job, region)}.{namespace}.svc:{RELAY_PORT}"
+def relay_url(job: JobRef, spec: JobSpec, region: str, namespace: str) -> str:
+    return f"{scheme(spec)}://{relay_name(job, region)}.{namespace}.svc:{RELAY_PORT}"
 
 
 def _args(role: Process, spec: JobSpec) -> list[str]:
     """As `sparrowrl run` starts each role (runner.argv), inside a pod: listening on the pod's IP."""
     serve = ["--host", "$(POD_IP)", "--port", str(PORTS[role.kind]), "--metrics-port", str(METRICS_PORT)]
     serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
+    tls = encrypted(spec)
+    served = ["--tls-cert", f"{TLS_DIR}/{CERT_KEY}", "--tls-key", f"{TLS_DIR}/{KEY_KEY}"] if tls else []
+    trusts = ["--ca-cert", f"{TLS_DIR}/{CA_KEY}"] if tls else []
     if role.kind == "trainer":
-        return ["trainer", JOB_KEY, "--state-dir", "state", *serve]
+        return ["trainer", JOB_KEY, "--state-dir", "state", *serve, *served]
     assert role.trainer is not None and role.region is not None  # a relay's and a worker's (layout.processes)
     if role.kind == "relay":
-        return ["relay", "--upstream", role.trainer, "--cache", "cache", "--streams", str(spec.sync.streams), *serve]
+        return [
+            "relay",
+            "--upstream",
+            role.trainer,
+            "--cache",
+            "cache",
+            "--streams",
+            str(spec.sync.streams),
+            *serve,
+            *served,
+            *trusts,
+        ]
     return [
         "worker",
         "--trainer",
@@ -313,6 +380,7 @@ def _args(role: Process, spec: JobSpec) -> list[str]:
         "--region",
         role.region,
         *serve,
+        *trusts,
     ]
 
 
@@ -353,6 +421,13 @@ def pod(
         mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
         volumes = [{"name": "cache", "emptyDir": {}}]
     secret = token_name(job) if role.kind == "trainer" else credentials_name(job, role)
+    if encrypted(spec):  # the whole Secret, never a subPath: the kubelet updates it in place when renewed
+        mounts.append({"name": "tls", "mountPath": f"{WORKDIR}/{TLS_DIR}", "readOnly": True})
+        volumes.append(
+            {"name": "tls", "secret": {"secretName": serving_name(job, role)}}
+            if role.kind != "worker"
+            else {"name": "tls", "secret": {"secretName": secret, "items": [{"key": CA_KEY, "path": CA_KEY}]}}
+        )
     env = [
         {"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}},
         *(
@@ -370,7 +445,9 @@ def pod(
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "SPARROWRL_LOG_FORMAT", "value": "json"},  # one object per line, for the cluster's log pipeline
     ]
-    probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    # a worker's port serves its probes alone, plain; the kubelet does not check a serving certificate
+    get = {"port": "http"} | ({"scheme": "HTTPS"} if encrypted(spec) and role.kind != "worker" else {})
+    probe = {"httpGet": {"path": "/readyz"} | get, "periodSeconds": 5, "failureThreshold": 3}
     container = {
         "name": role.kind,
         "image": image,
@@ -383,7 +460,7 @@ def pod(
             {"name": "metrics", "containerPort": METRICS_PORT},
         ],
         "readinessProbe": probe,
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "livenessProbe": {"httpGet": {"path": "/healthz"} | get, "periodSeconds": 10, "failureThreshold": 6},
         "volumeMounts": mounts,
         "resources": _resources(sched),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
@@ -418,7 +495,7 @@ def pod(
         manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
     if role.kind == "trainer":  # until it listens (imports, on a cold node); then it answers while it loads
         container["startupProbe"] = {
-            "httpGet": {"path": "/healthz", "port": "http"},
+            "httpGet": {"path": "/healthz"} | get,
             "periodSeconds": 10,
             "failureThreshold": 60,
         }

@@ -25,6 +25,12 @@ METRICS_PORT = 9090
 WORKDIR = "/var/lib/sparrowrl"  # the pods' working folder: job.yaml, state/ and cache/ are mounted in it
 TOKEN_KEY = "token"
 TRAINER_KEY_KEY = "trainer-key"  # the trainer's public key, beside a relay's or a worker slot's own token
+CERT_KEY, KEY_KEY, CA_KEY = (
+    "tls.crt",
+    "tls.key",
+    "ca.crt",
+)  # a TLS Secret's keys, as Kubernetes and cert-manager name them
+TLS_DIR = "tls"  # where a pod's TLS Secret is mounted, in its working folder
 
 # Event reasons
 CREATED = "Created"
@@ -49,3 +55,6 @@ TTL_EXPIRED = "TTLExpired"
 RETAINED = "StateRetained"
 SAMPLES_REFUSED = "SamplesRefused"  # a worker's samples refused by the trainer: their log-probs were false
 STEPS_SKIPPED = "StepsSkipped"  # trainer steps that changed no weight
+ISSUED = "CertificateIssued"  # a serving certificate issued anew: a name appeared, it neared its end, or was unfit
+UNENCRYPTED = "Unencrypted"  # tls.mode: Disabled
+CA_INVALID = "InvalidCA"

@@ -8,6 +8,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sparrowrl.auth.pki import Issued
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.spec.layout import Process
 from sparrowrl.spec.status import TrainerStatus
@@ -43,6 +44,7 @@ class Backoff:
 class Observed:
     now: datetime.datetime
     token: str  # the job's transport token: the Secret's, or a new one
+    authority: Issued | None = None  # a CA made for the job, for when its Secret is not there yet
     pods: dict[Cluster, list[dict]] = field(default_factory=dict)  # this job's pods, per reachable cluster
     objects: dict[Cluster, dict[Key, dict]] = field(default_factory=dict)  # this job's Services, Secrets...
     members: dict[str, Member] = field(default_factory=dict)

@@ -11,16 +11,15 @@ import logging
 import os
 import secrets
 import threading
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
-from sparrowrl.spec.status import TrainerStatus
-from sparrowrl_operator import builders
+from sparrowrl.auth import pki
+from sparrowrl.auth.pki import Issued
+from sparrowrl_operator import builders, tls
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.clusters import (
     SWEPT,
@@ -34,6 +33,7 @@ from sparrowrl_operator.clusters import (
 )
 from sparrowrl_operator.conditions import find, set_condition
 from sparrowrl_operator.constants import (
+    CERT_KEY,
     CLEANED,
     CLUSTERS,
     FINALIZER,
@@ -44,9 +44,7 @@ from sparrowrl_operator.constants import (
     PROGRESS_PREFIX,
     RECONNECTED,
     RETAINED,
-    ROLE_LABEL,
     TOKEN_KEY,
-    TRAINER_PORT,
     UID_LABEL,
     UNREACHABLE,
     VERSION,
@@ -56,8 +54,7 @@ from sparrowrl_operator.model import ClusterSpec, ClusterStatus
 from sparrowrl_operator.pods import Cluster
 from sparrowrl_operator.reconcile import Actions, Backoff, Member, Observed, reconcile
 from sparrowrl_operator.times import stamp
-
-MAX_STATUS_BYTES = 16 << 20
+from sparrowrl_operator.trainer_api import trainer_status
 
 
 @dataclass(frozen=True)
@@ -122,31 +119,22 @@ class Operator:
             return data, True
         return secrets.token_urlsafe(32), False
 
-    def trainer_status(self, pods: list[dict], token: str) -> TrainerStatus | None:
-        """GET /v1/status from the running trainer pod, at its IP (the operator may sit outside
-        cluster DNS); None when it does not answer."""
-        for p in pods:
-            st = p.get("status") or {}
-            if (
-                p["metadata"]["labels"].get(ROLE_LABEL) == "trainer"
-                and st.get("phase") == "Running"
-                and st.get("podIP")
-            ):
-                req = urllib.request.Request(
-                    f"http://{st['podIP']}:{TRAINER_PORT}/v1/status", headers={"Authorization": f"Bearer {token}"}
-                )
-                try:
-                    with urllib.request.urlopen(req, timeout=5) as r:
-                        return TrainerStatus.model_validate_json(r.read(MAX_STATUS_BYTES))
-                except (urllib.error.URLError, OSError, ValidationError):
-                    continue
-        return None
+    def authority(self, job: JobRef, spec: dict) -> tuple[dict | None, Issued | None]:
+        """The Secret holding the job's CA, by name (the user's carries none of our labels), and a CA
+        made now for when it is missing and the operator makes it; (None, None): not encrypted."""
+        tls = spec.get("tls") or {}
+        if tls.get("mode", "Enabled") != "Enabled":
+            return None, None
+        name = tls.get("caSecretName") or f"{job.name}-ca"
+        seen = self.home.get("Secret", job.namespace, name)
+        return seen, None if seen is not None or tls.get("caSecretName") else pki.authority(f"sparrowrl {job.name}")
 
     def observe(self, body: dict, logger: kopf.Logger) -> Observed:
         meta = body["metadata"]
         job = JobRef(meta["name"], meta["namespace"], meta["uid"])
         mine = {UID_LABEL: job.uid}
         token, _ = self.token(job)
+        ca_secret, authority = self.authority(job, body.get("spec") or {})
         pods: dict[Cluster, list[dict]] = {None: self.home.list("Pod", job.namespace, mine)}
         objects: dict[Cluster, dict[Key, dict]] = {
             None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap"))
@@ -154,6 +142,9 @@ class Operator:
         # by name: a claim retained from an earlier job of this name carries that job's uid
         if claim := self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job)):
             objects[None]["PersistentVolumeClaim", builders.claim_name(job)] = claim
+        if ca_secret is not None:
+            objects[None]["Secret", ca_secret["metadata"]["name"]] = ca_secret
+        ca = (tls.secret_bytes(ca_secret, CERT_KEY) or b"") if ca_secret is not None else None
         members = {}
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)
@@ -181,7 +172,8 @@ class Operator:
             members=members,
             trainer_service=service,
             node_address=node,
-            trainer=self.trainer_status(pods[None], token),
+            authority=authority,
+            trainer=trainer_status(pods[None], token, ca, f"{builders.trainer_name(job)}.{job.namespace}.svc"),
         )
 
     def carry_out(self, actions: Actions, body: dict, logger: kopf.Logger) -> None:

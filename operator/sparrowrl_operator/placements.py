@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sparrowrl.auth.pki import Issued
 from sparrowrl.spec import layout
 from sparrowrl.spec.kubespec import Placement
 from sparrowrl.spec.layout import Process
-from sparrowrl_operator import builders
+from sparrowrl_operator import builders, tls
 from sparrowrl_operator.conditions import find
 from sparrowrl_operator.constants import CRASH_LOOP, REPLACED, TRAINER_PORT, UNREACHABLE, WORKERS_FAILED
 from sparrowrl_operator.cycle import Facts, Outcome
@@ -46,21 +47,23 @@ def trainer_address(c: Facts) -> str | None:
     if s.url:
         return s.url.rstrip("/")
     svc = c.obs.trainer_service or {}
+    scheme = builders.scheme(c.spec)
     if s.type == "LoadBalancer":
         for ing in ((svc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
             if host := ing.get("ip") or ing.get("hostname"):
-                return f"http://{host}:{TRAINER_PORT}"
+                return f"{scheme}://{host}:{TRAINER_PORT}"
     if s.type == "NodePort" and c.obs.node_address:
         for p in (svc.get("spec") or {}).get("ports") or []:
             if p.get("nodePort"):
-                return f"http://{c.obs.node_address}:{p['nodePort']}"
+                return f"{scheme}://{c.obs.node_address}:{p['nodePort']}"
     return None
 
 
-def reconcile_placements(c: Facts, out: Outcome, stale: dict[str, float]) -> tuple[int, int]:
+def reconcile_placements(c: Facts, out: Outcome, stale: dict[str, float], ca: Issued | None = None) -> tuple[int, int]:
     """Every placement's pods and status, and the Degraded and RolloutReady conditions. `stale`:
-    the workers the trainer has not heard from. The clusters reachable and used (the operator's
-    own counts as one)."""
+    the workers the trainer has not heard from; `ca`: the job's CA, fit to sign (None: the job is
+    not encrypted, or its pods wait for it). The clusters reachable and used (the operator's own
+    counts as one)."""
     job, spec = c.job, c.spec
     address = trainer_address(c)
     if address and address != out.status.trainer_address:
@@ -74,8 +77,10 @@ def reconcile_placements(c: Facts, out: Outcome, stale: dict[str, float]) -> tup
     def url(name: str, region: str) -> str:
         remote = where.get(region) is not None and where[region].cluster is not None
         if name == "trainer":
-            return (address or "") if remote else builders.trainer_url(job)
-        return builders.relay_url(job.in_member() if remote else job, name.removeprefix("relay-"), namespace(region))
+            return (address or "") if remote else builders.trainer_url(job, spec)
+        return builders.relay_url(
+            job.in_member() if remote else job, spec, name.removeprefix("relay-"), namespace(region)
+        )
 
     roles = [r for r in layout.processes(spec, url) if r.kind != "trainer"]
     tally = _Tally()
@@ -96,11 +101,14 @@ def reconcile_placements(c: Facts, out: Outcome, stale: dict[str, float]) -> tup
             continue
         reachable.add(cluster)
         mine = [r for r in roles if r.region == region.name]
-        if cluster and (not address or ("Secret", builders.token_name(job)) not in c.obs.objects.get(None, ())):
+        uncertified = builders.encrypted(spec) and ca is None
+        if uncertified or (
+            cluster and (not address or ("Secret", builders.token_name(job)) not in c.obs.objects.get(None, ()))
+        ):
             statuses.append(PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
             tally.workers_alive += region.workers
-            continue  # its pods need the trainer's outside address, and their tokens the job's secret first
-        statuses.append(_placement(c, out, tally, stale, cluster, namespace(region.name), region.name, mine, p))
+            continue  # its pods need the job's CA, the trainer's outside address, and their tokens the job's secret
+        statuses.append(_placement(c, out, tally, stale, cluster, namespace(region.name), region.name, mine, p, ca))
     crashed = "; ".join(tally.crashed)
     if unreachable:
         out.transition(
@@ -149,6 +157,7 @@ def _placement(
     region: str,
     roles: list[Process],
     p: Placement | None,
+    ca: Issued | None,
 ) -> PlacementStatus:
     """One reachable placement's relay and workers: made, replaced, given up, scaled down."""
     home = cluster is None
@@ -163,9 +172,13 @@ def _placement(
         # a placement's template is its workers'; relays have their own
         template = c.spec.relays.template if r.kind == "relay" else p.template if p is not None else None
         if secret_kept:  # tokens from the secret the trainer keeps, not from one about to be made
-            ensure(c, out, cluster, builders.credentials_secret(job, r, c.obs.token, namespace, home))
+            trust = ca.cert if ca else None
+            ensure(c, out, cluster, builders.credentials_secret(job, r, c.obs.token, namespace, home, trust))
         if r.kind == "relay":
             ensure(c, out, cluster, builders.relay_service(job, region, namespace, home))
+            if ca is not None:
+                names = builders.service_names(builders.relay_name(job, region), namespace)
+                tls.serve(c, out, ca, cluster, r, namespace, names)
         slot = workers.index(r) if r.kind == "worker" else None
         key = (r.kind, region, None if slot is None else str(slot))
         pod, older = c.pods.current(cluster, key)

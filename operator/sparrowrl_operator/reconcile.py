@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from sparrowrl.spec.job import JobError, parse
 from sparrowrl.spec.kubespec import MANAGED_BY
-from sparrowrl_operator import builders, health, home, lifecycle, placements, status, trainer
+from sparrowrl_operator import builders, health, home, lifecycle, placements, status, tls, trainer
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.constants import INVALID
 from sparrowrl_operator.cycle import Actions, Backoff, Facts, Member, Observed, Outcome
@@ -63,12 +63,16 @@ def _active(c: Facts, out: Outcome) -> tuple[int, int]:
     if out.terminal:  # the state's claim is someone else's
         lifecycle.finish(c, out)
         return 0, 0
-    trainer.reconcile_trainer(c, out, claim_going)
+    ca = tls.authority(c, out)
+    if ca is not None:
+        tls.serve(c, out, ca, None, trainer.ROLE, c.job.namespace, tls.trainer_names(c))
+    certified = ca is not None or not builders.encrypted(c.spec)  # pods made now find their certificates
+    trainer.reconcile_trainer(c, out, claim_going, certified)
     if out.terminal:
         lifecycle.finish(c, out)
         return 0, 0
     stale = health.stale_workers(c)
-    clusters = placements.reconcile_placements(c, out, stale)
+    clusters = placements.reconcile_placements(c, out, stale, ca)
     if out.terminal:  # every worker given up
         lifecycle.finish(c, out)
         return clusters

@@ -14,9 +14,10 @@ from sparrowrl_operator.times import since
 ROLE = Process("trainer", "trainer")
 
 
-def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool) -> None:
+def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool = True) -> None:
     """The TrainerReady condition, and the job's success or failure by its trainer.
-    `claim_going`: the state's claim is an earlier job's, being deleted."""
+    `claim_going`: the state's claim is an earlier job's, being deleted; `certified`: a pod made
+    now finds its serving certificate (the job's CA can sign)."""
     pod, older = c.pods.current(None, ("trainer", None, None))
     for p in older:
         out.remove(None, p)
@@ -28,6 +29,14 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool) -> None:
             "WaitingForClaim",
             f"PersistentVolumeClaim {builders.claim_name(c.job)}, an earlier job's of this name, is being "
             "deleted with it: the trainer starts on a new one",
+        )
+        return
+    if pod is None and not certified:
+        out.condition(
+            "TrainerReady",
+            False,
+            "WaitingForCertificate",
+            "waiting for the job's CA (the Encrypted condition says why)",
         )
         return
     if pod is None:

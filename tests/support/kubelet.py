@@ -13,7 +13,9 @@ What it does:
   `unshare --mount` with env (value; secretKeyRef, configMapKeyRef, fieldRef), envFrom, a fresh
   per-pod working directory, volumes bind-mounted below it (configMap, secret, emptyDir,
   persistentVolumeClaim: one directory per claim that outlives its pods; a missing claim, Secret
-  or ConfigMap leaves the pod Pending), an IP of its own (127.A.1-253.x), readiness (httpGet,
+  or ConfigMap leaves the pod Pending; a Secret's or ConfigMap's volume is written as a kubelet's
+  AtomicWriter does and kept up to date while the pod runs, except through a subPath), an IP of
+  its own (127.A.1-253.x), readiness (httpGet over HTTP or HTTPS, the certificate unchecked;
   tcpSocket), the status a kubelet writes (initContainerStatuses too), restartPolicy, graceful
   deletion, a log file per pod (every container's), a failed container's termination message
   from the end of its log (terminationMessagePolicy: FallbackToLogsOnError; no message file).
@@ -29,8 +31,8 @@ than one container, sidecar containers, exec probes, liveness and startup probes
 resources, scheduling (every pod lands on the one node), network isolation (any process can
 connect to any loopback address; pods in one cluster reach another only by IP because only
 their own cluster's names resolve), UDP, headless Services, Services without a selector,
-hostnames, service-account tokens, the Service environment variables, live updates of
-configMap/secret volumes, controllers (Deployments, Jobs, StatefulSets: only bare pods run).
+hostnames, service-account tokens, the Service environment variables, controllers (Deployments,
+Jobs, StatefulSets: only bare pods run).
 Volume mounts must lie under the container's workingDir, mapped to the per-pod directory, and
 an absolute path under workingDir in command, args or env fails the pod: with relative paths a
 pod behaves the same here and in a real cluster.
@@ -46,6 +48,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -60,6 +63,7 @@ import aiohttp
 from support.kube import ApiError, Cluster, Gate, now, path
 
 PROBE_EVERY = 0.25
+REFRESH = 1.0  # seconds between a running pod's syncs of its Secret and ConfigMap volumes (a kubelet: ~60)
 GRACE_CAP = 2.0
 BIN = str(Path(sys.executable).parent)
 
@@ -81,6 +85,29 @@ def expand(text: str, env: Mapping[str, str]) -> str:
     return re.sub(
         r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), text
     )
+
+
+def _write_atomically(directory: Path, files: dict[str, tuple[str, int]]) -> None:
+    """As a kubelet writes a Secret's or ConfigMap's volume (its AtomicWriter): the files in a new
+    timestamped folder, `..data` switched to it by one rename, each name a link through `..data`,
+    so that a reader sees the old files or the new ones, never half of each."""
+    directory.mkdir(parents=True, exist_ok=True)
+    version = directory / f"..{time.time_ns()}"
+    for rel, (text, mode) in files.items():
+        file = version / rel
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(text)
+        file.chmod(mode)
+    link = directory / "..data_tmp"
+    link.unlink(missing_ok=True)
+    link.symlink_to(version.name)
+    old = os.readlink(directory / "..data") if (directory / "..data").is_symlink() else None
+    os.replace(link, directory / "..data")
+    for top in {PurePosixPath(rel).parts[0] for rel in files}:
+        if not (directory / top).is_symlink():
+            (directory / top).symlink_to(f"..data/{top}")
+    if old:
+        shutil.rmtree(directory / old, ignore_errors=True)
 
 
 def _decoded(data: Mapping[str, str] | None) -> dict[str, str]:
@@ -109,6 +136,8 @@ class Run:
     failure: str | None = None  # why the stand-in failed it
     stopping: bool = False
     written: dict[str, Any] | None = None
+    projected: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)  # Secret/ConfigMap volumes' files
+    refreshed: float = 0.0
 
     @property
     def key(self) -> tuple[str, str]:
@@ -336,6 +365,8 @@ class Kubelet:
             self._exited(run)
         if run.final is None and run.process is None and (run.restart_at or 0) <= time.monotonic():
             await self._run(run)
+        if run.process is not None and run.process.returncode is None:
+            await self._refresh(run)
         await self._report(run)
 
     async def _run(self, run: Run) -> None:
@@ -475,10 +506,11 @@ class Kubelet:
         timeout = probe.get("timeoutSeconds", 1)
         try:
             if get := probe.get("httpGet"):
-                url = f"http://{get.get('host', run.ip)}:{self._port(run, get['port'])}{get.get('path', '/')}"
+                scheme = get.get("scheme", "HTTP").lower()  # HTTPS: the certificate is not checked, as a kubelet's
+                url = f"{scheme}://{get.get('host', run.ip)}:{self._port(run, get['port'])}{get.get('path', '/')}"
                 async with (
                     aiohttp.ClientSession() as session,
-                    session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
+                    session.get(url, timeout=aiohttp.ClientTimeout(total=timeout), ssl=False) as resp,
                 ):
                     return 200 <= resp.status < 400
             if tcp := probe.get("tcpSocket"):
@@ -673,28 +705,48 @@ class Kubelet:
             directory = self.root / "volumes" / namespace / claim["claimName"]
             directory.mkdir(parents=True, exist_ok=True)
             return directory, claim.get("readOnly", False)
-        for kind, ref_key in (("secret", "secretName"), ("configMap", "name")):
-            if source := volume.get(kind):
-                data = await self._data(
-                    namespace,
-                    {
-                        "secretRef" if kind == "secret" else "configMapRef": {
-                            "name": source[ref_key],
-                            "optional": source.get("optional"),
-                        }
-                    },
-                )
-                items = source.get("items") or [{"key": k, "path": k} for k in data]
-                directory.mkdir(parents=True, exist_ok=True)
-                for item in items:
-                    if item["key"] not in data:
-                        raise Waiting("ContainerCreating", f"{kind} {source[ref_key]} has no key {item['key']}")
-                    file = directory / item["path"]
-                    file.parent.mkdir(parents=True, exist_ok=True)
-                    file.write_text(data[item["key"]])
-                    file.chmod(item.get("mode", source.get("defaultMode", 0o644)))
-                return directory, True
+        if "secret" in volume or "configMap" in volume:
+            files = await self._projected(namespace, volume)
+            _write_atomically(directory, files)
+            run.projected[volume["name"]] = files
+            return directory, True
         raise Unsupported(f"volume {volume['name']}: only configMap, secret, emptyDir and persistentVolumeClaim")
+
+    async def _projected(self, namespace: str, volume: dict[str, Any]) -> dict[str, tuple[str, int]]:
+        """A Secret's or ConfigMap's volume's files: path → (content, mode)."""
+        kind, ref_key = ("secret", "secretName") if "secret" in volume else ("configMap", "name")
+        source = volume[kind]
+        data = await self._data(
+            namespace,
+            {
+                "secretRef" if kind == "secret" else "configMapRef": {
+                    "name": source[ref_key],
+                    "optional": source.get("optional"),
+                }
+            },
+        )
+        files = {}
+        for item in source.get("items") or [{"key": k, "path": k} for k in data]:
+            if item["key"] not in data:
+                raise Waiting("ContainerCreating", f"{kind} {source[ref_key]} has no key {item['key']}")
+            files[item["path"]] = (data[item["key"]], item.get("mode", source.get("defaultMode", 0o644)))
+        return files
+
+    async def _refresh(self, run: Run) -> None:
+        """A running pod's Secret and ConfigMap volumes brought up to date, as a kubelet's sync does
+        (not what a subPath mounted: that was bound to the file at the start)."""
+        if time.monotonic() < run.refreshed + REFRESH:
+            return
+        run.refreshed = time.monotonic()
+        volumes = {v["name"]: v for v in run.pod["spec"].get("volumes", [])}
+        for name, files in list(run.projected.items()):
+            try:
+                now_files = await self._projected(run.key[0], volumes[name])
+            except (Waiting, KeyError):
+                continue  # gone or incomplete: a kubelet keeps what it wrote
+            if now_files != files:
+                _write_atomically(run.root / "volumes" / name, now_files)
+                run.projected[name] = now_files
 
     # --- Services and DNS ------------------------------------------------------------------------
 

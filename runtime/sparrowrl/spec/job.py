@@ -15,7 +15,16 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from sparrowrl.spec.export import ExportSpec
 from sparrowrl.spec.grpo import GrpoSpec
-from sparrowrl.spec.kubespec import MANAGED_BY, Health, ManagedBy, Placement, RelaySpec, RunPolicy, TrainerSpec
+from sparrowrl.spec.kubespec import (
+    MANAGED_BY,
+    Health,
+    ManagedBy,
+    Placement,
+    RelaySpec,
+    RunPolicy,
+    TlsSpec,
+    TrainerSpec,
+)
 from sparrowrl.spec.limits import MAX_JOB_BYTES, MAX_YAML_NODES, read_bounded
 from sparrowrl.spec.messages import MAX_LEASE_TOKENS
 from sparrowrl.spec.metadata import Metadata
@@ -61,6 +70,15 @@ class JobSpec(Section):
                     ),
                     "message": "workers in a member cluster cannot reach a ClusterIP trainer; set "
                     "trainer.service.type to LoadBalancer or NodePort, or trainer.service.url",
+                },
+                {
+                    "rule": (
+                        "!has(self.trainer) || !has(self.trainer.service) || !has(self.trainer.service.url) || "
+                        "self.trainer.service.url.startsWith('https://') || "
+                        "(has(self.tls) && has(self.tls.mode) && self.tls.mode == 'Disabled')"
+                    ),
+                    "message": "trainer.service.url: the trainer serves HTTPS (tls.mode Enabled); give an "
+                    "https:// URL, or set tls.mode: Disabled",
                 },
             ]
         }
@@ -108,6 +126,7 @@ class JobSpec(Section):
     ) = None
     run_policy: RunPolicy = RunPolicy()
     health: Health = Health()
+    tls: TlsSpec = TlsSpec()
     managed_by: ManagedBy | None = None
 
     @property
@@ -152,6 +171,16 @@ class JobSpec(Section):
                 f"placements: region {remote[0].region} runs in cluster {remote[0].cluster}, which cannot "
                 f"reach a ClusterIP trainer; set trainer.service.type to LoadBalancer or NodePort, or "
                 f"trainer.service.url"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _https_trainer(self) -> JobSpec:
+        url = self.trainer.service.url
+        if url is not None and self.tls.mode == "Enabled" and not url.startswith("https://"):
+            raise ValueError(
+                f"trainer.service.url {url!r}: the trainer serves HTTPS (tls.mode Enabled); give an https:// URL "
+                "(a proxy in front must pass TLS through), or set tls.mode: Disabled"
             )
         return self
 

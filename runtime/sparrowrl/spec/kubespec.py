@@ -294,6 +294,46 @@ class RunPolicy(Section):
     ttl_seconds_after_finished: int | None = Field(None, ge=0, le=365 * DAY)
 
 
+class TlsSpec(Section):
+    """Encryption of the job's hops in a cluster: the trainer and each relay serve HTTPS with
+    certificates the operator issues from the job's CA, and relays and workers trust that CA
+    alone. `sparrowrl run` stays plain on loopback (`--tls` turns it on)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.caSecretName) || !has(self.mode) || self.mode == 'Enabled'",
+                    "message": "caSecretName is for mode Enabled",
+                }
+            ]
+        }
+    )
+    mode: Literal["Enabled", "Disabled"] = Field(
+        "Enabled",
+        description=(
+            "Disabled: every hop is plain HTTP, tokens and weights included (for a mesh that encrypts already: "
+            "Istio, Linkerd, Cilium); the job's Encrypted condition says so."
+        ),
+    )
+    ca_secret_name: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", max_length=253)] | None = (
+        Field(
+            None,
+            description=(
+                "A Secret in the job's namespace holding a CA of your own (tls.crt, tls.key) to issue the job's "
+                "certificates from; the operator only reads it. Default: a CA made for the job, in the Secret "
+                "JOB-ca."
+            ),
+        )
+    )
+
+    @model_validator(mode="after")
+    def _mode(self) -> TlsSpec:
+        if self.ca_secret_name is not None and self.mode != "Enabled":
+            raise ValueError(f"caSecretName {self.ca_secret_name!r} is for mode Enabled, not {self.mode}")
+        return self
+
+
 class Health(Section):
     stale_after_seconds: int = Field(
         300, ge=10, le=DAY, description=("A worker the trainer has not heard from for this long is stale.")

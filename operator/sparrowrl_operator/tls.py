@@ -1,0 +1,149 @@
+"""The job's certificates. Its CA: made once into the Secret JOB-ca, or the user's
+(tls.caSecretName), which is only read. A serving certificate for the trainer and for each relay,
+for every name it is reached at, issued anew when a name appears (a load balancer's address comes
+after its Service), when a third of its life is left, or when it is unfit in any other way. Roles
+read a renewed pair at their next handshake, with no restart. Nothing falls back to plain HTTP:
+a job whose CA cannot sign waits, and its Encrypted condition says why."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import urllib.parse
+
+from sparrowrl.auth import pki
+from sparrowrl.auth.pki import Issued
+from sparrowrl.spec.layout import Process
+from sparrowrl_operator import builders
+from sparrowrl_operator.builders import JobRef
+from sparrowrl_operator.constants import (
+    CA_INVALID,
+    CA_KEY,
+    CERT_KEY,
+    ISSUED,
+    KEY_KEY,
+    MANAGED_BY_LABEL,
+    MANAGER,
+    UID_LABEL,
+    UNENCRYPTED,
+)
+from sparrowrl_operator.cycle import Facts, Outcome
+from sparrowrl_operator.drift import ensure
+from sparrowrl_operator.pods import Cluster
+
+DAYS = 90  # a serving certificate's life, and RENEW of it left when it is issued anew: cert-manager's defaults
+RENEW = 1 / 3
+CA_DAYS = 3650
+
+
+def secret_bytes(obj: dict, key: str) -> bytes | None:
+    """A Secret's value, from `data` (as an API server stores it) or `stringData` (as written)."""
+    if (value := (obj.get("data") or {}).get(key)) is not None:
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            return None
+    value = (obj.get("stringData") or {}).get(key)
+    return value.encode() if isinstance(value, str) else None
+
+
+def authority(c: Facts, out: Outcome) -> Issued | None:
+    """The job's CA, fit to sign; None when the job is not encrypted, or its CA is not there or
+    not fit yet (the Encrypted condition says which, naming the field)."""
+    job, spec = c.job, c.spec.tls
+    if spec.mode == "Disabled":
+        out.transition(
+            "Encrypted",
+            False,
+            UNENCRYPTED,
+            "tls.mode is Disabled: the job runs unencrypted, and every hop (its tokens and its model's weights "
+            "included) is plain HTTP; only a network or mesh that encrypts protects it",
+            warning=True,
+        )
+        return None
+    name = builders.authority_name(job, c.spec)
+    field = f"tls.caSecretName: Secret {name}" if spec.ca_secret_name else f"Secret {name} (the job's CA)"
+    seen = c.seen(None, "Secret", name)
+    if seen is None and spec.ca_secret_name:
+        out.transition("Encrypted", False, "CANotFound", f"{field} is not in namespace {job.namespace}", warning=True)
+        return None
+    if seen is None:
+        made = c.obs.authority
+        if made is None:
+            out.condition("Encrypted", False, "Issuing", f"making the job's CA, Secret {name}")
+            return None
+        # made once, before the pods it certifies (a failed create: a new one next cycle, and what this one
+        # signed is issued anew)
+        out.actions.create.insert(0, (None, builders.authority_secret(job, made)))
+        return _encrypted(out, name, made)
+    if not spec.ca_secret_name and not _ours(job, seen):
+        out.transition(
+            "Encrypted",
+            False,
+            CA_INVALID,
+            f"Secret {name} exists and is not one this operator made for this job; it is left alone: name it in "
+            "tls.caSecretName to issue from it, or delete it",
+            warning=True,
+        )
+        return None
+    try:
+        ca = pki.read_authority(secret_bytes(seen, CERT_KEY) or b"", secret_bytes(seen, KEY_KEY) or b"", c.obs.now)
+    except ValueError as e:
+        fix = "" if spec.ca_secret_name else "; delete it, and the operator makes a new CA and issues anew"
+        out.transition("Encrypted", False, CA_INVALID, f"{field}: {e}{fix}", warning=True)
+        return None
+    return _encrypted(out, name, ca)
+
+
+def _encrypted(out: Outcome, name: str, ca: Issued) -> Issued:
+    out.transition(
+        "Encrypted",
+        True,
+        "CertificatesIssued",
+        f"every hop is HTTPS, with certificates from the CA in Secret {name}; relays and workers trust it alone",
+    )
+    return ca
+
+
+def _ours(job: JobRef, obj: dict) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    return labels.get(MANAGED_BY_LABEL) == MANAGER and labels.get(UID_LABEL) == job.uid
+
+
+def serve(
+    c: Facts, out: Outcome, ca: Issued, cluster: Cluster, role: Process, namespace: str, names: list[str]
+) -> None:
+    """The trainer's or a relay's serving certificate for `names`, kept, or issued anew."""
+    home = cluster is None
+    job = c.job if home else c.job.in_member()
+    name = builders.serving_name(job, role)
+    seen = c.seen(cluster, "Secret", name)
+    if seen is not None:
+        have = Issued(secret_bytes(seen, CERT_KEY) or b"", secret_bytes(seen, KEY_KEY) or b"")
+        why = pki.unfit(have, ca, names, c.obs.now, RENEW)
+        if why is None and secret_bytes(seen, CA_KEY) != ca.cert:
+            why = "its ca.crt is not the job's CA"
+        if why is None:
+            ensure(c, out, cluster, builders.serving_secret(job, role, namespace, home, have, ca.cert))
+            return
+    served = pki.serving(ca, names, DAYS, c.obs.now)
+    ensure(c, out, cluster, builders.serving_secret(job, role, namespace, home, served, ca.cert), expected=True)
+    if seen is not None:
+        what = "the trainer" if role.kind == "trainer" else f"the relay of {role.region}"
+        where = f" in cluster {cluster}" if cluster else ""
+        out.event(ISSUED, f"issued {what}'s serving certificate anew (Secret {name}{where}): {why}")
+
+
+def trainer_names(c: Facts) -> list[str]:
+    """Every name and address the trainer is reached at: its Service's names in the cluster, its load
+    balancer's addresses, the node address its node port is published at, trainer.service.url's host."""
+    names = builders.service_names(builders.trainer_name(c.job), c.job.namespace)
+    svc = c.obs.trainer_service or {}
+    if c.spec.trainer.service.type == "LoadBalancer":
+        for ing in ((svc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
+            names += [h for h in (ing.get("ip"), ing.get("hostname")) if h]
+    if c.spec.trainer.service.type == "NodePort" and c.obs.node_address:
+        names.append(c.obs.node_address)
+    if c.spec.trainer.service.url and (host := urllib.parse.urlsplit(c.spec.trainer.service.url).hostname):
+        names.append(host)
+    return list(dict.fromkeys(names))
