@@ -94,7 +94,13 @@ def test_what_the_server_adds_is_no_drift():
         (None, "Service", "add-grpo-trainer", lambda o: o["spec"].update(type="ClusterIP"), "spec.type"),
         (None, "Secret", "add-grpo-token", lambda o: o["metadata"]["labels"].pop("sparrowrl.dev/job"), "metadata"),
         (None, "ConfigMap", "add-grpo-job", lambda o: o["data"].update({"job.yaml": "not: [a job"}), "data"),
-        ("eu-west", "Secret", "add-grpo-u-1-worker-eu-0-token", lambda o: o["data"].update(token="eA=="), "data"),
+        (
+            "eu-west",
+            "Secret",
+            "add-grpo-u-1-worker-eu-0-token",
+            lambda o: o["data"].update({"trainer-key": "eA=="}),
+            "data",
+        ),
         ("eu-west", "Service", "add-grpo-u-1-relay-eu", lambda o: o["spec"].pop("selector"), "spec.selector"),
     ],
 )

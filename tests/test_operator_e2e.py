@@ -116,8 +116,13 @@ def test_a_job_across_three_clusters_trains_to_completion_through_faults(tmp_pat
         assert shown["Phase"] == "Running" and shown["Rollout"] == "3/3" and shown["Clusters"] == "3/3", shown
         print(shown, described, sep="\n")
 
+        old = slot_token(east, f"{m}-worker-eu-0-token")
         k_east.kill("sparrowrl", f"{m}-worker-eu-0-0")  # a node loses the container
         until(lambda: f"{m}-worker-eu-0-1" in pods(east, "sparrowrl"), 60, "the killed worker replaced")
+        new = slot_token(east, f"{m}-worker-eu-0-token")
+        asks = lambda token: asked(home, running["status"]["trainerAddress"], token)  # noqa: E731
+        why = until(lambda: (r := asks(old))[0] == 401 and r[1], 120, "the replaced pod's token refused")
+        assert "was replaced by generation" in why and asks(new)[0] == 200
         k_home.kill(NS, "grpo-trainer-0")
         until(lambda: "grpo-trainer-1" in pods(home, NS), 60, "the trainer restarted")
         job = until(
@@ -184,6 +189,21 @@ def encrypted_every_hop(home, k_home, running: dict) -> None:
     after = until(lambda: (c := issued()) and c != before and c, 60, "a new certificate")
     until(lambda: served() == after, 60, "the trainer serving it")
     assert "serving the certificate in tls/tls.crt from now on" in k_home.log(NS, "grpo-trainer-0")  # no restart
+
+
+def slot_token(cluster, name: str) -> str:
+    return base64.b64decode(cluster.get("v1/secrets", "sparrowrl", name)["data"]["token"]).decode()
+
+
+def asked(home, trainer: str, token: str) -> tuple[int, str]:
+    """GET /v1/job from the trainer's load balancer with `token`, as a worker does: status, text."""
+    ca = base64.b64decode(home.get("v1/secrets", NS, "grpo-ca")["data"]["tls.crt"]).decode()
+    request = urllib.request.Request(f"{trainer}/v1/job", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=ssl.create_default_context(cadata=ca)) as r:
+            return r.status, ""
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def small(name: str, **spec) -> dict:

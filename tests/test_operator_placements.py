@@ -108,6 +108,7 @@ def test_a_worker_failing_in_a_row_backs_off_then_is_given_up():
     w, job = single(runPolicy={"workerBackoffLimit": 2})
     b = Backoff(base=10)
     crash(w, "add-grpo-worker-us-1-0", 50)
+    first = w.pods[None]["add-grpo-worker-us-1-0"]["metadata"]["annotations"]["sparrowrl.dev/token-generation"]
     assert w.step(job, 59, backoff=b).create == []  # its first backoff: 10 s
     actions = w.step(job, 60, backoff=b)
     assert [m["metadata"]["name"] for _, m in actions.create] == ["add-grpo-worker-us-1-1"]
@@ -115,11 +116,13 @@ def test_a_worker_failing_in_a_row_backs_off_then_is_given_up():
     assert replaced == [
         "pod add-grpo-worker-us-1-0 failed (Error, exit code 3: CUDA OOM), 1 in a row; replaced it (replacement 1)"
     ]
-    assert w.pods[None]["add-grpo-worker-us-1-1"]["metadata"]["annotations"] == {"sparrowrl.dev/failures-in-a-row": "1"}
+    notes = w.pods[None]["add-grpo-worker-us-1-1"]["metadata"]["annotations"]
+    assert notes["sparrowrl.dev/failures-in-a-row"] == "1"
+    assert int(notes["sparrowrl.dev/token-generation"]) > int(first)  # a new token: the old one is revoked
     crash(w, "add-grpo-worker-us-1-1", 100, started_s=60)
     assert w.step(job, 119, backoff=b).create == []  # the second: 20 s
     w.step(job, 120, backoff=b)
-    assert w.pods[None]["add-grpo-worker-us-1-2"]["metadata"]["annotations"] == {"sparrowrl.dev/failures-in-a-row": "2"}
+    assert w.pods[None]["add-grpo-worker-us-1-2"]["metadata"]["annotations"]["sparrowrl.dev/failures-in-a-row"] == "2"
     assert not any(c["type"] == "Degraded" for c in job["status"]["conditions"])
     crash(w, "add-grpo-worker-us-1-2", 200, started_s=120)
     actions = w.step(job, 10_000, backoff=b)
@@ -140,7 +143,8 @@ def test_a_worker_failing_in_a_row_backs_off_then_is_given_up():
     del w.pods[None]["add-grpo-worker-us-1-2"]  # deleted by hand: the slot tries again, its row from 0
     actions = w.step(job, 10_020, backoff=b)
     (made,) = [m for _, m in actions.create]
-    assert made["metadata"]["name"] == "add-grpo-worker-us-1-0" and "annotations" not in made["metadata"]
+    assert made["metadata"]["name"] == "add-grpo-worker-us-1-0"
+    assert "sparrowrl.dev/failures-in-a-row" not in made["metadata"]["annotations"]
     assert condition(job, "Degraded")["status"] == "False" and job["status"]["placements"][0]["givenUp"] == []
 
 
@@ -152,7 +156,7 @@ def test_a_pod_that_ran_ten_minutes_breaks_the_row():
     crash(w, "add-grpo-worker-us-0-1", 800, started_s=100)  # ran 700 s: a failure, not a crash loop
     actions = w.step(job, 900)
     assert [m["metadata"]["name"] for _, m in actions.create] == ["add-grpo-worker-us-0-2"]
-    assert w.pods[None]["add-grpo-worker-us-0-2"]["metadata"]["annotations"] == {"sparrowrl.dev/failures-in-a-row": "1"}
+    assert w.pods[None]["add-grpo-worker-us-0-2"]["metadata"]["annotations"]["sparrowrl.dev/failures-in-a-row"] == "1"
 
 
 def test_a_failed_pod_without_a_finish_time_is_still_replaced():

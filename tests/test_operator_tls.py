@@ -76,7 +76,8 @@ def test_a_job_is_encrypted_by_default_every_hop_from_its_own_ca():
     assert main["args"][-4:] == ["--tls-cert", "tls/tls.crt", "--tls-key", "tls/tls.key"]
     mount = next(m for m in main["volumeMounts"] if m["name"] == "tls")
     assert "subPath" not in mount  # a subPath is never updated in the pod: renewals would not reach it
-    assert {"name": "tls", "secret": {"secretName": "add-grpo-trainer-tls"}} in pod["volumes"]
+    tls_files = [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]
+    assert {"name": "tls", "secret": {"secretName": "add-grpo-trainer-tls", "items": tls_files}} in pod["volumes"]
     assert main["readinessProbe"]["httpGet"]["scheme"] == main["startupProbe"]["httpGet"]["scheme"] == "HTTPS"
     relay_pod = w.pods["eu-west"]["add-grpo-u-1-relay-eu-0"]["spec"]["containers"][0]
     assert relay_pod["args"][relay_pod["args"].index("--upstream") + 1] == "https://203.0.113.7:8470"
@@ -86,14 +87,15 @@ def test_a_job_is_encrypted_by_default_every_hop_from_its_own_ca():
         "--tls-key",
         "tls/tls.key",
         "--ca-cert",
-        "tls/ca.crt",
+        "credentials/ca.crt",
     ]
     worker = w.pods["eu-west"]["add-grpo-u-1-worker-eu-0-0"]["spec"]
-    assert worker["containers"][0]["args"][-2:] == ["--ca-cert", "tls/ca.crt"]
+    assert worker["containers"][0]["args"][-2:] == ["--ca-cert", "credentials/ca.crt"]
     assert "scheme" not in worker["containers"][0]["readinessProbe"]["httpGet"]  # its probes alone, in its pod
+    files = [{"key": "token", "path": "token"}, {"key": "ca.crt", "path": "ca.crt"}]
     assert {
-        "name": "tls",
-        "secret": {"secretName": "add-grpo-u-1-worker-eu-0-token", "items": [{"key": "ca.crt", "path": "ca.crt"}]},
+        "name": "credentials",
+        "secret": {"secretName": "add-grpo-u-1-worker-eu-0-token", "items": files},
     } in worker["volumes"]
 
     again = w.step(job, 1)

@@ -24,6 +24,7 @@ from sparrowrl_operator.constants import (
     ATTEMPT_LABEL,
     CA_KEY,
     CERT_KEY,
+    CREDENTIALS_DIR,
     JOB_LABEL,
     KEY_KEY,
     MANAGED_BY_LABEL,
@@ -35,6 +36,7 @@ from sparrowrl_operator.constants import (
     SLOT_LABEL,
     STEPS_ANNOTATION,
     TLS_DIR,
+    TOKEN_GENERATION_ANNOTATION,
     TOKEN_KEY,
     TRAINER_KEY_KEY,
     TRAINER_PORT,
@@ -44,6 +46,7 @@ from sparrowrl_operator.constants import (
 )
 
 PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
+TLS_KEYS = (CERT_KEY, KEY_KEY)  # a serving Secret's files in a pod
 USER = 65532  # the runtime image's user
 JOB_KEY = "job.yaml"  # the job ConfigMap's key, and the job file in the trainer's working folder
 CHECK = "sparrowrl-check"  # the trainer pod's init container that checks the job where it will run
@@ -138,14 +141,21 @@ def credentials_name(job: JobRef, role: Process) -> str:
 
 
 def credentials_secret(
-    job: JobRef, role: Process, secret: str, namespace: str, home: bool, ca: bytes | None = None
+    job: JobRef,
+    role: Process,
+    secret: str,
+    namespace: str,
+    home: bool,
+    ca: bytes | None = None,
+    expires: int | None = None,
+    generation: int | None = None,
 ) -> dict:
     """What a relay or a worker slot's pods get instead of the job's secret: a token for their role,
-    signed with the job's key (a worker's names its slot's pods, `{job}-worker-R-I-*`), the
-    trainer's public key, to check what the relay serves and who asks, and the job's CA (`ca`,
+    signed with the job's key (a worker's names its slot's pods, `{job}-worker-R-I-*`), refused
+    after `expires` and once a newer `generation` (the slot's next pod's) has called in; the
+    trainer's public key, to check what the relay serves and who asks; and the job's CA (`ca`,
     when the job is encrypted), the one CA its workers trust."""
-    name = role.region if role.kind == "relay" else f"{job.base}-{role.name}-*"
-    token, key = credentials(secret, role.kind, name)
+    token, key = credentials(secret, role.kind, token_subject(job, role), expires, generation)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -153,6 +163,11 @@ def credentials_secret(
         "metadata": _meta(job, credentials_name(job, role), namespace, home, role=role.kind, region=role.region),
         "stringData": {TOKEN_KEY: token, TRAINER_KEY_KEY: key} | ({CA_KEY: ca.decode()} if ca else {}),
     }
+
+
+def _items(keys: list[str] | tuple[str, ...]) -> list[dict]:
+    """A Secret's keys as files of the same names: only these (the trainer's key stays out)."""
+    return [{"key": k, "path": k} for k in keys]
 
 
 def encrypted(spec: JobSpec) -> bool:
@@ -196,14 +211,21 @@ def service_names(name: str, namespace: str) -> list[str]:
     return [name, f"{name}.{namespace}", f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.cluster.local"]
 
 
+def token_subject(job: JobRef, role: Process) -> str:
+    """Whom a relay's or worker slot's token names: the relay's region, every pod of the slot."""
+    return (role.region or "") if role.kind == "relay" else f"{job.base}-{role.name}-*"
+
+
 @functools.lru_cache(maxsize=1 << 15)
-def credentials(secret: str, kind: Role, name: str) -> tuple[str, str]:
+def credentials(
+    secret: str, kind: Role, name: str, expires: int | None = None, generation: int | None = None
+) -> tuple[str, str]:
     """A role's token and the trainer's public key. Signing is deterministic, so a cycle that
     builds a slot's Secret again need not sign it again: a 4,000-worker job signed 4,000
     tokens every cycle. The bound holds the slots of 8 jobs of 4,096 workers (a few MB); past
     it, cycles sign again, as before."""
     signer = Signer(secret)
-    return mint(signer, kind, name), public_text(signer.key)
+    return mint(signer, kind, name, expires, generation), public_text(signer.key)
 
 
 def config_name(job: JobRef) -> str:
@@ -355,7 +377,7 @@ def _args(role: Process, spec: JobSpec) -> list[str]:
     serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
     tls = encrypted(spec)
     served = ["--tls-cert", f"{TLS_DIR}/{CERT_KEY}", "--tls-key", f"{TLS_DIR}/{KEY_KEY}"] if tls else []
-    trusts = ["--ca-cert", f"{TLS_DIR}/{CA_KEY}"] if tls else []
+    trusts = ["--ca-cert", f"{CREDENTIALS_DIR}/{CA_KEY}"] if tls else []
     if role.kind == "trainer":
         return ["trainer", JOB_KEY, "--state-dir", "state", *serve, *served]
     assert role.trainer is not None and role.region is not None  # a relay's and a worker's (layout.processes)
@@ -400,7 +422,9 @@ def pod(
     home: bool,
     slot: int | None = None,
     template: dict | None = None,
+    generation: int | None = None,
 ) -> dict:
+    """A role's pod; `generation`: that of the token its Secret holds for it (a relay's, a worker's)."""
     sched = {"trainer": spec.trainer, "relay": spec.relays, "worker": spec.rollout}[role.kind]
     mounts, volumes = [], []
     if role.kind == "trainer":
@@ -421,23 +445,25 @@ def pod(
         mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
         volumes = [{"name": "cache", "emptyDir": {}}]
     secret = token_name(job) if role.kind == "trainer" else credentials_name(job, role)
-    if encrypted(spec):  # the whole Secret, never a subPath: the kubelet updates it in place when renewed
+    # whole Secrets, never a subPath: the kubelet updates them in place, and the roles read a refreshed
+    # token or a renewed certificate where they run
+    if role.kind != "trainer":
+        keys = [TOKEN_KEY, *([CA_KEY] if encrypted(spec) else [])]
+        mounts.append({"name": "credentials", "mountPath": f"{WORKDIR}/{CREDENTIALS_DIR}", "readOnly": True})
+        volumes.append({"name": "credentials", "secret": {"secretName": secret, "items": _items(keys)}})
+    if encrypted(spec) and role.kind != "worker":
         mounts.append({"name": "tls", "mountPath": f"{WORKDIR}/{TLS_DIR}", "readOnly": True})
-        volumes.append(
-            {"name": "tls", "secret": {"secretName": serving_name(job, role)}}
-            if role.kind != "worker"
-            else {"name": "tls", "secret": {"secretName": secret, "items": [{"key": CA_KEY, "path": CA_KEY}]}}
-        )
+        volumes.append({"name": "tls", "secret": {"secretName": serving_name(job, role), "items": _items(TLS_KEYS)}})
     env = [
-        {"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}},
         *(
-            []
-            if role.kind == "trainer"
+            [{"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}}]
+            if role.kind == "trainer"  # the job's secret, which never changes
             else [
+                {"name": "SPARROWRL_TOKEN_FILE", "value": f"{CREDENTIALS_DIR}/{TOKEN_KEY}"},
                 {
                     "name": "SPARROWRL_TRAINER_KEY",
                     "valueFrom": {"secretKeyRef": {"name": secret, "key": TRAINER_KEY_KEY}},
-                }
+                },
             ]
         ),
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -471,6 +497,8 @@ def pod(
         meta["annotations"] = {STEPS_ANNOTATION: str(spec.steps)}
     if slot is not None:
         meta["labels"][SLOT_LABEL] = str(slot)
+    if generation is not None:
+        meta["annotations"] = {TOKEN_GENERATION_ANNOTATION: str(generation)}
     manifest: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",

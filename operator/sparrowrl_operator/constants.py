@@ -17,6 +17,7 @@ SLOT_LABEL = f"{GROUP}/slot"  # a worker's index in its placement
 ATTEMPT_LABEL = f"{GROUP}/attempt"  # 0 for the first pod of a slot, +1 per replacement
 STEPS_ANNOTATION = f"{GROUP}/steps"  # on a trainer pod: the steps of the job document it started with
 FAILURES_ANNOTATION = f"{GROUP}/failures-in-a-row"  # on a replacement pod: its slot's failures in a row before it
+TOKEN_GENERATION_ANNOTATION = f"{GROUP}/token-generation"  # on a relay or worker pod: its token's generation
 
 TRAINER_PORT = 8470
 RELAY_PORT = 8471
@@ -30,7 +31,8 @@ CERT_KEY, KEY_KEY, CA_KEY = (
     "tls.key",
     "ca.crt",
 )  # a TLS Secret's keys, as Kubernetes and cert-manager name them
-TLS_DIR = "tls"  # where a pod's TLS Secret is mounted, in its working folder
+TLS_DIR = "tls"  # where a pod's serving certificate is mounted, in its working folder
+CREDENTIALS_DIR = "credentials"  # where a relay's or worker's token (and the job's CA) is mounted
 
 # Event reasons
 CREATED = "Created"

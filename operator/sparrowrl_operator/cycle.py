@@ -91,6 +91,7 @@ class Facts:
         namespace: str | None = None,
         template: dict | None = None,
         failures: int = 0,
+        generation: int | None = None,
     ) -> dict:
         """A slot's pod, attempt `n`. `failures`: the slot's failures in a row before it, which it
         carries (an annotation: what the row is counted from survives the operator's restarts)."""
@@ -105,6 +106,7 @@ class Facts:
             home=cluster is None,
             slot=slot,
             template=template,
+            generation=generation,
         )
         if failures:
             manifest["metadata"].setdefault("annotations", {})[FAILURES_ANNOTATION] = str(failures)

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from sparrowrl.auth import pki
 from sparrowrl.auth.pki import Issued
-from sparrowrl_operator import builders, tls
+from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.clusters import (
     SWEPT,
@@ -49,6 +49,7 @@ from sparrowrl_operator.constants import (
     UNREACHABLE,
     VERSION,
 )
+from sparrowrl_operator.credentials import secret_value
 from sparrowrl_operator.cycle import Key
 from sparrowrl_operator.model import ClusterSpec, ClusterStatus
 from sparrowrl_operator.pods import Cluster
@@ -144,7 +145,7 @@ class Operator:
             objects[None]["PersistentVolumeClaim", builders.claim_name(job)] = claim
         if ca_secret is not None:
             objects[None]["Secret", ca_secret["metadata"]["name"]] = ca_secret
-        ca = (tls.secret_bytes(ca_secret, CERT_KEY) or b"") if ca_secret is not None else None
+        ca = (secret_value(ca_secret, CERT_KEY) or b"") if ca_secret is not None else None
         members = {}
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)

@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparrowrl.auth.pki import Issued
+from sparrowrl.auth.tokens import Claims
 from sparrowrl.spec import layout
 from sparrowrl.spec.kubespec import Placement
 from sparrowrl.spec.layout import Process
-from sparrowrl_operator import builders, tls
+from sparrowrl_operator import builders, credentials, tls
 from sparrowrl_operator.conditions import find
 from sparrowrl_operator.constants import CRASH_LOOP, REPLACED, TRAINER_PORT, UNREACHABLE, WORKERS_FAILED
 from sparrowrl_operator.cycle import Facts, Outcome
@@ -171,9 +172,13 @@ def _placement(
     for r in roles:
         # a placement's template is its workers'; relays have their own
         template = c.spec.relays.template if r.kind == "relay" else p.template if p is not None else None
-        if secret_kept:  # tokens from the secret the trainer keeps, not from one about to be made
-            trust = ca.cert if ca else None
-            ensure(c, out, cluster, builders.credentials_secret(job, r, c.obs.token, namespace, home, trust))
+        token = credentials.held(c, cluster, job, r)
+        fresh = credentials.next_generation(c, token)
+
+        def keep(generation: int | None, r: Process = r, token: Claims | None = token) -> None:
+            if secret_kept:  # tokens from the secret the trainer keeps, not from one about to be made
+                credentials.keep(c, out, cluster, r, namespace, ca, generation, token)
+
         if r.kind == "relay":
             ensure(c, out, cluster, builders.relay_service(job, region, namespace, home))
             if ca is not None:
@@ -185,9 +190,11 @@ def _placement(
         for old in older:
             out.remove(cluster, old)
         if pod is None:
-            out.create_pod(cluster, c.pod(cluster, r, 0, slot, namespace, template))
+            keep(fresh)
+            out.create_pod(cluster, c.pod(cluster, r, 0, slot, namespace, template, generation=fresh))
             continue
         if terminating(pod):
+            keep(credentials.generation_of(pod, token))
             continue  # suspended or scaled down a moment ago: its successor waits for the name
         n = attempt(pod)
         replaced += n
@@ -208,10 +215,13 @@ def _placement(
             replacing, warning = f"pod {pod['metadata']['name']} finished before the trainer started again", False
         elif r.kind == "worker" and pod["metadata"]["name"] in stale and c.spec.health.on_stale == "Replace":
             replacing = f"worker {pod['metadata']['name']} is stale"
-        if replacing:
-            out.create_pod(cluster, c.pod(cluster, r, n + 1, slot, namespace, template, failures))
+        if replacing:  # its token of a new generation: the old one is refused once the new pod calls in
+            keep(fresh)
+            out.create_pod(cluster, c.pod(cluster, r, n + 1, slot, namespace, template, failures, fresh))
             out.remove(cluster, pod)
             out.event(REPLACED, f"{replacing}; replaced it (replacement {n + 1})", warning=warning)
+        else:
+            keep(credentials.generation_of(pod, token))
     for stray in c.pods.of(cluster):  # scaled down
         role, reg, label = slot_key(stray)
         if role == "worker" and reg == region and label is not None and int(label) >= len(workers):

@@ -7,8 +7,6 @@ a job whose CA cannot sign waits, and its Encrypted condition says why."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import urllib.parse
 
 from sparrowrl.auth import pki
@@ -27,6 +25,7 @@ from sparrowrl_operator.constants import (
     UID_LABEL,
     UNENCRYPTED,
 )
+from sparrowrl_operator.credentials import secret_value
 from sparrowrl_operator.cycle import Facts, Outcome
 from sparrowrl_operator.drift import ensure
 from sparrowrl_operator.pods import Cluster
@@ -34,17 +33,6 @@ from sparrowrl_operator.pods import Cluster
 DAYS = 90  # a serving certificate's life, and RENEW of it left when it is issued anew: cert-manager's defaults
 RENEW = 1 / 3
 CA_DAYS = 3650
-
-
-def secret_bytes(obj: dict, key: str) -> bytes | None:
-    """A Secret's value, from `data` (as an API server stores it) or `stringData` (as written)."""
-    if (value := (obj.get("data") or {}).get(key)) is not None:
-        try:
-            return base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            return None
-    value = (obj.get("stringData") or {}).get(key)
-    return value.encode() if isinstance(value, str) else None
 
 
 def authority(c: Facts, out: Outcome) -> Issued | None:
@@ -87,7 +75,7 @@ def authority(c: Facts, out: Outcome) -> Issued | None:
         )
         return None
     try:
-        ca = pki.read_authority(secret_bytes(seen, CERT_KEY) or b"", secret_bytes(seen, KEY_KEY) or b"", c.obs.now)
+        ca = pki.read_authority(secret_value(seen, CERT_KEY) or b"", secret_value(seen, KEY_KEY) or b"", c.obs.now)
     except ValueError as e:
         fix = "" if spec.ca_secret_name else "; delete it, and the operator makes a new CA and issues anew"
         out.transition("Encrypted", False, CA_INVALID, f"{field}: {e}{fix}", warning=True)
@@ -119,9 +107,9 @@ def serve(
     name = builders.serving_name(job, role)
     seen = c.seen(cluster, "Secret", name)
     if seen is not None:
-        have = Issued(secret_bytes(seen, CERT_KEY) or b"", secret_bytes(seen, KEY_KEY) or b"")
+        have = Issued(secret_value(seen, CERT_KEY) or b"", secret_value(seen, KEY_KEY) or b"")
         why = pki.unfit(have, ca, names, c.obs.now, RENEW)
-        if why is None and secret_bytes(seen, CA_KEY) != ca.cert:
+        if why is None and secret_value(seen, CA_KEY) != ca.cert:
             why = "its ca.crt is not the job's CA"
         if why is None:
             ensure(c, out, cluster, builders.serving_secret(job, role, namespace, home, have, ca.cert))

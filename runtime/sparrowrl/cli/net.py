@@ -4,7 +4,6 @@ started by hand refuses what a job's role would refuse, in the same words."""
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,14 +19,22 @@ log = logging.getLogger(__name__)
 
 def server_token(host: str, port: int) -> str:
     """The checks every server command makes before it starts anything; returns the token."""
-    from sparrowrl.auth.signing import trust
+    in_range("--port", port, 1, 65535)
+    token = checked_token()
     from sparrowrl.transport.http import is_loopback
 
-    in_range("--port", port, 1, 65535)
-    token = os.environ.get("SPARROWRL_TOKEN", "")
     if not token and not is_loopback(host):
         fail(ValueError(f"refusing to serve on non-loopback address {host} without SPARROWRL_TOKEN"))
+    return token
+
+
+def checked_token() -> str:
+    """SPARROWRL_TOKEN, or SPARROWRL_TOKEN_FILE's, with the trainer's public key a role token needs."""
+    from sparrowrl.auth.credential import Credential
+    from sparrowrl.auth.signing import trust
+
     try:
+        token = Credential.from_env().get()
         trust(token)  # a role token comes with the trainer's public key
     except ValueError as e:
         fail(e)

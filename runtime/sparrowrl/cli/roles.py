@@ -4,7 +4,6 @@ exits with one line instead of joining the job."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import Annotated
@@ -18,6 +17,7 @@ from sparrowrl.cli.net import (
     MAX_STREAMS,
     TLS_CERT_HELP,
     TLS_KEY_HELP,
+    checked_token,
     listen,
     ports,
     server_token,
@@ -195,14 +195,10 @@ def worker(
                 TypeAdapter(kind).validate_python(value)
         except ValueError:
             fail(ValueError(f"{flag} {value!r}: {rule}"))
-    from sparrowrl.auth.signing import trust
     from sparrowrl.transport.failover import FetchError
     from sparrowrl.transport.http import ListenError
 
-    try:
-        trust(os.environ.get("SPARROWRL_TOKEN", ""))  # a role token comes with the trainer's public key
-    except ValueError as e:
-        fail(e)
+    checked_token()
     logs.setup(log_format, log_level)
     try:
         asyncio.run(

@@ -39,6 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+from sparrowrl.auth.credential import Credential
 from sparrowrl.auth.signing import KEY_ENV, trust
 from sparrowrl.delta import DeltaError, state_hash
 from sparrowrl.integrations.vllm_client import MAX_WAIT_S
@@ -267,9 +268,9 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         self.served: tuple[int | None, str] = (None, h)  # version and hash of what vLLM computes with, read back
         self.counts = {"ok": 0, "failed": 0, "mismatch": 0}
         self.last_error = ""
-        self.token = os.environ.get("SPARROWRL_TOKEN", "")
+        self.token = Credential.from_env()  # SPARROWRL_TOKEN, or its file's: read again when refreshed
         self._key = os.environ.get(KEY_ENV) or None
-        if trust(self.token, self._key) is None:
+        if trust(self.token.get(), self._key) is None:
             raise ValueError(
                 f"the sparrowrl backend checks the trainer's signatures: set {KEY_ENV} (or SPARROWRL_TOKEN to the "
                 "job's secret)"

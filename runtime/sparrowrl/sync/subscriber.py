@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from sparrowrl.auth.credential import Credential
 from sparrowrl.auth.signing import trust
 from sparrowrl.delta import DeltaFile, apply_delta, state_hash
 from sparrowrl.delta.errors import MismatchError
@@ -57,9 +57,10 @@ class Subscriber:
 
     `held`: the version the tensors hold already (loaded from the checkpoint version 0 was made
     from, say), checked by its hash at the first update; None: they hold nothing yet, and the
-    first pull brings the whole state. `token` (default `SPARROWRL_TOKEN`): the job's secret or a
-    role token; `trainer_key` (default `SPARROWRL_TRAINER_KEY`, else the one the secret derives):
-    whose signatures every version must carry. `snapshots`: fetch each version as its own full
+    first pull brings the whole state. `token` (default `SPARROWRL_TOKEN`, or the file
+    `SPARROWRL_TOKEN_FILE` names, read again when it changes): the job's secret or a role token;
+    `trainer_key` (default `SPARROWRL_TRAINER_KEY`, else the one the secret derives): whose
+    signatures every version must carry. `snapshots`: fetch each version as its own full
     snapshot (from a publisher with `base_every=1`: full-weight sync) instead of as a delta.
     `transport`: the client's options (`streams`, `attempts`, `read_timeout`, `rate_mbit`,
     `ssl_context`, `local_ports`)."""
@@ -70,14 +71,14 @@ class Subscriber:
         tensors: Mapping[str, torch.Tensor],
         *,
         held: int | None = None,
-        token: str | None = None,
+        token: str | Credential | None = None,
         trainer_key: str | None = None,
         snapshots: bool = False,
         **transport: Any,
     ):
-        token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
+        credential = Credential.of(token)
         urls = [servers] if isinstance(servers, str) else list(servers)
-        checks = trust(token, trainer_key)
+        checks = trust(credential.get(), trainer_key)
         far = [u for u in urls if not is_loopback(urlsplit(u).hostname or "")]
         if checks is None and far:
             raise ValueError(
@@ -89,7 +90,7 @@ class Subscriber:
         # the same storage, without autograd: a model's parameters refuse in-place writes on CUDA
         self.tensors = {n: t.detach() for n, t in tensors.items()}
         self.snapshots = snapshots
-        self.client = Client(urls, token=token, trust=checks, **transport)
+        self.client = Client(urls, token=credential, trust=checks, **transport)
         self.version = -1 if held is None else held
         self.state_hash = "" if held is None else state_hash(self.tensors)
 

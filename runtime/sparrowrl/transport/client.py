@@ -7,7 +7,6 @@ end the origin. On FetchError nothing the caller holds has been touched."""
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -15,6 +14,7 @@ from typing import Literal
 import aiohttp
 import torch
 
+from sparrowrl.auth.credential import Credential
 from sparrowrl.auth.signing import Verifier, base_statement, piece_statement, table_statement
 from sparrowrl.auth.signing import trust as trust_of
 from sparrowrl.delta import DeltaError, DeltaFile, apply_delta, state_hash
@@ -46,7 +46,7 @@ class Client:
     def __init__(
         self,
         urls: list[str] | str,
-        token: str | None = None,
+        token: str | Credential | None = None,
         streams: int = 4,
         attempts: int = 8,
         backoff: float = 0.2,
@@ -63,13 +63,14 @@ class Client:
         is taken (another process's connection, or its own not yet closed) waits for it, up to
         `port_wait` seconds per request, without counting that as failed attempts. `rate_mbit`:
         cap the download rate of all streams together (a token bucket), to emulate a slow link.
+        `token`: by default SPARROWRL_TOKEN, or SPARROWRL_TOKEN_FILE's (read again when it changes).
         `trust`: whose signatures versions must carry; by default `signing.trust` of the token
         (ValueError for a role token without SPARROWRL_TRAINER_KEY)."""
-        token = os.environ.get("SPARROWRL_TOKEN", "") if token is None else token
-        self.trust = trust_of(token) if isinstance(trust, str) else trust  # "env"
+        credential = Credential.of(token)
+        self.trust = trust_of(credential.get()) if isinstance(trust, str) else trust  # "env"
         self.servers = Servers(
             [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)],
-            {"Authorization": f"Bearer {token}"} if token else {},
+            credential,
             attempts,
             backoff,
             ssl_context,

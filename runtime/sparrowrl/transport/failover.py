@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
+from sparrowrl.auth.credential import Credential
 from sparrowrl.spec.limits import first_problem
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ def _retry_after(value: str | None) -> float | None:
 
 async def check_status(r: aiohttp.ClientResponse, url: str) -> None:
     """Go on with a 200 or 206; raise what any other status means for the request."""
-    if r.status == 401:
-        raise FetchError(f"{url}: 401 unauthorized (is SPARROWRL_TOKEN set?)")
+    if r.status == 401:  # why, as the server says: no token, another job's, expired, or replaced
+        raise FetchError(f"{url}: 401 unauthorized: {(await r.text())[:200]} (SPARROWRL_TOKEN or its file)")
     if r.status in (200, 206):
         return
     text = (await r.text())[:200]
@@ -114,7 +115,7 @@ class Servers:
     def __init__(
         self,
         urls: list[str],
-        headers: dict[str, str],
+        credential: Credential,
         attempts: int,
         backoff: float,
         ssl_context: ssl.SSLContext | None,
@@ -125,7 +126,7 @@ class Servers:
     ):
         """See Client: `local_ports` binds stream i's connection to local_ports[i]; `rate_mbit`
         caps the download rate of all streams together."""
-        self.urls, self.headers, self.attempts, self.backoff = urls, headers, attempts, backoff
+        self.urls, self.credential, self.attempts, self.backoff = urls, credential, attempts, backoff
         self.ssl = ssl_context
         self.timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout)
         self.stats = Stats()
@@ -138,9 +139,15 @@ class Servers:
         self._fell_back_at = 0.0
         self._refused: dict[int, float] = {}  # server → until when it is not asked (time.monotonic)
 
+    async def _authorize(self, request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType):
+        """Each request with the token as it is now (refreshed in its file, the next one has it)."""
+        if token := self.credential.get():
+            request.headers[aiohttp.hdrs.AUTHORIZATION] = f"Bearer {token}"
+        return await handler(request)
+
     def _new_session(self, **connector_kw: Any) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(
-            headers=self.headers,
+            middlewares=(self._authorize,),
             timeout=self.timeout,
             read_bufsize=READ_BUFFER,
             # aiohttp takes ssl=None as True, the default context; its types say so

@@ -32,11 +32,9 @@ async def auth(request: web.Request, handler):
     if gate is None or request.path in OPEN:
         request[PRINCIPAL] = ADMIN
         return await handler(request)
-    who = gate.principal(request.headers.get("Authorization", ""))  # non-UTF-8 bytes arrive surrogate-escaped
-    if who is None:
-        raise web.HTTPUnauthorized(
-            text="missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'}
-        )
+    who = gate.check(request.headers.get("Authorization", ""))  # non-UTF-8 bytes arrive surrogate-escaped
+    if isinstance(who, str):
+        raise web.HTTPUnauthorized(text=who, headers={"WWW-Authenticate": 'Bearer realm="sparrowrl"'})
     if (why := allowed(who, request.method, request.path)) is not None:
         raise web.HTTPForbidden(text=why)
     request[PRINCIPAL] = who

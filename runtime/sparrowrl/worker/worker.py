@@ -31,6 +31,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from sparrowrl.agents import environment
 from sparrowrl.agents.turns import Turns, end_tokens
+from sparrowrl.auth.credential import Credential
 from sparrowrl.auth.signing import trust
 from sparrowrl.auth.tokens import Gate
 from sparrowrl.calls import Pool
@@ -312,7 +313,7 @@ async def main(
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
     worker: Worker | None = None
     app = web.Application(middlewares=[auth])  # /metrics wants a token (an admin's); the probes do not
-    token = os.environ.get("SPARROWRL_TOKEN", "")
+    token = Credential.from_env().get()  # its kind, for the gate of its own port; the client reads it again
     app[GATE] = Gate.of(token, trust(token))
     add_health(app, lambda: worker is not None and worker.verified >= 0)
     add_metrics(
