@@ -17,6 +17,8 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
+from sparrowrl_operator.cycle import Network
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "sparrowrl-operator"
 NS = "sparrowrl-system"
@@ -61,6 +63,34 @@ def test_renders_valid_objects(helm, args):
             assert where is None, f"cluster-scoped {obj['kind']} with a namespace"
         else:
             assert where, f"{obj['kind']} {obj['metadata']['name']} without a namespace"
+
+
+def test_network_policies_the_operators_own_and_the_jobs_settings(helm):
+    objs = render(helm)
+    policy = only(objs, "NetworkPolicy")
+    deployment = only(objs, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items() and policy["metadata"]["namespace"] == NS
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": "healthz"}]}]  # its probe, alone
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    network = Network.from_json(env["SPARROWRL_NETWORK_POLICY"])
+    assert network.jobs and network.metrics_from == ({"namespaceSelector": {}},)
+    assert network.operator == {  # the operator's pods, for the jobs' trainers to admit
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
+        "podSelector": {"matchLabels": selector},
+    }
+    off = render(helm, "--set", "networkPolicy.operator=false", "--set", "networkPolicy.jobs=false")
+    assert not [o for o in off if o["kind"] == "NetworkPolicy"]
+    env = {
+        e["name"]: e.get("value") for e in only(off, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert not Network.from_json(env["SPARROWRL_NETWORK_POLICY"]).jobs
+    none = render(helm, "--set-json", "networkPolicy.metricsFrom=[]")
+    env = {
+        e["name"]: e.get("value") for e in only(none, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert Network.from_json(env["SPARROWRL_NETWORK_POLICY"]).metrics_from == ()
 
 
 def test_kube_version_floor(helm):
@@ -207,6 +237,9 @@ NAMESPACED_NEEDS = [
     ("sparrowrl.dev", ["sparrowrljobs/finalizers"], ["update"]),
     ("", ["pods", "services", "secrets", "configmaps"], ["get", "list", "watch", "create", "delete", "patch"]),
     ("", ["persistentvolumeclaims"], ["get", "list", "watch", "create", "patch"]),
+    ("networking.k8s.io", ["networkpolicies"], ["get", "list", "watch", "create", "delete", "patch"]),
+    ("cert-manager.io", ["certificates"], ["get", "list", "watch", "create", "delete", "patch"]),
+    ("cert-manager.io", ["issuers"], ["get"]),
     ("", ["events"], ["create", "patch"]),
     ("events.k8s.io", ["events"], ["create"]),
 ]
@@ -217,6 +250,7 @@ CLUSTER_NEEDS = [
     ("", ["namespaces"], ["list", "watch"]),
     ("sparrowrl.dev", ["sparrowrljobs"], ["list"]),  # the orphan sweep: which jobs still exist
     ("", ["nodes"], ["list"]),  # a NodePort trainer's address
+    ("cert-manager.io", ["clusterissuers"], ["get"]),  # tls.issuerRef
 ]
 
 
@@ -298,6 +332,8 @@ def test_rbac_matches_the_crds(helm):
         ("replicas=2", "replicas"),  # one operator at a time: not a value
         ("image.registry=x", "registry"),
         ("runtimeImage=7", "runtimeImage"),
+        ("networkPolicy.jobs=maybe", "jobs"),
+        ("networkPolicy.metricsFrom={x}", "metricsFrom"),
     ],
 )
 def test_schema_rejects(helm, setting, field):

@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import tomllib
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from support.kube import clusters
 from support.servers import get
 from support.wait import until
 
+from sparrowrl.auth import pki
 from sparrowrl.spec.job import parse
 from sparrowrl.spec.layout import processes
 from sparrowrl_operator import builders
@@ -97,11 +101,22 @@ def folder(path: Path, owner: int) -> Path:
 
 class Pod:
     """A pod the operator's builders make, as `ENGINE run` arguments: its user, security context,
-    working folder, env (secrets and the downward API resolved) and mounts (host folders). On the
-    host's network the ports are free ones, and the Services' URLs loopback ones."""
+    working folder, env (secrets and the downward API resolved) and mounts (host folders; a
+    Secret's volume written as the kubelet writes it, its items as files). On the host's network
+    the ports are free ones, and the Services' URLs loopback ones."""
 
     def __init__(self, manifest: dict, secrets: dict[str, dict], mounts: dict[str, Path], ports: dict[str, int]):
-        self.manifest, self.secrets, self.mounts, self.ports = manifest, secrets, mounts, ports
+        self.manifest, self.secrets, self.ports = manifest, secrets, ports
+        self.mounts = dict(mounts)
+        for v in manifest["spec"].get("volumes", []):
+            if "secret" in v:  # beside the other mounts, one folder per pod and volume
+                data = secrets[v["secret"]["secretName"]]
+                where = folder(
+                    next(iter(mounts.values())).parent / "secrets" / manifest["metadata"]["name"] / v["name"], 0
+                )
+                for item in v["secret"].get("items") or [{"key": k, "path": k} for k in data]:
+                    (where / item["path"]).write_text(data[item["key"]])
+                self.mounts[v["name"]] = where
 
     def argv(self, c: dict) -> list[str]:
         spec = self.manifest["spec"]
@@ -132,6 +147,17 @@ class Pod:
             if flag in out:
                 out[out.index(flag) + 1] = str(port)
         return out
+
+
+def answer(url: str, context: ssl.SSLContext) -> int:
+    """The status of a GET over HTTPS that trusts `context`'s CA (0: no answer yet)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5, context=context) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
 
 
 def test_the_images_labels_name_this_checkouts_commit(images):
@@ -173,12 +199,18 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
     spec = parse(JOB).spec
     job = builders.JobRef(name="img", namespace="default", uid="0123456789")
     ports = {p.name: {"http": free_port(), "metrics": free_port()} for p in processes(spec, lambda n, r: "")}
-    roles = processes(spec, lambda name, region: f"http://127.0.0.1:{ports[name]['http']}")
+    roles = processes(spec, lambda name, region: f"https://127.0.0.1:{ports[name]['http']}")
     secret = "s3cret-of-the-job"
+    ca = pki.authority("img")  # every hop HTTPS, as the operator makes a job's pods by default
     secrets = {builders.token_name(job): {TOKEN_KEY: secret}}
-    for role in roles[1:]:
-        s = builders.credentials_secret(job, role, secret, "default", home=True)
-        secrets[s["metadata"]["name"]] = s["stringData"]
+    for role in roles:
+        made = (
+            [builders.credentials_secret(job, role, secret, "default", True, ca.cert)] if role.kind != "trainer" else []
+        )
+        if role.kind != "worker":
+            made.append(builders.serving_secret(job, role, "default", True, pki.serving(ca, ["127.0.0.1"]), ca.cert))
+        secrets |= {s["metadata"]["name"]: s["stringData"] for s in made}
+    trusting = ssl.create_default_context(cadata=ca.cert.decode())
     config = builders.job_config(job, JOB["spec"])
     (tmp_path / "job.yaml").write_text(config["data"][builders.JOB_KEY])
     tmp_path.chmod(0o755)
@@ -200,9 +232,9 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
             procs[role.name] = subprocess.Popen(
                 argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
-            probe = "readyz" if role.kind != "worker" else "healthz"
-            url = f"http://127.0.0.1:{ports[role.name]['http']}/{probe}"
-            until(lambda: get(url) == 200, 300, f"{url} answering", every=0.2, alive=procs)
+            probe, scheme = ("readyz", "https") if role.kind != "worker" else ("healthz", "http")
+            url = f"{scheme}://127.0.0.1:{ports[role.name]['http']}/{probe}"
+            until(lambda: answer(url, trusting) == 200, 300, f"{url} answering", every=0.2, alive=procs)
         summary = mounts["state"] / "summary.json"
         until(summary.exists, 600, "the job's summary", every=1, alive={"trainer": procs["trainer"]})
         s = json.loads(summary.read_text())

@@ -75,8 +75,10 @@ class World:
         for cluster, kind, _ns, name, patch in actions.patch:
             self.objects[cluster][kind, name] = merge_patched(self.objects[cluster][kind, name], patch)
         for cluster, kind, _ns, name in actions.delete:
-            assert kind == "Pod"
-            self.pods[cluster].pop(name)
+            if kind == "Pod":
+                self.pods[cluster].pop(name)
+            else:
+                self.objects[cluster].pop((kind, name))
         if actions.status is not None:
             job["status"] = actions.status.model_dump(by_alias=True, exclude_none=True)
 

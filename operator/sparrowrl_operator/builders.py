@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import ipaddress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,7 +19,7 @@ from sparrowrl.auth.pki import Issued
 from sparrowrl.auth.signing import Signer, public_text
 from sparrowrl.auth.tokens import Role, mint
 from sparrowrl.spec.job import API_VERSION, JobSpec
-from sparrowrl.spec.kubespec import Scheduling
+from sparrowrl.spec.kubespec import IssuerRef, Scheduling
 from sparrowrl.spec.layout import Process
 from sparrowrl_operator.constants import (
     ATTEMPT_LABEL,
@@ -94,7 +95,7 @@ def owner(job: JobRef) -> list[dict]:
     ]
 
 
-def _meta(job: JobRef, name: str, namespace: str, home: bool, **label_args) -> dict:
+def metadata(job: JobRef, name: str, namespace: str, home: bool, **label_args) -> dict:
     meta = {"name": name, "namespace": namespace, "labels": labels(job, **label_args)}
     return meta | {"ownerReferences": owner(job)} if home else meta
 
@@ -130,7 +131,7 @@ def token_secret(job: JobRef, token: str, namespace: str, home: bool) -> dict:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(job, token_name(job), namespace, home),
+        "metadata": metadata(job, token_name(job), namespace, home),
         "stringData": {TOKEN_KEY: token},
     }
 
@@ -160,7 +161,7 @@ def credentials_secret(
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(job, credentials_name(job, role), namespace, home, role=role.kind, region=role.region),
+        "metadata": metadata(job, credentials_name(job, role), namespace, home, role=role.kind, region=role.region),
         "stringData": {TOKEN_KEY: token, TRAINER_KEY_KEY: key} | ({CA_KEY: ca.decode()} if ca else {}),
     }
 
@@ -185,7 +186,7 @@ def authority_secret(job: JobRef, ca: Issued) -> dict:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "kubernetes.io/tls",
-        "metadata": _meta(job, f"{job.name}-ca", job.namespace, True),
+        "metadata": metadata(job, f"{job.name}-ca", job.namespace, True),
         "stringData": {CERT_KEY: ca.cert.decode(), KEY_KEY: ca.key.decode()},
     }
 
@@ -201,9 +202,41 @@ def serving_secret(job: JobRef, role: Process, namespace: str, home: bool, serve
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "kubernetes.io/tls",
-        "metadata": _meta(job, serving_name(job, role), namespace, home, role=role.kind, region=role.region),
+        "metadata": metadata(job, serving_name(job, role), namespace, home, role=role.kind, region=role.region),
         "stringData": {CERT_KEY: served.cert.decode(), KEY_KEY: served.key.decode(), CA_KEY: ca.decode()},
     }
+
+
+def certificate(job: JobRef, role: Process, names: list[str], ref: IssuerRef) -> dict:
+    """A cert-manager Certificate of a serving certificate, in the job's namespace: cert-manager
+    writes its Secret, labelled as the job's (so it is seen, and cleaned up, with the job's)."""
+    name = serving_name(job, role)
+    dns, ips = [n for n in names if not _is_ip(n)], [n for n in names if _is_ip(n)]
+    spec: dict[str, Any] = {
+        "secretName": name,
+        "secretTemplate": {"labels": labels(job, role.kind, role.region)},
+        "issuerRef": {"name": ref.name, "kind": ref.kind, "group": ref.group},
+        "duration": "2160h",
+        "renewBefore": "720h",
+        "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+        "usages": ["server auth", "digital signature"],
+    }
+    spec |= {"dnsNames": dns} if dns else {}
+    spec |= {"ipAddresses": ips} if ips else {}
+    return {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": metadata(job, name, job.namespace, True, role=role.kind, region=role.region),
+        "spec": spec,
+    }
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
 
 
 def service_names(name: str, namespace: str) -> list[str]:
@@ -237,7 +270,7 @@ def job_config(job: JobRef, spec: dict, written: str | None = None) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(job, config_name(job), job.namespace, True),
+        "metadata": metadata(job, config_name(job), job.namespace, True),
         "data": {JOB_KEY: job_document(job, spec, written)},
     }
 
@@ -307,7 +340,7 @@ def state_claim(job: JobRef, spec: JobSpec) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _meta(job, claim_name(job), job.namespace, not retained(spec)),
+        "metadata": metadata(job, claim_name(job), job.namespace, not retained(spec)),
         "spec": claim,
     }
 
@@ -330,7 +363,7 @@ def claim_patch(job: JobRef, spec: JobSpec, claim: dict) -> dict | None:
 
 def trainer_service(job: JobRef, spec: JobSpec) -> dict:
     svc = spec.trainer.service
-    meta = _meta(job, trainer_name(job), job.namespace, True, role="trainer")
+    meta = metadata(job, trainer_name(job), job.namespace, True, role="trainer")
     if svc.annotations:
         meta["annotations"] = dict(svc.annotations)
     return {
@@ -349,7 +382,7 @@ def relay_service(job: JobRef, region: str, namespace: str, home: bool) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(job, relay_name(job, region), namespace, home, role="relay", region=region),
+        "metadata": metadata(job, relay_name(job, region), namespace, home, role="relay", region=region),
         "spec": {
             "type": "ClusterIP",
             "selector": {UID_LABEL: job.uid, ROLE_LABEL: "relay", REGION_LABEL: region},
@@ -491,7 +524,7 @@ def pod(
         "resources": _resources(sched),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    meta = _meta(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
+    meta = metadata(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
     meta["labels"][ATTEMPT_LABEL] = str(attempt)
     if role.kind == "trainer":  # what it reads from the ConfigMap, applied before the pod is made
         meta["annotations"] = {STEPS_ANNOTATION: str(spec.steps)}

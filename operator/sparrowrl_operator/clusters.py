@@ -31,10 +31,14 @@ PATHS = {  # kind → (API prefix, plural)
     "ConfigMap": ("/api/v1", "configmaps"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Node": ("/api/v1", "nodes"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Certificate": ("/apis/cert-manager.io/v1", "certificates"),
+    "Issuer": ("/apis/cert-manager.io/v1", "issuers"),
+    "ClusterIssuer": ("/apis/cert-manager.io/v1", "clusterissuers"),
     "SparrowRLJob": (f"/apis/{GROUP}/{VERSION}", "sparrowrljobs"),
     "SparrowCluster": (f"/apis/{GROUP}/{VERSION}", "sparrowclusters"),
 }
-SWEPT = ("Pod", "Service", "Secret")  # what the operator puts into member clusters
+SWEPT = ("Pod", "Service", "Secret", "NetworkPolicy")  # what the operator puts into member clusters
 
 
 class Unreachable(Exception):

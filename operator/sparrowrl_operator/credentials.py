@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import binascii
 
-from sparrowrl.auth.pki import Issued
 from sparrowrl.auth.tokens import Claims, claims
 from sparrowrl.spec.layout import Process
 from sparrowrl_operator import builders
@@ -61,11 +60,12 @@ def keep(
     cluster: Cluster,
     role: Process,
     namespace: str,
-    ca: Issued | None,
+    ca: bytes | None,
     generation: int | None,
     now_held: Claims | None,
 ) -> None:
-    """The slot's Secret, with a token of `generation` that has at least half its life left."""
+    """The slot's Secret, with a token of `generation` that has at least half its life left, and
+    the CA certificate its pods trust (`ca`, when the job is encrypted)."""
     home = cluster is None
     job = c.job if home else c.job.in_member()
     now = int(c.obs.now.timestamp())
@@ -77,7 +77,6 @@ def keep(
         and now_held.expires - now > LIFETIME * REFRESH
     ):
         expires = now_held.expires  # the same token: signing is deterministic
-    trust = ca.cert if ca else None
-    secret = builders.credentials_secret(job, role, c.obs.token, namespace, home, trust, expires, generation)
+    secret = builders.credentials_secret(job, role, c.obs.token, namespace, home, ca, expires, generation)
     renewed = now_held is not None and (now_held.generation, now_held.expires) != (generation, expires)
     ensure(c, out, cluster, secret, expected=renewed)  # anything else that differs was edited: Corrected

@@ -5,6 +5,7 @@ Each concern takes them as arguments: what a policy reads and writes is in its s
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -20,6 +21,7 @@ from sparrowrl_operator.model import SparrowRLJobStatus
 from sparrowrl_operator.pods import Cluster, Pods, terminating
 
 Key = tuple[str, str]  # kind, name
+NETWORK_ENV = "SPARROWRL_NETWORK_POLICY"  # the chart's NetworkPolicy settings, as JSON
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,33 @@ class Backoff:
 
     def delay(self, attempt: int) -> float:
         return min(self.base * 2 ** min(attempt, 30), self.cap)
+
+
+@dataclass(frozen=True)
+class Network:
+    """The operator's defaults, from its chart."""
+
+    jobs: bool = True  # a policy for jobs that set no networkPolicy.mode
+    metrics_from: tuple[dict, ...] = ({"namespaceSelector": {}},)  # NetworkPolicyPeers that scrape; () none
+    operator: dict | None = None  # the NetworkPolicyPeer of the operator's pods (None: outside any cluster)
+
+    @classmethod
+    def from_json(cls, text: str) -> Network:
+        """The chart's settings. ValueError: what is wrong, naming the key."""
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{NETWORK_ENV}: not JSON ({e})") from None
+        if not isinstance(raw, dict) or set(raw) - {"jobs", "metricsFrom", "operator"}:
+            raise ValueError(f"{NETWORK_ENV}: an object of jobs, metricsFrom and operator")
+        jobs, peers, operator = raw.get("jobs", True), raw.get("metricsFrom", []), raw.get("operator")
+        if not isinstance(jobs, bool):
+            raise ValueError(f"{NETWORK_ENV}: jobs must be true or false")
+        if not isinstance(peers, list) or not all(isinstance(p, dict) and p for p in peers):
+            raise ValueError(f"{NETWORK_ENV}: metricsFrom must be a list of NetworkPolicyPeers")
+        if operator is not None and not (isinstance(operator, dict) and operator):
+            raise ValueError(f"{NETWORK_ENV}: operator must be a NetworkPolicyPeer")
+        return cls(jobs, tuple(peers), operator)
 
 
 @dataclass(frozen=True)
@@ -78,6 +107,7 @@ class Facts:
     backoff: Backoff
     prev: SparrowRLJobStatus  # the status as last written
     pods: Pods
+    network: Network = Network()
 
     def seen(self, cluster: Cluster, kind: str, name: str) -> dict | None:
         return self.obs.objects.get(cluster, {}).get((kind, name))

@@ -33,6 +33,7 @@ from sparrowrl_operator.clusters import (
 )
 from sparrowrl_operator.conditions import find, set_condition
 from sparrowrl_operator.constants import (
+    CA_KEY,
     CERT_KEY,
     CLEANED,
     CLUSTERS,
@@ -50,7 +51,7 @@ from sparrowrl_operator.constants import (
     VERSION,
 )
 from sparrowrl_operator.credentials import secret_value
-from sparrowrl_operator.cycle import Key
+from sparrowrl_operator.cycle import NETWORK_ENV, Key, Network
 from sparrowrl_operator.model import ClusterSpec, ClusterStatus
 from sparrowrl_operator.pods import Cluster
 from sparrowrl_operator.reconcile import Actions, Backoff, Member, Observed, reconcile
@@ -64,10 +65,15 @@ class Config:
     interval: float = 10.0  # seconds between reconciles of a job: what changes in member clusters is seen by then
     probe_interval: float = 30.0  # between probes of a member cluster
     backoff: Backoff = Backoff()
+    network: Network = Network()
 
     @classmethod
     def from_env(cls) -> Config:
-        return cls(image=os.environ.get("SPARROWRL_RUNTIME_IMAGE", "localhost/sparrowrl/sparrowrl-runtime:0.1.0"))
+        network = Network.from_json(os.environ[NETWORK_ENV]) if os.environ.get(NETWORK_ENV) else Network()
+        return cls(
+            image=os.environ.get("SPARROWRL_RUNTIME_IMAGE", "localhost/sparrowrl/sparrowrl-runtime:0.1.0"),
+            network=network,
+        )
 
 
 def now() -> datetime.datetime:
@@ -124,11 +130,24 @@ class Operator:
         """The Secret holding the job's CA, by name (the user's carries none of our labels), and a CA
         made now for when it is missing and the operator makes it; (None, None): not encrypted."""
         tls = spec.get("tls") or {}
-        if tls.get("mode", "Enabled") != "Enabled":
+        if tls.get("mode", "Enabled") != "Enabled" or tls.get("issuerRef"):
             return None, None
         name = tls.get("caSecretName") or f"{job.name}-ca"
         seen = self.home.get("Secret", job.namespace, name)
         return seen, None if seen is not None or tls.get("caSecretName") else pki.authority(f"sparrowrl {job.name}")
+
+    def issued(self, job: JobRef, ref: dict, mine: dict[str, str]) -> dict[Key, dict]:
+        """cert-manager's issuer that tls.issuerRef names, and the job's Certificates: none where
+        cert-manager (its CRDs) is not installed."""
+        kind, name = ref.get("kind", "Issuer"), ref.get("name", "")
+        out: dict[Key, dict] = {}
+        try:
+            if found := self.home.get(kind, job.namespace if kind == "Issuer" else None, name):
+                out[kind, name] = found
+            out |= listed(self.home, job.namespace, mine, ("Certificate",))
+        except Unreachable:
+            pass  # no such resource: the Encrypted condition says the issuer is not found
+        return out
 
     def observe(self, body: dict, logger: kopf.Logger) -> Observed:
         meta = body["metadata"]
@@ -138,7 +157,7 @@ class Operator:
         ca_secret, authority = self.authority(job, body.get("spec") or {})
         pods: dict[Cluster, list[dict]] = {None: self.home.list("Pod", job.namespace, mine)}
         objects: dict[Cluster, dict[Key, dict]] = {
-            None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap"))
+            None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap", "NetworkPolicy"))
         }
         # by name: a claim retained from an earlier job of this name carries that job's uid
         if claim := self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job)):
@@ -146,6 +165,10 @@ class Operator:
         if ca_secret is not None:
             objects[None]["Secret", ca_secret["metadata"]["name"]] = ca_secret
         ca = (secret_value(ca_secret, CERT_KEY) or b"") if ca_secret is not None else None
+        if ref := ((body.get("spec") or {}).get("tls") or {}).get("issuerRef"):
+            objects[None] |= self.issued(job, ref, mine)
+            served = objects[None].get(("Secret", f"{builders.trainer_name(job)}-tls"))
+            ca = (secret_value(served, CA_KEY) or b"") if served is not None else None
         members = {}
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)
@@ -156,7 +179,7 @@ class Operator:
             if state.reachable and state.kube:
                 try:
                     pods[name] = state.kube.list("Pod", state.namespace, mine)
-                    objects[name] = listed(state.kube, state.namespace, mine, ("Service", "Secret"))
+                    objects[name] = listed(state.kube, state.namespace, mine, ("Service", "Secret", "NetworkPolicy"))
                 except Unreachable as e:
                     logger.warning(f"member {name}: {e}")
                     self.members.mark_unreachable(name, str(e))
@@ -221,7 +244,8 @@ class Operator:
             known = self._written.get(uid, seen)
             for _ in range(2):  # once more when home objects were just made: members wait for the token Secret
                 current = {**body, "status": self._written.get(uid, seen)}
-                actions = reconcile(current, self.observe(current, logger), self.cfg.image, self.cfg.backoff)
+                observed = self.observe(current, logger)
+                actions = reconcile(current, observed, self.cfg.image, self.cfg.backoff, self.cfg.network)
                 try:
                     self.carry_out(actions, body, logger)
                 finally:  # the status is written even when the home cluster refused a step (kopf retries)
@@ -245,6 +269,7 @@ class Operator:
             with self._guard:
                 self._locks.pop(uid, None)
         self.say_retained(body)
+        self.drop_issued(body)
         for name in sorted({p.get("cluster") for p in (body.get("spec") or {}).get("placements") or []} - {None}):
             state = self.members.get(name)
             try:
@@ -259,6 +284,19 @@ class Operator:
                     reason=UNREACHABLE,
                     message=f"cluster {name}: {e}; its objects go when it answers (the orphan sweep)",
                 )
+
+    def drop_issued(self, body: dict) -> None:
+        """The Secrets cert-manager issued for the job (tls.issuerRef): they carry its labels but no
+        owner, and hold private keys; its Certificates go with the job."""
+        if not (((body.get("spec") or {}).get("tls") or {}).get("issuerRef")):
+            return
+        meta = body["metadata"]
+        try:
+            for s in self.home.list("Secret", meta["namespace"], {UID_LABEL: meta["uid"]}):
+                if not s["metadata"].get("ownerReferences"):
+                    self.home.delete("Secret", meta["namespace"], s["metadata"]["name"])
+        except Unreachable as e:
+            kopf.event(body, type="Warning", reason=UNREACHABLE, message=f"the job's certificates' Secrets: {e}")
 
     def say_retained(self, body: dict) -> None:
         """An Event on the job deleted, when its state's claim (with the trained model) stays."""

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparrowrl.auth.pki import Issued
 from sparrowrl.auth.tokens import Claims
 from sparrowrl.spec import layout
 from sparrowrl.spec.kubespec import Placement
 from sparrowrl.spec.layout import Process
-from sparrowrl_operator import builders, credentials, tls
+from sparrowrl_operator import builders, credentials, network, tls
 from sparrowrl_operator.conditions import find
 from sparrowrl_operator.constants import CRASH_LOOP, REPLACED, TRAINER_PORT, UNREACHABLE, WORKERS_FAILED
 from sparrowrl_operator.cycle import Facts, Outcome
@@ -32,6 +31,7 @@ from sparrowrl_operator.pods import (
     termination,
 )
 from sparrowrl_operator.times import since
+from sparrowrl_operator.tls import Trust
 
 
 @dataclass
@@ -60,9 +60,11 @@ def trainer_address(c: Facts) -> str | None:
     return None
 
 
-def reconcile_placements(c: Facts, out: Outcome, stale: dict[str, float], ca: Issued | None = None) -> tuple[int, int]:
+def reconcile_placements(
+    c: Facts, out: Outcome, stale: dict[str, float], trust: Trust | None = None
+) -> tuple[int, int]:
     """Every placement's pods and status, and the Degraded and RolloutReady conditions. `stale`:
-    the workers the trainer has not heard from; `ca`: the job's CA, fit to sign (None: the job is
+    the workers the trainer has not heard from; `trust`: the job's CA, issuing (None: the job is
     not encrypted, or its pods wait for it). The clusters reachable and used (the operator's own
     counts as one)."""
     job, spec = c.job, c.spec
@@ -86,6 +88,7 @@ def reconcile_placements(c: Facts, out: Outcome, stale: dict[str, float], ca: Is
     roles = [r for r in layout.processes(spec, url) if r.kind != "trainer"]
     tally = _Tally()
     statuses, unreachable, connecting, total, reachable = [], [], [], set(), set()
+    policed: set[str] = set()
     for region in spec.regions:
         p = where.get(region.name)
         cluster = p.cluster if p else None
@@ -102,14 +105,17 @@ def reconcile_placements(c: Facts, out: Outcome, stale: dict[str, float], ca: Is
             continue
         reachable.add(cluster)
         mine = [r for r in roles if r.region == region.name]
-        uncertified = builders.encrypted(spec) and ca is None
+        uncertified = builders.encrypted(spec) and trust is None
         if uncertified or (
             cluster and (not address or ("Secret", builders.token_name(job)) not in c.obs.objects.get(None, ()))
         ):
             statuses.append(PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
             tally.workers_alive += region.workers
             continue  # its pods need the job's CA, the trainer's outside address, and their tokens the job's secret
-        statuses.append(_placement(c, out, tally, stale, cluster, namespace(region.name), region.name, mine, p, ca))
+        if cluster is not None and cluster not in policed:  # one per member cluster, its placements' namespace
+            policed.add(cluster)
+            network.reconcile_policy(c, out, cluster, namespace(region.name))
+        statuses.append(_placement(c, out, tally, stale, cluster, namespace(region.name), region.name, mine, p, trust))
     crashed = "; ".join(tally.crashed)
     if unreachable:
         out.transition(
@@ -158,7 +164,7 @@ def _placement(
     region: str,
     roles: list[Process],
     p: Placement | None,
-    ca: Issued | None,
+    trust: Trust | None,
 ) -> PlacementStatus:
     """One reachable placement's relay and workers: made, replaced, given up, scaled down."""
     home = cluster is None
@@ -177,13 +183,14 @@ def _placement(
 
         def keep(generation: int | None, r: Process = r, token: Claims | None = token) -> None:
             if secret_kept:  # tokens from the secret the trainer keeps, not from one about to be made
+                ca = trust.ca_cert if trust else None
                 credentials.keep(c, out, cluster, r, namespace, ca, generation, token)
 
         if r.kind == "relay":
             ensure(c, out, cluster, builders.relay_service(job, region, namespace, home))
-            if ca is not None:
+            if trust is not None:
                 names = builders.service_names(builders.relay_name(job, region), namespace)
-                tls.serve(c, out, ca, cluster, r, namespace, names)
+                tls.serve(c, out, trust, cluster, r, namespace, names)
         slot = workers.index(r) if r.kind == "worker" else None
         key = (r.kind, region, None if slot is None else str(slot))
         pod, older = c.pods.current(cluster, key)

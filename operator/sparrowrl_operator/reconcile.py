@@ -11,19 +11,21 @@ from pydantic import ValidationError
 
 from sparrowrl.spec.job import JobError, parse
 from sparrowrl.spec.kubespec import MANAGED_BY
-from sparrowrl_operator import builders, health, home, lifecycle, placements, status, tls, trainer
+from sparrowrl_operator import builders, health, home, lifecycle, network, placements, status, tls, trainer
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.constants import INVALID
-from sparrowrl_operator.cycle import Actions, Backoff, Facts, Member, Observed, Outcome
+from sparrowrl_operator.cycle import Actions, Backoff, Facts, Member, Network, Observed, Outcome
 from sparrowrl_operator.model import SparrowRLJobStatus
 from sparrowrl_operator.pods import Pods
 from sparrowrl_operator.times import stamp
 
-__all__ = ["Actions", "Backoff", "Member", "Observed", "reconcile"]
+__all__ = ["Actions", "Backoff", "Member", "Network", "Observed", "reconcile"]
 _PARSED = ("apiVersion", "kind", "metadata", "spec")  # the job as `parse` reads it: no status
 
 
-def reconcile(body: dict, observed: Observed, image: str, backoff: Backoff = Backoff()) -> Actions:
+def reconcile(
+    body: dict, observed: Observed, image: str, backoff: Backoff = Backoff(), network: Network = Network()
+) -> Actions:
     """What to do for one job, from its body (as stored) and what is observed."""
     meta = body["metadata"]
     job = JobRef(meta["name"], meta["namespace"], meta["uid"])
@@ -40,7 +42,7 @@ def reconcile(body: dict, observed: Observed, image: str, backoff: Backoff = Bac
         return Actions()  # e.g. kueue.x-k8s.io/multikueue: another controller runs it, and writes its status
     if why := builders.names_fit(job, spec):
         return _invalid(out, pods, observed, why)
-    c = Facts(job, spec, body["spec"], observed, image, backoff, prev, pods)
+    c = Facts(job, spec, body["spec"], observed, image, backoff, prev, pods, network)
     clusters = (0, 0)  # reachable, used: only an active job's placements count them
     lifecycle.reopen_raised(c, out)
     if out.terminal:
@@ -63,16 +65,17 @@ def _active(c: Facts, out: Outcome) -> tuple[int, int]:
     if out.terminal:  # the state's claim is someone else's
         lifecycle.finish(c, out)
         return 0, 0
-    ca = tls.authority(c, out)
-    if ca is not None:
-        tls.serve(c, out, ca, None, trainer.ROLE, c.job.namespace, tls.trainer_names(c))
-    certified = ca is not None or not builders.encrypted(c.spec)  # pods made now find their certificates
+    network.reconcile_policy(c, out, None, c.job.namespace)
+    trust = tls.authority(c, out)
+    if trust is not None:
+        tls.serve(c, out, trust, None, trainer.ROLE, c.job.namespace, tls.trainer_names(c))
+    certified = trust is not None or not builders.encrypted(c.spec)  # pods made now find their certificates
     trainer.reconcile_trainer(c, out, claim_going, certified)
     if out.terminal:
         lifecycle.finish(c, out)
         return 0, 0
     stale = health.stale_workers(c)
-    clusters = placements.reconcile_placements(c, out, stale, ca)
+    clusters = placements.reconcile_placements(c, out, stale, trust)
     if out.terminal:  # every worker given up
         lifecycle.finish(c, out)
         return clusters

@@ -2,17 +2,19 @@
 (tls.caSecretName), which is only read. A serving certificate for the trainer and for each relay,
 for every name it is reached at, issued anew when a name appears (a load balancer's address comes
 after its Service), when a third of its life is left, or when it is unfit in any other way. Roles
-read a renewed pair at their next handshake, with no restart. Nothing falls back to plain HTTP:
-a job whose CA cannot sign waits, and its Encrypted condition says why."""
+read a renewed pair at their next handshake, with no restart. With tls.issuerRef, cert-manager
+issues them instead (issuer.py). Nothing falls back to plain HTTP: a job whose certificates
+cannot be issued waits, and its Encrypted condition says why."""
 
 from __future__ import annotations
 
 import urllib.parse
+from dataclasses import dataclass
 
 from sparrowrl.auth import pki
 from sparrowrl.auth.pki import Issued
 from sparrowrl.spec.layout import Process
-from sparrowrl_operator import builders
+from sparrowrl_operator import builders, issuer
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.constants import (
     CA_INVALID,
@@ -32,12 +34,21 @@ from sparrowrl_operator.pods import Cluster
 
 DAYS = 90  # a serving certificate's life, and RENEW of it left when it is issued anew: cert-manager's defaults
 RENEW = 1 / 3
-CA_DAYS = 3650
 
 
-def authority(c: Facts, out: Outcome) -> Issued | None:
-    """The job's CA, fit to sign; None when the job is not encrypted, or its CA is not there or
-    not fit yet (the Encrypted condition says which, naming the field)."""
+@dataclass(frozen=True)
+class Trust:
+    """What the job's pods trust (`ca_cert`), and its key where the operator issues (`ca`; None:
+    cert-manager does)."""
+
+    ca_cert: bytes
+    ca: Issued | None = None
+
+
+def authority(c: Facts, out: Outcome) -> Trust | None:
+    """The job's CA, fit to sign (or cert-manager's, issuing); None when the job is not
+    encrypted, or its certificates cannot be issued yet (the Encrypted condition says why,
+    naming the field)."""
     job, spec = c.job, c.spec.tls
     if spec.mode == "Disabled":
         out.transition(
@@ -49,6 +60,9 @@ def authority(c: Facts, out: Outcome) -> Issued | None:
             warning=True,
         )
         return None
+    if spec.issuer_ref is not None:
+        ca_cert = issuer.authority(c, out, trainer_names(c))
+        return None if ca_cert is None else Trust(ca_cert)
     name = builders.authority_name(job, c.spec)
     field = f"tls.caSecretName: Secret {name}" if spec.ca_secret_name else f"Secret {name} (the job's CA)"
     seen = c.seen(None, "Secret", name)
@@ -63,7 +77,7 @@ def authority(c: Facts, out: Outcome) -> Issued | None:
         # made once, before the pods it certifies (a failed create: a new one next cycle, and what this one
         # signed is issued anew)
         out.actions.create.insert(0, (None, builders.authority_secret(job, made)))
-        return _encrypted(out, name, made)
+        return _encrypted(out, name, Trust(made.cert, made))
     if not spec.ca_secret_name and not _ours(job, seen):
         out.transition(
             "Encrypted",
@@ -80,17 +94,17 @@ def authority(c: Facts, out: Outcome) -> Issued | None:
         fix = "" if spec.ca_secret_name else "; delete it, and the operator makes a new CA and issues anew"
         out.transition("Encrypted", False, CA_INVALID, f"{field}: {e}{fix}", warning=True)
         return None
-    return _encrypted(out, name, ca)
+    return _encrypted(out, name, Trust(ca.cert, ca))
 
 
-def _encrypted(out: Outcome, name: str, ca: Issued) -> Issued:
+def _encrypted(out: Outcome, name: str, trust: Trust) -> Trust:
     out.transition(
         "Encrypted",
         True,
         "CertificatesIssued",
         f"every hop is HTTPS, with certificates from the CA in Secret {name}; relays and workers trust it alone",
     )
-    return ca
+    return trust
 
 
 def _ours(job: JobRef, obj: dict) -> bool:
@@ -99,9 +113,13 @@ def _ours(job: JobRef, obj: dict) -> bool:
 
 
 def serve(
-    c: Facts, out: Outcome, ca: Issued, cluster: Cluster, role: Process, namespace: str, names: list[str]
+    c: Facts, out: Outcome, trust: Trust, cluster: Cluster, role: Process, namespace: str, names: list[str]
 ) -> None:
     """The trainer's or a relay's serving certificate for `names`, kept, or issued anew."""
+    if trust.ca is None:
+        issuer.serve(c, out, trust.ca_cert, cluster, role, namespace, names)
+        return
+    ca = trust.ca
     home = cluster is None
     job = c.job if home else c.job.in_member()
     name = builders.serving_name(job, role)

@@ -45,3 +45,10 @@ app.kubernetes.io/part-of: sparrowrl
 {{- $beside := printf "%ssparrowrl-runtime:%s" $registry (default .Chart.AppVersion .Values.image.tag) }}
 {{- default $beside .Values.runtimeImage }}
 {{- end }}
+
+{{/* The jobs' NetworkPolicy settings, for the operator (SPARROWRL_NETWORK_POLICY): whether jobs get
+one, who scrapes them, and this operator's pods as a NetworkPolicyPeer (it reads each trainer's status). */}}
+{{- define "sparrowrl-operator.networkPolicy" -}}
+{{- $operator := dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "sparrowrl-operator.selectorLabels" . | fromYaml)) }}
+{{- dict "jobs" .Values.networkPolicy.jobs "metricsFrom" .Values.networkPolicy.metricsFrom "operator" $operator | toJson }}
+{{- end }}

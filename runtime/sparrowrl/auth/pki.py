@@ -94,6 +94,14 @@ def serving(ca: Issued, names: list[str], days: int = 30, now: datetime.datetime
     return Issued(cert.public_bytes(serialization.Encoding.PEM), _pem(key))
 
 
+def read_certificate(cert: bytes) -> x509.Certificate | None:
+    """A PEM certificate parsed, or None."""
+    try:
+        return x509.load_pem_x509_certificate(cert)
+    except ValueError:
+        return None
+
+
 def read_pair(cert: bytes, key: bytes) -> tuple[x509.Certificate, PrivateKeyTypes]:
     """A PEM certificate and its key, parsed. ValueError: which of the two is wrong, and why."""
     try:

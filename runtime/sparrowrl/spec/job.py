@@ -19,6 +19,7 @@ from sparrowrl.spec.kubespec import (
     MANAGED_BY,
     Health,
     ManagedBy,
+    NetworkPolicySpec,
     Placement,
     RelaySpec,
     RunPolicy,
@@ -127,6 +128,7 @@ class JobSpec(Section):
     run_policy: RunPolicy = RunPolicy()
     health: Health = Health()
     tls: TlsSpec = TlsSpec()
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
     managed_by: ManagedBy | None = None
 
     @property

@@ -294,6 +294,14 @@ class RunPolicy(Section):
     ttl_seconds_after_finished: int | None = Field(None, ge=0, le=365 * DAY)
 
 
+class IssuerRef(Section):
+    """A cert-manager issuer of the job's serving certificates."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", max_length=253)]
+    kind: Literal["Issuer", "ClusterIssuer"] = "Issuer"
+    group: Literal["cert-manager.io"] = "cert-manager.io"
+
+
 class TlsSpec(Section):
     """Encryption of the job's hops in a cluster: the trainer and each relay serve HTTPS with
     certificates the operator issues from the job's CA, and relays and workers trust that CA
@@ -305,7 +313,15 @@ class TlsSpec(Section):
                 {
                     "rule": "!has(self.caSecretName) || !has(self.mode) || self.mode == 'Enabled'",
                     "message": "caSecretName is for mode Enabled",
-                }
+                },
+                {
+                    "rule": "!has(self.issuerRef) || !has(self.mode) || self.mode == 'Enabled'",
+                    "message": "issuerRef is for mode Enabled",
+                },
+                {
+                    "rule": "!has(self.issuerRef) || !has(self.caSecretName)",
+                    "message": "give caSecretName or issuerRef, not both",
+                },
             ]
         }
     )
@@ -327,11 +343,38 @@ class TlsSpec(Section):
         )
     )
 
+    issuer_ref: IssuerRef | None = Field(
+        None,
+        description=(
+            "A cert-manager Issuer (in the job's namespace) or ClusterIssuer that issues the trainer's and relays' "
+            "certificates instead of the operator; it must give a ca.crt (a CA or self-signed issuer), which the "
+            "job's pods trust alone."
+        ),
+    )
+
     @model_validator(mode="after")
     def _mode(self) -> TlsSpec:
         if self.ca_secret_name is not None and self.mode != "Enabled":
             raise ValueError(f"caSecretName {self.ca_secret_name!r} is for mode Enabled, not {self.mode}")
+        if self.issuer_ref is not None and self.mode != "Enabled":
+            raise ValueError(f"issuerRef {self.issuer_ref.name!r} is for mode Enabled, not {self.mode}")
+        if self.issuer_ref is not None and self.ca_secret_name is not None:
+            raise ValueError("give caSecretName or issuerRef, not both")
         return self
+
+
+class NetworkPolicySpec(Section):
+    """Which traffic reaches the job's pods, in each cluster where it runs."""
+
+    mode: Literal["Enabled", "Disabled"] | None = Field(
+        None,
+        description=(
+            "Enabled: a NetworkPolicy per cluster admits only the job's own pods to the trainer's and relays' "
+            "ports, anyone to the trainer's where its Service is a LoadBalancer or NodePort (or url), the operator "
+            "to the trainer's, and the metrics scraper to each pod's metrics port. Disabled: none. Unset: the "
+            "operator's default (its chart's networkPolicy.jobs: on)."
+        ),
+    )
 
 
 class Health(Section):
