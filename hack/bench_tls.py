@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--link-mbit", type=float, default=200.0)
     ap.add_argument("--loopback-elements", type=int, default=256 << 20, help="bf16 elements of the loopback base")
     ap.add_argument("--wan-elements", type=int, default=12 << 20, help="bf16 elements of the WAN base (24 MB)")
-    ap.add_argument("--density", type=float, default=0.1, help="elements each cut-through version changes")
+    ap.add_argument("--density", type=float, default=0.3, help="elements each cut-through version changes")
     ap.add_argument("--out", type=Path, default=HERE.parent / "docs" / "bench_tls.json")
     a = ap.parse_args()
     if not 1 <= a.rounds <= 7:

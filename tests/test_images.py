@@ -111,9 +111,8 @@ class Pod:
         for v in manifest["spec"].get("volumes", []):
             if "secret" in v:  # beside the other mounts, one folder per pod and volume
                 data = secrets[v["secret"]["secretName"]]
-                where = folder(
-                    next(iter(mounts.values())).parent / "secrets" / manifest["metadata"]["name"] / v["name"], 0
-                )
+                where = next(iter(mounts.values())).parent / "secrets" / manifest["metadata"]["name"] / v["name"]
+                where.mkdir(parents=True, exist_ok=True)
                 for item in v["secret"].get("items") or [{"key": k, "path": k} for k in data]:
                     (where / item["path"]).write_text(data[item["key"]])
                 self.mounts[v["name"]] = where
