@@ -21,6 +21,7 @@ import pytest
 import yaml
 from test_chart import CHART, KUBE_VERSIONS, NS, WATCHED, render
 
+from sparrowrl.auth import pki
 from sparrowrl.rollout.coordinator import Coordinator
 from sparrowrl.trainer import reports
 from sparrowrl.trainer.retention import Held
@@ -214,6 +215,11 @@ POD_MONITOR = {
                             "port": {"type": "string"},
                             "path": {"type": "string", "pattern": "^/"},
                             "interval": DURATION,
+                            "tlsConfig": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {"insecureSkipVerify": {"type": "boolean"}},
+                            },
                             "relabelings": {
                                 "type": "array",
                                 "items": {
@@ -302,12 +308,15 @@ def operator_pods() -> list[dict]:
     members = {"eu-west": Member("sparrowrl", True), "ap-south": Member("sparrowrl", True)}
     pods: dict = {}
     objects: dict = {}
+    now = datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)
+    ca = pki.authority("test", now=now)  # the job's CA, made the first cycle
     for _ in range(2):  # member clusters' pods come in the second cycle, after the token's Secret
         plan = reconcile(
             job,
             Observed(
-                now=datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc),
+                now=now,
                 token="tok",
+                authority=ca,
                 members=members,
                 trainer_service={"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}},
                 pods={c: list(ps.values()) for c, ps in pods.items()},
@@ -360,14 +369,19 @@ def test_the_pod_monitor_scrapes_every_pod_the_operator_makes_on_its_open_metric
         for r in endpoint["relabelings"]:  # the job, role and region labels come from the pod's labels
             (source,) = r["sourceLabels"]
             found = [k for k in labels if meta_label(k) == source]
-            # every pod has its job and role; the trainer has no region
-            assert found or (r["targetLabel"] == "region" and labels["sparrowrl.dev/role"] == "trainer"), source
+            # every pod has its job and role; the trainer has no region; a worker's metrics are plain HTTP
+            role = labels["sparrowrl.dev/role"]
+            assert found or (r["targetLabel"], role) in (("region", "trainer"), ("__scheme__", "worker")), source
+            if r["targetLabel"] == "__scheme__" and found:  # the trainer's and relays': HTTPS, as their own port
+                assert re.fullmatch(r["regex"], labels[found[0]]) and labels[found[0]] == "https"
     targets = {r["targetLabel"]: r["sourceLabels"][0] for r in endpoint["relabelings"]}
     assert targets == {
+        "__scheme__": meta_label("sparrowrl.dev/metrics-scheme"),
         "sparrowrl_job": meta_label("sparrowrl.dev/job"),
         "role": meta_label("sparrowrl.dev/role"),
         "region": meta_label("sparrowrl.dev/region"),
     }
+    assert endpoint["tlsConfig"] == {"insecureSkipVerify": True}
     assert not selects(pm["spec"]["selector"], {"app.kubernetes.io/managed-by": "Helm", "sparrowrl.dev/role": "x"})
 
 

@@ -175,8 +175,9 @@ def test_a_local_run_with_tls_trains_over_https_and_another_ca_is_refused(tmp_pa
     assert all((out / "tls" / n).stat().st_mode & 0o077 == 0 for n in ("ca.crt", "serving.crt", "serving.key"))
 
     port, secret = free_port(), "the job's secret"
+    metrics = free_port()
     trainer = subprocess.Popen(
-        [EXE, "trainer", f, "--state-dir", tmp_path / "state", "--port", str(port)]
+        [EXE, "trainer", f, "--state-dir", tmp_path / "state", "--port", str(port), "--metrics-port", str(metrics)]
         + ["--tls-cert", out / "tls" / "serving.crt", "--tls-key", out / "tls" / "serving.key"],
         env={**os.environ, **tokens.environment(secret, "trainer", "trainer")},
         stdout=subprocess.DEVNULL,
@@ -192,6 +193,18 @@ def test_a_local_run_with_tls_trains_over_https_and_another_ca_is_refused(tmp_pa
                 return False
 
         until(up, 120, "the trainer over HTTPS", every=0.2, alive={"trainer": trainer})
+
+        def scraped() -> bytes | None:  # its open metrics port, once the job is loaded: HTTPS too
+            try:
+                return urllib.request.urlopen(f"https://127.0.0.1:{metrics}/metrics", timeout=5, context=ctx).read()
+            except OSError:
+                return None
+
+        assert b"sparrowrl_" in until(
+            scraped, 120, "the metrics port over HTTPS", every=0.2, alive={"trainer": trainer}
+        )
+        with pytest.raises(OSError):  # plain HTTP to it gets no answer
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5)
         other = tmp_path / "other.crt"
         other.write_bytes(pki.authority("another job").cert)
         w = subprocess.run(

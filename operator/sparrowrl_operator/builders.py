@@ -31,6 +31,7 @@ from sparrowrl_operator.constants import (
     MANAGED_BY_LABEL,
     MANAGER,
     METRICS_PORT,
+    METRICS_SCHEME_LABEL,
     REGION_LABEL,
     RELAY_PORT,
     ROLE_LABEL,
@@ -526,6 +527,8 @@ def pod(
     }
     meta = metadata(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
     meta["labels"][ATTEMPT_LABEL] = str(attempt)
+    if encrypted(spec) and role.kind != "worker":  # its metrics port is HTTPS too: the PodMonitor reads this
+        meta["labels"][METRICS_SCHEME_LABEL] = "https"
     if role.kind == "trainer":  # what it reads from the ConfigMap, applied before the pod is made
         meta["annotations"] = {STEPS_ANNOTATION: str(spec.steps)}
     if slot is not None:

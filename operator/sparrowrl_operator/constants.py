@@ -14,6 +14,7 @@ UID_LABEL = f"{GROUP}/job-uid"
 ROLE_LABEL = f"{GROUP}/role"  # trainer, relay, worker
 REGION_LABEL = f"{GROUP}/region"
 SLOT_LABEL = f"{GROUP}/slot"  # a worker's index in its placement
+METRICS_SCHEME_LABEL = f"{GROUP}/metrics-scheme"  # https: the pod's metrics port serves TLS
 ATTEMPT_LABEL = f"{GROUP}/attempt"  # 0 for the first pod of a slot, +1 per replacement
 STEPS_ANNOTATION = f"{GROUP}/steps"  # on a trainer pod: the steps of the job document it started with
 FAILURES_ANNOTATION = f"{GROUP}/failures-in-a-row"  # on a replacement pod: its slot's failures in a row before it

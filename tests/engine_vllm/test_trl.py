@@ -22,6 +22,7 @@ from support.vllm_serve import vllm_serve  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
+from sparrowrl.auth import pki  # noqa: E402
 from sparrowrl.delta import state_hash  # noqa: E402
 from sparrowrl.integrations.trl import SparrowRLConfig, SparrowRLGRPOTrainer  # noqa: E402
 from sparrowrl.trainer.models import char_tokenizer, policy_state, tiny_qwen3  # noqa: E402
@@ -46,7 +47,12 @@ def test_grpo_trainer_syncs_vllm_serve_through_sparrowrl(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARROWRL_TOKEN", TOKEN)  # the origin's secret, in the trainer
     log = tmp_path / "vllm.log"
     flags = ("--max-model-len", "128", "--logprobs-mode", "processed_logprobs")
-    with vllm_serve(folder, log, f"http://127.0.0.1:{origin_port}", *flags) as base:
+    ca = pki.authority("trl job")  # the origin over HTTPS; the server trusts this CA alone
+    served = pki.serving(ca, ["127.0.0.1"])
+    for name, data in (("ca.crt", ca.cert), ("tls.crt", served.cert), ("tls.key", served.key)):
+        (tmp_path / name).write_bytes(data)
+    origin = f"https://127.0.0.1:{origin_port}"
+    with vllm_serve(folder, log, origin, *flags, SPARROWRL_CA_CERT=str(tmp_path / "ca.crt")) as base:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         v0 = policy_state(model)
         args = GRPOConfig(
@@ -67,7 +73,13 @@ def test_grpo_trainer_syncs_vllm_serve_through_sparrowrl(tmp_path, monkeypatch):
             vllm_server_timeout=30,
         )
         data = Dataset.from_dict({"prompt": ["1+2=", "3*4=", "abc", "(5-1)="] * 4})
-        sparrowrl = SparrowRLConfig(store=tmp_path / "store", port=origin_port, base_every=2)
+        sparrowrl = SparrowRLConfig(
+            store=tmp_path / "store",
+            port=origin_port,
+            base_every=2,
+            tls_cert=tmp_path / "tls.crt",
+            tls_key=tmp_path / "tls.key",
+        )
         trainer = SparrowRLGRPOTrainer(
             model=model, reward_funcs=distinct, args=args, train_dataset=data, processing_class=tok, sparrowrl=sparrowrl
         )

@@ -14,8 +14,9 @@ from support.servers import TOKEN  # noqa: E402
 from support.tensors import bf16  # noqa: E402
 from support.wait import until  # noqa: E402
 
+from sparrowrl.auth import pki  # noqa: E402
 from sparrowrl.delta import state_hash  # noqa: E402
-from sparrowrl.integrations.vllm_backend import MAX_STAGED, _Follower  # noqa: E402
+from sparrowrl.integrations.vllm_backend import CA_ENV, MAX_STAGED, _Follower, trusting_env  # noqa: E402
 from sparrowrl.sync import Origin, Publisher, Subscriber  # noqa: E402
 
 
@@ -97,3 +98,44 @@ def test_follower_stages_a_bounded_number_ahead_and_an_update_further_ahead_gets
             assert (f.sub.version, f.sub.state_hash) == (n, pub.state_hash) and not f.staged
         finally:
             f.stop()
+
+
+@pytest.mark.timeout(120)
+def test_the_backend_trusts_the_ca_it_is_given_alone(tmp_path, monkeypatch):
+    """SPARROWRL_CA_CERT: a follower of an HTTPS origin whose certificate that CA signed gets its
+    versions; with another CA it gets nothing, says why, and its tensors stay as they were."""
+    job, other = pki.authority("job"), pki.authority("another")
+    served = pki.serving(job, ["127.0.0.1"])
+    for name, data in (
+        ("job.crt", job.cert),
+        ("other.crt", other.cert),
+        ("tls.crt", served.cert),
+        ("tls.key", served.key),
+    ):
+        (tmp_path / name).write_bytes(data)
+    w = weights()
+    pub = Publisher(w, tmp_path / "store", base_every=2)
+    origin = pub.serve(TOKEN, tls_cert=tmp_path / "tls.crt", tls_key=tmp_path / "tls.key")
+    assert origin.url.startswith("https://")
+    step(w)
+    pub.publish()
+    try:
+        for ca, gets in (("job.crt", True), ("other.crt", False)):
+            monkeypatch.setenv(CA_ENV, str(tmp_path / ca))
+            held = bf16(weights())
+            before = {n: t.clone() for n, t in held.items()}
+            f = _Follower(Subscriber([origin.url], held, held=0, token=TOKEN, attempts=2, ssl_context=trusting_env()))
+            try:
+                if gets:
+                    update(f, 1)
+                    assert state_hash(held) == pub.state_hash
+                else:
+                    until(lambda: f.failure, 60, "the fetch refused")
+                    assert "certificate" in f.failure and all(torch.equal(held[n], before[n]) for n in held)
+            finally:
+                f.stop()
+        monkeypatch.setenv(CA_ENV, str(tmp_path / "missing.crt"))
+        with pytest.raises(ValueError, match="SPARROWRL_CA_CERT .*missing.crt"):
+            trusting_env()
+    finally:
+        origin.close()

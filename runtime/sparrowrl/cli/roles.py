@@ -135,7 +135,7 @@ def relay(
         except ValueError as e:
             fail(e)
         listen(
-            make_relay_app(r, token, None if metrics_port is None else (host, metrics_port)),
+            make_relay_app(r, token, None if metrics_port is None else (host, metrics_port), served),
             host,
             port,
             f"relay for {upstream} on {'https' if served else 'http'}://{host}:{port}/v1/versions",

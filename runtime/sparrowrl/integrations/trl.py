@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sparrowrl.integrations.vllm_client import MAX_WAIT_S, update_server
 from sparrowrl.sync import Origin, Publisher
@@ -42,6 +42,16 @@ class SparrowRLConfig(BaseModel):
         default_factory=list, description="more vLLM servers to update, besides the one TRL generates with"
     )
     wait_s: float = Field(60.0, gt=0, le=MAX_WAIT_S, description="how long a server may wait for a version to arrive")
+    tls_cert: Path | None = Field(
+        None, description="serve the origin over HTTPS with this PEM certificate (the servers: SPARROWRL_CA_CERT)"
+    )
+    tls_key: Path | None = Field(None, description="tls_cert's PEM private key")
+
+    @model_validator(mode="after")
+    def _both(self) -> SparrowRLConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both, or neither")
+        return self
 
 
 @functools.cache
@@ -92,7 +102,9 @@ def _classes() -> tuple[type, type]:
                 self.publisher = Publisher(model, cfg.store, base_every=cfg.base_every)
             if self.accelerator.is_main_process:
                 assert self.publisher is not None  # made above, on the main process
-                self.origin = self.publisher.serve(os.environ.get(TOKEN_ENV, ""), cfg.host, cfg.port)
+                self.origin = self.publisher.serve(
+                    os.environ.get(TOKEN_ENV, ""), cfg.host, cfg.port, cfg.tls_cert, cfg.tls_key
+                )
             return resumed
 
         def sync_weights(self) -> None:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import math
 import os
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 shield_llvmlite()  # numba (the codec) is loaded now, before vLLM scans modules again
 
 ORIGIN_ENV = "SPARROWRL_ORIGIN"
+CA_ENV = "SPARROWRL_CA_CERT"  # the CA an HTTPS origin's and relays' certificates must come from
 RETRY_S = 2.0  # after a fetch that failed (every server refused or unreachable)
 MAX_STAGED = 8  # versions fetched ahead of the one served; past that the fetch loop waits
 STOP_S = 30.0  # for the fetch thread to end
@@ -104,6 +106,16 @@ class SparrowRLUpdateInfo(WeightTransferUpdateInfo):
             or not 0 < self.wait_s <= MAX_WAIT_S
         ):
             raise ValueError(f"update_info.wait_s: seconds in (0, {MAX_WAIT_S:g}], got {self.wait_s!r}")
+
+
+def trusting_env() -> ssl.SSLContext | None:
+    """What HTTPS to the origin and relays trusts: the CA in SPARROWRL_CA_CERT alone (a job's own),
+    else the system's. ValueError: that file does not load."""
+    ca = os.environ.get(CA_ENV)
+    try:
+        return ssl.create_default_context(cafile=ca) if ca else None
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"{CA_ENV} {ca}: {getattr(e, 'strerror', None) or e}") from None
 
 
 class _Follower:
@@ -269,6 +281,7 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
         self.counts = {"ok": 0, "failed": 0, "mismatch": 0}
         self.last_error = ""
         self.token = Credential.from_env()  # SPARROWRL_TOKEN, or its file's: read again when refreshed
+        self._ssl = trusting_env()
         self._key = os.environ.get(KEY_ENV) or None
         if trust(self.token.get(), self._key) is None:
             raise ValueError(
@@ -283,7 +296,8 @@ class SparrowRLWeightTransferEngine(WeightTransferEngine[SparrowRLInitInfo, Spar
 
     def _follow(self, urls: list[str], held: int | None) -> _Follower:
         """Keep `state` at the versions `urls` serve (`held`: the version it holds, if known)."""
-        return _Follower(Subscriber(urls, self.state, held=held, token=self.token, trainer_key=self._key))
+        sub = Subscriber(urls, self.state, held=held, token=self.token, trainer_key=self._key, ssl_context=self._ssl)
+        return _Follower(sub)
 
     @property
     def _held(self) -> int | None:

@@ -136,7 +136,9 @@ class Trainer:
     async def h_status(self, request: web.Request) -> web.Response:
         return web.json_response(reports.status(self.snapshot()).model_dump())
 
-    def app(self, metrics_port: int | None = None, host: str = "127.0.0.1") -> web.Application:
+    def app(
+        self, metrics_port: int | None = None, host: str = "127.0.0.1", served: ServingTLS | None = None
+    ) -> web.Application:
         app = make_app(
             self.store.path,
             self.token,
@@ -148,7 +150,10 @@ class Trainer:
         app.add_routes([*self.control.routes(), web.get("/v1/status", self.h_status)])
         add_health(app, lambda: self.coord.published >= 0)  # serving version 0 and taking work
         add_metrics(
-            app, lambda: reports.metrics(self.snapshot()), None if metrics_port is None else (host, metrics_port)
+            app,
+            lambda: reports.metrics(self.snapshot()),
+            None if metrics_port is None else (host, metrics_port),
+            served,
         )
         return app
 
@@ -347,7 +352,7 @@ async def serve(
         freeze_heap()  # what the model and the modules hold, out of the collector's passes
     finally:
         await early.cleanup()  # the port is free again, for the trainer's own server at once
-    runner = web.AppRunner(run.app(metrics_port, host))
+    runner = web.AppRunner(run.app(metrics_port, host, served))
     await runner.setup()
     await listen(runner, host, port, served)
     log.info(f"trainer: serving on {'https' if served else 'http'}://{host}:{port}")

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sparrowrl.transport.http import listen
+from sparrowrl.transport.http import ServingTLS, listen
 
 
 class _Read(Collector):
@@ -24,11 +24,14 @@ class _Read(Collector):
 
 
 def add_metrics(
-    app: web.Application, read: Callable[[], Iterable[Metric]], open_at: tuple[str, int] | None = None
+    app: web.Application,
+    read: Callable[[], Iterable[Metric]],
+    open_at: tuple[str, int] | None = None,
+    served: ServingTLS | None = None,
 ) -> None:
     """GET /metrics: what `read()` yields, in Prometheus' text format, behind the app's token.
     `open_at` (host, port): also there without the token, for a scraper that has none, on a
-    port of its own that serves nothing else."""
+    port of its own that serves nothing else (HTTPS with `served`, as the role's own port)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Read(read))
 
@@ -47,7 +50,7 @@ def add_metrics(
         runner = web.AppRunner(scrape, access_log=None)
         await runner.setup()
         try:
-            await listen(runner, *open_at)
+            await listen(runner, *open_at, served)
         except BaseException:
             await runner.cleanup()
             raise

@@ -35,7 +35,7 @@ from sparrowrl.store.index import Version
 from sparrowrl.store.store import Store, StoreError
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.failover import FetchError
-from sparrowrl.transport.http import add_health, more_open_files
+from sparrowrl.transport.http import ServingTLS, add_health, more_open_files
 from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.transport.piece_table import PieceTable
 from sparrowrl.transport.server import SENT, make_app
@@ -331,7 +331,9 @@ class Relay:
             table.close("the relay dropped it (pruned, or restarted its mirror)")
 
 
-def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None = None) -> web.Application:
+def make_relay_app(
+    relay: Relay, token: str, metrics_at: tuple[str, int] | None = None, served: ServingTLS | None = None
+) -> web.Application:
     """The origin's API over the relay's mirror, with the mirroring loop running beside it. A
     delta being mirrored lists its verified pieces in arrival order; once stored, the origin's
     own handler serves it. Raises the process's limit of open files (`more_open_files`)."""
@@ -375,7 +377,7 @@ def make_relay_app(relay: Relay, token: str, metrics_at: tuple[str, int] | None 
             ),
         ]
 
-    add_metrics(app, metrics, metrics_at)
+    add_metrics(app, metrics, metrics_at, served)
 
     async def mirror_loop(app: web.Application):
         task = asyncio.create_task(relay.run())
