@@ -50,6 +50,7 @@ async def serving(served):
 
 
 def test_a_job_s_ca_signs_what_its_clients_trust_and_nothing_else_gets_through(tmp_path):
+    """Only the job's CA, and only for the name the client asked for."""
     job, other = pki.authority("job-a"), pki.authority("job-b")
     cert, key = write(tmp_path, pki.serving(job, ["127.0.0.1", "trainer.default.svc"]), "serving")
 
@@ -61,6 +62,14 @@ def test_a_job_s_ca_signs_what_its_clients_trust_and_nothing_else_gets_through(t
                 await get(port, trusting(other))
             with pytest.raises(aiohttp.ClientError):  # plain HTTP to the TLS port: no answer
                 await get(port, None, "http")
+        finally:
+            await runner.cleanup()
+        # the job's CA signed it, for another name (a relay's, say): refused at 127.0.0.1 all the same
+        elsewhere = write(tmp_path, pki.serving(job, ["relay-eu.sparrowrl.svc"]), "elsewhere")
+        runner, port = await serving(tls(*elsewhere))
+        try:
+            with pytest.raises(aiohttp.ClientConnectorCertificateError, match="match|mismatch"):
+                await get(port, trusting(job))
         finally:
             await runner.cleanup()
 
