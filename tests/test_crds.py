@@ -195,7 +195,6 @@ BAD = {  # refused by CEL in the API server and by parse in the operator and `sp
     "node selector key": lambda s: s["rollout"].update(nodeSelector={"bad key!": "x"}),
     "tensor parallelism with hf": lambda s: s["rollout"].update(engine="hf", tensorParallelSize=2),
     "resource name": lambda s: s["trainer"]["resources"]["requests"].update({"bad name!": "1"}),
-    "a plain trainer url with TLS on": lambda s: s["trainer"]["service"].update(url="http://t.example.com:8470"),
     "a CA of one's own with TLS off": lambda s: s.update(tls={"mode": "Disabled", "caSecretName": "team-ca"}),
 }
 
@@ -206,6 +205,24 @@ def test_cel_refuses_what_parse_refuses(case):
     with pytest.raises(JobError):
         parse(job)
     assert admitted(job), f"{case}: the API server would store it"
+
+
+def test_a_plain_trainer_url_with_tls_on_is_refused_at_the_door():
+    """By CEL alone: a job stored before the rule runs on as it started (the operator's own check
+    spares a job whose pods are plain, test_operator_tls.py)."""
+    job = spec_with(lambda s: s["trainer"]["service"].update(url="http://t.example.com:8470"))
+    assert admitted(job) == [
+        "spec: trainer.service.url: the trainer serves HTTPS (tls.mode Enabled); give an https:// URL, or set "
+        "tls.mode: Disabled"
+    ]
+
+
+def test_tls_is_immutable():
+    old = example_job()
+    assert admitted(spec_with(lambda s: s["tls"].update(mode="Disabled")), old) == [
+        "spec: tls is immutable: the job's pods trust the CA they started with"
+    ]
+    assert admitted(old, old) == []
 
 
 def test_a_plain_trainer_url_is_for_a_job_that_runs_unencrypted():

@@ -7,6 +7,7 @@ recreation of the same conditions, without a container."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -208,7 +209,10 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
         )
         if role.kind != "worker":
             made.append(builders.serving_secret(job, role, "default", True, pki.serving(ca, ["127.0.0.1"]), ca.cert))
-        secrets |= {s["metadata"]["name"]: s["stringData"] for s in made}
+        secrets |= {
+            s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in builders.stored(s)["data"].items()}
+            for s in made
+        }
     trusting = ssl.create_default_context(cadata=ca.cert.decode())
     config = builders.job_config(job, JOB["spec"])
     (tmp_path / "job.yaml").write_text(config["data"][builders.JOB_KEY])

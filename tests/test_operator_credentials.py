@@ -6,6 +6,7 @@ old one once it calls in."""
 from __future__ import annotations
 
 import base64
+import copy
 
 from test_operator_decisions import World, at, body
 from test_operator_placements import crash, single
@@ -90,3 +91,58 @@ def test_the_trainer_keeps_the_jobs_secret_and_roles_read_their_token_from_a_fil
     assert "SPARROWRL_TOKEN" not in {e["name"] for e in relay["env"]}
     mount = next(m for m in relay["volumeMounts"] if m["name"] == "credentials")
     assert "subPath" not in mount and mount["readOnly"]
+
+
+def test_what_a_slots_secret_says_is_not_taken_on_its_word():
+    """A member cluster's admin can write the slot's Secret: a token there that the job's key did
+    not sign (a generation or an expiry of their choosing) is minted anew, as is a pod's
+    generation annotation out of range."""
+    from sparrowrl.auth.signing import Signer
+    from sparrowrl.auth.tokens import mint
+
+    w, job = World(), body()
+    w.step(job, 0)
+    w.step(job, 0)
+    pod = w.pods["eu-west"]["add-grpo-u-1-worker-eu-0-0"]
+    forged = mint(Signer("not the job's"), "worker", "add-grpo-u-1-worker-eu-0-*", expires=2**53 - 1, generation=7)
+    w.objects["eu-west"]["Secret", SLOT]["data"]["token"] = base64.b64encode(forged.encode()).decode()
+    pod["metadata"]["annotations"]["sparrowrl.dev/token-generation"] = str(2**60)
+    w.step(job, 10)
+    now = claims(token(w))
+    assert now.expires == int(at(10).timestamp()) + LIFETIME  # an hour, whatever was written there
+    assert now.generation is not None and int(at(10).timestamp()) <= now.generation < 2**53  # a fresh one
+
+
+def test_a_replacement_that_could_not_be_made_keeps_its_generation_and_none_goes_back():
+    w, job = single()
+    w.step(job, 1)
+    crash(w, "add-grpo-worker-us-1-0", 50)
+    failed = copy.deepcopy(w.pods[None]["add-grpo-worker-us-1-0"])
+    actions = w.step(job, 100)
+    (made,) = [m for _, m in actions.create]
+    pending = generation(made)
+    assert pending > generation(failed)
+    del w.pods[None][made["metadata"]["name"]]  # its creation failed (a quota, say), and the old pod stays
+    w.pods[None]["add-grpo-worker-us-1-0"] = failed
+    assert claims(token(w, "add-grpo-worker-us-1-token", None)).generation == pending
+    actions = w.step(job, 200)  # tried again: the generation handed out, not a newer one
+    (again,) = [m for _, m in actions.create]
+    assert generation(again) == pending == claims(token(w, "add-grpo-worker-us-1-token", None)).generation
+
+
+def test_while_certificates_cannot_be_issued_no_pod_is_made_and_tokens_stay_fresh():
+    """A CA that breaks mid-run: running pods keep their tokens refreshed, with the CA they trust;
+    nothing new starts until it can sign again."""
+    w, job = World(), body()
+    job["spec"]["runPolicy"].pop("activeDeadlineSeconds", None)
+    w.step(job, 0)
+    w.step(job, 0)
+    w.run_all()
+    ca_before = base64.b64decode(w.objects["eu-west"]["Secret", SLOT]["data"]["ca.crt"])
+    w.objects[None]["Secret", "add-grpo-ca"]["data"]["tls.key"] = base64.b64encode(b"broken").decode()
+    del w.pods["eu-west"]["add-grpo-u-1-worker-eu-1-0"]  # a pod gone: not made again while the CA is broken
+    actions = w.step(job, LIFETIME * (1 - REFRESH) + 60)
+    assert not [m for _, m in actions.create if m["kind"] == "Pod"]
+    refreshed = claims(token(w))
+    assert refreshed.expires == int(at(LIFETIME * (1 - REFRESH) + 60).timestamp()) + LIFETIME
+    assert base64.b64decode(w.objects["eu-west"]["Secret", SLOT]["data"]["ca.crt"]) == ca_before

@@ -14,7 +14,7 @@ from aiohttp import web
 from support.servers import free_port
 
 from sparrowrl.auth import pki
-from sparrowrl.transport.http import ServingTLS, add_health, listen, tls
+from sparrowrl.transport.http import ServingTLS, TrustedCA, add_health, listen, tls
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,6 +93,54 @@ def test_a_certificate_replaced_on_disk_serves_the_next_connection_without_a_res
             with caplog.at_level(logging.ERROR):
                 assert await get(port, trusting(second)) == 200  # the last good one goes on
             assert "are not a PEM certificate and its private key" in caplog.text
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_ca_rotated_in_its_file_is_trusted_by_a_running_client_from_the_next_connection(tmp_path, caplog):
+    """A client's CA file (a Secret's volume) replaced: the same client, with no restart, trusts
+    the new CA from its next connection (and the old one still); one that does not load changes
+    nothing, and says so."""
+    from sparrowrl.transport.client import Client
+    from sparrowrl.transport.failover import FetchError
+
+    first, second = pki.authority("before"), pki.authority("after")
+    cert, key = write(tmp_path, pki.serving(first, ["127.0.0.1"]), "serving")
+    ca = tmp_path / "ca.crt"
+    ca.write_bytes(first.cert)
+    served = tls(cert, key)
+
+    async def main():
+        app = web.Application()
+
+        async def answer(_request: web.Request) -> web.Response:
+            # each answer closes its connection: the next request makes its handshake anew
+            return web.json_response({"ok": True}, headers={"Connection": "close"})
+
+        app.add_routes([web.get("/x", answer)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await listen(runner, "127.0.0.1", port, served)
+        url = f"https://127.0.0.1:{port}"
+        try:
+            async with Client(url, token="", trust=None, attempts=1, ssl_context=TrustedCA.of(ca)) as c:
+                assert await c.json("/x") == {"ok": True}
+                write(tmp_path, pki.serving(second, ["127.0.0.1"]), "serving")  # the server renewed by the new CA
+                with pytest.raises(FetchError, match="certificate not trusted"):
+                    await c.json("/x")
+                c.servers.server, c.servers._refused = 0, {}  # asked again at once, as after its backoff
+                ca.write_bytes(b"half written")
+                with caplog.at_level(logging.ERROR), pytest.raises(FetchError):
+                    await c.json("/x")
+                assert "does not load" in caplog.text
+                c.servers._refused = {}
+                tmp = ca.with_suffix(".new")
+                tmp.write_bytes(second.cert)
+                os.replace(tmp, ca)  # the new CA, as a Secret's volume updates it
+                assert await c.json("/x") == {"ok": True}
         finally:
             await runner.cleanup()
 

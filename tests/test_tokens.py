@@ -46,6 +46,8 @@ def test_a_newer_generation_of_a_name_revokes_the_older_one_from_then_on():
     assert gate.check(bearer(old)) == "the token of generation 1 was replaced by generation 2"
     assert gate.check(bearer(new)) == Principal("worker", "job-worker-eu-0-*")
     assert isinstance(gate.check(bearer(other)), Principal)  # another slot's own generations
+    plain = mint(SIGNER, "worker", "job-worker-eu-0-*")  # a pod's from before generations
+    assert gate.check(bearer(plain)) == "the token has no generation, and its name's is 2"
     forged = mint(Signer("another job"), "worker", "job-worker-eu-0-*", generation=99)
     assert isinstance(gate.check(bearer(forged)), str) and gate.check(bearer(new)) == Principal(
         "worker", "job-worker-eu-0-*"
@@ -139,3 +141,37 @@ def _get_with(url: str, token: str) -> tuple[int, str]:
             return r.status, ""
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def test_the_token_goes_to_the_servers_alone_not_where_a_redirect_points():
+    """A server (or a proxy before it) that redirects elsewhere does not get the token sent there:
+    each request carries it only to the origins the client was given."""
+    import asyncio
+
+    from aiohttp import web
+    from support.servers import serving
+
+    from sparrowrl.transport.client import Client
+
+    seen: dict[str, str] = {}
+
+    async def main():
+        async def elsewhere(request: web.Request) -> web.Response:
+            seen["elsewhere"] = request.headers.get("Authorization", "")
+            return web.json_response({"ok": True})
+
+        other = web.Application()
+        other.add_routes([web.get("/x", elsewhere)])
+        async with serving(other) as far:
+
+            async def ours(request: web.Request) -> web.Response:
+                seen["ours"] = request.headers.get("Authorization", "")
+                raise web.HTTPTemporaryRedirect(f"{far}/x")
+
+            app = web.Application()
+            app.add_routes([web.get("/x", ours)])
+            async with serving(app) as url, Client(url, token="the-token", trust=None, attempts=1) as c:
+                assert await c.json("/x") == {"ok": True}
+
+    asyncio.run(main())
+    assert seen == {"ours": "Bearer the-token", "elsewhere": ""}

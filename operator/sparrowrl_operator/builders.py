@@ -163,8 +163,14 @@ def credentials_secret(
         "kind": "Secret",
         "type": "Opaque",
         "metadata": metadata(job, credentials_name(job, role), namespace, home, role=role.kind, region=role.region),
-        "stringData": {TOKEN_KEY: token, TRAINER_KEY_KEY: key} | ({CA_KEY: ca.decode()} if ca else {}),
+        "stringData": {TOKEN_KEY: token, TRAINER_KEY_KEY: key},
+        **({"data": _encoded({CA_KEY: ca})} if ca else {}),
     }
+
+
+def _encoded(values: dict[str, bytes]) -> dict[str, str]:
+    """A Secret's `data`: bytes as they are (a CA or key read back may hold any bytes beside its PEM)."""
+    return {k: base64.b64encode(v).decode() for k, v in values.items()}
 
 
 def _items(keys: list[str] | tuple[str, ...]) -> list[dict]:
@@ -188,7 +194,7 @@ def authority_secret(job: JobRef, ca: Issued) -> dict:
         "kind": "Secret",
         "type": "kubernetes.io/tls",
         "metadata": metadata(job, f"{job.name}-ca", job.namespace, True),
-        "stringData": {CERT_KEY: ca.cert.decode(), KEY_KEY: ca.key.decode()},
+        "data": _encoded({CERT_KEY: ca.cert, KEY_KEY: ca.key}),
     }
 
 
@@ -204,7 +210,7 @@ def serving_secret(job: JobRef, role: Process, namespace: str, home: bool, serve
         "kind": "Secret",
         "type": "kubernetes.io/tls",
         "metadata": metadata(job, serving_name(job, role), namespace, home, role=role.kind, region=role.region),
-        "stringData": {CERT_KEY: served.cert.decode(), KEY_KEY: served.key.decode(), CA_KEY: ca.decode()},
+        "data": _encoded({CERT_KEY: served.cert, KEY_KEY: served.key, CA_KEY: ca}),
     }
 
 

@@ -105,13 +105,10 @@ def reconcile_placements(
             continue
         reachable.add(cluster)
         mine = [r for r in roles if r.region == region.name]
-        uncertified = builders.encrypted(spec) and trust is None
-        if uncertified or (
-            cluster and (not address or ("Secret", builders.token_name(job)) not in c.obs.objects.get(None, ()))
-        ):
+        if cluster and (not address or ("Secret", builders.token_name(job)) not in c.obs.objects.get(None, ())):
             statuses.append(PlacementStatus(region=region.name, cluster=cluster, desired=region.workers))
             tally.workers_alive += region.workers
-            continue  # its pods need the job's CA, the trainer's outside address, and their tokens the job's secret
+            continue  # its pods need the trainer's outside address, and their tokens the job's secret
         if cluster is not None and cluster not in policed:  # one per member cluster, its placements' namespace
             policed.add(cluster)
             network.reconcile_policy(c, out, cluster, namespace(region.name))
@@ -166,7 +163,10 @@ def _placement(
     p: Placement | None,
     trust: Trust | None,
 ) -> PlacementStatus:
-    """One reachable placement's relay and workers: made, replaced, given up, scaled down."""
+    """One reachable placement's relay and workers: made, replaced, given up, scaled down. While
+    an encrypted job's certificates cannot be issued (`trust` None), no pod is made, and the
+    running ones keep their tokens refreshed, with the CA they already trust."""
+    hold = builders.encrypted(c.spec) and trust is None
     home = cluster is None
     job = c.job if home else c.job.in_member()
     secret_kept = ("Secret", builders.token_name(c.job)) in c.obs.objects.get(None, ())
@@ -179,11 +179,10 @@ def _placement(
         # a placement's template is its workers'; relays have their own
         template = c.spec.relays.template if r.kind == "relay" else p.template if p is not None else None
         token = credentials.held(c, cluster, job, r)
-        fresh = credentials.next_generation(c, token)
 
         def keep(generation: int | None, r: Process = r, token: Claims | None = token) -> None:
             if secret_kept:  # tokens from the secret the trainer keeps, not from one about to be made
-                ca = trust.ca_cert if trust else None
+                ca = trust.ca_cert if trust else credentials.held_ca(c, cluster, job, r) if hold else None
                 credentials.keep(c, out, cluster, r, namespace, ca, generation, token)
 
         if r.kind == "relay":
@@ -196,12 +195,17 @@ def _placement(
         pod, older = c.pods.current(cluster, key)
         for old in older:
             out.remove(cluster, old)
+        if pod is None and hold:
+            if token is not None:
+                keep(token.generation)
+            continue
         if pod is None:
+            fresh = credentials.next_generation(c, token, None)
             keep(fresh)
             out.create_pod(cluster, c.pod(cluster, r, 0, slot, namespace, template, generation=fresh))
             continue
         if terminating(pod):
-            keep(credentials.generation_of(pod, token))
+            keep(credentials.generation_of(c, pod, token))
             continue  # suspended or scaled down a moment ago: its successor waits for the name
         n = attempt(pod)
         replaced += n
@@ -222,13 +226,14 @@ def _placement(
             replacing, warning = f"pod {pod['metadata']['name']} finished before the trainer started again", False
         elif r.kind == "worker" and pod["metadata"]["name"] in stale and c.spec.health.on_stale == "Replace":
             replacing = f"worker {pod['metadata']['name']} is stale"
-        if replacing:  # its token of a new generation: the old one is refused once the new pod calls in
+        if replacing and not hold:  # a token of a new generation: the old one is refused once the new pod calls in
+            fresh = credentials.next_generation(c, token, credentials.own_generation(pod))
             keep(fresh)
             out.create_pod(cluster, c.pod(cluster, r, n + 1, slot, namespace, template, failures, fresh))
             out.remove(cluster, pod)
             out.event(REPLACED, f"{replacing}; replaced it (replacement {n + 1})", warning=warning)
         else:
-            keep(credentials.generation_of(pod, token))
+            keep(credentials.generation_of(c, pod, token))
     for stray in c.pods.of(cluster):  # scaled down
         role, reg, label = slot_key(stray)
         if role == "worker" and reg == region and label is not None and int(label) >= len(workers):

@@ -40,7 +40,8 @@ def reconcile(
         return _invalid(out, pods, observed, f"{e.args[0]}: missing")
     if spec.manager != MANAGED_BY:
         return Actions()  # e.g. kueue.x-k8s.io/multikueue: another controller runs it, and writes its status
-    if why := builders.names_fit(job, spec):
+    spec = tls.effective(spec, pods)
+    if why := builders.names_fit(job, spec) or tls.refused_url(spec):
         return _invalid(out, pods, observed, why)
     c = Facts(job, spec, body["spec"], observed, image, backoff, prev, pods, network)
     clusters = (0, 0)  # reachable, used: only an active job's placements count them

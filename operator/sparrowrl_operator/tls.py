@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from sparrowrl.auth import pki
 from sparrowrl.auth.pki import Issued
+from sparrowrl.spec.job import JobSpec
+from sparrowrl.spec.kubespec import TlsSpec
 from sparrowrl.spec.layout import Process
 from sparrowrl_operator import builders, issuer
 from sparrowrl_operator.builders import JobRef
@@ -24,13 +26,14 @@ from sparrowrl_operator.constants import (
     KEY_KEY,
     MANAGED_BY_LABEL,
     MANAGER,
+    ROLE_LABEL,
     UID_LABEL,
     UNENCRYPTED,
 )
 from sparrowrl_operator.credentials import secret_value
 from sparrowrl_operator.cycle import Facts, Outcome
 from sparrowrl_operator.drift import ensure
-from sparrowrl_operator.pods import Cluster
+from sparrowrl_operator.pods import Cluster, Pods
 
 DAYS = 90  # a serving certificate's life, and RENEW of it left when it is issued anew: cert-manager's defaults
 RENEW = 1 / 3
@@ -50,6 +53,16 @@ def authority(c: Facts, out: Outcome) -> Trust | None:
     encrypted, or its certificates cannot be issued yet (the Encrypted condition says why,
     naming the field)."""
     job, spec = c.job, c.spec.tls
+    if spec.mode == "Disabled" and ((c.document.get("tls") or {}).get("mode") or "Enabled") == "Enabled":
+        out.transition(
+            "Encrypted",
+            False,
+            UNENCRYPTED,
+            "the job started before its operator encrypted jobs by default (its pods serve and fetch plain HTTP): "
+            "it runs unencrypted until it starts again from nothing (suspend and resume it)",
+            warning=True,
+        )
+        return None
     if spec.mode == "Disabled":
         out.transition(
             "Encrypted",
@@ -107,6 +120,34 @@ def _encrypted(out: Outcome, name: str, trust: Trust) -> Trust:
     return trust
 
 
+def effective(spec: JobSpec, pods: Pods) -> JobSpec:
+    """The spec as the job runs: one that started before jobs were encrypted by default (a pod of
+    it made without TLS) runs plain until every pod is made again, rather than half its pods
+    speaking a scheme the others do not."""
+    if not builders.encrypted(spec) or not any(_made_plain(p) for _, p in pods):
+        return spec
+    return spec.model_copy(update={"tls": TlsSpec(mode="Disabled")})
+
+
+def _made_plain(pod: dict) -> bool:
+    role = (pod["metadata"].get("labels") or {}).get(ROLE_LABEL)
+    flag = "--ca-cert" if role == "worker" else "--tls-cert"
+    containers = (pod.get("spec") or {}).get("containers") or []
+    return role in ("trainer", "relay", "worker") and not any(flag in (c.get("args") or []) for c in containers)
+
+
+def refused_url(spec: JobSpec) -> str | None:
+    """Why trainer.service.url cannot be the encrypted trainer's address, or None (the CRD refuses
+    it too, but not in a job that was stored before it did)."""
+    url = spec.trainer.service.url
+    if url is None or not builders.encrypted(spec) or url.startswith("https://"):
+        return None
+    return (
+        f"spec.trainer.service.url {url!r}: the trainer serves HTTPS (tls.mode Enabled); give an https:// URL "
+        "(a proxy in front must pass TLS through), or set tls.mode: Disabled"
+    )
+
+
 def _ours(job: JobRef, obj: dict) -> bool:
     labels = obj["metadata"].get("labels") or {}
     return labels.get(MANAGED_BY_LABEL) == MANAGER and labels.get(UID_LABEL) == job.uid
@@ -151,5 +192,9 @@ def trainer_names(c: Facts) -> list[str]:
     if c.spec.trainer.service.type == "NodePort" and c.obs.node_address:
         names.append(c.obs.node_address)
     if c.spec.trainer.service.url and (host := urllib.parse.urlsplit(c.spec.trainer.service.url).hostname):
-        names.append(host)
+        try:
+            names.append(host.encode("idna").decode("ascii"))  # a certificate names A-labels
+        except UnicodeError:
+            pass  # not a name any client could ask for
+
     return list(dict.fromkeys(names))

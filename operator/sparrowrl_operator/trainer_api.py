@@ -28,22 +28,38 @@ class _Named(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(self.sock, server_hostname=self._name)  # type: ignore[attr-defined]
 
 
-def trainer_status(pods: list[dict], token: str, ca: bytes | None, name: str) -> TrainerStatus | None:
-    """The status of the running trainer pod, or None when none answers. `ca`: the job's CA (an
-    encrypted job), `name`: the trainer Service's name its certificate is for."""
+def serves_tls(pod: dict) -> bool:
+    """Whether a trainer pod serves HTTPS: as it was made, whatever the job says now."""
+    return any("--tls-cert" in (c.get("args") or []) for c in (pod.get("spec") or {}).get("containers") or [])
+
+
+def trusting(ca: bytes) -> ssl.SSLContext | None:
+    """A context that trusts `ca` alone (an intermediate too), or None when it holds no CA."""
     try:
-        context = ssl.create_default_context(cadata=ca.decode(errors="replace")) if ca is not None else None
-    except (ssl.SSLError, ValueError):  # a CA that does not load: the Encrypted condition says why
+        context = ssl.create_default_context(cadata=ca.decode("ascii"))
+    except (ssl.SSLError, ValueError):  # not PEM: the Encrypted condition says why
         return None
+    if not context.get_ca_certs():
+        return None
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return context
+
+
+def trainer_status(pods: list[dict], token: str, ca: bytes | None, name: str) -> TrainerStatus | None:
+    """The status of the running trainer pod, or None when none answers. A pod that serves HTTPS
+    is asked over HTTPS alone, checked against `ca` (the job's) for `name` (the trainer Service's):
+    without a CA that loads, it is not asked, since the request carries the job's secret."""
     for p in pods:
         st = p.get("status") or {}
         if p["metadata"]["labels"].get(ROLE_LABEL) != "trainer" or st.get("phase") != "Running" or not st.get("podIP"):
             continue
-        conn = (
-            _Named(st["podIP"], TRAINER_PORT, name, context)
-            if context
-            else http.client.HTTPConnection(st["podIP"], TRAINER_PORT, timeout=TIMEOUT)
-        )
+        if serves_tls(p):
+            context = trusting(ca) if ca else None
+            if context is None:
+                continue
+            conn: http.client.HTTPConnection = _Named(st["podIP"], TRAINER_PORT, name, context)
+        else:
+            conn = http.client.HTTPConnection(st["podIP"], TRAINER_PORT, timeout=TIMEOUT)
         try:
             conn.request("GET", "/v1/status", headers={"Authorization": f"Bearer {token}"})
             r = conn.getresponse()

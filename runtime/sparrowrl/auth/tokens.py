@@ -72,8 +72,18 @@ def mint(signer: Signer, role: Role, name: str, expires: int | None = None, gene
     return f"{TOKEN_PREFIX}{claims}.{signer.sign(_TOKEN + claims.encode())}"
 
 
+def verified(token: str, verifier: Verifier) -> Claims | None:
+    """What a role token says, if the job's key signed it; else None."""
+    if not token.startswith(TOKEN_PREFIX):
+        return None
+    signed, _, sig = token[len(TOKEN_PREFIX) :].partition(".")
+    if not verifier.ok(_TOKEN + signed.encode(errors="surrogateescape"), sig):
+        return None
+    return claims(token)
+
+
 def claims(token: str) -> Claims | None:
-    """What a role token says, unchecked (the operator reading back what it minted), or None."""
+    """What a role token says, its signature unchecked (`verified` checks it), or None."""
     if not token.startswith(TOKEN_PREFIX):
         return None
     try:
@@ -171,6 +181,8 @@ class Gate:
             return "missing or wrong bearer token"
         if c.expires is not None and (now if now is not None else time.time()) > c.expires + self.skew:
             return f"the token expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(c.expires))}"
+        if c.generation is None and c.who.name in self._newest:  # from before its name's generations
+            return f"the token has no generation, and its name's is {self._newest[c.who.name]}"
         if c.generation is not None:
             newest = self._newest.get(c.who.name, -1)
             if c.generation < newest:
@@ -182,9 +194,4 @@ class Gate:
         return c.who
 
     def _check(self, token: str) -> Claims | None:
-        if self.verifier is None or not token.startswith(TOKEN_PREFIX):
-            return None
-        signed, _, sig = token[len(TOKEN_PREFIX) :].partition(".")
-        if not self.verifier.ok(_TOKEN + signed.encode(errors="surrogateescape"), sig):
-            return None
-        return claims(token)
+        return verified(token, self.verifier) if self.verifier is not None else None

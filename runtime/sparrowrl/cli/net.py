@@ -42,9 +42,11 @@ def checked_token() -> str:
 
 
 def trusting(ca_cert: Path | None) -> ssl.SSLContext | None:
-    """A TLS context that trusts `ca_cert` (None: the system's)."""
+    """A TLS context that trusts `ca_cert` alone, read again when it changes (None: the system's)."""
+    from sparrowrl.transport.http import TrustedCA
+
     try:
-        return ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else None
+        return TrustedCA.of(ca_cert) if ca_cert else None
     except (OSError, ssl.SSLError) as e:  # ssl's message does not name the file
         fail(ValueError(f"--ca-cert {ca_cert}: {e.strerror or e}"))
 

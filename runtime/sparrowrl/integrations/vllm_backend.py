@@ -29,6 +29,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from sparrowrl.integrations.vllm_client import MAX_WAIT_S
 from sparrowrl.integrations.vllm_cpu import shield_llvmlite
 from sparrowrl.integrations.vllm_layout import Layout, hf_shapes, owners, packed, tied_modules
 from sparrowrl.sync import Staged, Subscriber
+from sparrowrl.transport.http import TrustedCA
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +115,7 @@ def trusting_env() -> ssl.SSLContext | None:
     else the system's. ValueError: that file does not load."""
     ca = os.environ.get(CA_ENV)
     try:
-        return ssl.create_default_context(cafile=ca) if ca else None
+        return TrustedCA.of(Path(ca)) if ca else None
     except (OSError, ssl.SSLError) as e:
         raise ValueError(f"{CA_ENV} {ca}: {getattr(e, 'strerror', None) or e}") from None
 

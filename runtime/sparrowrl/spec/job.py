@@ -64,6 +64,10 @@ class JobSpec(Section):
                     "belongs to them",
                 },
                 {
+                    "rule": "has(self.tls) == has(oldSelf.tls) && (!has(self.tls) || self.tls == oldSelf.tls)",
+                    "message": "tls is immutable: the job's pods trust the CA they started with",
+                },
+                {
                     "rule": (
                         "!has(self.placements) || !self.placements.exists(p, has(p.cluster)) || (has(self.trainer) && "
                         "has(self.trainer.service) && (has(self.trainer.service.url) || "
@@ -173,16 +177,6 @@ class JobSpec(Section):
                 f"placements: region {remote[0].region} runs in cluster {remote[0].cluster}, which cannot "
                 f"reach a ClusterIP trainer; set trainer.service.type to LoadBalancer or NodePort, or "
                 f"trainer.service.url"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _https_trainer(self) -> JobSpec:
-        url = self.trainer.service.url
-        if url is not None and self.tls.mode == "Enabled" and not url.startswith("https://"):
-            raise ValueError(
-                f"trainer.service.url {url!r}: the trainer serves HTTPS (tls.mode Enabled); give an https:// URL "
-                "(a proxy in front must pass TLS through), or set tls.mode: Disabled"
             )
         return self
 

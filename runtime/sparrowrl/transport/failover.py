@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
+import yarl
 from pydantic import BaseModel, ValidationError
 
 from sparrowrl.auth.credential import Credential
 from sparrowrl.spec.limits import first_problem
+from sparrowrl.transport.http import TrustedCA
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ class Servers:
         """See Client: `local_ports` binds stream i's connection to local_ports[i]; `rate_mbit`
         caps the download rate of all streams together."""
         self.urls, self.credential, self.attempts, self.backoff = urls, credential, attempts, backoff
+        self._origins = {yarl.URL(u).origin() for u in urls}  # where the token may go
         self.ssl = ssl_context
         self.timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout)
         self.stats = Stats()
@@ -140,8 +143,11 @@ class Servers:
         self._refused: dict[int, float] = {}  # server → until when it is not asked (time.monotonic)
 
     async def _authorize(self, request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType):
-        """Each request with the token as it is now (refreshed in its file, the next one has it)."""
-        if token := self.credential.get():
+        """Each request to one of the servers with the token as it is now (refreshed in its file,
+        the next one has it); none to anywhere else, such as where a redirect points."""
+        if isinstance(self.ssl, TrustedCA):
+            self.ssl.refresh()  # a CA rotated in its file: trusted from this connection on
+        if request.url.origin() in self._origins and (token := self.credential.get()):
             request.headers[aiohttp.hdrs.AUTHORIZATION] = f"Bearer {token}"
         return await handler(request)
 

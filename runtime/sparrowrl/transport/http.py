@@ -81,6 +81,48 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class TrustedCA(ssl.SSLContext):
+    """A client's TLS context that trusts the CA in a file alone (an intermediate is enough), and
+    the CA the file holds later too: a CA rotated in a Secret's volume is trusted from the next
+    connection on, with no restart (the one before stays trusted until the process ends, so the
+    servers not yet renewed keep their clients). `refresh`, before each request, looks."""
+
+    path: Path
+    _seen: tuple[int, ...] | None
+    _failed: bool
+
+    @classmethod
+    def of(cls, path: Path) -> TrustedCA:
+        """OSError or ssl.SSLError: the file does not load."""
+        ctx = cls(ssl.PROTOCOL_TLS_CLIENT)  # names checked, certificates required
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        ctx.path, ctx._failed = Path(path), False
+        ctx._seen = ctx._stat()
+        ctx.load_verify_locations(cafile=str(path))
+        return ctx
+
+    def _stat(self) -> tuple[int, ...] | None:
+        try:
+            s = os.stat(self.path)
+        except OSError:
+            return None
+        return (s.st_dev, s.st_ino, s.st_mtime_ns, s.st_ctime_ns, s.st_size)
+
+    def refresh(self) -> None:
+        seen = self._stat()
+        if seen is None or seen == self._seen:
+            return
+        try:
+            self.load_verify_locations(cafile=str(self.path))
+            self._seen, self._failed = seen, False
+            log.info(f"TLS: trusting the CA in {self.path} as it is now (it changed)")
+        except (OSError, ssl.SSLError) as e:
+            if not self._failed:
+                log.error(f"TLS: {self.path} does not load ({e}); the CA loaded before stays trusted")
+            self._failed = True
+
+
 class ServingTLS:
     """A server's certificate and key, from PEM files that may be replaced while it runs (a
     Secret's volume, renewed): each TLS handshake looks at the files (a stat of each), and a
