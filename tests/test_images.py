@@ -207,8 +207,7 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
         made = (
             [builders.credentials_secret(job, role, secret, "default", True, ca.cert)] if role.kind != "trainer" else []
         )
-        if role.kind != "worker":
-            made.append(builders.serving_secret(job, role, "default", True, pki.serving(ca, ["127.0.0.1"]), ca.cert))
+        made.append(builders.serving_secret(job, role, "default", True, pki.serving(ca, ["127.0.0.1"]), ca.cert))
         secrets |= {
             s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in builders.stored(s)["data"].items()}
             for s in made
@@ -235,8 +234,8 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
             procs[role.name] = subprocess.Popen(
                 argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
-            probe, scheme = ("readyz", "https") if role.kind != "worker" else ("healthz", "http")
-            url = f"{scheme}://127.0.0.1:{ports[role.name]['http']}/{probe}"
+            probe = "readyz" if role.kind != "worker" else "healthz"
+            url = f"https://127.0.0.1:{ports[role.name]['http']}/{probe}"
             until(lambda: answer(url, trusting) == 200, 300, f"{url} answering", every=0.2, alive=procs)
         summary = mounts["state"] / "summary.json"
         until(summary.exists, 600, "the job's summary", every=1, alive={"trainer": procs["trainer"]})

@@ -167,7 +167,7 @@ def test_what_the_operator_decides_is_kept():
         assert all("sparrowrl-operator" in applied_by(o) for o in first)
         home.patch("v1/services", "default", "grpo-trainer", {"spec": {"ports": [{"name": "http", "port": 9999}]}})
         home.patch("v1/configmaps", "default", "grpo-job", {"data": {"job.yaml": "edited"}})
-        east.patch("v1/secrets", "sparrowrl", f"{m}-worker-eu-0-token", {"data": {"token": "ZWRpdGVk"}})
+        east.patch("v1/secrets", "sparrowrl", f"{m}-worker-eu-0-token", {"data": {"trainer-key": "ZWRpdGVk"}})
         until(
             lambda: [p["port"] for p in home.get("v1/services", "default", "grpo-trainer")["spec"]["ports"]] == [8470],
             30,

@@ -194,6 +194,7 @@ def test_a_new_job_becomes_its_objects_in_each_cluster():
     assert {n for c, n in secrets if c == "ap-south"} == {
         "add-grpo-u-1-relay-ap-token",
         "add-grpo-u-1-relay-ap-tls",  # the relay's serving certificate
+        "add-grpo-u-1-worker-ap-tls",  # the placement's workers' (their probes and metrics)
         "add-grpo-u-1-worker-ap-0-token",
     }
     mine = secrets["ap-south", "add-grpo-u-1-worker-ap-0-token"]  # a slot's own token, and the trainer's key

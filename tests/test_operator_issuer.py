@@ -81,7 +81,7 @@ def test_cert_manager_issues_every_serving_certificate_and_the_pods_trust_its_ca
     assert condition(j, "Encrypted")["status"] == "True"
     assert w.names(None)  # the trainer, and the home region's relay and workers
     relays = {n for k, n in w.objects[None] if k == "Certificate"} - {"add-grpo-trainer-tls"}
-    assert relays == {"add-grpo-relay-us-tls", "add-grpo-relay-eu-tls", "add-grpo-relay-ap-tls"}
+    assert relays == {f"add-grpo-{k}-{r}-tls" for k in ("relay", "worker") for r in ("us", "eu", "ap")}
     eu = w.objects[None]["Certificate", "add-grpo-relay-eu-tls"]["spec"]
     assert "add-grpo-u-1-relay-eu.sparrowrl.svc" in eu["dnsNames"]  # the member's names, issued at home
     cert_manager(w)

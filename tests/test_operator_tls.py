@@ -90,8 +90,20 @@ def test_a_job_is_encrypted_by_default_every_hop_from_its_own_ca():
         "credentials/ca.crt",
     ]
     worker = w.pods["eu-west"]["add-grpo-u-1-worker-eu-0-0"]["spec"]
-    assert worker["containers"][0]["args"][-2:] == ["--ca-cert", "credentials/ca.crt"]
-    assert "scheme" not in worker["containers"][0]["readinessProbe"]["httpGet"]  # its probes alone, in its pod
+    assert worker["containers"][0]["args"][-6:] == [
+        "--tls-cert",
+        "tls/tls.crt",
+        "--tls-key",
+        "tls/tls.key",
+        "--ca-cert",
+        "credentials/ca.crt",
+    ]  # its own ports (probes, metrics) HTTPS too, with its placement's certificate
+    assert worker["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert {"name": "tls", "secret": {"secretName": "add-grpo-u-1-worker-eu-tls", "items": tls_files}} in worker[
+        "volumes"
+    ]
+    shared = secret(w, "add-grpo-u-1-worker-eu-tls", "eu-west")
+    assert signed_by(shared["tls.crt"], CA.cert) and names_in(shared["tls.crt"]) == {"add-grpo-u-1-worker-eu.sparrowrl"}
     files = [{"key": "token", "path": "token"}, {"key": "ca.crt", "path": "ca.crt"}]
     assert {
         "name": "credentials",

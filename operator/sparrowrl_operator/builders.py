@@ -199,8 +199,16 @@ def authority_secret(job: JobRef, ca: Issued) -> dict:
 
 
 def serving_name(job: JobRef, role: Process) -> str:
-    """The trainer's or a relay's serving certificate."""
+    """The trainer's or a relay's serving certificate, or the one a placement's workers share
+    (their probes and metrics: no client asks for a worker by name)."""
+    if role.kind == "worker":
+        return f"{job.base}-worker-{role.region}-tls"
     return f"{trainer_name(job) if role.kind == 'trainer' else relay_name(job, role.region or '')}-tls"
+
+
+def worker_names(job: JobRef, region: str, namespace: str) -> list[str]:
+    """What a placement's workers' certificate names: their placement, in their namespace."""
+    return [f"{job.base}-worker-{region}.{namespace}"]
 
 
 def serving_secret(job: JobRef, role: Process, namespace: str, home: bool, served: Issued, ca: bytes) -> dict:
@@ -416,7 +424,7 @@ def _args(role: Process, spec: JobSpec) -> list[str]:
     serve = ["--host", "$(POD_IP)", "--port", str(PORTS[role.kind]), "--metrics-port", str(METRICS_PORT)]
     serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
     tls = encrypted(spec)
-    served = ["--tls-cert", f"{TLS_DIR}/{CERT_KEY}", "--tls-key", f"{TLS_DIR}/{KEY_KEY}"] if tls else []
+    served = ["--tls-cert", f"{TLS_DIR}/{CERT_KEY}", "--tls-key", f"{TLS_DIR}/{KEY_KEY}"] if tls else []  # every role
     trusts = ["--ca-cert", f"{CREDENTIALS_DIR}/{CA_KEY}"] if tls else []
     if role.kind == "trainer":
         return ["trainer", JOB_KEY, "--state-dir", "state", *serve, *served]
@@ -442,6 +450,7 @@ def _args(role: Process, spec: JobSpec) -> list[str]:
         "--region",
         role.region,
         *serve,
+        *served,
         *trusts,
     ]
 
@@ -491,7 +500,7 @@ def pod(
         keys = [TOKEN_KEY, *([CA_KEY] if encrypted(spec) else [])]
         mounts.append({"name": "credentials", "mountPath": f"{WORKDIR}/{CREDENTIALS_DIR}", "readOnly": True})
         volumes.append({"name": "credentials", "secret": {"secretName": secret, "items": _items(keys)}})
-    if encrypted(spec) and role.kind != "worker":
+    if encrypted(spec):
         mounts.append({"name": "tls", "mountPath": f"{WORKDIR}/{TLS_DIR}", "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": serving_name(job, role), "items": _items(TLS_KEYS)}})
     env = [
@@ -511,8 +520,8 @@ def pod(
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "SPARROWRL_LOG_FORMAT", "value": "json"},  # one object per line, for the cluster's log pipeline
     ]
-    # a worker's port serves its probes alone, plain; the kubelet does not check a serving certificate
-    get = {"port": "http"} | ({"scheme": "HTTPS"} if encrypted(spec) and role.kind != "worker" else {})
+    # the kubelet does not check a serving certificate
+    get = {"port": "http"} | ({"scheme": "HTTPS"} if encrypted(spec) else {})
     probe = {"httpGet": {"path": "/readyz"} | get, "periodSeconds": 5, "failureThreshold": 3}
     container = {
         "name": role.kind,
@@ -533,7 +542,7 @@ def pod(
     }
     meta = metadata(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
     meta["labels"][ATTEMPT_LABEL] = str(attempt)
-    if encrypted(spec) and role.kind != "worker":  # its metrics port is HTTPS too: the PodMonitor reads this
+    if encrypted(spec):  # its metrics port is HTTPS too: the PodMonitor reads this
         meta["labels"][METRICS_SCHEME_LABEL] = "https"
     if role.kind == "trainer":  # what it reads from the ConfigMap, applied before the pod is made
         meta["annotations"] = {STEPS_ANNOTATION: str(spec.steps)}

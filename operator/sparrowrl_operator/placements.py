@@ -175,6 +175,8 @@ def _placement(
     given_up: list[str] = []  # the failed pods of slots given up
     lost = 0  # worker slots given up
     workers = [r for r in roles if r.kind == "worker"]
+    if trust is not None and workers:  # one for the placement's workers: their probes and metrics
+        tls.serve(c, out, trust, cluster, workers[0], namespace, builders.worker_names(job, region, namespace))
     for r in roles:
         # a placement's template is its workers'; relays have their own
         template = c.spec.relays.template if r.kind == "relay" else p.template if p is not None else None

@@ -176,7 +176,9 @@ def serve(
     served = pki.serving(ca, names, DAYS, c.obs.now)
     ensure(c, out, cluster, builders.serving_secret(job, role, namespace, home, served, ca.cert), expected=True)
     if seen is not None:
-        what = "the trainer" if role.kind == "trainer" else f"the relay of {role.region}"
+        what = {"trainer": "the trainer", "relay": f"the relay of {role.region}"}.get(
+            role.kind, f"the workers of {role.region}"
+        )
         where = f" in cluster {cluster}" if cluster else ""
         out.event(ISSUED, f"issued {what}'s serving certificate anew (Secret {name}{where}): {why}")
 

@@ -169,6 +169,8 @@ def worker(
     ca_cert: Annotated[
         Path | None, typer.Option(help="CA bundle to trust for HTTPS to the trainer and the relay.")
     ] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help=f"{TLS_CERT_HELP} (/healthz, /readyz, /metrics)")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help=TLS_KEY_HELP)] = None,
     log_format: LogFormat = "text",
     log_level: LogLevel = "info",
 ) -> None:
@@ -186,6 +188,7 @@ def worker(
     in_range("--pace-tokens-per-s", pace_tokens_per_s, 1e-3, 1e9)
     local = ports(local_ports)
     ctx = trusting(ca_cert)
+    served = serving(tls_cert, tls_key)
     for flag, value, kind, rule in (
         ("--name", name, Name, "1..253 of [-A-Za-z0-9_.], starting with a letter or digit"),
         ("--region", region, Region, "a DNS label (lower-case letters, digits, -)"),
@@ -202,7 +205,9 @@ def worker(
     logs.setup(log_format, log_level)
     try:
         asyncio.run(
-            main(trainer, relay, name, host, port, rate_mbit, region, metrics_port, local, pace_tokens_per_s, ctx)
+            main(
+                trainer, relay, name, host, port, rate_mbit, region, metrics_port, local, pace_tokens_per_s, ctx, served
+            )
         )
     except (ListenError, FetchError) as e:
         fail(e)

@@ -42,7 +42,7 @@ from sparrowrl.spec.task import EnvironmentSpec
 from sparrowrl.sync import Staged, Subscriber
 from sparrowrl.transport.client import Client
 from sparrowrl.transport.failover import FetchError
-from sparrowrl.transport.http import GATE, add_health, auth, listen
+from sparrowrl.transport.http import GATE, ServingTLS, add_health, auth, listen
 from sparrowrl.transport.metrics import add_metrics, family
 from sparrowrl.worker.engines import Engine, Prompt, Sampling, make_engine
 from sparrowrl.worker.episodes import Episodes
@@ -303,13 +303,14 @@ async def main(
     local_ports: list[int] | None = None,
     pace: float | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    served: ServingTLS | None = None,
 ) -> None:
     """A worker needs only the network: the job, the model's config and tokenizer, and the
     weights come from the trainer (versions from its region's relay first). /healthz and
     /readyz (once a verified version is committed) on host:port, from the start. `local_ports`
     and `pace` are for benchmarks: fixed source ports for the download streams (per-flow shaped
     links), and a generation rate to hold to. `ssl_context`: what HTTPS to the trainer and the
-    relay trusts (the job's CA)."""
+    relay trusts (the job's CA); `served`: its own ports (probes, metrics) over HTTPS."""
     torch.set_num_threads(1)  # workers share the machine's cores with the trainer
     worker: Worker | None = None
     app = web.Application(middlewares=[auth])  # /metrics wants a token (an admin's); the probes do not
@@ -317,11 +318,14 @@ async def main(
     app[GATE] = Gate.of(token, trust(token))
     add_health(app, lambda: worker is not None and worker.verified >= 0)
     add_metrics(
-        app, lambda: [] if worker is None else worker.metrics(), None if metrics_port is None else (host, metrics_port)
+        app,
+        lambda: [] if worker is None else worker.metrics(),
+        None if metrics_port is None else (host, metrics_port),
+        served,
     )
     probes = web.AppRunner(app)
     await probes.setup()
-    await listen(probes, host, port)
+    await listen(probes, host, port, served)
     try:
         async with Client(trainer, attempts=ATTEMPTS, ssl_context=ssl_context) as control:
             job = await control.json("/v1/job", Job)
