@@ -71,10 +71,16 @@ def test_a_job_spans_clusters_and_its_delete_cleans_them():
         until(
             lambda: (
                 names(east, "sparrowrl", "v1/secrets")
-                == {f"{m}-relay-eu-token", f"{m}-relay-eu-tls", f"{m}-worker-eu-0-token", f"{m}-worker-eu-1-token"}
+                == {
+                    f"{m}-relay-eu-token",
+                    f"{m}-relay-eu-tls",
+                    f"{m}-worker-eu-tls",
+                    f"{m}-worker-eu-0-token",
+                    f"{m}-worker-eu-1-token",
+                }
             ),
             30,
-            "each relay's and worker slot's own token, the relay's certificate, and not the job's secret",
+            "each relay's and worker slot's own token, their certificates, and not the job's secret",
         )
         worker = east.get("v1/pods", "sparrowrl", f"{m}-worker-eu-0-0")
         assert worker["spec"]["containers"][0]["args"][:3] == ["worker", "--trainer", "https://203.0.113.5:8470"]
