@@ -30,7 +30,7 @@ from support.wait import until
 from sparrowrl.auth import pki
 from sparrowrl.spec.job import parse
 from sparrowrl.spec.layout import processes
-from sparrowrl_operator import builders
+from sparrowrl_operator import builders, podspec
 from sparrowrl_operator.constants import TOKEN_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,7 +221,7 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
     procs, names = {}, []
     try:
         for role in roles:
-            manifest = builders.pod(job, role, spec, namespace="default", attempt=0, image=RUNTIME, home=True)
+            manifest = podspec.pod(job, role, spec, namespace="default", attempt=0, image=RUNTIME, home=True)
             pod = Pod(manifest, secrets, mounts, ports[role.name])
             for c in manifest["spec"].get("initContainers", []):  # sparrowrl check
                 names.append(f"sparrowrl-e2e-{c['name']}")
@@ -249,7 +249,7 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
 
     bad = dict(JOB, spec=dict(JOB["spec"], grpo=dict(JOB["spec"]["grpo"], groupSize=1)))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(bad))
-    manifest = builders.pod(job, roles[0], spec, namespace="default", attempt=0, image=RUNTIME, home=True)
+    manifest = podspec.pod(job, roles[0], spec, namespace="default", attempt=0, image=RUNTIME, home=True)
     (c,) = manifest["spec"]["initContainers"]
     pod = Pod(manifest, secrets, mounts, ports["trainer"])
     argv = container("sparrowrl-e2e-bad-check", pod.argv(c), c["image"], pod.args(c))

@@ -16,14 +16,13 @@ from sparrowrl.auth import pki
 from sparrowrl_operator.constants import ROLE_LABEL, TRAINER_PORT
 from sparrowrl_operator.trainer_api import trainer_status as read_status
 
-IP = "127.83.0.9"
 NAME = "grpo-trainer.default.svc"
 STATUS = trainer_status([("w", 1.0, "ok")]).model_dump_json().encode()
 
 
 @contextmanager
-def trainer(served: pki.Issued | None, tmp_path):
-    """A trainer's /v1/status at IP:TRAINER_PORT, HTTPS with `served`; yields the headers it got."""
+def trainer(served: pki.Issued | None, tmp_path, ip: str):
+    """A trainer's /v1/status at ip:TRAINER_PORT, HTTPS with `served`; yields the headers it got."""
     seen: list[str] = []
 
     class Status(http.server.BaseHTTPRequestHandler):
@@ -36,7 +35,7 @@ def trainer(served: pki.Issued | None, tmp_path):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer((IP, TRAINER_PORT), Status)
+    server = http.server.ThreadingHTTPServer((ip, TRAINER_PORT), Status)
     if served is not None:
         (tmp_path / "s.crt").write_bytes(served.cert)
         (tmp_path / "s.key").write_bytes(served.key)
@@ -51,32 +50,35 @@ def trainer(served: pki.Issued | None, tmp_path):
         server.server_close()
 
 
-def pod(tls: bool) -> dict:
+def pod(tls: bool, ip: str) -> dict:
     args = ["trainer", "job.yaml"] + (["--tls-cert", "tls/tls.crt", "--tls-key", "tls/tls.key"] if tls else [])
     return {
         "metadata": {"labels": {ROLE_LABEL: "trainer"}},
         "spec": {"containers": [{"name": "trainer", "args": args}]},
-        "status": {"phase": "Running", "podIP": IP},
+        "status": {"phase": "Running", "podIP": ip},
     }
 
 
 def test_an_encrypted_trainer_is_read_over_https_checked_against_the_jobs_ca_and_its_name(tmp_path):
     job, other = pki.authority("job"), pki.authority("other")
-    with trainer(pki.serving(job, [NAME]), tmp_path) as seen:
-        assert read_status([pod(True)], "the secret", job.cert, NAME) is not None
+    ip = "127.83.0.1"  # each test an address of its own: xdist runs them at once
+    with trainer(pki.serving(job, [NAME]), tmp_path, ip) as seen:
+        assert read_status([pod(True, ip)], "the secret", job.cert, NAME) is not None
         assert seen == ["Bearer the secret"]
-        assert read_status([pod(True)], "the secret", other.cert, NAME) is None  # another CA: refused
-        assert read_status([pod(True)], "the secret", job.cert, "another.default.svc") is None  # another name
+        assert read_status([pod(True, ip)], "the secret", other.cert, NAME) is None  # another CA: refused
+        assert read_status([pod(True, ip)], "the secret", job.cert, "another.default.svc") is None  # another name
         assert len(seen) == 1  # the handshakes failed: the secret went nowhere
 
 
 def test_without_a_usable_ca_an_encrypted_trainer_is_not_asked_at_all(tmp_path):
-    with trainer(None, tmp_path) as seen:  # a plain server where an encrypted trainer should be
+    ip = "127.83.0.2"
+    with trainer(None, tmp_path, ip) as seen:  # a plain server where an encrypted trainer should be
         for ca in (None, b"", b"not a certificate"):
-            assert read_status([pod(True)], "the secret", ca, NAME) is None
+            assert read_status([pod(True, ip)], "the secret", ca, NAME) is None
         assert seen == []  # never the job's secret in plain HTTP
 
 
 def test_a_trainer_made_without_tls_is_read_in_plain_http(tmp_path):
-    with trainer(None, tmp_path) as seen:
-        assert read_status([pod(False)], "the secret", None, NAME) is not None and seen == ["Bearer the secret"]
+    ip = "127.83.0.3"
+    with trainer(None, tmp_path, ip) as seen:
+        assert read_status([pod(False, ip)], "the secret", None, NAME) is not None and seen == ["Bearer the secret"]

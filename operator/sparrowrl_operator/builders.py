@@ -1,8 +1,7 @@
-"""Manifests from the job: pure functions with deterministic names and labels. Pods run the
-roles of `sparrowrl.layout.processes`, the commands the local runner starts, with Kubernetes' own
-ways of handing them the rest: credentials from Secrets (the job's secret to the trainer alone; to
-each relay and worker slot its own token and the trainer's public key), the job from a ConfigMap,
-the trainer's state on a PersistentVolumeClaim, the pod's name and IP from the downward API."""
+"""Manifests from the job: pure functions with deterministic names and labels. The job's
+Secrets (the job's secret to the trainer alone; to each relay and worker slot its own token and
+the trainer's public key; the CA and serving certificates), its ConfigMap, claim and Services,
+and the names the pods (podspec.py) mount and reach them by."""
 
 from __future__ import annotations
 
@@ -19,37 +18,24 @@ from sparrowrl.auth.pki import Issued
 from sparrowrl.auth.signing import Signer, public_text
 from sparrowrl.auth.tokens import Role, mint
 from sparrowrl.spec.job import API_VERSION, JobSpec
-from sparrowrl.spec.kubespec import IssuerRef, Scheduling
+from sparrowrl.spec.kubespec import IssuerRef
 from sparrowrl.spec.layout import Process
 from sparrowrl_operator.constants import (
-    ATTEMPT_LABEL,
     CA_KEY,
     CERT_KEY,
-    CREDENTIALS_DIR,
     JOB_LABEL,
     KEY_KEY,
     MANAGED_BY_LABEL,
     MANAGER,
-    METRICS_PORT,
-    METRICS_SCHEME_LABEL,
     REGION_LABEL,
     RELAY_PORT,
     ROLE_LABEL,
-    SLOT_LABEL,
-    STEPS_ANNOTATION,
-    TLS_DIR,
-    TOKEN_GENERATION_ANNOTATION,
     TOKEN_KEY,
     TRAINER_KEY_KEY,
     TRAINER_PORT,
     UID_LABEL,
-    WORKDIR,
-    WORKER_PORT,
 )
 
-PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
-TLS_KEYS = (CERT_KEY, KEY_KEY)  # a serving Secret's files in a pod
-USER = 65532  # the runtime image's user
 JOB_KEY = "job.yaml"  # the job ConfigMap's key, and the job file in the trainer's working folder
 CHECK = "sparrowrl-check"  # the trainer pod's init container that checks the job where it will run
 FIXED = ("managedBy", "steps", "seed", "model", "task", "grpo", "sync")  # by the CRD's CEL rules (steps only grows)
@@ -171,11 +157,6 @@ def credentials_secret(
 def _encoded(values: dict[str, bytes]) -> dict[str, str]:
     """A Secret's `data`: bytes as they are (a CA or key read back may hold any bytes beside its PEM)."""
     return {k: base64.b64encode(v).decode() for k, v in values.items()}
-
-
-def _items(keys: list[str] | tuple[str, ...]) -> list[dict]:
-    """A Secret's keys as files of the same names: only these (the trainer's key stays out)."""
-    return [{"key": k, "path": k} for k in keys]
 
 
 def encrypted(spec: JobSpec) -> bool:
@@ -417,190 +398,6 @@ def trainer_url(job: JobRef, spec: JobSpec) -> str:
 
 def relay_url(job: JobRef, spec: JobSpec, region: str, namespace: str) -> str:
     return f"{scheme(spec)}://{relay_name(job, region)}.{namespace}.svc:{RELAY_PORT}"
-
-
-def _args(role: Process, spec: JobSpec) -> list[str]:
-    """As `sparrowrl run` starts each role (runner.argv), inside a pod: listening on the pod's IP."""
-    serve = ["--host", "$(POD_IP)", "--port", str(PORTS[role.kind]), "--metrics-port", str(METRICS_PORT)]
-    serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
-    tls = encrypted(spec)
-    served = ["--tls-cert", f"{TLS_DIR}/{CERT_KEY}", "--tls-key", f"{TLS_DIR}/{KEY_KEY}"] if tls else []  # every role
-    trusts = ["--ca-cert", f"{CREDENTIALS_DIR}/{CA_KEY}"] if tls else []
-    if role.kind == "trainer":
-        return ["trainer", JOB_KEY, "--state-dir", "state", *serve, *served]
-    assert role.trainer is not None and role.region is not None  # a relay's and a worker's (layout.processes)
-    if role.kind == "relay":
-        return [
-            "relay",
-            "--upstream",
-            role.trainer,
-            "--cache",
-            "cache",
-            "--streams",
-            str(spec.sync.streams),
-            *serve,
-            *served,
-            *trusts,
-        ]
-    return [
-        "worker",
-        "--trainer",
-        role.trainer,
-        *(["--relay", role.relay] if role.relay else []),
-        "--region",
-        role.region,
-        *serve,
-        *served,
-        *trusts,
-    ]
-
-
-def _resources(s: Scheduling) -> dict:
-    r = {k: dict(v) for k, v in (("requests", s.resources.requests), ("limits", s.resources.limits)) if v}
-    return r
-
-
-def pod(
-    job: JobRef,
-    role: Process,
-    spec: JobSpec,
-    *,
-    namespace: str,
-    attempt: int,
-    image: str,
-    home: bool,
-    slot: int | None = None,
-    template: dict | None = None,
-    generation: int | None = None,
-) -> dict:
-    """A role's pod; `generation`: that of the token its Secret holds for it (a relay's, a worker's)."""
-    sched = {"trainer": spec.trainer, "relay": spec.relays, "worker": spec.rollout}[role.kind]
-    mounts, volumes = [], []
-    if role.kind == "trainer":
-        mounts = [
-            # the file itself in the working folder: the job's relative paths (model.path: inputs/model) are
-            # relative to it, so to where a trainer.template mounts the user's volumes under WORKDIR
-            {"name": "job", "mountPath": f"{WORKDIR}/{JOB_KEY}", "subPath": JOB_KEY, "readOnly": True},
-            {"name": "state", "mountPath": f"{WORKDIR}/state"},
-        ]
-        volumes = [
-            {"name": "job", "configMap": {"name": config_name(job)}},
-            {"name": "state", "persistentVolumeClaim": {"claimName": claim_name(job)}},
-        ]
-        if spec.trainer.ranks > 1:  # the ranks' shared memory (NCCL); a pod's own /dev/shm is 64 MiB
-            mounts.append({"name": "shm", "mountPath": "/dev/shm"})
-            volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
-    elif role.kind == "relay":
-        mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
-        volumes = [{"name": "cache", "emptyDir": {}}]
-    secret = token_name(job) if role.kind == "trainer" else credentials_name(job, role)
-    # whole Secrets, never a subPath: the kubelet updates them in place, and the roles read a refreshed
-    # token or a renewed certificate where they run
-    if role.kind != "trainer":
-        keys = [TOKEN_KEY, *([CA_KEY] if encrypted(spec) else [])]
-        mounts.append({"name": "credentials", "mountPath": f"{WORKDIR}/{CREDENTIALS_DIR}", "readOnly": True})
-        volumes.append({"name": "credentials", "secret": {"secretName": secret, "items": _items(keys)}})
-    if encrypted(spec):
-        mounts.append({"name": "tls", "mountPath": f"{WORKDIR}/{TLS_DIR}", "readOnly": True})
-        volumes.append({"name": "tls", "secret": {"secretName": serving_name(job, role), "items": _items(TLS_KEYS)}})
-    env = [
-        *(
-            [{"name": "SPARROWRL_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}}]
-            if role.kind == "trainer"  # the job's secret, which never changes
-            else [
-                {"name": "SPARROWRL_TOKEN_FILE", "value": f"{CREDENTIALS_DIR}/{TOKEN_KEY}"},
-                {
-                    "name": "SPARROWRL_TRAINER_KEY",
-                    "valueFrom": {"secretKeyRef": {"name": secret, "key": TRAINER_KEY_KEY}},
-                },
-            ]
-        ),
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        {"name": "SPARROWRL_LOG_FORMAT", "value": "json"},  # one object per line, for the cluster's log pipeline
-    ]
-    # the kubelet does not check a serving certificate
-    get = {"port": "http"} | ({"scheme": "HTTPS"} if encrypted(spec) else {})
-    probe = {"httpGet": {"path": "/readyz"} | get, "periodSeconds": 5, "failureThreshold": 3}
-    container = {
-        "name": role.kind,
-        "image": image,
-        "command": ["sparrowrl"],
-        "args": _args(role, spec),
-        "workingDir": WORKDIR,
-        "env": env,
-        "ports": [
-            {"name": "http", "containerPort": PORTS[role.kind]},
-            {"name": "metrics", "containerPort": METRICS_PORT},
-        ],
-        "readinessProbe": probe,
-        "livenessProbe": {"httpGet": {"path": "/healthz"} | get, "periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": mounts,
-        "resources": _resources(sched),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-    }
-    meta = metadata(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
-    meta["labels"][ATTEMPT_LABEL] = str(attempt)
-    if encrypted(spec):  # its metrics port is HTTPS too: the PodMonitor reads this
-        meta["labels"][METRICS_SCHEME_LABEL] = "https"
-    if role.kind == "trainer":  # what it reads from the ConfigMap, applied before the pod is made
-        meta["annotations"] = {STEPS_ANNOTATION: str(spec.steps)}
-    if slot is not None:
-        meta["labels"][SLOT_LABEL] = str(slot)
-    if generation is not None:
-        meta["annotations"] = {TOKEN_GENERATION_ANNOTATION: str(generation)}
-    manifest: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": meta,
-        "spec": {
-            "restartPolicy": "Never",  # the operator replaces a failed pod, and counts it
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": 30,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": USER,
-                "fsGroup": USER,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "containers": [container],
-            "volumes": volumes,
-        },
-    }
-    if sched.node_selector:
-        manifest["spec"]["nodeSelector"] = dict(sched.node_selector)
-    if sched.tolerations:
-        manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
-    if role.kind == "trainer":  # until it listens (imports, on a cold node); then it answers while it loads
-        container["startupProbe"] = {
-            "httpGet": {"path": "/healthz"} | get,
-            "periodSeconds": 10,
-            "failureThreshold": 60,
-        }
-    manifest = merge(manifest, template) if template else manifest
-    return with_check(manifest) if role.kind == "trainer" else manifest
-
-
-def with_check(manifest: dict) -> dict:
-    """The trainer's pod with `sparrowrl check` as its last init container (after any of the user's,
-    which may fetch the inputs): the trainer container's image, env, mounts and resources, the
-    user's from trainer.template included, so it finds what the trainer will find. A job that
-    cannot run ends it with layout.INVALID_EXIT and one line naming the field and path; the kubelet
-    keeps that line as the container's termination message (FallbackToLogsOnError) and the
-    operator fails the job with InvalidSpec instead of restarting it. It gets no job secret."""
-    out = copy.deepcopy(manifest)
-    trainer = next(c for c in out["spec"]["containers"] if c["name"] == "trainer")
-    keep = ("image", "imagePullPolicy", "workingDir", "envFrom", "volumeMounts", "resources", "securityContext")
-    check = {"name": CHECK} | {k: copy.deepcopy(trainer[k]) for k in keep if k in trainer}
-    check |= {
-        "command": ["sparrowrl"],
-        "args": ["check", JOB_KEY, "--state-dir", "state"],
-        "env": [e for e in trainer.get("env", []) if e["name"] != "SPARROWRL_TOKEN"],
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
-    out["spec"]["initContainers"] = [*out["spec"].get("initContainers", []), check]
-    return out
 
 
 def stored(manifest: dict) -> dict:

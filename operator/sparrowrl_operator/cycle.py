@@ -13,7 +13,7 @@ from sparrowrl.auth.pki import Issued
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.spec.layout import Process
 from sparrowrl.spec.status import TrainerStatus
-from sparrowrl_operator import builders
+from sparrowrl_operator import podspec
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.conditions import find, is_true, set_condition
 from sparrowrl_operator.constants import CREATED, FAILURES_ANNOTATION
@@ -126,7 +126,7 @@ class Facts:
         """A slot's pod, attempt `n`. `failures`: the slot's failures in a row before it, which it
         carries (an annotation: what the row is counted from survives the operator's restarts)."""
         job = self.job if cluster is None else self.job.in_member()
-        manifest = builders.pod(
+        manifest = podspec.pod(
             job,
             role,
             self.spec,

@@ -43,10 +43,12 @@ def checked_token() -> str:
 
 def trusting(ca_cert: Path | None) -> ssl.SSLContext | None:
     """A TLS context that trusts `ca_cert` alone, read again when it changes (None: the system's)."""
+    if not ca_cert:
+        return None  # the base install (no aiohttp) gets this far: `status` without --ca-cert
     from sparrowrl.transport.http import TrustedCA
 
     try:
-        return TrustedCA.of(ca_cert) if ca_cert else None
+        return TrustedCA.of(ca_cert)
     except (OSError, ssl.SSLError) as e:  # ssl's message does not name the file
         fail(ValueError(f"--ca-cert {ca_cert}: {e.strerror or e}"))
 
