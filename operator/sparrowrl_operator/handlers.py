@@ -120,10 +120,8 @@ class Operator:
 
     def token(self, job: JobRef) -> tuple[str, bool]:
         s = self.home.get("Secret", job.namespace, builders.token_name(job))
-        if s and (data := (s.get("data") or {}).get(TOKEN_KEY)):
-            return base64.b64decode(data).decode(), True
-        if s and (data := (s.get("stringData") or {}).get(TOKEN_KEY)):  # an API server converts; the emulator keeps it
-            return data, True
+        if s and (data := secret_value(s, TOKEN_KEY)):  # data as an API server keeps it; the emulator's stringData
+            return data.decode(), True
         return secrets.token_urlsafe(32), False
 
     def authority(self, job: JobRef, spec: dict) -> tuple[dict | None, Issued | None]:

@@ -16,8 +16,7 @@ from sparrowrl_operator.credentials import secret_value
 from sparrowrl_operator.cycle import Facts, Outcome
 from sparrowrl_operator.drift import ensure
 from sparrowrl_operator.pods import Cluster
-
-TRAINER = Process("trainer", "trainer")
+from sparrowrl_operator.trainer import ROLE
 
 
 def authority(c: Facts, out: Outcome, trainer_names: list[str]) -> bytes | None:
@@ -41,8 +40,8 @@ def authority(c: Facts, out: Outcome, trainer_names: list[str]) -> bytes | None:
             "Encrypted", False, "IssuerNotReady", f"tls.issuerRef: {where} is not ready: {why}", warning=True
         )
         return None
-    ensure(c, out, None, builders.certificate(job, TRAINER, trainer_names, ref))
-    name = builders.serving_name(job, TRAINER)
+    ensure(c, out, None, builders.certificate(job, ROLE, trainer_names, ref))
+    name = builders.serving_name(job, ROLE)
     issued = c.seen(None, "Secret", name)
     ca = secret_value(issued, CA_KEY) if issued is not None else None
     if issued is None or secret_value(issued, CERT_KEY) is None:
