@@ -18,9 +18,15 @@ shard (no rank ever builds the whole model, also not to initialize it); the lear
 so that about 1% of bf16 elements change per step, as at RL learning rates (measured and printed). Ranks
 share this machine's cores: each gets cores / ranks threads.
 
-Then a projection for Qwen3-8B on 8 GPUs from the measured per-rank rates, with its assumptions.
+With --layouts, trainers of several nodes too, each node a process group of its own on this
+machine, meeting by the trainer's rendezvous (`2x1`: 2 nodes of 1 rank; `2x1h`: the same under
+HSDP), so that publish time per step of 1 node × 2 ranks stands beside 2 nodes × 1 rank.
 
-    python3 hack/bench_shard.py [--hidden 1024 --layers 8 --steps 4] [--json docs/bench_shard.json]
+Then projections from the measured per-rank rates, with their assumptions: Qwen3-8B on 8 GPUs,
+and a 70B model on 2 and 4 nodes of 8 GPUs.
+
+    python3 hack/bench_shard.py [--hidden 1024 --layers 8 --steps 4] [--layouts 2,2x1,2x1h]
+                                [--json docs/bench_shard.json]
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from sparrowrl.sync import gather  # noqa: E402
-from sparrowrl.trainer import fsdp, models, ranks  # noqa: E402
+from sparrowrl.trainer import fsdp, models, ranks, rendezvous  # noqa: E402
 
 VOCAB = 4096
 
@@ -62,16 +70,18 @@ def _fill(model: torch.nn.Module) -> None:
             flat.copy_(torch.empty(flat.shape).normal_(0.0, 0.02, generator=g))
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+def _rank(rank: int, layout: Layout, port: int, args: argparse.Namespace, out: str) -> None:
+    world = layout.world
+    os.environ.update(LOCAL_RANK=str(rank))
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
-    dist.init_process_group(ranks.backend(), rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(minutes=5))
+    dist.init_process_group(rendezvous.backend(), store=store, rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         cfg = models.tiny_config(VOCAB, args.hidden, args.layers, args.hidden // 64)
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, the process group: no model yet
-        model = fsdp.build(cfg, _fill)
+        model = fsdp.build(cfg, _fill, fsdp.mesh(layout.nodes, layout.sharding))
         table = gather.specs(model)
         store = gather.init_store(Path(out) / "store", model, base_every=1_000_000)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -124,6 +134,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         result = {
             "rank": rank,
             "world": world,
+            "nodes": layout.nodes,
+            "sharding": layout.sharding,
             "held_elements": held,
             "gpu_peak_bytes": gpu,
             "baseline_rss_bytes": baseline,
@@ -162,10 +174,40 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, args: argparse.Namespace) -> list[dict]:
+@dataclass(frozen=True)
+class Layout:
+    """A trainer's shape: `nodes` × `per_node` ranks (all on this machine: each node a process
+    group of its own, as `sparrowrl run` runs them), sharded fully or hybrid (HSDP)."""
+
+    nodes: int
+    per_node: int
+    sharding: str
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """'2' (one node of 2 ranks), '2x1' (2 nodes of 1), '2x1h' (the same, hybrid)."""
+        sharding = "hybrid" if text.endswith("h") else "full"
+        nodes, _, per = text.rstrip("h").partition("x")
+        return cls(int(nodes), int(per), sharding) if per else cls(1, int(nodes), sharding)
+
+    def __str__(self) -> str:
+        return f"{self.nodes} node(s) × {self.per_node} rank(s), {self.sharding}"
+
+    @property
+    def name(self) -> str:
+        if self.nodes == 1:
+            return str(self.per_node)
+        return f"{self.nodes}x{self.per_node}" + ("-hybrid" if self.sharding == "hybrid" else "")
+
+
+def run(layout: Layout, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(world, _port(), args, out), nprocs=world)
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+        mp.spawn(_rank, args=(layout, _port(), args, out), nprocs=layout.world)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(layout.world)]
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -180,7 +222,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=5e-7)
-    ap.add_argument("--ranks", default="1,2", help="the trainer sizes to run, one GPU per rank where there are GPUs")
+    ap.add_argument(
+        "--ranks", default="1,2", help="one-node trainer sizes to run, one GPU per rank where there are GPUs"
+    )
+    ap.add_argument(
+        "--layouts",
+        help="trainer shapes instead: NxR is N nodes of R ranks (each node its own process group on this machine), "
+        "NxRh the same with hybrid sharding, e.g. 2,2x1,2x1h",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     where = (
@@ -190,12 +239,13 @@ def main() -> None:
     )
     print(
         f"model: Qwen3, hidden {args.hidden}, {args.layers} layers, vocab {VOCAB}; {args.steps} steps of "
-        f"{args.batch}x{args.seq} tokens; {where}, {ranks.backend()}",
+        f"{args.batch}x{args.seq} tokens; {where}, {rendezvous.backend()}",
         flush=True,
     )
     report = {"config": vars(args) | {"json": None, "cpus": os.cpu_count()}, "runs": {}}
-    for world in [int(x) for x in args.ranks.split(",")]:
-        got = run(world, args)
+    for layout in [Layout.parse(x) for x in (args.layouts or args.ranks).split(",")]:
+        world = layout.world
+        got = run(layout, args)
         elements = got[0]["elements"]
         full_state = elements * 16  # fp32 weights 4, AdamW's two moments 8, two bf16 policies 4: bytes per parameter
         if world > 1:
@@ -206,7 +256,7 @@ def main() -> None:
             )
         changed = got[0]["changed_fraction"]
         print(
-            f"\n{world} rank(s): {elements / 1e6:.1f}M parameters; the whole model's fp32 weights, AdamW state and "
+            f"\n{layout}: {elements / 1e6:.1f}M parameters; the whole model's fp32 weights, AdamW state and "
             f"bf16 policies {full_state / 2**30:.2f} GiB; changed per step {100 * sum(changed) / len(changed):.2f}%, "
             f"delta {got[0]['delta_bytes'][-1] / 1e6:.2f} MB",
             flush=True,
@@ -226,9 +276,15 @@ def main() -> None:
                 f"({100 * mean(s, 'encode_gbs') / mean(s, 'memcpy_gbs'):.0f}%)",
                 flush=True,
             )
-        report["runs"][str(world)] = got
+        report["runs"][layout.name] = got
+    one, two = report["runs"].get("2"), report["runs"].get("2x1")
+    if one and two:
+        p1, p2 = (max(mean(r["steps"], "publish_s") for r in got) for got in (one, two))
+        print(f"\npublish per step, slowest rank: 1 node × 2 ranks {p1:.3f} s, 2 nodes × 1 rank {p2:.3f} s")
+        report["publish_s"] = {"1x2": p1, "2x1": p2}
     if "2" in report["runs"]:
         report["projection"] = project(report["runs"]["2"], args)
+        report["projection_nodes"] = project_nodes(report["runs"]["2"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"\nwrote {args.json}")
@@ -289,6 +345,45 @@ def project(got: list[dict], args: argparse.Namespace) -> dict:
             f"  extraction on {name}: extract {p['extract_s']:.2f} s + gather {p['gather_s']:.2f} s + write "
             f"{p['write_s']:.2f} s = publish {p['publish_s']:.2f} s; step {p['step_s']:.1f} s"
         )
+    return out
+
+
+def project_nodes(got: list[dict]) -> dict:
+    """A 70B model (70.6e9 parameters) on 2 and 4 nodes of 8 GPUs, publish time per step from this
+    run's 2-rank rates. Assumptions, stated: 1.4% of elements change; each rank extracts its
+    1/world of the policy at 200 GB/s on its GPU (an assumption, as in `project`); rank 0 gathers
+    every other rank's records at the measured gather goodput, and those of other nodes also cross
+    the link between nodes (25 or 100 Gbit/s), one after the other (no overlap assumed); rank 0
+    writes at the measured rate. Full sharding and HSDP publish the same: each element is encoded
+    once either way (gather.part)."""
+    n, density, gpu_rate = 70.6e9, 0.014, 200.0
+    sent = sum(mean(r["steps"], "sent_bytes") for r in got)
+    bytes_per_changed = sent / (got[0]["changed_fraction"][-1] * got[0]["elements"])
+    gather_rate, call_s = got[0]["gather"]["bytes_per_s"], got[0]["gather"]["call_s"]
+    write_rate = sent / max(mean(got[0]["steps"], "write_s"), 1e-9)
+    delta = n * density * bytes_per_changed
+    calls = -(-n // gather.GATHER_ELEMENTS)
+    out: dict = {"assumptions": {"params": n, "density": density, "gpu_extract_gbs": gpu_rate, "delta_bytes": delta}}
+    print(f"\nprojection, a 70B model on nodes of 8 GPUs ({density:.1%} changed, {delta / 1e9:.2f} GB delta):")
+    for nodes in (2, 4):
+        world = 8 * nodes
+        for gbit in (25, 100):
+            extract_s = 2 * n / world / (gpu_rate * 1e9)
+            gather_s = delta * (world - 1) / world / gather_rate + calls * call_s
+            link_s = delta * (nodes - 1) / nodes / (gbit * 1e9 / 8)
+            write_s = delta / write_rate
+            total = extract_s + gather_s + link_s + write_s
+            out[f"{nodes}x8@{gbit}gbit"] = {
+                "extract_s": extract_s,
+                "gather_s": gather_s,
+                "link_s": link_s,
+                "write_s": write_s,
+                "publish_s": total,
+            }
+            print(
+                f"  {nodes} nodes × 8 GPUs, {gbit} Gbit/s between nodes: extract {extract_s:.2f} s + gather "
+                f"{gather_s:.2f} s + between nodes {link_s:.2f} s + write {write_s:.2f} s = publish {total:.2f} s"
+            )
     return out
 
 

@@ -93,10 +93,10 @@ PARTS = (
     ),
     Part(
         "bench-shard",
-        "the sharded trainer's step-to-published beside memcpy (FSDP2; NCCL on GPUs)",
+        "the sharded trainer's step-to-published beside memcpy (FSDP2; NCCL on GPUs; 2 nodes of 1 GPU too)",
         ("hack/bench_shard.py",),
         120,
-        gpu_args=("--ranks", "{ranks}", "--json", "{out}/bench_shard.json"),
+        gpu_args=("--layouts", "{ranks}", "--json", "{out}/bench_shard.json"),
         cpu_args=(
             "--ranks",
             "1",
@@ -233,7 +233,7 @@ def main() -> int:
     start = time.monotonic()
     env = environment()
     gpu = env["cuda_devices"] > 0
-    ranks = "1,2" if env["cuda_devices"] >= 2 else "1"
+    ranks = "1,2,2x1,2x1h" if env["cuda_devices"] >= 2 else "1"  # 2x1: two nodes (NCCL across process groups)
     print(
         f"gpu-check: python {env['python']}, torch {env['torch']} (CUDA {env['torch_cuda']}), numpy {env['numpy']}, "
         f"numba {env['numba']}, cupy {env['cupy']}; "

@@ -245,21 +245,29 @@ def test_managed_by_is_immutable():
     ]
 
 
+IMMUTABLE = (
+    "spec: seed, model, task, grpo, sync and trainer.ranks, nodes and sharding are immutable: the trainer's state "
+    "belongs to them"
+)
+
+
 def test_training_fields_are_immutable():
     old = example_job()
     assert admitted(spec_with(lambda s: s["placements"][0].update(replicas=4)), old) == []
     assert admitted(spec_with(lambda s: s.update(runPolicy={"suspend": True})), old) == []
     assert admitted(spec_with(lambda s: s.setdefault("trainer", {}).update(ranks=1)), old) == []  # the default
+    assert admitted(spec_with(lambda s: s.setdefault("trainer", {}).update(nodes=1, sharding="full")), old) == []
+    assert admitted(spec_with(lambda s: s.setdefault("trainer", {}).update(joinTimeoutSeconds=60)), old) == []
     for change in (
         lambda s: s.update(seed=1),
         lambda s: s["grpo"].update(learningRate=1e-6),
         lambda s: s.update(sync={"streams": 2}),
         lambda s: s["model"]["tiny"].update(layers=3),
         lambda s: s.setdefault("trainer", {}).update(ranks=2),
+        lambda s: s.setdefault("trainer", {}).update(nodes=2),
+        lambda s: s.setdefault("trainer", {}).update(sharding="hybrid"),
     ):
-        assert admitted(spec_with(change), old) == [
-            "spec: seed, model, task, grpo, sync and trainer.ranks are immutable: the trainer's state belongs to them"
-        ]
+        assert admitted(spec_with(change), old) == [IMMUTABLE]
 
 
 def test_steps_may_be_raised_not_lowered():
@@ -273,9 +281,7 @@ def test_steps_may_be_raised_not_lowered():
     assert admitted(spec_with(lambda s: s.update(steps=299)), old) == [lowered]
     assert admitted(spec_with(lambda s: s.pop("steps")), old) == [lowered]  # the default, 50, is fewer
     both = admitted(spec_with(lambda s: s.update(steps=400, seed=1)), old)
-    assert both == [
-        "spec: seed, model, task, grpo, sync and trainer.ranks are immutable: the trainer's state belongs to them"
-    ]
+    assert both == [IMMUTABLE]
 
 
 def test_full_status_fits_the_schema():

@@ -78,6 +78,20 @@ def test_the_example_parses_with_its_defaults():
         ({"trainer": {"resources": {"limits": {"cpu": "two"}}}}, "spec.trainer.resources.limits.cpu", "pattern"),
         ({"trainer": {"ranks": 0}}, "spec.trainer.ranks", "greater than or equal to 1"),
         ({"trainer": {"ranks": 9}, "grpo": {"promptsPerStep": 8}}, "spec", "trainer.ranks (9) must not exceed"),
+        ({"trainer": {"nodes": 33}}, "spec.trainer.nodes", "less than or equal to 32"),
+        ({"trainer": {"nodes": 0}}, "spec.trainer.nodes", "greater than or equal to 1"),
+        ({"trainer": {"sharding": "zero3"}}, "spec.trainer.sharding", "'full' or 'hybrid'"),
+        ({"trainer": {"joinTimeoutSeconds": 5}}, "spec.trainer.joinTimeoutSeconds", "greater than or equal to 10"),
+        (
+            {"trainer": {"nodes": 3, "ranks": 3}, "grpo": {"promptsPerStep": 8}},
+            "spec",
+            "trainer.nodes × ranks (3 × 3) must not exceed grpo.promptsPerStep (8)",
+        ),
+        (
+            {"trainer": {"nodes": 32, "ranks": 16}, "grpo": {"promptsPerStep": 1024}},
+            "spec",
+            "trainer.nodes × ranks (32 × 16) is more than 256 ranks",
+        ),
         (
             {"trainer": {"ranks": 4, "resources": {"limits": {"nvidia.com/gpu": "2"}}}},
             "spec",

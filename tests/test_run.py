@@ -430,31 +430,42 @@ def _rank1(trainer: int) -> int:
     return until(rank1, 30, f"one child of trainer {trainer} running spawn_main", every=0.1)
 
 
-@pytest.mark.parametrize("ranks,killed", [(1, "trainer"), (2, "rank 1")])
-def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, killed):
+@pytest.mark.parametrize("nodes,ranks,killed", [(1, 1, "trainer"), (1, 2, "rank 1"), (2, 1, "node 1")])
+def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, nodes, ranks, killed):
     """kill -9 of the trainer mid-run (or of one rank of a sharded trainer, which ends the others),
     two or three steps after its newest checkpoint (every 5 steps): the runner starts it again
     (restartPolicy OnFailure), it resumes from its checkpoint, trains the steps since once more
     from the journal's results, to the same bits it had published, and publishes from the next
     version. The workers wait and go on without a restart, and the run completes as if nothing
     happened: versions monotonic and never rewritten, no group lost or trained twice, every
-    commit verified, and reward still rising, as much with 2 ranks as with one."""
+    commit verified, and reward still rising, as much with 2 ranks as with one. A trainer of 2
+    nodes whose node 1 is killed is started again as a whole (a gang), each node resuming from its
+    own checkpoint shards."""
     steps = 40
     spec = job("sparse", steps=steps, seed=0)
     spec["spec"]["model"] = jobs.tiny(hidden=64, warmupSteps=200)
     spec["spec"]["grpo"] = {"learningRate": 1e-4, "groupSize": 8, "promptsPerStep": 8, "maxNewTokens": 4}
     spec["spec"]["rollout"] = {"groupsPerLease": 2}
     spec["spec"]["sync"] = {"mode": "sparse", "staleness": 1, "baseEvery": 10}
-    spec["spec"]["trainer"] = {"ranks": ranks, "checkpoint": {"every": 5, "keep": 2}}
+    spec["spec"]["trainer"] = {"nodes": nodes, "ranks": ranks, "checkpoint": {"every": 5, "keep": 2}}
     p, out = start(tmp_path, spec)
     at = past_a_checkpoint(p, out, steps // 3)
     before = json.loads((out / "processes.json").read_text())
     published = {v: (x.state_hash, x.delta_sha256) for v, x in Store(out / "store").versions.items()}
-    os.kill(before["trainer"] if ranks == 1 else _rank1(before["trainer"]), signal.SIGKILL)
+    victim = {"trainer": before["trainer"], "node 1": before.get("trainer_nodes", {}).get("trainer-node-1")}
+    os.kill(victim.get(killed) or _rank1(before["trainer"]), signal.SIGKILL)
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-3000:]
-    code = -9 if ranks == 1 else 1  # rank 0 ends itself when another rank dies
-    assert f"the trainer exited ({code}); started again (1/3)" in " ".join(stderr.split()), stderr[-3000:]
+    said = " ".join(stderr.split())
+    if nodes == 1:
+        code = -9 if ranks == 1 else 1  # rank 0 ends itself when another rank dies
+        assert f"the trainer exited ({code}); started again (1/3)" in said, stderr[-3000:]
+    else:  # node 0 may have seen node 1 go (its collectives fail) before the runner looked
+        assert re.search(
+            r"(trainer, )?trainer-node-1 of the trainer's 2 nodes exited \((1, )?-9\); all of them started "
+            r"again \(1/3\)",
+            said,
+        ), stderr[-3000:]
     assert "trainer restarts │ 1" in " ".join(stdout.split())
 
     s = json.loads((out / "summary.json").read_text())
@@ -489,6 +500,7 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, 
 
     after = json.loads((out / "processes.json").read_text())
     assert after["trainer"] != before["trainer"] and after["workers"] == before["workers"]
+    assert all(after["trainer_nodes"][n] != pid for n, pid in before.get("trainer_nodes", {}).items())
     for w in after["workers"]:  # each worker started its engine once: it waited for the trainer
         assert (out / "logs" / f"{w}.log").read_text().count("engine ready") == 1
     log = (out / "logs" / "trainer.log").read_text()
@@ -496,5 +508,6 @@ def test_a_trainer_killed_mid_run_is_started_again_and_resumes(tmp_path, ranks, 
     assert ckpt % 5 == 0 and ckpt < at <= newest <= at + 1, (ckpt, at, newest)  # a step may publish before the kill
     assert s["steps_redone"] == newest - ckpt and f"trained again to v{newest}: the same bits as published" in log
     assert "resumed at v" in log
-    kept = sorted(p.name for p in (out / "trainer").glob("v0*"))
-    assert kept == [f"v{v:08d}{'.safetensors' if ranks == 1 else ''}" for v in (steps - 5, steps)]
+    for folder in [out / "trainer", *(out / "nodes" / str(k) / "trainer" for k in range(1, nodes))]:
+        kept = sorted(p.name for p in folder.glob("v0*"))
+        assert kept == [f"v{v:08d}{'.safetensors' if ranks * nodes == 1 else ''}" for v in (steps - 5, steps)]

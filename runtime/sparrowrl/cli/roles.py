@@ -40,28 +40,49 @@ def trainer(
     metrics_port: Annotated[int | None, typer.Option(help=METRICS_PORT_HELP)] = None,
     tls_cert: Annotated[Path | None, typer.Option(help=TLS_CERT_HELP)] = None,
     tls_key: Annotated[Path | None, typer.Option(help=TLS_KEY_HELP)] = None,
+    node: Annotated[
+        int, typer.Option(help="This pod's node of a trainer of several (trainer.nodes); node 0 serves.")
+    ] = 0,
+    rendezvous: Annotated[
+        str | None,
+        typer.Option(
+            help="HOST:PORT where the nodes meet: node 0's address (node 0 listens on the port). "
+            "Needed with trainer.nodes above 1."
+        ),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads per rank (default: this machine's cores / trainer.ranks).")
+    ] = None,
     log_format: LogFormat = "text",
     log_level: LogLevel = "info",
 ) -> None:
     """The trainer of a job: GRPO steps, the checkpoint store and its server, the coordinator.
     Started again on the same --state-dir, it goes on from its newest checkpoint. The job's
-    secret comes from SPARROWRL_TOKEN: the trainer signs every version with the key it derives."""
+    secret comes from SPARROWRL_TOKEN: the trainer signs every version with the key it derives.
+    A trainer of several nodes runs this on each, with --node and --rendezvous; nodes other than
+    0 serve nothing and need no token."""
     import asyncio
 
     from sparrowrl.auth.signing import TOKEN_PREFIX
     from sparrowrl.spec.job import JobError, load
     from sparrowrl.trainer import preflight
+    from sparrowrl.trainer.rendezvous import Gang, GangError
     from sparrowrl.trainer.trainer import serve
 
+    in_range("--threads", threads, 1, 4096)
+    try:
+        j = load(job)
+        gang = Gang.of(j.spec, node, rendezvous, threads, host)
+    except (JobError, GangError) as e:
+        fail(e)
+    if node > 0:
+        _node(j.spec, state_dir, gang, log_format, log_level)
+        return
     token = server_token(host, port)
     if token.startswith(TOKEN_PREFIX):
         fail(ValueError("the trainer signs versions: SPARROWRL_TOKEN must be the job's secret, not a role token"))
     in_range("--metrics-port", metrics_port, 1, 65535)
     served = serving(tls_cert, tls_key)
-    try:
-        j = load(job)
-    except JobError as e:
-        fail(e)
 
     def check() -> None:
         preflight.check(j.spec, str(job), state_dir)
@@ -81,13 +102,30 @@ def trainer(
 
     logs.setup(log_format, log_level)
     try:
-        asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port, check, served))
-    except (JobError, ListenError, ResumeError, StoreError, HubError) as e:  # the port taken meanwhile; a state dir not
-        fail(e)  # to resume; what the hub did not give
-    if j.spec.trainer.ranks > 1:
+        asyncio.run(serve(j.spec, state_dir, host, port, token, metrics_port, check, served, gang))
+    except (JobError, ListenError, ResumeError, StoreError, HubError, GangError) as e:  # the port taken meanwhile; a
+        fail(e)  # state dir not to resume; what the hub did not give; nodes that did not join
+    if gang.world > 1:
         from sparrowrl.trainer import ranks
 
         ranks.leave()
+
+
+def _node(spec, state_dir: Path, gang, log_format: LogFormat, log_level: LogLevel) -> None:
+    """Node 1.. of a trainer: its ranks, each making rank 0's calls, until rank 0 says stop."""
+    from sparrowrl.store.store import StoreError
+    from sparrowrl.trainer import ranks
+    from sparrowrl.trainer.hub import HubError
+    from sparrowrl.trainer.learner import follow
+    from sparrowrl.trainer.rendezvous import GangError
+    from sparrowrl.trainer.resume import ResumeError
+
+    logs.setup(log_format, log_level)
+    try:
+        follow(spec, state_dir, gang)
+    except (ResumeError, StoreError, HubError, GangError) as e:
+        fail(e)
+    ranks.leave()
 
 
 def relay(

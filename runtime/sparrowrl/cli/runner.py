@@ -55,6 +55,7 @@ OUTPUTS = (
     "relays",
     "job.json",
     "trainer",
+    "nodes",
     "journal.jsonl",
     "starts",
     PLANNED_RESUME,
@@ -107,14 +108,19 @@ class Processes:
         self.procs[name], self.args[name] = p, args
         return p
 
-    def restart(self, name: str, limit: int) -> int | None:
-        """Start `name` again if it exited with an error and has restarts left; its exit code if so."""
-        code = self.procs[name].poll()
-        if code in (None, 0) or self.restarts[name] >= limit:
+    def restart(self, gang: list[str], limit: int) -> dict[str, int] | None:
+        """Start the gang (the trainer's nodes, or one process) again, all of it, if one of them
+        exited with an error and restarts are left (counted for the gang); the exit codes if so."""
+        codes = {n: self.procs[n].poll() for n in gang}
+        failed = {n: c for n, c in codes.items() if c not in (None, 0)}
+        if not failed or self.restarts[gang[0]] >= limit:
             return None
-        self.restarts[name] += 1
-        self.start(name, self.args[name])
-        return code
+        self.restarts[gang[0]] += 1
+        for n in gang:
+            self._end([self.procs[n]])
+        for n in gang:
+            self.start(n, self.args[n])
+        return failed
 
     def failed(self) -> str | None:
         """Why the run cannot go on, if it cannot: the trainer died (and `restart` gave up), or
@@ -123,22 +129,29 @@ class Processes:
         worker's leases expire and go to the others."""
         dead = {name: p.returncode for name, p in self.procs.items() if p.poll() not in (None, 0)}
         workers = [n for n in self.procs if n.startswith("worker-")]
-        culprit = "trainer" if "trainer" in dead else (workers[0] if workers and set(workers) <= set(dead) else None)
+        nodes = [n for n in self.procs if n == "trainer" or n.startswith("trainer-node-")]
+        culprit = next((n for n in nodes if n in dead), None)
+        culprit = culprit or (workers[0] if workers and set(workers) <= set(dead) else None)
         if culprit is None:
             return None
         tail = (self.logs / f"{culprit}.log").read_text().strip().splitlines()[-15:]
-        what = "the trainer" if culprit == "trainer" else "every worker"
+        what = "the trainer" if culprit in nodes else "every worker"
         return f"{what} exited ({culprit}: {dead[culprit]}):\n  " + "\n  ".join(tail)
 
     def lost(self) -> list[str]:
         return sorted(n for n, p in self.procs.items() if p.poll() not in (None, 0))
 
     def stop(self) -> None:
-        for p in self.procs.values():
+        self._end(list(self.procs.values()))
+
+    @staticmethod
+    def _end(procs: list[subprocess.Popen]) -> None:
+        """SIGTERM to each one's session, SIGKILL 5 s later to those still running."""
+        for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
         deadline = time.time() + 5
-        for p in self.procs.values():
+        for p in procs:
             try:
                 p.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
@@ -236,13 +249,37 @@ class Tls:
         return ["--tls-cert", str(self.cert), "--tls-key", str(self.key)]
 
 
-def argv(role: Process, spec: JobSpec, run_dir: Path, port: int, tls: Tls | None = None) -> list[str]:
+class Gang:
+    """The trainer's nodes on this machine, for a job with trainer.nodes above 1: node 0 is the
+    `trainer` process, on the run dir; node K is `trainer-node-K`, on RUN/nodes/K (each node's
+    state dir stands for its pod's volume). They meet on a loopback port, and all their ranks share
+    this machine's cores."""
+
+    def __init__(self, spec: JobSpec, run_dir: Path):
+        t = spec.trainer
+        self.names = ["trainer", *(f"trainer-node-{k}" for k in range(1, t.nodes))]
+        self.port, self.run_dir = free_port(), run_dir
+        self.threads = max(1, (os.cpu_count() or 1) // (t.nodes * t.ranks))
+
+    def args(self, node: int) -> list[str]:
+        """What node `node`'s command line adds (node 0's too)."""
+        meet = ["--rendezvous", f"127.0.0.1:{self.port}", "--threads", str(self.threads)]
+        if node == 0:
+            return meet
+        return ["--state-dir", str(self.run_dir / "nodes" / str(node)), "--node", str(node), *meet]
+
+
+def argv(
+    role: Process, spec: JobSpec, run_dir: Path, port: int, tls: Tls | None = None, gang: Gang | None = None
+) -> list[str]:
     """The role's command line, as a user would type it in a shell of its own (README)."""
     rate = ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []
     trusts = ["--ca-cert", str(tls.ca)] if tls else []
     if role.kind == "trainer":
         serves = tls.serves() if tls else []
-        return ["trainer", str(run_dir / "job.yaml"), "--state-dir", str(run_dir), "--port", str(port), *serves]
+        nodes = gang.args(0) if gang else []
+        job = str(run_dir / "job.yaml")
+        return ["trainer", job, "--state-dir", str(run_dir), "--port", str(port), *serves, *nodes]
     assert role.trainer is not None and role.region is not None  # a relay's and a worker's (layout.processes)
     if role.kind == "relay":
         return [
@@ -325,6 +362,7 @@ def run(
 
     everyone = layout.processes(spec, url)
     origin = url("trainer")
+    gang = Gang(spec, run_dir) if spec.trainer.nodes > 1 else None
     pids: dict = {"trainer": None, "relays": {}, "workers": {}, "urls": {r.name: url(r.name) for r in everyone}}
     signal.signal(signal.SIGTERM, _exit)  # a terminated run stops its children too (the finally below)
     signal.signal(signal.SIGHUP, _exit)
@@ -334,17 +372,22 @@ def run(
             assert who is not None  # a relay's region (layout.processes)
             p = procs.start(
                 role.name,
-                argv(role, spec, run_dir, ports[role.name], secure),  # each its own credentials
+                argv(role, spec, run_dir, ports[role.name], secure, gang),  # each its own credentials
                 tokens.environment(token, role.kind, who),
             )
             if role.kind == "trainer":
                 pids["trainer"] = p.pid
+                if gang:  # its other nodes, with no token: they serve nothing
+                    pids["trainer_nodes"] = {
+                        name: procs.start(name, ["trainer", str(run_dir / "job.yaml"), *gang.args(k)], {}).pid
+                        for k, name in enumerate(gang.names[1:], 1)
+                    }
                 with console.status("starting the trainer (model, store, server) ..."):
                     _ready(origin, procs, ctx)
             else:
                 pids[role.kind + "s"][role.name] = p.pid
         _write_pids(run_dir, pids)
-        _follow(origin, token, spec, procs, run_dir, console, pids, ctx)
+        _follow(origin, token, spec, procs, run_dir, console, pids, gang.names if gang else ["trainer"], ctx)
         procs.procs["trainer"].wait(timeout=60)
     finally:
         procs.stop()
@@ -376,6 +419,7 @@ def _follow(
     run_dir: Path,
     console: Console,
     pids: dict,
+    trainer: list[str],
     ctx: ssl.SSLContext | None = None,
 ) -> None:
     """Progress until the summary is written. A trainer that exits with an error is started again,
@@ -392,12 +436,19 @@ def _follow(
     ) as progress:
         task = progress.add_task("training", total=steps, info="waiting for workers")
         while not (run_dir / "summary.json").exists():
-            if (code := procs.restart("trainer", limit)) is not None:
+            if (codes := procs.restart(trainer, limit)) is not None:
                 n = procs.restarts["trainer"]
-                progress.console.print(
-                    f"the trainer exited ({code}); started again ({n}/{limit}), it resumes from {run_dir}"
+                exits = ", ".join(map(str, codes.values()))
+                said = (
+                    f"the trainer exited ({exits}); started again"
+                    if len(trainer) == 1
+                    else f"{', '.join(codes)} of the trainer's {len(trainer)} nodes exited ({exits}); all of them "
+                    f"started again"
                 )
+                progress.console.print(f"{said} ({n}/{limit}), it resumes from {run_dir}")
                 pids["trainer"] = procs.procs["trainer"].pid
+                for name in trainer[1:]:
+                    pids["trainer_nodes"][name] = procs.procs[name].pid
                 _write_pids(run_dir, pids)
             if err := procs.failed():
                 raise RunError(err)

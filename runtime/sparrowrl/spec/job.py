@@ -17,6 +17,7 @@ from sparrowrl.spec.export import ExportSpec
 from sparrowrl.spec.grpo import GrpoSpec
 from sparrowrl.spec.kubespec import (
     MANAGED_BY,
+    MAX_WORLD,
     Health,
     ManagedBy,
     NetworkPolicySpec,
@@ -58,10 +59,14 @@ class JobSpec(Section):
                         "self.grpo == oldSelf.grpo) && has(self.sync) == has(oldSelf.sync) && (!has(self.sync) || "
                         "self.sync == oldSelf.sync) && "
                         "(has(self.trainer) && has(self.trainer.ranks) ? self.trainer.ranks : 1) == "
-                        "(has(oldSelf.trainer) && has(oldSelf.trainer.ranks) ? oldSelf.trainer.ranks : 1)"
+                        "(has(oldSelf.trainer) && has(oldSelf.trainer.ranks) ? oldSelf.trainer.ranks : 1) && "
+                        "(has(self.trainer) && has(self.trainer.nodes) ? self.trainer.nodes : 1) == "
+                        "(has(oldSelf.trainer) && has(oldSelf.trainer.nodes) ? oldSelf.trainer.nodes : 1) && "
+                        "(has(self.trainer) && has(self.trainer.sharding) ? self.trainer.sharding : 'full') == "
+                        "(has(oldSelf.trainer) && has(oldSelf.trainer.sharding) ? oldSelf.trainer.sharding : 'full')"
                     ),
-                    "message": "seed, model, task, grpo, sync and trainer.ranks are immutable: the trainer's state "
-                    "belongs to them",
+                    "message": "seed, model, task, grpo, sync and trainer.ranks, nodes and sharding are immutable: "
+                    "the trainer's state belongs to them",
                 },
                 {
                     "rule": "has(self.tls) == has(oldSelf.tls) && (!has(self.tls) || self.tls == oldSelf.tls)",
@@ -182,10 +187,17 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _ranks_have_work(self) -> JobSpec:
-        if self.trainer.ranks > self.grpo.prompts_per_step:
+        t = self.trainer
+        if t.ranks * t.nodes > self.grpo.prompts_per_step:
+            ranks = f"trainer.ranks ({t.ranks})" if t.nodes == 1 else f"trainer.nodes × ranks ({t.nodes} × {t.ranks})"
             raise ValueError(
-                f"trainer.ranks ({self.trainer.ranks}) must not exceed grpo.promptsPerStep "
-                f"({self.grpo.prompts_per_step}): each rank trains on its share of a step's groups"
+                f"{ranks} must not exceed grpo.promptsPerStep ({self.grpo.prompts_per_step}): each rank trains on "
+                f"its share of a step's groups"
+            )
+        if t.ranks * t.nodes > MAX_WORLD:
+            raise ValueError(
+                f"trainer.nodes × ranks ({t.nodes} × {t.ranks}) is more than {MAX_WORLD} ranks: a step's "
+                f"collectives and the gather of every rank's records to node 0 are bounded there"
             )
         gpus = self.trainer.resources.limits.get("nvidia.com/gpu")
         if gpus is not None and (not gpus.isdigit() or int(gpus) < self.trainer.ranks):

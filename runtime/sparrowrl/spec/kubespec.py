@@ -22,6 +22,8 @@ LABEL_KEY = (
 LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 MAX_TEMPLATE_BYTES = 64 << 10
 DAY = 86_400
+MAX_NODES = 32  # a trainer's pods: beyond that, rendezvous and checkpoint fan-in want other tools
+MAX_WORLD = 256  # a trainer's ranks over all its nodes
 MAX_COST_PER_HOUR = 100_000.0  # dollars per pod-hour: far above any accelerator's price
 
 
@@ -180,8 +182,36 @@ class TrainerSpec(Scheduling):
         ge=1,
         le=64,
         description=(
-            "Processes the trainer shards its model over (FSDP2), one per GPU where there are GPUs (give the pod "
-            "as many in resources); each diffs and publishes its own shard of every version."
+            "Processes per node the trainer shards its model over (FSDP2), one per GPU where there are GPUs (give "
+            "the pod as many in resources); each diffs and publishes its own shard of every version."
+        ),
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=MAX_NODES,
+        description=(
+            "Machines (pods) the trainer spans, each running `ranks` of its processes; they meet through "
+            "torch.distributed's TCP store at node 0's pod, start together and restart together. Node 0 serves "
+            "the store and the API, as a one-node trainer does."
+        ),
+    )
+    sharding: Literal["full", "hybrid"] = Field(
+        "full",
+        description=(
+            "How the ranks of several nodes share the model: full shards it over every rank (FSDP2); hybrid "
+            "shards it within a node and replicates it across nodes (HSDP: less traffic between nodes, more "
+            "memory per rank)."
+        ),
+    )
+    join_timeout_seconds: int = Field(
+        600,
+        ge=10,
+        le=DAY,
+        description=(
+            "How long node 0 waits for every node to join before its first collective (torchrun's "
+            "join_timeout); then the trainer stops, naming the nodes that did not join, and is started again "
+            "as after any failure."
         ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from sparrowrl.spec.job import JobSpec
 
 # what a trainer's state belongs to: another value is another job's state (steps may only grow)
-BELONGS = ("seed", "model", "task", "grpo", "sync", "trainer.ranks")
+BELONGS = ("seed", "model", "task", "grpo", "sync", "trainer.ranks", "trainer.nodes", "trainer.sharding")
 
 
 def _at(spec: dict[str, Any], dotted: str) -> object:

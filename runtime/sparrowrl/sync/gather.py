@@ -10,9 +10,10 @@ time. No rank ever holds the whole model.
 Rank r of N holds rows [r·c, min((r+1)·c, D)) of a tensor of D rows, c = ceil(D/N) (torch.chunk,
 FSDP2's layout, whose padding stays inside FSDP; late ranks may hold none). That is the element
 range [row0·L, row1·L) of the flat tensor, L the elements of a row, so records address it, and a
-worker applies them as any delta. Where the weights are sharded, `state_hash`, `publish`,
-`stream`, `snapshot`, `init_store` and `policy_from_rank0` are collective: every rank calls them,
-in the same order.
+worker applies them as any delta. Under HSDP (each node holds the whole model, sharded over its
+own ranks) the ranks that hold the same shard split its range among them (`part`). Where the
+weights are sharded, `state_hash`, `publish`, `stream`, `snapshot`, `init_store` and
+`policy_from_rank0` are collective: every rank calls them, in the same order.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sparrowrl.delta.bitview import dtype_name
 from sparrowrl.delta.device import span_hash
@@ -48,14 +49,16 @@ def rows(d: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def span(name: str, p: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """(first element, flat local elements) of a parameter sharded on dim 0 (a DTensor), or of a
-    plain tensor (all of it, when the trainer is one rank)."""
+    """(first element, flat local elements) of a parameter sharded on dim 0 (a DTensor: FSDP2's
+    one-dim mesh, or HSDP's two, replicated across nodes and sharded within one), or of a plain
+    tensor (all of it, when the trainer is one rank)."""
     if not isinstance(p, DTensor):
         return 0, p.detach().reshape(-1)
-    if tuple(p.placements) != (Shard(0),):
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if placements not in ((Shard(0),), (Replicate(), Shard(0))):
         raise RuntimeError(f"parameter '{name}' is placed {p.placements}, not sharded on dim 0")
-    mesh = p.device_mesh
-    first, end = rows(p.shape[0], mesh.get_local_rank(), mesh.size())
+    dim = mesh.ndim - 1  # the mesh's sharding dim: its last
+    first, end = rows(p.shape[0], mesh.get_local_rank(dim), mesh.size(dim))
     local = p.to_local()
     if tuple(local.shape) != (end - first, *p.shape[1:]):
         raise RuntimeError(
@@ -63,6 +66,19 @@ def span(name: str, p: torch.Tensor) -> tuple[int, torch.Tensor]:
             f"of {list(p.shape)} were expected (FSDP's layout changed?)"
         )
     return first * math.prod(p.shape[1:]), local.detach().reshape(-1)
+
+
+def part(name: str, p: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(first element, flat elements) of the part of a parameter this rank publishes: its span,
+    split among the replicas that hold the same span (HSDP's nodes), so that every element is
+    diffed and encoded once and every rank does its share."""
+    first, flat = span(name, p)
+    if not isinstance(p, DTensor) or p.device_mesh.ndim == 1:
+        return first, flat
+    mesh = p.device_mesh
+    r, replicas, n = mesh.get_local_rank(0), mesh.size(0), flat.numel()
+    a, b = n * r // replicas, n * (r + 1) // replicas
+    return first + a, flat[a:b]
 
 
 def named(weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
@@ -85,7 +101,7 @@ def policy(weights: Weights) -> Shards:
     are bf16 already, which the next optimizer step changes in place."""
     out = {}
     for n, p in named(weights):
-        first, flat = span(n, p)
+        first, flat = part(n, p)
         out[n] = first, flat.to(torch.bfloat16, copy=True).contiguous()
     return out
 
@@ -141,7 +157,9 @@ def publish(
                 if w is not None:
                     assert parts is not None  # rank 0, which writes, gathers every rank's part
                     for k, tid in enumerate(group):
-                        ranks = [p[k] for p in parts]
+                        ranks = sorted(
+                            (p[k] for p in parts), key=lambda r: r[:2]
+                        )  # element order (HSDP's isn't rank order)
                         w.add_encoded(
                             table[tid].name, [(first, n) for first, n, _ in ranks], (e for *_, es in ranks for e in es)
                         )
@@ -220,7 +238,7 @@ def policy_from_rank0(weights: Weights, full: dict[str, torch.Tensor] | None) ->
     each tensor broadcast in turn: the policy a restarted trainer diffs its next version against."""
     out = {}
     for n, p in named(weights):
-        first, flat = span(n, p)
+        first, flat = part(n, p)
         buf = (
             full[n].to(flat.device).contiguous()
             if full is not None

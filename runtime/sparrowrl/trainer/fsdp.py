@@ -37,10 +37,22 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def build(config, fill) -> torch.nn.Module:
-    """A causal LM from `config`, sharded with FSDP2 (each decoder layer, then the root; bf16
-    compute, fp32 master weights and gradient reduction), whose parameters exist only as this
-    rank's shards: made on the meta device, then allocated and filled by `fill(model)`."""
+def mesh(nodes: int, sharding: str):
+    """The ranks' device mesh: one dim over every rank (full), or HSDP's two (hybrid, several
+    nodes): replicated across the nodes, sharded within each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if sharding == "hybrid" and nodes > 1:
+        return init_device_mesh(device().type, (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device().type, (world,), mesh_dim_names=("shard",))
+
+
+def build(config, fill, mesh=None) -> torch.nn.Module:
+    """A causal LM from `config`, sharded with FSDP2 over `mesh` (every rank's, by default; each
+    decoder layer, then the root; bf16 compute, fp32 master weights and gradient reduction), whose
+    parameters exist only as this rank's shards: made on the meta device, then allocated and
+    filled by `fill(model)`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -52,8 +64,8 @@ def build(config, fill) -> torch.nn.Module:
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # rotary tables: real, not meta
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device())
     with torch.no_grad():
         for n, b in model.named_buffers():

@@ -2,9 +2,11 @@
 after it, and the new bf16 policy's delta streamed into the checkpoint store, where the server
 publishes it as it is written (cut-through).
 
-With `trainer.ranks` N > 1 the model is sharded with FSDP2 over N processes (ranks.py). Rank 0 is
-the trainer's process: it leads, and ranks 1..N-1 run `follow`, which makes the same calls (and
-so the same collectives) as rank 0 makes, in the same order. Each rank trains on its share of a
+With `trainer.nodes` × `trainer.ranks` N > 1 the model is sharded with FSDP2 over N processes
+(ranks.py; across nodes they meet by rendezvous.py), or with HSDP (`trainer.sharding: hybrid`:
+sharded within a node, replicated across nodes). Rank 0 is the trainer's process: it leads, and
+ranks 1..N-1 run `follow`, which makes the same calls (and so the same collectives) as rank 0
+makes, in the same order. Each rank trains on its share of a
 batch's groups, checkpoints its shards, and diffs and encodes its own part of the policy
 (sync/gather.py); rank 0 alone holds the store.
 
@@ -32,7 +34,7 @@ from sparrowrl.rollout.coordinator import Batch
 from sparrowrl.spec.job import JobSpec
 from sparrowrl.store.checkpoint_io import save_stream
 from sparrowrl.sync import Publisher, gather
-from sparrowrl.trainer import fsdp, grpo, hub, lr, models, ranks, resume, rewards, step_metrics, tasks
+from sparrowrl.trainer import fsdp, grpo, hub, lr, models, ranks, rendezvous, resume, rewards, step_metrics, tasks
 from sparrowrl.trainer.device import device
 from sparrowrl.trainer.scoring import Scoring
 
@@ -48,22 +50,27 @@ class Learner(Scoring):
     version they publish as (the store may be ahead after a restart: `trainer.Trainer` trains
     those steps again without publishing them)."""
 
-    def __init__(self, spec: JobSpec, state_dir: Path, rank: int = 0, restarts: int | None = None):
-        self.spec, self.state_dir, self.rank, self.world = spec, state_dir, rank, spec.trainer.ranks
-        self.device = device(spec.trainer.device, self.world)  # before the state dir is touched
-        self.ranks = None
-        if rank == 0:
+    def __init__(self, spec: JobSpec, state_dir: Path, gang: rendezvous.Gang | None = None, rank: int = 0):
+        """`gang`: where this process's node meets the others (by default one node on loopback);
+        `rank`: this process's, among all the nodes' (a node's first process makes the others)."""
+        self.gang = gang = gang or rendezvous.Gang.of(spec)
+        self.spec, self.state_dir, self.rank, self.world = spec, state_dir, rank, gang.world
+        self.device = device(spec.trainer.device, spec.trainer.ranks)  # before the state dir is touched
+        self.ranks, self.mesh = None, None
+        restarts = None
+        if rank == gang.first:  # this node's first process: its state dir is its own (each node has a volume)
             # processes before this one; `held` keeps a second trainer off the state dir while this one lives
-            self.restarts, self.held = resume.claim(state_dir, spec.model_dump(mode="json"))
-            hub.fetch(spec, state_dir)  # once per state dir, before the other ranks look for it
+            restarts, self.held = resume.claim(state_dir, spec.model_dump(mode="json"))
+            hub.fetch(spec, state_dir)  # once per state dir, before the node's other ranks look for it
             if self.world > 1:
-                resume.ShardedCheckpoints(state_dir / "trainer", 0).clear_partial()  # before any rank writes
-                self.ranks = ranks.start(self.world, follow, spec, state_dir, self.restarts)
-        else:
-            assert restarts is not None  # rank 0's count, handed to the others (ranks.start)
-            self.restarts = restarts
+                self._sharded(0).clear_partial()  # before any rank writes
+                self.ranks = ranks.start(gang, rendezvous.describe(spec), follow, spec, state_dir, gang)
         if self.world > 1:
             self.device = fsdp.device()  # this rank's GPU, now that it has joined
+            self.mesh = fsdp.mesh(gang.nodes, spec.trainer.sharding)
+        agreed = self._agree(restarts)  # rank 0's count: whether there is a checkpoint to look for
+        assert agreed is not None  # rank 0 is a node's first process
+        self.restarts = agreed
         torch.manual_seed(spec.seed)
         local = hub.localize(spec, state_dir)  # what came from the hub, read from the state dir
         self.tok = models.tokenizer(local)
@@ -75,12 +82,10 @@ class Learner(Scoring):
             log.warning("trainer: task.environment.trustWorkerRewards: rewards are the workers' own scores, unchecked")
         self.held_out = tasks.held_out(local, self.prompts, self.task) if rank == 0 else []  # task.eval
         keep = spec.trainer.checkpoint.keep
-        self.saved = (
-            resume.Checkpoints(state_dir / "trainer", keep)
-            if self.world == 1
-            else resume.ShardedCheckpoints(state_dir / "trainer", rank, keep)
-        )
-        newest = self.saved.newest() if self.restarts else None
+        self.saved = resume.Checkpoints(state_dir / "trainer", keep) if self.world == 1 else self._sharded(keep)
+        newest = None
+        if self.restarts:  # the newest checkpoint: a sharded trainer's, whole on every node
+            newest = self.saved.agree() if isinstance(self.saved, resume.ShardedCheckpoints) else self.saved.newest()
         self.model, self.ref = self._models(local, warm=newest is None)
         g = spec.grpo
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
@@ -128,7 +133,9 @@ class Learner(Scoring):
             model = (
                 full.to(self.device)
                 if self.world == 1 and full is not None  # one rank: rank 0, which made it
-                else fsdp.build(models.tiny_config(len(tok), t.hidden, t.layers, t.heads), fsdp.from_rank0(full))
+                else fsdp.build(
+                    models.tiny_config(len(tok), t.hidden, t.layers, t.heads), fsdp.from_rank0(full), self.mesh
+                )
             )
         else:
             path = spec.model.path
@@ -137,14 +144,21 @@ class Learner(Scoring):
                 model = models.load(path, spec.model.tokenizer)[0].to(self.device)
             else:
                 model = fsdp.build(
-                    AutoConfig.from_pretrained(path, local_files_only=True),
-                    fsdp.from_files(path),
+                    AutoConfig.from_pretrained(path, local_files_only=True), fsdp.from_files(path), self.mesh
                 )
         ref = None
         if spec.grpo.kl_coef > 0:  # KL's anchor
-            ref = copy.deepcopy(model) if self.world == 1 else fsdp.build(model.config, fsdp.from_model(model))
+            ref = (
+                copy.deepcopy(model) if self.world == 1 else fsdp.build(model.config, fsdp.from_model(model), self.mesh)
+            )
             ref.eval().requires_grad_(False)
         return model, ref
+
+    def _sharded(self, keep: int) -> resume.ShardedCheckpoints:
+        g = self.gang
+        return resume.ShardedCheckpoints(
+            self.state_dir / "trainer", self.rank, self.world, g.node, self.rank == g.first, keep
+        )
 
     def _open_store(self) -> Publisher:
         """The publisher of this model's versions, on the store in the state dir: a new one, or the
@@ -405,13 +419,16 @@ class Learner(Scoring):
             self.ranks.stop(lambda: self._lead("stop"))
 
 
-def follow(spec: JobSpec, state_dir: Path, restarts: int) -> None:
-    """Ranks 1..N-1 of a sharded trainer: the same learner, making each call rank 0 makes."""
-    learner = Learner(spec, state_dir, dist.get_rank(), restarts)
+def follow(spec: JobSpec, state_dir: Path, gang: rendezvous.Gang) -> None:
+    """Every rank but 0: the same learner, making each call rank 0 makes. A node's first process
+    (before it has joined) makes its node's other ranks, and stops them when rank 0 says stop."""
+    learner = Learner(spec, state_dir, gang, dist.get_rank() if dist.is_initialized() else gang.first)
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         method, args = box[0]
         if method == "stop":
-            return
+            break
         getattr(learner, method)(*args)
+    if learner.ranks is not None:
+        learner.ranks.stop(lambda: None)  # they heard it too

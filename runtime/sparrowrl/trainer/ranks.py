@@ -1,11 +1,10 @@
-"""The ranks of a sharded trainer on one machine (one pod). The trainer's process is rank 0: it
-serves, coordinates and writes the store; it starts ranks 1..N-1 itself (no torchrun needed),
-and they live and die together. A rank that exits ends rank 0 at once, and rank 0's end (even by
-SIGKILL) ends the others, so the trainer restarts as a whole and resumes from its checkpoint.
-
-Multi-node trainers (several pods) would set MASTER_ADDR to rank 0's pod and start their ranks
-with `follow`; the state layout (resume.ShardedCheckpoints) is already one folder per version
-that every rank writes its own files into.
+"""The ranks of a sharded trainer on one node (one pod, or one process group of `sparrowrl run`).
+A node's first process meets the other nodes (rendezvous.py), starts its node's other ranks
+itself (no torchrun needed), and they live and die together: a rank that exits ends the node's
+first process at once, and its end (even by SIGKILL) ends the others. So a node stops as a whole,
+and whoever runs the nodes (the operator, `sparrowrl run`) starts the gang again as a whole; it
+resumes from its checkpoint. On node 0 the first process is rank 0: it serves, coordinates and
+writes the store.
 """
 
 from __future__ import annotations
@@ -16,30 +15,27 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from multiprocessing.process import BaseProcess
 
-import torch
 import torch.distributed as dist
 
 from sparrowrl import logs
+from sparrowrl.trainer import rendezvous
 
 log = logging.getLogger(__name__)
 
-TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails (a step can be long)
-
 
 class Ranks:
-    """Rank 0's handle on the others: `stop` them before a clean exit; any other exit of theirs
-    ends this process."""
+    """A node's first rank's handle on the node's others: `stop` them before a clean exit; any
+    other exit of theirs ends this process."""
 
-    def __init__(self, procs: Sequence[BaseProcess]):
-        self.procs, self.stopping = procs, False
-        threading.Thread(target=self._watch, daemon=True, name="ranks").start()
+    def __init__(self, procs: Sequence[BaseProcess], first: int = 0):
+        self.procs, self.first, self.stopping = procs, first, False
+        if procs:
+            threading.Thread(target=self._watch, daemon=True, name="ranks").start()
 
     def _watch(self) -> None:
         ready = multiprocessing.connection.wait([p.sentinel for p in self.procs])
@@ -48,8 +44,8 @@ class Ranks:
         p = next(p for p in self.procs if p.sentinel in ready)
         p.join()
         log.error(
-            f"trainer: rank {self.procs.index(p) + 1} exited (code {p.exitcode}); the trainer stops as a whole "
-            f"and resumes from its checkpoint when started again"
+            f"trainer: rank {self.first + self.procs.index(p) + 1} exited (code {p.exitcode}); the trainer stops "
+            f"as a whole and resumes from its checkpoint when started again"
         )
         os._exit(1)
 
@@ -64,37 +60,23 @@ class Ranks:
         dist.destroy_process_group()
 
 
-def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def start(world: int, follower: Callable[..., None], *args) -> Ranks:
-    """Become rank 0 of `world` and start the others, each running `follower(*args)` inside the
-    process group (they must make the same collective calls as rank 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def start(gang: rendezvous.Gang, me: dict, follower: Callable[..., None], *args) -> Ranks:
+    """Join the gang as this node's first rank (`me`: what this node is, rendezvous.describe) and
+    start the node's others, each running `follower(*args)` inside the process group (they make
+    the same collective calls as rank 0)."""
+    store = rendezvous.meet(gang, me)
     ctx = multiprocessing.get_context("spawn")
     procs = [
-        ctx.Process(target=_rank, args=(r, world, port, os.getpid(), follower, args), name=f"rank{r}")
-        for r in range(1, world)
+        ctx.Process(target=_rank, args=(gang, r, os.getpid(), follower, args), name=f"rank{r}")
+        for r in range(gang.first + 1, gang.first + gang.per_node)
     ]
     for p in procs:
         p.start()
-    ranks = Ranks(procs)
-    _join(0, world, port)
-    log.info(f"trainer: {world} ranks ({backend()}), rank 0 serving")
+    ranks = Ranks(procs, gang.first)
+    rendezvous.join(gang, gang.first, store)
+    if gang.node == 0:
+        log.info(f"trainer: {gang.world} ranks on {gang.nodes} node(s) ({rendezvous.backend()}), rank 0 serving")
     return ranks
-
-
-def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share this machine's cores
-    dist.init_process_group(backend(), rank=rank, world_size=world, timeout=TIMEOUT)
 
 
 def leave() -> None:
@@ -106,13 +88,13 @@ def leave() -> None:
     os._exit(0)
 
 
-def _rank(rank: int, world: int, port: int, parent: int, follower: Callable[..., None], args: tuple) -> None:
+def _rank(gang: rendezvous.Gang, rank: int, parent: int, follower: Callable[..., None], args: tuple) -> None:
     if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # 1: PR_SET_PDEATHSIG
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # rank 0 died before the line above
         os._exit(1)
     logs.adopt()  # rank 0's format and level, from the environment it was started with
-    _join(rank, world, port)
+    rendezvous.join(gang, rank)
     follower(*args)
     dist.destroy_process_group()
     leave()

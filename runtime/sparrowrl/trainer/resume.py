@@ -3,8 +3,9 @@
     STATE/job.json                    the job this state belongs to: another job is refused
     STATE/trainer/v00000007.safetensors   fp32 weights and optimizer state after step 7 (the newest `keep`)
     STATE/trainer/ref.safetensors     the frozen reference policy, when the job has a KL term
-    STATE/trainer/v00000007/          the same, sharded: one folder that every rank of a sharded
-                                      trainer writes its own files into (ShardedCheckpoints)
+    STATE/trainer/v00000007/          the same, sharded: one folder that every rank of a node
+                                      writes its own file into (ShardedCheckpoints); each node of a
+                                      multi-node trainer has its own state dir
     STATE/journal.jsonl               a snapshot of the coordinator's state once the newest
                                       checkpoint was whole, with the results of the steps since;
                                       then each request's changes and admitted results
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -62,6 +64,9 @@ _TEMPORARY = (
     ("store", r"store\.json"),
     ("store/bases", r"v\d{8}\.safetensors"),
 )
+
+
+log = logging.getLogger(__name__)
 
 
 class ResumeError(Exception):
@@ -222,95 +227,181 @@ class Checkpoints:
 
 
 class ShardedCheckpoints:
-    """A sharded trainer's checkpoints (torch.distributed.checkpoint): STATE/trainer/v00000007/
-    is one folder, into which every rank writes its shards of the fp32 weights and of the
-    optimizer state. Rank 0 writes row.json, then renames the folder into place: a folder with
-    row.json is whole. The newest `keep` are kept. STATE/trainer/ref/ holds the frozen reference
-    policy, when the job has a KL term. Every method is collective."""
+    """A sharded trainer's checkpoints, in each node's own state dir (its own volume):
 
-    def __init__(self, folder: Path, rank: int, keep: int = 1):
-        self.folder, self.rank, self.keep = folder, rank, keep
+        STATE/trainer/v00000007/rank-00002.safetensors   a rank's shards of the fp32 weights and AdamW
+                                                         state, as that rank holds them
+        STATE/trainer/v00000007/node.json                written once every rank of every node has
+                                                         written its file: the node's part is whole
+        STATE/trainer/ref/                               the frozen reference policy (a KL term), alike
+
+    A rank reads back exactly the file it wrote: the nodes, ranks and sharding a job's state was
+    made with never change (statedir.BELONGS). A restart goes on from the newest version that is
+    whole on every node, and says so when a node lacks a newer one (it died while writing). Old
+    versions go only once a newer one is whole on every node, so a node that dies while writing
+    always leaves one the others hold too. Every method is collective."""
+
+    def __init__(self, folder: Path, rank: int, world: int, node: int, first: bool, keep: int = 1):
+        """`first`: this rank writes its node's node.json and prunes its node's folder."""
+        self.folder, self.rank, self.world, self.node, self.first, self.keep = folder, rank, world, node, first, keep
 
     def _path(self, version: int) -> Path:
         return self.folder / f"v{version:08d}"
 
+    def _file(self, folder: Path) -> Path:
+        return folder / f"rank-{self.rank:05d}.safetensors"
+
+    def _whole(self) -> set[int]:
+        """The versions whole in this node's folder, written by this node (not another's volume)."""
+        found = set()
+        for p in self.folder.glob("v*") if self.folder.is_dir() else []:
+            if not re.fullmatch(r"v\d{8}", p.name):
+                continue
+            if (p / "row.json").is_file():  # torch.distributed.checkpoint's layout, before nodes
+                raise ResumeError(
+                    f"{p}: a checkpoint of an earlier SparrowRL (torch.distributed.checkpoint); resume it with that "
+                    f"release, or start the job on a new state dir"
+                )
+            try:
+                row = json.loads((p / "node.json").read_text())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as e:
+                raise ResumeError(f"{p / 'node.json'}: unreadable ({e})") from None
+            if not isinstance(row, dict) or (row.get("node"), row.get("world")) != (self.node, self.world):
+                raise ResumeError(
+                    f"{p}: written by node {row.get('node') if isinstance(row, dict) else '?'} of a trainer of "
+                    f"{row.get('world') if isinstance(row, dict) else '?'} ranks, not by node {self.node} of "
+                    f"{self.world}: each node's pod must mount its own volume"
+                )
+            found.add(int(p.name[1:]))
+        return found
+
     def newest(self) -> int | None:
-        found = (
-            [
-                int(p.name[1:])
-                for p in self.folder.glob("v*")
-                if re.fullmatch(r"v\d{8}", p.name) and (p / "row.json").is_file()
-            ]
-            if self.folder.is_dir()
-            else []
-        )
-        return max(found, default=None)
+        """The newest version whole on this node: once `agree` has run, on every node."""
+        return max(self._whole(), default=None)
+
+    def agree(self) -> int | None:
+        """The newest version whole on every node (collective). A newer one on some node (another
+        node died while writing it) is removed there, saying so, and is written again."""
+        import torch.distributed as dist
+
+        mine = self._whole()
+        every: list = [None] * self.world
+        dist.all_gather_object(every, (self.node, sorted(mine)))
+        newest = max(set.intersection(*(set(v) for _, v in every)), default=None)
+        if self.rank == 0:
+            for node, versions in sorted(dict(every).items()):
+                if ahead := [v for v in versions if newest is None or v > newest]:
+                    log.warning(
+                        f"trainer: v{max(ahead)} is whole on node {node} but not on every node (one stopped while "
+                        f"writing it); resuming from {'the start' if newest is None else f'v{newest}'}, the newest "
+                        f"whole on all of them"
+                    )
+        dist.barrier()  # every node has read its folder
+        if self.first:
+            for v in mine:
+                if newest is None or v > newest:
+                    shutil.rmtree(self._path(v))
+        return newest
 
     def clear_partial(self) -> None:
-        """What a killed trainer was writing (rank 0, before any rank writes again)."""
+        """What a killed trainer was writing (this node's first rank, before any rank writes again)."""
         for p in self.folder.glob(".*.partial") if self.folder.is_dir() else []:
             shutil.rmtree(p)
 
-    @staticmethod
-    def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(model, opt)
-        return {"model": msd, "optim": osd}
-
-    def _write(self, state: dict, out: Path, seal: Callable[[Path], object] = lambda tmp: None) -> None:
-        """Every rank writes its part of `state` into a partial folder; then rank 0 seals it
-        (`seal`, with the folder still partial) and renames it to `out`, for all to see."""
+    def _write(self, tensors: dict[str, torch.Tensor], meta: dict[str, str], out: Path) -> None:
+        """Every rank writes its file into a partial folder; once all have, each node's first rank
+        seals its node's folder (node.json) and renames it to `out`; once all nodes have, it prunes."""
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
 
         tmp = self.folder / f".{out.name}.partial"
-        dcp.save(state, checkpoint_id=tmp)
+        if self.first:
+            tmp.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        if self.rank == 0:
-            seal(tmp)
+        save_file(tensors, str(self._file(tmp)), metadata={**meta, "rank": str(self.rank)})
+        dist.barrier()
+        if self.first:
+            (tmp / "node.json").write_text(
+                json.dumps({"node": self.node, "world": self.world, "version": meta["version"]})
+            )
+            if out.exists():  # a version another node never sealed, trained again since
+                shutil.rmtree(out)
             os.replace(tmp, out)
         dist.barrier()
 
     def save(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        tensors = {f"model.{n}": _local(p) for n, p in model.named_parameters()}
+        osd = opt.state_dict()
+        for i, st in osd["state"].items():
+            for k, t in st.items():
+                tensors[f"opt.{i}.{k}"] = _local(t) if torch.is_tensor(t) else torch.tensor(t)
         self._write(
-            self._state(model, opt),
-            self._path(version),
-            lambda tmp: (tmp / "row.json").write_text(json.dumps({"version": version})),
+            tensors, {"version": str(version), "param_groups": json.dumps(osd["param_groups"])}, self._path(version)
         )
-        if self.rank == 0:
-            whole = sorted(int(p.name[1:]) for p in self.folder.glob("v*") if re.fullmatch(r"v\d{8}", p.name))
-            for old in whole[: -self.keep]:
+        if self.first:
+            for old in sorted(self._whole())[: -self.keep]:
                 shutil.rmtree(self._path(old))
 
     def load(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        """Checkpoint `version` into `model` and `opt`."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        """Checkpoint `version` into `model` and `opt`: each rank its own file."""
+        from torch.distributed.tensor import DTensor
 
-        path = self._path(version)
+        path = self._file(self._path(version))
+        params = [p for g in opt.param_groups for p in g["params"]]
         try:
-            state = self._state(model, opt)
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            saved = json.loads((path / "row.json").read_text())
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if (meta.get("version"), meta.get("rank")) != (str(version), str(self.rank)):
+                    raise ResumeError(f"{path}: not rank {self.rank}'s checkpoint v{version}")
+                _fill(model, f)
+                state: dict[int, dict] = {}
+                for k in set(f.keys()) - {f"model.{n}" for n, _ in model.named_parameters()}:
+                    _, i, name = k.split(".", 2)
+                    t, p = f.get_tensor(k), params[int(i)]
+                    if isinstance(p, DTensor) and t.dim():
+                        t = DTensor.from_local(
+                            t.to(p.device),
+                            p.device_mesh,
+                            p.placements,
+                            run_check=False,
+                            shape=p.shape,
+                            stride=p.stride(),
+                        )
+                    state.setdefault(int(i), {})[name] = t
+                opt.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+        except (OSError, ValueError, KeyError, IndexError, RuntimeError) as e:
             raise ResumeError(f"{path}: cannot be resumed from ({e})") from None
-        if saved.get("version") != version:
-            raise ResumeError(f"{path}: not this model's checkpoint v{version}")
 
     def save_ref(self, model: torch.nn.Module) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        self._write(get_model_state_dict(model), self.folder / "ref")
+        out = self.folder / "ref"
+        self._write({f"model.{n}": _local(p) for n, p in model.named_parameters()}, {"version": "ref"}, out)
 
     def load_ref(self, model: torch.nn.Module) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
+        path = self._file(self.folder / "ref")
         try:
-            state = get_model_state_dict(model)
-            dcp.load(state, checkpoint_id=self.folder / "ref")
-            set_model_state_dict(model, state)
+            with safe_open(str(path), framework="pt") as f:
+                _fill(model, f)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise ResumeError(f"{self.folder / 'ref'}: the reference policy cannot be read ({e})") from None
+            raise ResumeError(f"{path}: the reference policy cannot be read ({e})") from None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t` (a DTensor's local shard), on the host."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.detach().to("cpu", copy=True).contiguous()
+
+
+def _fill(model: torch.nn.Module, f) -> None:
+    """Each parameter's local shard from `f`'s `model.NAME`, shape checked."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            t = f.get_tensor(f"model.{n}")
+            if t.shape != local.shape:
+                raise ValueError(f"'{n}' is {list(t.shape)} there, {list(local.shape)} here")
+            local.copy_(t)

@@ -29,6 +29,7 @@ from sparrowrl.trainer import cost, journal, ledger, reports, resume, retention
 from sparrowrl.trainer.control import Control
 from sparrowrl.trainer.learner import Learner
 from sparrowrl.trainer.outputs import Outputs
+from sparrowrl.trainer.rendezvous import Gang
 from sparrowrl.transport.http import ServingTLS, add_health, freeze_heap, listen, more_open_files
 from sparrowrl.transport.metrics import add_metrics
 from sparrowrl.transport.server import SENT, make_app
@@ -39,9 +40,9 @@ log = logging.getLogger(__name__)
 class Trainer:
     """One trainer process on its state dir: a fresh one, or the next after a kill."""
 
-    def __init__(self, spec: JobSpec, state_dir: Path, token: str):
+    def __init__(self, spec: JobSpec, state_dir: Path, token: str, gang: Gang | None = None):
         self.spec, self.state_dir, self.token = spec, state_dir, token
-        self.learner = Learner(spec, state_dir)
+        self.learner = Learner(spec, state_dir, gang)
         s = spec.rollout
         self.coord = Coordinator(
             spec.grpo.prompts_per_step,
@@ -337,9 +338,11 @@ async def serve(
     metrics_port: int | None = None,
     check: Callable[[], None] | None = None,
     served: ServingTLS | None = None,
+    gang: Gang | None = None,
 ) -> None:
-    """`check`: the job's data and reward read and checked, answering /healthz meanwhile (a large
-    data set takes minutes, which no probe of the pod can know in advance). `served`: HTTPS."""
+    """`gang`: where a trainer of several nodes meets them (node 0's part). `check`: the job's data
+    and reward read and checked, answering /healthz meanwhile (a large data set takes minutes,
+    which no probe of the pod can know in advance). `served`: HTTPS."""
     more_open_files("trainer")  # a long poll per worker
     early = web.AppRunner(starting_app())
     await early.setup()
@@ -348,7 +351,7 @@ async def serve(
     try:
         if check is not None:
             await asyncio.to_thread(check)
-        run = await asyncio.to_thread(Trainer, spec, state_dir, token)
+        run = await asyncio.to_thread(Trainer, spec, state_dir, token, gang)
         freeze_heap()  # what the model and the modules hold, out of the collector's passes
     finally:
         await early.cleanup()  # the port is free again, for the trainer's own server at once
