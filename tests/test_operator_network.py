@@ -133,3 +133,24 @@ def test_a_policy_edited_by_hand_is_applied_again():
     actions = w.step(job, 1, network=CHART)
     assert [m["metadata"]["name"] for _, m in actions.apply] == ["add-grpo-network"]
     assert w.objects[None]["NetworkPolicy", "add-grpo-network"] == before
+
+
+def test_a_trainers_nodes_reach_each_other_on_any_port_and_no_one_else_does():
+    """The rendezvous and then gloo's or NCCL's own ports, between the trainer's pods alone."""
+    job = body()
+    job["spec"]["trainer"] |= {"nodes": 2}
+    w = running(job)
+    policy = policies(w)[None, "add-grpo-network"]
+    kubernetes_validate.validate(
+        {k: v for k, v in policy.items() if k in ("apiVersion", "kind", "metadata", "spec")},
+        latest_version(),
+        strict=True,
+    )
+    trainers = {"podSelector": {"matchLabels": {"sparrowrl.dev/job-uid": "u-1", "sparrowrl.dev/role": "trainer"}}}
+    (rule,) = [r for r in policy["spec"]["ingress"] if r.get("from") == [trainers]]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 1, "endPort": 65535}]
+    nodes = [p for p in w.pods[None].values() if p["metadata"]["labels"]["sparrowrl.dev/role"] == "trainer"]
+    assert len(nodes) == 2 and all(selects({"metadata": policy["metadata"], "spec": trainers}, p) for p in nodes)
+    assert not [
+        r for r in policies(running(body()))[None, "add-grpo-network"]["spec"]["ingress"] if "endPort" in str(r)
+    ]

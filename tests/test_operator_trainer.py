@@ -136,3 +136,120 @@ def test_a_check_that_dies_otherwise_is_a_trainer_failure():
     w.step(job, 3600)  # its container never ran: the backoff counts from when the pod failed
     assert "add-grpo-trainer-1" in w.names() and "add-grpo-trainer-0" not in w.names()
     assert job["status"]["restarts"] == 1
+
+
+def two_nodes(**run_policy) -> dict:
+    job = body(runPolicy=run_policy)
+    job["spec"]["trainer"] |= {"nodes": 2, "ranks": 1, "joinTimeoutSeconds": 60}
+    return job
+
+
+def test_a_trainer_of_two_nodes_is_two_pods_that_meet_at_node_0():
+    """Node 0 serves as a one-node trainer does; node 1 serves nothing, on a claim of its own,
+    and finds node 0 through a headless Service published before node 0 is ready. The trainer's
+    Service sends workers to node 0 alone."""
+    w, job = World(), two_nodes()
+    created = [*w.step(job, 0).create, *w.step(job, 1).create]
+    made = {
+        m["metadata"]["name"]: m
+        for c, m in created
+        if c is None and m["kind"] == "Pod" and m["metadata"]["labels"]["sparrowrl.dev/role"] == "trainer"
+    }
+    assert sorted(made) == ["add-grpo-trainer-0", "add-grpo-trainer-node1-0"]
+    zero, one = made["add-grpo-trainer-0"], made["add-grpo-trainer-node1-0"]
+    meet = ["--rendezvous", "add-grpo-trainer-nodes.default.svc:29500"]
+    assert zero["spec"]["containers"][0]["args"][-2:] == meet
+    assert one["spec"]["containers"][0]["args"] == ["trainer", "job.yaml", "--state-dir", "state", "--node", "1", *meet]
+    assert {"name": "rendezvous", "containerPort": 29500} in zero["spec"]["containers"][0]["ports"]
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for p in (zero, one)
+        for v in p["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert claims == {"add-grpo-state", "add-grpo-state-node1"}
+    assert "readinessProbe" not in one["spec"]["containers"][0] and not one["spec"].get("initContainers")
+    assert not [e for e in one["spec"]["containers"][0]["env"] if "TOKEN" in e["name"]]  # it serves nothing
+    assert (
+        zero["metadata"]["labels"]["sparrowrl.dev/trainer-node"],
+        one["metadata"]["labels"]["sparrowrl.dev/trainer-node"],
+    ) == ("0", "1")
+    objects = w.objects[None]
+    assert ("PersistentVolumeClaim", "add-grpo-state-node1") in objects
+    nodes = objects["Service", "add-grpo-trainer-nodes"]["spec"]
+    assert nodes["clusterIP"] == "None" and nodes["publishNotReadyAddresses"] is True
+    assert nodes["selector"]["sparrowrl.dev/trainer-node"] == "0"
+    assert objects["Service", "add-grpo-trainer"]["spec"]["selector"]["sparrowrl.dev/trainer-node"] == "0"
+
+
+def test_a_node_that_waits_is_named_with_why():
+    w, job = World(), two_nodes()
+    w.step(job, 0)
+    w.step(job, 1)
+    w.run_all()
+    pod = w.pods[None]["add-grpo-trainer-node1-0"]
+    pod["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes have 8 GPUs"}
+        ],
+    }
+    w.step(job, 2)
+    ready = condition(job, "TrainerReady")
+    assert (ready["status"], ready["reason"]) == ("False", "WaitingForNodes")
+    assert ready["message"].startswith(
+        "node 1: pod add-grpo-trainer-node1-0 is Pending (Unschedulable: 0/3 nodes have 8 GPUs) (node 0 waits "
+        "trainer.joinTimeoutSeconds, 60 s, for every node)"
+    )
+    assert [(n["node"], n["pod"], n["phase"]) for n in job["status"]["trainerNodes"]] == [
+        (0, "add-grpo-trainer-0", "Running"),
+        (1, "add-grpo-trainer-node1-0", "Pending"),
+    ]
+    w.set_phase("add-grpo-trainer-node1-0", "Running")
+    w.step(job, 3)
+    assert condition(job, "TrainerReady")["reason"] == "Ready"
+
+
+def test_one_node_failing_restarts_the_gang_counted_once():
+    """Node 1 dies: after the backoff both pods are made again as the next attempt, the old ones
+    deleted, one restart counted; past the backoff limit the job fails naming the node."""
+    w, job = World(), two_nodes(backoffLimit=1)
+    w.step(job, 0)
+    w.step(job, 1)
+    w.run_all()
+    w.set_phase("add-grpo-trainer-node1-0", "Failed", finished=100, exit_code=137)
+    actions = w.step(job, 101, backoff=Backoff(base=10))
+    assert actions.create == [] and job["status"]["phase"] == "Restarting"
+    said = condition(job, "TrainerReady")["message"]
+    assert said.startswith("the trainer failed (node 1: pod add-grpo-trainer-node1-0, exit code 137)")
+    assert said.endswith(": all 2 nodes restart together")
+    actions = w.step(job, 111, backoff=Backoff(base=10))
+    assert sorted(m["metadata"]["name"] for _, m in actions.create) == [
+        "add-grpo-trainer-1",
+        "add-grpo-trainer-node1-1",
+    ]
+    assert sorted(n for _, _, _, n in actions.delete) == ["add-grpo-trainer-0", "add-grpo-trainer-node1-0"]
+    assert job["status"]["restarts"] == 1
+    assert [r for _, r, m in actions.events if "all 2 nodes restart" in m] == ["TrainerRestarted"]
+    zero = next(m for _, m in actions.create if m["metadata"]["name"] == "add-grpo-trainer-1")
+    assert "--tls-cert" in zero["spec"]["containers"][0]["args"]  # node 1 (serving nothing) did not make it plain
+    w.run_all()
+    w.set_phase("add-grpo-trainer-1", "Failed", finished=200)  # node 0 this time (it saw node 1 go, say)
+    w.step(job, 300, backoff=Backoff(base=10))
+    failed = condition(job, "Failed")
+    assert job["status"]["phase"] == "Failed" and failed["reason"] == "BackoffLimitExceeded"
+    assert "failed 2 times (last: node 0: pod add-grpo-trainer-1" in failed["message"]
+
+
+def test_a_node_pod_deleted_by_hand_restarts_the_gang():
+    w, job = World(), two_nodes()
+    w.step(job, 0)
+    w.step(job, 1)
+    w.run_all()
+    del w.pods[None]["add-grpo-trainer-node1-0"]
+    actions = w.step(job, 2, backoff=Backoff(base=10))
+    assert sorted(m["metadata"]["name"] for _, m in actions.create) == [
+        "add-grpo-trainer-1",
+        "add-grpo-trainer-node1-1",
+    ]
+    assert "node 1: its pod is gone" in condition(job, "TrainerReady")["message"]

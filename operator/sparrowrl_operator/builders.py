@@ -27,8 +27,10 @@ from sparrowrl_operator.constants import (
     KEY_KEY,
     MANAGED_BY_LABEL,
     MANAGER,
+    NODE_LABEL,
     REGION_LABEL,
     RELAY_PORT,
+    RENDEZVOUS_PORT,
     ROLE_LABEL,
     TOKEN_KEY,
     TRAINER_KEY_KEY,
@@ -107,7 +109,11 @@ def pod_name(job: JobRef, role: Process, attempt: int) -> str:
 
 def names_fit(job: JobRef, spec: JobSpec) -> str | None:
     """Why the job's name is too long for its Services' names (DNS labels), or None."""
-    longest = max([trainer_name(job)] + [relay_name(job.in_member(), r.name) for r in spec.regions if r.relay], key=len)
+    longest = max(
+        [trainer_name(job), *([nodes_name(job)] if spec.trainer.nodes > 1 else [])]
+        + [relay_name(job.in_member(), r.name) for r in spec.regions if r.relay],
+        key=len,
+    )
     if len(longest) > 63:
         return f"metadata.name: {job.name!r} makes the Service name {longest!r}, over 63 characters"
     return None
@@ -318,16 +324,45 @@ def _plain_yaml(text: str) -> Any:
         return None
 
 
-def claim_name(job: JobRef) -> str:
-    return f"{job.name}-state"
+def claim_name(job: JobRef, node: int = 0) -> str:
+    """The trainer's state claim: node 0's (the store, the journal, its shards), or another
+    node's (its own shards and copy of the hub's files)."""
+    return f"{job.name}-state" + (f"-node{node}" if node else "")
+
+
+def nodes_name(job: JobRef) -> str:
+    """The headless Service by which a trainer's nodes find node 0."""
+    return f"{job.name}-trainer-nodes"
+
+
+def rendezvous(job: JobRef) -> str:
+    return f"{nodes_name(job)}.{job.namespace}.svc:{RENDEZVOUS_PORT}"
+
+
+def nodes_service(job: JobRef) -> dict:
+    """Node 0's address for the other nodes: headless (the pod's own IP, no proxy in between for
+    the TCP store), and published before node 0 is ready: it is ready only once they joined."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(job, nodes_name(job), job.namespace, True, role="trainer"),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {UID_LABEL: job.uid, ROLE_LABEL: "trainer", NODE_LABEL: "0"},
+            "ports": [
+                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}
+            ],
+        },
+    }
 
 
 def retained(spec: JobSpec) -> bool:
     return spec.trainer.state.retention_policy.when_deleted == "Retain"
 
 
-def state_claim(job: JobRef, spec: JobSpec) -> dict:
-    """The trainer's claim. Retained (the default), it has no owner: the job's deletion, or its
+def state_claim(job: JobRef, spec: JobSpec, node: int = 0) -> dict:
+    """A trainer node's claim. Retained (the default), it has no owner: the job's deletion, or its
     TTL, leaves the trained model; with `whenDeleted: Delete` it goes with the job."""
     s = spec.trainer.state
     claim = {"accessModes": list(s.access_modes), "resources": {"requests": {"storage": s.size}}}
@@ -336,7 +371,7 @@ def state_claim(job: JobRef, spec: JobSpec) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": metadata(job, claim_name(job), job.namespace, not retained(spec)),
+        "metadata": metadata(job, claim_name(job, node), job.namespace, not retained(spec)),
         "spec": claim,
     }
 
@@ -368,7 +403,9 @@ def trainer_service(job: JobRef, spec: JobSpec) -> dict:
         "metadata": meta,
         "spec": {
             "type": svc.type,
-            "selector": {UID_LABEL: job.uid, ROLE_LABEL: "trainer"},
+            # node 0 alone serves, when the trainer has several nodes (nodes is immutable)
+            "selector": {UID_LABEL: job.uid, ROLE_LABEL: "trainer"}
+            | ({NODE_LABEL: "0"} if spec.trainer.nodes > 1 else {}),
             "ports": [{"name": "http", "port": TRAINER_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }

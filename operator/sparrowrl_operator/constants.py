@@ -13,7 +13,8 @@ JOB_LABEL = f"{GROUP}/job"
 UID_LABEL = f"{GROUP}/job-uid"
 ROLE_LABEL = f"{GROUP}/role"  # trainer, relay, worker
 REGION_LABEL = f"{GROUP}/region"
-SLOT_LABEL = f"{GROUP}/slot"  # a worker's index in its placement
+SLOT_LABEL = f"{GROUP}/slot"  # a worker's index in its placement; a trainer node's index (1..)
+NODE_LABEL = f"{GROUP}/trainer-node"  # each pod of a trainer of several nodes: its node's index
 METRICS_SCHEME_LABEL = f"{GROUP}/metrics-scheme"  # https: the pod's metrics port serves TLS
 ATTEMPT_LABEL = f"{GROUP}/attempt"  # 0 for the first pod of a slot, +1 per replacement
 STEPS_ANNOTATION = f"{GROUP}/steps"  # on a trainer pod: the steps of the job document it started with
@@ -21,6 +22,7 @@ FAILURES_ANNOTATION = f"{GROUP}/failures-in-a-row"  # on a replacement pod: its 
 TOKEN_GENERATION_ANNOTATION = f"{GROUP}/token-generation"  # on a relay or worker pod: its token's generation
 
 TRAINER_PORT = 8470
+RENDEZVOUS_PORT = 29500  # where a trainer's nodes meet: node 0's TCP store (torchrun's default)
 RELAY_PORT = 8471
 WORKER_PORT = 8472
 METRICS_PORT = 9090

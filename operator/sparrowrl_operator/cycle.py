@@ -122,6 +122,7 @@ class Facts:
         template: dict | None = None,
         failures: int = 0,
         generation: int | None = None,
+        node: int = 0,
     ) -> dict:
         """A slot's pod, attempt `n`. `failures`: the slot's failures in a row before it, which it
         carries (an annotation: what the row is counted from survives the operator's restarts)."""
@@ -137,6 +138,7 @@ class Facts:
             slot=slot,
             template=template,
             generation=generation,
+            node=node,
         )
         if failures:
             manifest["metadata"].setdefault("annotations", {})[FAILURES_ANNOTATION] = str(failures)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from sparrowrl.auth import pki
 from sparrowrl.auth.pki import Issued
+from sparrowrl.spec.kubespec import MAX_NODES
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
 from sparrowrl_operator.clusters import (
@@ -158,8 +159,9 @@ class Operator:
             None: listed(self.home, job.namespace, mine, ("Service", "Secret", "ConfigMap", "NetworkPolicy"))
         }
         # by name: a claim retained from an earlier job of this name carries that job's uid
-        if claim := self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job)):
-            objects[None]["PersistentVolumeClaim", builders.claim_name(job)] = claim
+        for k in range(_nodes(body)):
+            if claim := self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job, k)):
+                objects[None]["PersistentVolumeClaim", builders.claim_name(job, k)] = claim
         if ca_secret is not None:
             objects[None]["Secret", ca_secret["metadata"]["name"]] = ca_secret
         ca = (secret_value(ca_secret, CERT_KEY) or b"") if ca_secret is not None else None
@@ -300,19 +302,28 @@ class Operator:
         """An Event on the job deleted, when its state's claim (with the trained model) stays."""
         job = JobRef(body["metadata"]["name"], body["metadata"]["namespace"], body["metadata"]["uid"])
         try:
-            claim = self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job))
+            claims = [
+                c
+                for node in range(_nodes(body))
+                if (c := self.home.get("PersistentVolumeClaim", job.namespace, builders.claim_name(job, node)))
+            ]
         except Unreachable:
             return
-        labels = ((claim or {}).get("metadata") or {}).get("labels") or {}
-        owners = {r.get("uid") for r in (claim or {}).get("metadata", {}).get("ownerReferences") or []}
-        if labels.get(UID_LABEL) == job.uid and job.uid not in owners:
+        kept = [
+            c["metadata"]["name"]
+            for c in claims
+            if (c["metadata"].get("labels") or {}).get(UID_LABEL) == job.uid
+            and job.uid not in {r.get("uid") for r in c["metadata"].get("ownerReferences") or []}
+        ]
+        if kept:
+            what = f"the volume claim {kept[0]}" if len(kept) == 1 else f"the volume claims {', '.join(kept)}"
             kopf.event(
                 body,
                 type="Normal",
                 reason=RETAINED,
-                message=f"the volume claim {builders.claim_name(job)}, with the trained model, is kept "
+                message=f"{what}, with the trained model, is kept "
                 "(trainer.state.retentionPolicy.whenDeleted: Retain); a job of this name made later resumes from it; "
-                f"kubectl delete pvc {builders.claim_name(job)} frees it",
+                f"kubectl delete pvc {' '.join(kept)} frees it",
             )
 
     # --- member clusters ---
@@ -383,6 +394,12 @@ class Operator:
 
     def live_uids(self) -> set[str]:
         return {j["metadata"]["uid"] for j in self.home.list("SparrowRLJob", None)}
+
+
+def _nodes(body: dict) -> int:
+    """The trainer's nodes, as the job's body says (before it is parsed: bounded, else 1)."""
+    nodes = ((body.get("spec") or {}).get("trainer") or {}).get("nodes", 1)
+    return nodes if isinstance(nodes, int) and 1 <= nodes <= MAX_NODES else 1
 
 
 def listed(kube: Kube, namespace: str, labels: dict[str, str], kinds: tuple[str, ...]) -> dict[tuple[str, str], dict]:

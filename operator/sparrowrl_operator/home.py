@@ -33,33 +33,37 @@ def reconcile_objects(c: Facts, out: Outcome) -> bool:
         builders.token_secret(job, c.obs.token, job.namespace, home=True),
         builders.job_config(job, c.document, written),
         builders.trainer_service(job, spec),
+        *([builders.nodes_service(job)] if spec.trainer.nodes > 1 else []),
     ]
     raise_only = raised is not None  # the ConfigMap's apply is the raise, not a correction
     missing = [m["kind"] for m in manifests if not ensure(c, out, None, m, m["kind"] == "ConfigMap" and raise_only)]
-    exists, going = _state_claim(c, out)
-    if not exists:
+    claims = [_state_claim(c, out, k) for k in range(spec.trainer.nodes)]
+    going = any(g for _, g in claims)
+    if not all(e for e, _ in claims):
         missing.insert(2, "PersistentVolumeClaim")
     out.condition(
         "Created",
         not missing,
         "ObjectsCreated" if not missing else "Creating",
         "the trainer's Secret, ConfigMap, volume claim and Service exist"
+        if spec.trainer.nodes == 1
+        else f"the trainer's Secret, ConfigMap, {spec.trainer.nodes} volume claims and Services exist"
         if not missing
         else f"creating {', '.join(missing)}",
     )
     return going
 
 
-def _state_claim(c: Facts, out: Outcome) -> tuple[bool, bool]:
-    """The trainer's claim (observed by name, whatever its labels): made once; one retained
+def _state_claim(c: Facts, out: Outcome, node: int) -> tuple[bool, bool]:
+    """A trainer node's claim (observed by name, whatever its labels): made once; one retained
     from an earlier job of this name is adopted (the trainer resumes from it, and refuses
     another job's state); its owner follows the retention policy. One this operator did not
     make for a job of this name is never touched: the job fails. Whether it exists, and whether
     it is an earlier job's, going."""
-    job, name = c.job, builders.claim_name(c.job)
+    job, name = c.job, builders.claim_name(c.job, node)
     seen = c.seen(None, "PersistentVolumeClaim", name)
     if seen is None:
-        out.actions.create.append((None, builders.state_claim(job, c.spec)))
+        out.actions.create.append((None, builders.state_claim(job, c.spec, node)))
         return False, False
     labels = seen["metadata"].get("labels") or {}
     if labels.get(MANAGED_BY_LABEL) != MANAGER or labels.get(JOB_LABEL) != job.name:
@@ -89,11 +93,13 @@ def _state_claim(c: Facts, out: Outcome) -> tuple[bool, bool]:
 def claim_as_decided(c: Facts, out: Outcome) -> bool:
     """A finished job's claim follows its retention policy as it is now: a user who switches to
     Retain to keep the model keeps it. Whether it follows it already (the job may go)."""
-    name = builders.claim_name(c.job)
-    seen = c.seen(None, "PersistentVolumeClaim", name)
-    if seen is None or (seen["metadata"].get("labels") or {}).get(UID_LABEL) != c.job.uid:
-        return True  # none of this job's
-    if patch := builders.claim_patch(c.job, c.spec, seen):
-        out.actions.patch.append((None, "PersistentVolumeClaim", c.job.namespace, name, patch))
-        return False
-    return True
+    settled = True
+    for node in range(c.spec.trainer.nodes):
+        name = builders.claim_name(c.job, node)
+        seen = c.seen(None, "PersistentVolumeClaim", name)
+        if seen is None or (seen["metadata"].get("labels") or {}).get(UID_LABEL) != c.job.uid:
+            continue  # none of this job's
+        if patch := builders.claim_patch(c.job, c.spec, seen):
+            out.actions.patch.append((None, "PersistentVolumeClaim", c.job.namespace, name, patch))
+            settled = False
+    return settled

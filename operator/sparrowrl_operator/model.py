@@ -57,6 +57,15 @@ class PlacementStatus(_Model):
     )
 
 
+class TrainerNode(_Model):
+    """One node of a trainer of several, as `kubectl describe` shows it."""
+
+    node: Count
+    pod: Annotated[str, Field(max_length=253)] | None = None
+    phase: Annotated[str, Field(max_length=32)] = "Pending"
+    message: Annotated[str, Field(max_length=512)] | None = None  # why it waits or failed
+
+
 class LeaseHealth(_Model):
     active: Count = 0
     healthy: Count = 0  # held by workers that are not stale
@@ -151,7 +160,10 @@ class SparrowRLJobStatus(_Model):
     progress: Progress = Progress()
     display: Display = Display()
     trainer_address: Annotated[str, Field(max_length=512)] | None = None
-    restarts: Count = 0  # trainer pods replaced after a failure
+    restarts: Count = 0  # trainer pods replaced after a failure (a trainer's nodes: once for them all)
+    trainer_nodes: Annotated[list[TrainerNode], Field(max_length=32)] = Field(
+        [], description="Each node's pod of a trainer of several (trainer.nodes), which start and restart together."
+    )
     start_time: Time | None = None
     active_since: Time | None = None  # the last start or resume: activeDeadlineSeconds counts from it
     completion_time: Time | None = None

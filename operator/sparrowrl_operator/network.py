@@ -1,16 +1,17 @@
 """Traffic only where it belongs: a NetworkPolicy per job in each cluster where it runs, selecting
 exactly its pods (by the job's uid). It admits the job's own pods to the trainer's and relays'
-ports, anyone to the trainer's port where its Service takes traffic from outside (a load
-balancer or node port: the member clusters' workers, whose addresses cannot be known), the
-operator to the trainer's (its /v1/status), and the metrics scraper to each pod's metrics port.
-The kubelet's probes come from the node, which a NetworkPolicy does not stop. Whether a cluster
-enforces it is its network plugin's business: one that does not ignores it."""
+ports, a trainer's nodes to each other on any port (the rendezvous, then the collectives'),
+anyone to the trainer's port where its Service takes traffic from outside (a load balancer or
+node port: the member clusters' workers, whose addresses cannot be known), the operator to the
+trainer's (its /v1/status), and the metrics scraper to each pod's metrics port. The kubelet's
+probes come from the node, which a NetworkPolicy does not stop. Whether a cluster enforces it
+is its network plugin's business: one that does not ignores it."""
 
 from __future__ import annotations
 
 from sparrowrl_operator import builders
 from sparrowrl_operator.builders import JobRef
-from sparrowrl_operator.constants import METRICS_PORT, RELAY_PORT, TRAINER_PORT, UID_LABEL
+from sparrowrl_operator.constants import METRICS_PORT, RELAY_PORT, ROLE_LABEL, TRAINER_PORT, UID_LABEL
 from sparrowrl_operator.cycle import Facts, Network, Outcome
 from sparrowrl_operator.drift import ensure
 from sparrowrl_operator.pods import Cluster
@@ -25,11 +26,14 @@ def name(job: JobRef) -> str:
     return f"{job.base}-network"
 
 
-def policy(job: JobRef, namespace: str, home: bool, exposed: bool, net: Network) -> dict:
+def policy(job: JobRef, namespace: str, home: bool, exposed: bool, net: Network, nodes: int = 1) -> dict:
     """The job's NetworkPolicy in one cluster's namespace (`home`: the trainer's; `exposed`: its
-    Service takes traffic from outside the cluster)."""
+    Service takes traffic from outside the cluster; `nodes`: the trainer's)."""
     mine = {"podSelector": {"matchLabels": {UID_LABEL: job.uid}}}
     ingress: list[dict] = [{"from": [mine], "ports": _tcp(TRAINER_PORT, RELAY_PORT)}]
+    if home and nodes > 1:  # a trainer's nodes, to each other: the rendezvous, then gloo's or NCCL's own ports
+        trainers = {"podSelector": {"matchLabels": {UID_LABEL: job.uid, ROLE_LABEL: "trainer"}}}
+        ingress.append({"from": [trainers], "ports": [{"protocol": "TCP", "port": 1, "endPort": 65535}]})
     if home and exposed:  # no `from`: any source, as a load balancer or node port passes them on
         ingress.append({"ports": _tcp(TRAINER_PORT)})
     if home and net.operator is not None:
@@ -55,6 +59,6 @@ def reconcile_policy(c: Facts, out: Outcome, cluster: Cluster, namespace: str) -
     if enabled(c):
         svc = c.spec.trainer.service
         exposed = svc.type != "ClusterIP" or svc.url is not None
-        ensure(c, out, cluster, policy(job, namespace, home, exposed, c.network))
+        ensure(c, out, cluster, policy(job, namespace, home, exposed, c.network, c.spec.trainer.nodes))
     elif c.seen(cluster, "NetworkPolicy", name(job)) is not None:
         out.actions.delete.append((cluster, "NetworkPolicy", namespace, name(job)))

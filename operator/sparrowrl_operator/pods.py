@@ -9,7 +9,14 @@ from collections.abc import Iterator
 
 from sparrowrl.spec.layout import INVALID_EXIT
 from sparrowrl_operator import builders
-from sparrowrl_operator.constants import ATTEMPT_LABEL, FAILURES_ANNOTATION, REGION_LABEL, ROLE_LABEL, SLOT_LABEL
+from sparrowrl_operator.constants import (
+    ATTEMPT_LABEL,
+    FAILURES_ANNOTATION,
+    NODE_LABEL,
+    REGION_LABEL,
+    ROLE_LABEL,
+    SLOT_LABEL,
+)
 from sparrowrl_operator.times import since
 
 Cluster = str | None  # a SparrowCluster's name; None: the operator's own
@@ -24,6 +31,11 @@ def phase_of(pod: dict) -> str:
 def ready(pod: dict) -> bool:
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def other_node(pod: dict) -> bool:
+    """A trainer's node other than 0: it runs ranks only, and serves nothing (no API, no TLS)."""
+    return (pod["metadata"].get("labels") or {}).get(NODE_LABEL, "0") != "0"
 
 
 def terminating(pod: dict) -> bool:
@@ -90,7 +102,8 @@ def termination(pod: dict) -> str:
         t = (c.get("state") or {}).get("terminated") or (c.get("lastState") or {}).get("terminated")
         if t:
             head = ", ".join(x for x in (t.get("reason"), f"exit code {t.get('exitCode')}") if x)
-            return head + (f": {t['message'].strip()[:300]}" if (t.get("message") or "").strip() else "")
+            said = (t.get("message") or "").strip()  # a log's end (FallbackToLogsOnError): its last line matters
+            return head + (f": {'…' if len(said) > 300 else ''}{said[-300:]}" if said else "")
     head = ": ".join(x for x in (st.get("reason"), (st.get("message") or "")[:300]) if x)
     return head or "no reason given"
 

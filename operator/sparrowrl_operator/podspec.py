@@ -22,6 +22,7 @@ from sparrowrl_operator.builders import (
     merge,
     metadata,
     pod_name,
+    rendezvous,
     serving_name,
     token_name,
 )
@@ -33,7 +34,9 @@ from sparrowrl_operator.constants import (
     KEY_KEY,
     METRICS_PORT,
     METRICS_SCHEME_LABEL,
+    NODE_LABEL,
     RELAY_PORT,
+    RENDEZVOUS_PORT,
     SLOT_LABEL,
     STEPS_ANNOTATION,
     TLS_DIR,
@@ -55,15 +58,18 @@ def _items(keys: list[str] | tuple[str, ...]) -> list[dict]:
     return [{"key": k, "path": k} for k in keys]
 
 
-def _args(role: Process, spec: JobSpec) -> list[str]:
+def _args(role: Process, spec: JobSpec, job: JobRef, node: int) -> list[str]:
     """As `sparrowrl run` starts each role (runner.argv), inside a pod: listening on the pod's IP."""
+    if node:  # another node of the trainer: it serves nothing
+        return ["trainer", JOB_KEY, "--state-dir", "state", "--node", str(node), "--rendezvous", rendezvous(job)]
     serve = ["--host", "$(POD_IP)", "--port", str(PORTS[role.kind]), "--metrics-port", str(METRICS_PORT)]
     serve += ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []  # a topology region's bandwidthMbit
     tls = encrypted(spec)
     served = ["--tls-cert", f"{TLS_DIR}/{CERT_KEY}", "--tls-key", f"{TLS_DIR}/{KEY_KEY}"] if tls else []  # every role
     trusts = ["--ca-cert", f"{CREDENTIALS_DIR}/{CA_KEY}"] if tls else []
     if role.kind == "trainer":
-        return ["trainer", JOB_KEY, "--state-dir", "state", *serve, *served]
+        meet = ["--rendezvous", rendezvous(job)] if spec.trainer.nodes > 1 else []
+        return ["trainer", JOB_KEY, "--state-dir", "state", *serve, *served, *meet]
     assert role.trainer is not None and role.region is not None  # a relay's and a worker's (layout.processes)
     if role.kind == "relay":
         return [
@@ -108,10 +114,17 @@ def pod(
     slot: int | None = None,
     template: dict | None = None,
     generation: int | None = None,
+    node: int = 0,
 ) -> dict:
-    """A role's pod; `generation`: that of the token its Secret holds for it (a relay's, a worker's)."""
+    """A role's pod; `generation`: that of the token its Secret holds for it (a relay's, a worker's);
+    `node`: a trainer's node, of a trainer of several (1..: one that serves nothing)."""
+    if node:
+        return _node_pod(
+            job, role, spec, namespace=namespace, attempt=attempt, image=image, node=node, template=template
+        )
     sched = {"trainer": spec.trainer, "relay": spec.relays, "worker": spec.rollout}[role.kind]
-    mounts, volumes = [], []
+    mounts: list[dict] = []
+    volumes: list[dict] = []
     if role.kind == "trainer":
         mounts = [
             # the file itself in the working folder: the job's relative paths (model.path: inputs/model) are
@@ -123,9 +136,7 @@ def pod(
             {"name": "job", "configMap": {"name": config_name(job)}},
             {"name": "state", "persistentVolumeClaim": {"claimName": claim_name(job)}},
         ]
-        if spec.trainer.ranks > 1:  # the ranks' shared memory (NCCL); a pod's own /dev/shm is 64 MiB
-            mounts.append({"name": "shm", "mountPath": "/dev/shm"})
-            volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
+        _shm(spec, mounts, volumes)
     elif role.kind == "relay":
         mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
         volumes = [{"name": "cache", "emptyDir": {}}]
@@ -159,11 +170,11 @@ def pod(
     # the kubelet does not check a serving certificate
     get = {"port": "http"} | ({"scheme": "HTTPS"} if encrypted(spec) else {})
     probe = {"httpGet": {"path": "/readyz"} | get, "periodSeconds": 5, "failureThreshold": 3}
-    container = {
+    container: dict[str, Any] = {
         "name": role.kind,
         "image": image,
         "command": ["sparrowrl"],
-        "args": _args(role, spec),
+        "args": _args(role, spec, job, 0),
         "workingDir": WORKDIR,
         "env": env,
         "ports": [
@@ -208,6 +219,11 @@ def pod(
         manifest["spec"]["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
+    if role.kind == "trainer" and spec.trainer.nodes > 1:  # where the other nodes meet it
+        meta["labels"][NODE_LABEL] = "0"
+        container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT})
+    if role.kind == "trainer":  # the end of its log, when it fails (a node that did not join), in its status
+        container["terminationMessagePolicy"] = "FallbackToLogsOnError"
     if role.kind == "trainer":  # until it listens (imports, on a cold node); then it answers while it loads
         container["startupProbe"] = {
             "httpGet": {"path": "/healthz"} | get,
@@ -216,6 +232,80 @@ def pod(
         }
     manifest = merge(manifest, template) if template else manifest
     return with_check(manifest) if role.kind == "trainer" else manifest
+
+
+def _shm(spec: JobSpec, mounts: list[dict], volumes: list[dict]) -> None:
+    if spec.trainer.ranks > 1:  # the ranks' shared memory (NCCL); a pod's own /dev/shm is 64 MiB
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
+
+
+def _node_pod(
+    job: JobRef,
+    role: Process,
+    spec: JobSpec,
+    *,
+    namespace: str,
+    attempt: int,
+    image: str,
+    node: int,
+    template: dict | None,
+) -> dict:
+    """Node `node` (1..) of a trainer of several: its ranks only, on a state claim of its own. It
+    serves nothing (no probes, no token, no certificate): it meets node 0 at the rendezvous, and
+    its process ends with the gang's."""
+    mounts: list[dict] = [
+        {"name": "job", "mountPath": f"{WORKDIR}/{JOB_KEY}", "subPath": JOB_KEY, "readOnly": True},
+        {"name": "state", "mountPath": f"{WORKDIR}/state"},
+    ]
+    volumes: list[dict] = [
+        {"name": "job", "configMap": {"name": config_name(job)}},
+        {"name": "state", "persistentVolumeClaim": {"claimName": claim_name(job, node)}},
+    ]
+    _shm(spec, mounts, volumes)
+    container = {
+        "name": role.kind,
+        "image": image,
+        "command": ["sparrowrl"],
+        "args": _args(role, spec, job, node),
+        "workingDir": WORKDIR,
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "SPARROWRL_LOG_FORMAT", "value": "json"},
+        ],
+        "volumeMounts": mounts,
+        "resources": _resources(spec.trainer),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    meta = metadata(job, pod_name(job, role, attempt), namespace, True, role=role.kind)
+    meta["labels"] |= {ATTEMPT_LABEL: str(attempt), SLOT_LABEL: str(node), NODE_LABEL: str(node)}
+    manifest: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "restartPolicy": "Never",  # the operator restarts the gang, and counts it
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 30,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": USER,
+                "fsGroup": USER,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+    if spec.trainer.node_selector:
+        manifest["spec"]["nodeSelector"] = dict(spec.trainer.node_selector)
+    if spec.trainer.tolerations:
+        manifest["spec"]["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in spec.trainer.tolerations
+        ]
+    return merge(manifest, template) if template else manifest
 
 
 def with_check(manifest: dict) -> dict:

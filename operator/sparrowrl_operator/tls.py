@@ -33,7 +33,7 @@ from sparrowrl_operator.constants import (
 from sparrowrl_operator.credentials import secret_value
 from sparrowrl_operator.cycle import Facts, Outcome
 from sparrowrl_operator.drift import ensure
-from sparrowrl_operator.pods import Cluster, Pods
+from sparrowrl_operator.pods import Cluster, Pods, other_node
 
 DAYS = 90  # a serving certificate's life, and RENEW of it left when it is issued anew: cert-manager's defaults
 RENEW = 1 / 3
@@ -131,6 +131,8 @@ def effective(spec: JobSpec, pods: Pods) -> JobSpec:
 
 def _made_plain(pod: dict) -> bool:
     role = (pod["metadata"].get("labels") or {}).get(ROLE_LABEL)
+    if other_node(pod):  # serves nothing, encrypted or not
+        return False
     flag = "--ca-cert" if role == "worker" else "--tls-cert"
     containers = (pod.get("spec") or {}).get("containers") or []
     return role in ("trainer", "relay", "worker") and not any(flag in (c.get("args") or []) for c in containers)

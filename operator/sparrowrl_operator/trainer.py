@@ -1,6 +1,6 @@
-"""The trainer's slot: one pod, made, restarted after a failure up to runPolicy.backoffLimit, or
-when it trains toward fewer steps than the job's (they were raised); the job succeeds when it
-exits 0 having trained every step."""
+"""The trainer's slot: one pod (or one per node, a gang, for a trainer of several nodes), made,
+restarted after a failure up to runPolicy.backoffLimit, or when it trains toward fewer steps
+than the job's (they were raised); the job succeeds when it exits 0 having trained every step."""
 
 from __future__ import annotations
 
@@ -8,19 +8,30 @@ from sparrowrl.spec.layout import Process
 from sparrowrl_operator import builders
 from sparrowrl_operator.constants import INVALID, RESTARTED, STEPS_ANNOTATION, SUCCEEDED
 from sparrowrl_operator.cycle import Facts, Outcome
-from sparrowrl_operator.pods import attempt, failed_at, phase_of, ready, refused, terminating
+from sparrowrl_operator.model import TrainerNode
+from sparrowrl_operator.pods import attempt, failed_at, phase_of, ready, refused, terminating, termination
 from sparrowrl_operator.times import since
 
 ROLE = Process("trainer", "trainer")
 
 
+def node_role(node: int) -> Process:
+    """Node `node` of a trainer of several: node 0 is the trainer (ROLE), which serves."""
+    return ROLE if node == 0 else Process("trainer", f"trainer-node{node}")
+
+
 def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool = True) -> None:
     """The TrainerReady condition, and the job's success or failure by its trainer.
     `claim_going`: the state's claim is an earlier job's, being deleted; `certified`: a pod made
-    now finds its serving certificate (the job's CA can sign)."""
+    now finds its serving certificate (the job's CA can sign). A trainer of several nodes is a
+    gang: its pods are made together, and any one's failure restarts all of them, counted once."""
     pod, older = c.pods.current(None, ("trainer", None, None))
     for p in older:
         out.remove(None, p)
+    others = _others(c, out)
+    gang = [pod, *others]
+    nodes = c.spec.trainer.nodes
+    _report(c, out, gang)
     limit = c.spec.run_policy.backoff_limit
     if pod is None and claim_going:
         out.condition(
@@ -39,17 +50,35 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool
             "waiting for the job's CA (the Encrypted condition says why)",
         )
         return
+    if pod is None and any(p is not None for p in others):  # node 0 went: the gang starts again as a whole
+        for q in others:
+            if q is not None:
+                out.remove(None, q)
+        out.condition(
+            "TrainerReady",
+            False,
+            "Terminating",
+            f"the trainer's node 0 is gone: stopping its other {nodes - 1} node(s)",
+        )
+        return
     if pod is None:
-        out.create_pod(None, c.pod(None, ROLE, out.status.restarts, None, template=c.spec.trainer.template))
-        out.condition("TrainerReady", False, "Creating", "creating the trainer pod")
+        _create(c, out, out.status.restarts)
+        out.condition(
+            "TrainerReady",
+            False,
+            "Creating",
+            "creating the trainer pod" if nodes == 1 else f"creating the trainer's {nodes} pods",
+        )
         return
     n, phase = attempt(pod), phase_of(pod)
-    if terminating(pod):  # its successor is created once it is gone (the same name)
-        out.condition("TrainerReady", False, "Terminating", f"pod {pod['metadata']['name']} is being deleted")
+    if going := [p for p in gang if p is not None and terminating(p)]:  # successors are made once they are gone
+        out.condition("TrainerReady", False, "Terminating", f"pod {going[0]['metadata']['name']} is being deleted")
         return
     behind = _trains_for(c, pod)
     if phase != "Failed" and behind is not None and behind < c.spec.steps:
-        out.remove(None, pod)  # its successor, made once it is gone, reads the raised steps
+        for q in gang:  # its successor, made once it is gone, reads the raised steps
+            if q is not None:
+                out.remove(None, q)
         out.condition(
             "TrainerReady",
             False,
@@ -73,27 +102,115 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool
     if phase == "Failed" and (why := refused(pod)):  # the same job would fail again: no restart
         out.fail(INVALID, why)
         return
-    if phase == "Failed":
+    failed = [(k, p) for k, p in enumerate(gang) if p is not None and phase_of(p) == "Failed"]
+    missing = [k for k, p in enumerate(others, 1) if p is None]
+    if failed or missing:
+        who = f"pod {pod['metadata']['name']}" if nodes == 1 else _failures(failed, missing)
         if n >= limit:
-            out.fail("BackoffLimitExceeded", f"the trainer failed {n + 1} times; runPolicy.backoffLimit is {limit}")
+            times = f"{n + 1} times" if nodes == 1 else f"{n + 1} times (last: {who})"
+            out.fail("BackoffLimitExceeded", f"the trainer failed {times}; runPolicy.backoffLimit is {limit}")
             return
-        out.condition("TrainerReady", False, "Restarting", f"the trainer failed (pod {pod['metadata']['name']})")
-        if since(failed_at(pod), c.obs.now) >= c.backoff.delay(n):  # its container may never have run
-            out.create_pod(None, c.pod(None, ROLE, n + 1, None, template=c.spec.trainer.template))
-            out.remove(None, pod)
+        again = "" if nodes == 1 else f": all {nodes} nodes restart together"
+        out.condition("TrainerReady", False, "Restarting", f"the trainer failed ({who}){again}")
+        ends = [failed_at(p) for _, p in failed]
+        if all(since(t, c.obs.now) >= c.backoff.delay(n) for t in ends):  # a container may never have run
+            _create(c, out, n + 1)
+            for q in gang:
+                if q is not None:
+                    out.remove(None, q)
             out.update(restarts=n + 1)
+            whole = "" if nodes == 1 else f"; all {nodes} nodes restart, each resuming from its volume"
             out.event(
-                RESTARTED, f"the trainer failed; restart {n + 1} of {limit}, resuming from its volume", warning=True
+                RESTARTED,
+                f"the trainer failed; restart {n + 1} of {limit}, resuming from its volume{whole}",
+                warning=True,
             )
         return
     out.update(restarts=max(out.status.restarts, n))
     up = phase == "Running" and ready(pod)
+    if nodes == 1:
+        out.condition(
+            "TrainerReady",
+            up,
+            "Ready" if up else "NotReady",
+            f"pod {pod['metadata']['name']}" + ("" if up else f" is {phase}"),
+        )
+        return
+    waiting = [(k, p) for k, p in enumerate(others, 1) if p is not None and phase_of(p) != "Running"]
+    if waiting:
+        out.condition(
+            "TrainerReady",
+            False,
+            "WaitingForNodes",
+            "; ".join(f"node {k}: pod {p['metadata']['name']} is {_state(p)}" for k, p in waiting)
+            + f" (node 0 waits trainer.joinTimeoutSeconds, {c.spec.trainer.join_timeout_seconds} s, for every node)",
+        )
+        return
     out.condition(
         "TrainerReady",
         up,
         "Ready" if up else "NotReady",
-        f"pod {pod['metadata']['name']}" + ("" if up else f" is {phase}"),
+        f"{nodes} nodes running, node 0 in pod {pod['metadata']['name']}" + ("" if up else f" (it is {phase})"),
     )
+
+
+def _others(c: Facts, out: Outcome) -> list[dict | None]:
+    """The current pod of nodes 1.. of the trainer (older attempts removed)."""
+    found: list[dict | None] = []
+    for k in range(1, c.spec.trainer.nodes):
+        p, older = c.pods.current(None, ("trainer", None, str(k)))
+        for o in older:
+            out.remove(None, o)
+        found.append(p)
+    return found
+
+
+def _create(c: Facts, out: Outcome, n: int) -> None:
+    """The trainer's pods, attempt `n`: node 0's, and each other node's."""
+    for k in range(c.spec.trainer.nodes):
+        slot = k or None
+        out.create_pod(None, c.pod(None, node_role(k), n, slot, template=c.spec.trainer.template, node=k))
+
+
+def _failures(failed: list[tuple[int, dict]], missing: list[int]) -> str:
+    said = [f"node {k}: pod {p['metadata']['name']}, {termination(p)}" for k, p in failed]
+    said += [f"node {k}: its pod is gone" for k in missing]
+    return "; ".join(said)
+
+
+def _state(p: dict) -> str:
+    """A pod's phase, and why it waits where it says (unschedulable, an image not pulled)."""
+    st = p.get("status") or {}
+    why = next(
+        (
+            f"{c.get('reason')}: {c.get('message', '')}"
+            for c in st.get("conditions") or []
+            if c.get("type") == "PodScheduled" and c.get("status") == "False"
+        ),
+        None,
+    )
+    for cs in st.get("containerStatuses") or []:
+        wait = (cs.get("state") or {}).get("waiting") or {}
+        why = why or (f"{wait.get('reason')}: {wait.get('message', '')}" if wait.get("reason") else None)
+    return phase_of(p) + (f" ({why.strip()[:200]})" if why else "")
+
+
+def _report(c: Facts, out: Outcome, gang: list[dict | None]) -> None:
+    """status.trainerNodes: each node's pod, for `kubectl describe` (a trainer of several nodes)."""
+    if c.spec.trainer.nodes == 1:
+        return
+    rows = []
+    for k, p in enumerate(gang):
+        failed = p is not None and phase_of(p) == "Failed"
+        rows.append(
+            TrainerNode(
+                node=k,
+                pod=p["metadata"]["name"] if p else None,
+                phase=phase_of(p) if p else "Absent",
+                message=(termination(p) if failed else _state(p))[:512] if p else None,
+            )
+        )
+    out.update(trainer_nodes=rows)
 
 
 def _trains_for(c: Facts, pod: dict) -> int | None:

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from sparrowrl.spec.status import TrainerStatus
 from sparrowrl_operator.constants import ROLE_LABEL, TRAINER_PORT
+from sparrowrl_operator.pods import other_node
 
 MAX_STATUS_BYTES = 16 << 20
 TIMEOUT = 5.0
@@ -52,6 +53,8 @@ def trainer_status(pods: list[dict], token: str, ca: bytes | None, name: str) ->
     for p in pods:
         st = p.get("status") or {}
         if p["metadata"]["labels"].get(ROLE_LABEL) != "trainer" or st.get("phase") != "Running" or not st.get("podIP"):
+            continue
+        if other_node(p):  # a trainer's node 1..: no API there, and it must not be sent the job's token
             continue
         if serves_tls(p):
             context = trusting(ca) if ca else None

@@ -21,6 +21,8 @@ What it does:
   from the end of its log (terminationMessagePolicy: FallbackToLogsOnError; no message file).
 - Services: a proxy per port on the cluster IP to the ready pods its selector matches; node
   ports on the node (127.A.254.1); a load balancer address (127.A.255.x, written to the status);
+  a headless Service's name resolves to the IPs of the pods it selects (not yet ready ones too
+  with publishNotReadyAddresses), as cluster DNS answers;
   DNS names in an /etc/hosts bind-mounted into each pod (NAME.NS.svc.cluster.local, NAME.NS.svc,
   NAME.NS, and NAME within NS). Load balancers and node ports are behind the cluster's edge
   Gate, so Cluster.unreachable() cuts them too.
@@ -30,10 +32,11 @@ What it does not: images (so `command` is required: there is no entrypoint to fa
 than one container, sidecar containers, exec probes, liveness and startup probes,
 resources, scheduling (every pod lands on the one node), network isolation (any process can
 connect to any loopback address; pods in one cluster reach another only by IP because only
-their own cluster's names resolve), UDP, headless Services, Services without a selector,
+their own cluster's names resolve), UDP, Services without a selector,
 hostnames, service-account tokens, the Service environment variables, controllers (Deployments,
 Jobs, StatefulSets: only bare pods run).
-Volume mounts must lie under the container's workingDir, mapped to the per-pod directory, and
+Volume mounts must lie under the container's workingDir, mapped to the per-pod directory (but
+an emptyDir may cover /dev/shm, the pod's own shared memory, as a sharded trainer's has), and
 an absolute path under workingDir in command, args or env fails the pod: with relative paths a
 pod behaves the same here and in a real cluster.
 """
@@ -175,6 +178,7 @@ class Kubelet:
         self.errors: list[str] = []
         self._runs: dict[str, Run] = {}  # by pod uid
         self._services: dict[tuple[str, str], dict[str, Any]] = {}
+        self._headless: dict[tuple[str, str], dict[str, Any]] = {}  # their names resolve to the pods' own IPs
         self._listening: dict[tuple[str, int], Gate] = {}
         self._load_balancers: dict[str, str] = {}  # Service uid -> address
         self._round_robin = itertools.count()
@@ -624,6 +628,10 @@ class Kubelet:
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         mounts = []
         for mount in c.get("volumeMounts", []):
+            if mount["mountPath"] == "/dev/shm" and "emptyDir" in volumes[mount["name"]]:  # the pod's own, shared
+                source, _ = await self._volume(run, volumes[mount["name"]])  # memory: a fresh folder over it
+                mounts.append((source, Path("/dev/shm"), False))
+                continue
             try:
                 relative = PurePosixPath(mount["mountPath"]).relative_to(workdir)
             except ValueError:
@@ -753,11 +761,14 @@ class Kubelet:
     async def _sync_services(self, services: list[dict[str, Any]]) -> None:
         wanted: dict[tuple[str, int], tuple[Gate, tuple[str, str], int]] = {}
         announce: list[tuple[tuple[str, str], list[dict]]] = []  # load balancers' addresses, once they listen
-        self._services = {}
+        self._services, self._headless = {}, {}
         for svc in services:
             spec, meta = svc["spec"], svc["metadata"]
             key = (meta["namespace"], meta["name"])
-            if spec.get("clusterIP") in (None, "", "None"):
+            if spec.get("clusterIP") == "None" and spec.get("selector"):
+                self._headless[key] = svc
+                continue
+            if spec.get("clusterIP") in (None, ""):
                 continue
             self._services[key] = svc
             if spec["type"] == "LoadBalancer":
@@ -824,6 +835,20 @@ class Kubelet:
                 f"{svc['spec']['clusterIP']} {name}.{ns}.svc.cluster.local {name}.{ns}.svc {name}.{ns}"
                 + (f" {name}" if ns == namespace else "")
             )
+        for (ns, name), svc in sorted(self._headless.items()):  # the pods it selects, ready or (if published) not
+            selector = svc["spec"]["selector"].items()
+            for run in sorted(self._runs.values(), key=lambda r: r.ip):
+                if (
+                    run.key[0] == ns
+                    and run.final is None
+                    and not run.stopping
+                    and (run.ready or svc["spec"].get("publishNotReadyAddresses"))
+                    and selector <= (run.pod["metadata"].get("labels") or {}).items()
+                ):
+                    lines.append(
+                        f"{run.ip} {name}.{ns}.svc.cluster.local {name}.{ns}.svc {name}.{ns}"
+                        + (f" {name}" if ns == namespace else "")
+                    )
         return "\n".join(lines) + "\n"
 
     async def _write_hosts(self) -> None:

@@ -68,15 +68,15 @@ class Gang:
         threads: int | None = None,
         bind: str = "127.0.0.1",
     ) -> Gang:
-        """The gang of `spec`'s trainer as node `node` sees it; without `address`, one node on
-        loopback at a free port (nothing else joins it). `bind`: node 0's own address."""
+        """The gang of `spec`'s trainer as node `node` sees it; without `address`, one node at a
+        free port of `bind` (nothing else joins it). `bind`: node 0's own address."""
         t = spec.trainer
         if not 0 <= node < t.nodes:
             raise GangError(f"--node {node}: the job's trainer has nodes 0..{t.nodes - 1} (trainer.nodes {t.nodes})")
         if address is None:
             if t.nodes > 1:
                 raise GangError(f"trainer.nodes is {t.nodes}: give --rendezvous HOST:PORT, node 0's address")
-            host, port = "127.0.0.1", _free_port()
+            host, port = bind, _free_port(bind)
         else:
             host, port = parse_address(address)
         return cls(
@@ -98,9 +98,9 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
