@@ -119,6 +119,9 @@ def test_prices_come_from_the_trainer_and_each_placement_and_none_means_no_cost(
     r = Rates.of(spec_with_prices(4.0, us=1.5, eu=0.5))
     # one item per live worker; a region of no placement (or a worker that named none) costs nothing
     assert r.per_hour([]) == 4.0 and r.per_hour(["us", "us", "eu", "ap", None]) == 4.0 + 1.5 + 1.5 + 0.5
+    spec = spec_with_prices(4.0, us=1.5)
+    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"nodes": 3})})
+    assert Rates.of(spec) == Rates(12.0, {"us": 1.5})  # a trainer of several nodes: a pod, and a price, per node
 
 
 def test_cost_accrues_over_the_loops_time_at_the_rate_of_the_live_workers():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -144,3 +145,62 @@ def test_a_node_with_other_gpus_is_named():
         "node 1 differs from node 0 in gpus: 4 where node 0 has 8 (every node of a trainer needs the same GPUs, "
         "torch and job)"
     )
+
+
+def _agree(rank: int, port: int, folders: list[str], fresh: bool, out: str) -> None:
+    """Node `rank` of 2 (one rank each, gloo) agrees on the checkpoint to resume from."""
+    import torch.distributed as dist
+
+    from sparrowrl.trainer import ranks, resume
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        try:
+            said = resume.ShardedCheckpoints(Path(folders[rank]), rank, 2, rank, True).agree(fresh)
+        except resume.ResumeError as e:
+            said = str(e)
+        Path(out, f"{rank}.json").write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+    ranks.leave()
+
+
+def sealed(folder, node: int, *versions: int) -> None:
+    for v in versions:
+        (folder / f"v{v:08d}").mkdir(parents=True)
+        (folder / f"v{v:08d}" / "node.json").write_text(json.dumps({"node": node, "world": 2, "version": str(v)}))
+
+
+@pytest.mark.parametrize(
+    "zero,one,fresh,said,left",
+    [
+        # node 1's volume lost: nothing removed, and the node named
+        (
+            (2, 4),
+            (),
+            False,
+            "node 1 holds none of the checkpoints node 0 holds (up to v4): its volume was lost",
+            (2, 4),
+        ),
+        # node 1's volume another run's, beside node 0's new one
+        ((), (7,), True, "node 1's state dir holds checkpoints (up to v7) while node 0's is new", ()),
+        # killed before v0 was whole on both: started afresh
+        ((0,), (), False, None, ()),
+        ((2, 4), (2,), False, 2, (2,)),  # v4 never sealed on node 1: from v2, and node 0's v4 goes
+    ],
+)
+@pytest.mark.timeout(120)
+def test_nodes_agree_on_a_checkpoint_or_name_the_one_that_lacks_it(tmp_path, zero, one, fresh, said, left):
+    import torch.multiprocessing as mp
+
+    folders = [tmp_path / "n0", tmp_path / "n1"]
+    for f in folders:
+        f.mkdir()
+    sealed(folders[0], 0, *zero)
+    sealed(folders[1], 1, *one)
+    mp.spawn(_agree, args=(free_port(), [str(f) for f in folders], fresh, str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert got[0] == got[1]
+    assert got[0] == said if not isinstance(said, str) else said in got[0], got
+    assert sorted(int(p.name[1:]) for p in folders[0].glob("v*")) == list(left)

@@ -136,21 +136,26 @@ def test_a_policy_edited_by_hand_is_applied_again():
 
 
 def test_a_trainers_nodes_reach_each_other_on_any_port_and_no_one_else_does():
-    """The rendezvous and then gloo's or NCCL's own ports, between the trainer's pods alone."""
+    """The rendezvous and then gloo's or NCCL's own ports, between the trainer's pods alone: a
+    policy of their own, which selects only them (the job's other pods admit no more)."""
     job = body()
     job["spec"]["trainer"] |= {"nodes": 2}
     w = running(job)
-    policy = policies(w)[None, "add-grpo-network"]
+    got = policies(w)
+    nodes = got[None, "add-grpo-trainer-nodes"]
     kubernetes_validate.validate(
-        {k: v for k, v in policy.items() if k in ("apiVersion", "kind", "metadata", "spec")},
+        {k: v for k, v in nodes.items() if k in ("apiVersion", "kind", "metadata", "spec")},
         latest_version(),
         strict=True,
     )
-    trainers = {"podSelector": {"matchLabels": {"sparrowrl.dev/job-uid": "u-1", "sparrowrl.dev/role": "trainer"}}}
-    (rule,) = [r for r in policy["spec"]["ingress"] if r.get("from") == [trainers]]
-    assert rule["ports"] == [{"protocol": "TCP", "port": 1, "endPort": 65535}]
-    nodes = [p for p in w.pods[None].values() if p["metadata"]["labels"]["sparrowrl.dev/role"] == "trainer"]
-    assert len(nodes) == 2 and all(selects({"metadata": policy["metadata"], "spec": trainers}, p) for p in nodes)
-    assert not [
-        r for r in policies(running(body()))[None, "add-grpo-network"]["spec"]["ingress"] if "endPort" in str(r)
-    ]
+    trainers = [p for p in w.pods[None].values() if p["metadata"]["labels"]["sparrowrl.dev/role"] == "trainer"]
+    others = [p for p in w.pods[None].values() if p not in trainers]
+    assert (
+        len(trainers) == 2 and all(selects(nodes, p) for p in trainers) and not any(selects(nodes, p) for p in others)
+    )
+    (rule,) = nodes["spec"]["ingress"]
+    assert "ports" not in rule and rule["from"] == [{"podSelector": nodes["spec"]["podSelector"]}]
+    assert got[None, "add-grpo-network"] == policies(running(body()))[None, "add-grpo-network"]  # unchanged
+    assert (None, "add-grpo-trainer-nodes") not in policies(running(body()))
+    w.step(job, 1, network=Network(False, (), None))  # policies off: both go
+    assert not policies(w)

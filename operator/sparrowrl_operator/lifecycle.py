@@ -45,17 +45,18 @@ def finish(c: Facts, out: Outcome) -> None:
     if ttl is None or since(out.status.completion_time, c.obs.now) < ttl or not settled:
         return
     out.actions.delete_job = True
-    claim = builders.claim_name(c.job)
+    names = [builders.claim_name(c.job, k) for k in range(c.spec.trainer.nodes)]
+    claim = f"volume claim {names[0]}" if len(names) == 1 else f"volume claims {', '.join(names)}"
     if builders.retained(c.spec):
         out.event(
             TTL_EXPIRED,
-            f"deleted after runPolicy.ttlSecondsAfterFinished ({ttl} s); its volume claim {claim}, with "
+            f"deleted after runPolicy.ttlSecondsAfterFinished ({ttl} s); its {claim}, with "
             "the trained model, is kept (trainer.state.retentionPolicy.whenDeleted: Retain)",
         )
     else:
         out.event(
             TTL_EXPIRED,
-            f"deleted after runPolicy.ttlSecondsAfterFinished ({ttl} s); its volume claim {claim}, with "
+            f"deleted after runPolicy.ttlSecondsAfterFinished ({ttl} s); its {claim}, with "
             "the trained model, goes with it (trainer.state.retentionPolicy.whenDeleted: Delete)",
             warning=True,
         )

@@ -34,11 +34,12 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool
     _report(c, out, gang)
     limit = c.spec.run_policy.backoff_limit
     if pod is None and claim_going:
+        claims = " or ".join(builders.claim_name(c.job, k) for k in range(nodes))
         out.condition(
             "TrainerReady",
             False,
             "WaitingForClaim",
-            f"PersistentVolumeClaim {builders.claim_name(c.job)}, an earlier job's of this name, is being "
+            f"PersistentVolumeClaim {claims}, an earlier job's of this name, is being "
             "deleted with it: the trainer starts on a new one",
         )
         return
@@ -102,19 +103,26 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool
     if phase == "Failed" and (why := refused(pod)):  # the same job would fail again: no restart
         out.fail(INVALID, why)
         return
+    if missing := [k for k, p in enumerate(others, 1) if p is None]:
+        # never made (its create refused), or deleted: made again as this attempt. A node deleted while
+        # the gang ran fails node 0's next collective, and the gang restarts as after any failure
+        for k in missing:
+            out.create_pod(None, c.pod(None, node_role(k), n, k, template=c.spec.trainer.template, node=k))
+        out.condition("TrainerReady", False, "Creating", f"creating node {missing[0]}'s pod")
+        return
     failed = [(k, p) for k, p in enumerate(gang) if p is not None and phase_of(p) == "Failed"]
-    missing = [k for k, p in enumerate(others, 1) if p is None]
-    if failed or missing:
-        who = f"pod {pod['metadata']['name']}" if nodes == 1 else _failures(failed, missing)
+    if failed:
+        who = f"pod {pod['metadata']['name']}" if nodes == 1 else _failures(failed)
         if n >= limit:
             times = f"{n + 1} times" if nodes == 1 else f"{n + 1} times (last: {who})"
             out.fail("BackoffLimitExceeded", f"the trainer failed {times}; runPolicy.backoffLimit is {limit}")
             return
         again = "" if nodes == 1 else f": all {nodes} nodes restart together"
         out.condition("TrainerReady", False, "Restarting", f"the trainer failed ({who}){again}")
-        ends = [failed_at(p) for _, p in failed]
-        if all(since(t, c.obs.now) >= c.backoff.delay(n) for t in ends):  # a container may never have run
-            _create(c, out, n + 1)
+        if all(since(failed_at(p), c.obs.now) >= c.backoff.delay(n) for _, p in failed):  # it may never have run
+            if nodes == 1:  # its successor at once (another name)
+                out.create_pod(None, c.pod(None, ROLE, n + 1, None, template=c.spec.trainer.template))
+            # a gang's are made once all of these are gone: no new node meets an old one
             for q in gang:
                 if q is not None:
                     out.remove(None, q)
@@ -136,7 +144,7 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool
             f"pod {pod['metadata']['name']}" + ("" if up else f" is {phase}"),
         )
         return
-    waiting = [(k, p) for k, p in enumerate(others, 1) if p is not None and phase_of(p) != "Running"]
+    waiting = [(k, p) for k, p in enumerate(others, 1) if p is not None and phase_of(p) not in ("Running", "Succeeded")]
     if waiting:
         out.condition(
             "TrainerReady",
@@ -172,10 +180,8 @@ def _create(c: Facts, out: Outcome, n: int) -> None:
         out.create_pod(None, c.pod(None, node_role(k), n, slot, template=c.spec.trainer.template, node=k))
 
 
-def _failures(failed: list[tuple[int, dict]], missing: list[int]) -> str:
-    said = [f"node {k}: pod {p['metadata']['name']}, {termination(p)}" for k, p in failed]
-    said += [f"node {k}: its pod is gone" for k in missing]
-    return "; ".join(said)
+def _failures(failed: list[tuple[int, dict]]) -> str:
+    return "; ".join(f"node {k}: pod {p['metadata']['name']}, {termination(p)}" for k, p in failed)
 
 
 def _state(p: dict) -> str:

@@ -237,8 +237,8 @@ class TrainerSpec(Scheduling):
     cost_per_hour: CostPerHour | None = Field(
         None,
         description=(
-            "What the trainer's pod costs, in dollars an hour. With placements' costPerHour, the job's cost and its "
-            "tokens per dollar are reported."
+            "What the trainer's pod costs, in dollars an hour (each node's, for a trainer of several nodes). With "
+            "placements' costPerHour, the job's cost and its tokens per dollar are reported."
         ),
     )
 

@@ -27,7 +27,7 @@ class Rates:
         regions = {p.region: p.cost_per_hour for p in spec.placements or [] if p.cost_per_hour is not None}
         if spec.trainer.cost_per_hour is None and not regions:
             return None
-        return cls(spec.trainer.cost_per_hour or 0.0, regions)
+        return cls((spec.trainer.cost_per_hour or 0.0) * spec.trainer.nodes, regions)  # a pod per node
 
     def per_hour(self, live_regions: Iterable[str | None]) -> float:
         """The job's rate while the workers of these regions (one item per worker) are live."""

@@ -20,8 +20,8 @@ def device(choice: str, world: int = 1) -> torch.device:
     if world > 1:
         if choice == "cpu" and cuda:
             raise ValueError(
-                f"trainer.device: cpu with trainer.ranks {world} on a machine with GPUs: sharded ranks take a GPU "
-                f"each (train on the CPU with ranks: 1)"
+                f"trainer.device: cpu with {world} ranks (trainer.nodes × ranks) on a machine with GPUs: sharded "
+                f"ranks take a GPU each (train on the CPU with one rank)"
             )
         at = fsdp.device()
     else:

@@ -55,7 +55,7 @@ class Learner(Scoring):
         `rank`: this process's, among all the nodes' (a node's first process makes the others)."""
         self.gang = gang = gang or rendezvous.Gang.of(spec)
         self.spec, self.state_dir, self.rank, self.world = spec, state_dir, rank, gang.world
-        self.device = device(spec.trainer.device, spec.trainer.ranks)  # before the state dir is touched
+        self.device = device(spec.trainer.device, gang.world)  # before the state dir is touched
         self.ranks, self.mesh = None, None
         restarts = None
         if rank == gang.first:  # this node's first process: its state dir is its own (each node has a volume)
@@ -83,9 +83,10 @@ class Learner(Scoring):
         self.held_out = tasks.held_out(local, self.prompts, self.task) if rank == 0 else []  # task.eval
         keep = spec.trainer.checkpoint.keep
         self.saved = resume.Checkpoints(state_dir / "trainer", keep) if self.world == 1 else self._sharded(keep)
-        newest = None
-        if self.restarts:  # the newest checkpoint: a sharded trainer's, whole on every node
-            newest = self.saved.agree() if isinstance(self.saved, resume.ShardedCheckpoints) else self.saved.newest()
+        if isinstance(self.saved, resume.ShardedCheckpoints):  # the newest whole on every node
+            newest = self.saved.agree(fresh=not self.restarts)
+        else:
+            newest = self.saved.newest() if self.restarts else None
         self.model, self.ref = self._models(local, warm=newest is None)
         g = spec.grpo
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)

@@ -68,7 +68,7 @@ def _device(spec: JobSpec, job: str) -> None:
     from sparrowrl.trainer.device import device
 
     try:
-        device(spec.trainer.device, spec.trainer.ranks)
+        device(spec.trainer.device, spec.trainer.ranks * spec.trainer.nodes)
     except ValueError as e:
         raise JobError(f"{job}: spec.{e}") from None
 

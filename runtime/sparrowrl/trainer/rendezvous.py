@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 PORT = 29500  # torchrun's default MASTER_PORT: what a cluster's node 0 listens on
 VERDICT = "sparrowrl/verdict"
 MAX_DESCRIPTION = 64 << 10  # bytes a node may write about itself
+TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails (a step can be long)
+NODE0_WAIT = 86_400.0  # seconds a node waits for node 0 to host the rendezvous (its check and downloads)
 
 
 class GangError(RuntimeError):
@@ -68,15 +70,17 @@ class Gang:
         threads: int | None = None,
         bind: str = "127.0.0.1",
     ) -> Gang:
-        """The gang of `spec`'s trainer as node `node` sees it; without `address`, one node at a
-        free port of `bind` (nothing else joins it). `bind`: node 0's own address."""
+        """The gang of `spec`'s trainer as node `node` sees it; without `address`, one node on
+        loopback (nothing else joins it). `bind`: node 0's own address, where it listens for the
+        others."""
         t = spec.trainer
         if not 0 <= node < t.nodes:
             raise GangError(f"--node {node}: the job's trainer has nodes 0..{t.nodes - 1} (trainer.nodes {t.nodes})")
-        if address is None:
+        if address is None:  # one machine: its ranks meet on loopback, never on the pod's address
             if t.nodes > 1:
                 raise GangError(f"trainer.nodes is {t.nodes}: give --rendezvous HOST:PORT, node 0's address")
-            host, port = bind, _free_port(bind)
+            host = bind = "127.0.0.1"
+            port = _free_port(host) if t.ranks > 1 else 0
         else:
             host, port = parse_address(address)
         return cls(
@@ -137,25 +141,15 @@ def differs(nodes: dict[int, dict]) -> str | None:
 def meet(gang: Gang, me: dict) -> dist.TCPStore:
     """This node's first process joins the gang (node 0's hosts its store); returns the store
     once node 0 has admitted every node. Raises GangError naming what kept the gang from starting."""
-    wait = timedelta(seconds=gang.join_timeout)
+    # node 0 waits joinTimeoutSeconds for the others once it is here; they wait for it longer,
+    # since its check and its downloads come first
+    wait = timedelta(seconds=gang.join_timeout if gang.node == 0 else NODE0_WAIT)
     try:
-        if gang.node == 0:  # on its own address only (a pod's IP), not every interface
-            listening = socket.create_server((gang.bind, gang.port))
-            store = dist.TCPStore(
-                gang.host,
-                gang.port,
-                is_master=True,
-                timeout=wait,
-                wait_for_workers=False,
-                master_listen_fd=listening.detach(),
-            )
-        else:
-            store = dist.TCPStore(gang.host, gang.port, is_master=False, timeout=wait)
+        store = _host(gang, wait) if gang.node == 0 else dist.TCPStore(gang.host, gang.port, timeout=wait)
     except (OSError, RuntimeError, ValueError) as e:
-        where = "host the rendezvous at" if gang.node == 0 else "reach node 0 at"
+        where = f"host the rendezvous at {gang.bind}" if gang.node == 0 else f"reach node 0 at {gang.host}"
         raise GangError(
-            f"node {gang.node}: cannot {where} {gang.host}:{gang.port} in {gang.join_timeout:.0f} s "
-            f"(trainer.joinTimeoutSeconds): {_first_line(e)}"
+            f"node {gang.node}: cannot {where}:{gang.port} in {wait.total_seconds():.0f} s: {_first_line(e)}"
         ) from None
     store.set(f"sparrowrl/node/{gang.node}", json.dumps(me))
     if gang.node == 0:
@@ -170,28 +164,26 @@ def meet(gang: Gang, me: dict) -> dist.TCPStore:
     return store
 
 
+def _host(gang: Gang, wait: timedelta) -> dist.TCPStore:
+    """Node 0's store, listening on its own address only (a pod's IP), not every interface."""
+    family = socket.AF_INET6 if ":" in gang.bind else socket.AF_INET
+    fd = socket.create_server((gang.bind, gang.port), family=family).detach()
+    try:
+        return dist.TCPStore(
+            gang.host, gang.port, is_master=True, timeout=wait, wait_for_workers=False, master_listen_fd=fd
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _admit(store: dist.TCPStore, gang: Gang, me: dict) -> None:
-    others = [f"sparrowrl/node/{k}" for k in range(1, gang.nodes)]
-    if others:
-        log.info(f"trainer: waiting for nodes 1..{gang.nodes - 1} to join ({gang.join_timeout:.0f} s at most)")
-        try:
-            store.wait(others)
-        except (RuntimeError, ValueError):
-            missing = [k for k, key in enumerate(others, 1) if not store.check([key])]
-            verdict = (
-                f"trainer.nodes: node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
-                f"{gang.nodes} did not join in {gang.join_timeout:.0f} s (trainer.joinTimeoutSeconds)"
-            )
-            store.set(VERDICT, verdict)
-            raise GangError(verdict) from None
-    nodes = {0: me}
-    for k, key in enumerate(others, 1):
-        raw = store.get(key)
-        try:
-            nodes[k] = json.loads(raw) if len(raw) <= MAX_DESCRIPTION else {"description": f"{len(raw)} bytes"}
-        except ValueError:
-            nodes[k] = {"description": "not JSON"}
-    verdict = differs(nodes) or ""
+    """Node 0's verdict on the gang, which every node reads: also when node 0 cannot give one."""
+    try:
+        verdict = _judge(store, gang, me)
+    except BaseException:
+        store.set(VERDICT, "node 0 stopped before it admitted the gang (its log says why)")
+        raise
     store.set(VERDICT, verdict)
     if verdict:
         raise GangError(verdict)
@@ -199,19 +191,43 @@ def _admit(store: dist.TCPStore, gang: Gang, me: dict) -> None:
         log.info(f"trainer: {gang.nodes} nodes joined, {gang.world} ranks")
 
 
+def _judge(store: dist.TCPStore, gang: Gang, me: dict) -> str:
+    others = [f"sparrowrl/node/{k}" for k in range(1, gang.nodes)]
+    if others:
+        log.info(f"trainer: waiting for nodes 1..{gang.nodes - 1} to join ({gang.join_timeout:.0f} s at most)")
+        try:
+            store.wait(others)
+        except (RuntimeError, ValueError):
+            missing = [k for k, key in enumerate(others, 1) if not store.check([key])]
+            return (
+                f"trainer.nodes: node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
+                f"{gang.nodes} did not join in {gang.join_timeout:.0f} s (trainer.joinTimeoutSeconds)"
+            )
+    nodes = {0: me}
+    for k, key in enumerate(others, 1):
+        raw = store.get(key)
+        try:
+            said = json.loads(raw) if len(raw) <= MAX_DESCRIPTION else f"{len(raw)} bytes"
+        except ValueError:
+            said = "not JSON"
+        nodes[k] = (
+            said if isinstance(said, dict) else {"description": said if isinstance(said, str) else "not an object"}
+        )
+    return differs(nodes) or ""
+
+
 def join(gang: Gang, rank: int, store: dist.TCPStore | None = None) -> None:
     """Global rank `rank` joins the process group (its own client of the store, unless given)."""
     local = rank - gang.first
-    if store is None:
-        store = dist.TCPStore(gang.host, gang.port, is_master=False, timeout=timedelta(seconds=gang.join_timeout))
+    if store is None:  # node 0's ranks dial its own address: never an older node 0 the name may still give
+        host = gang.bind if gang.node == 0 else gang.host
+        store = dist.TCPStore(host, gang.port, is_master=False, timeout=timedelta(seconds=gang.join_timeout))
+    store.set_timeout(TIMEOUT)  # from now on the process group's: its collectives' bound
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(gang.world), LOCAL_RANK=str(local))
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
     torch.set_num_threads(gang.threads)
     dist.init_process_group(backend(), store=store, rank=rank, world_size=gang.world, timeout=TIMEOUT)
-
-
-TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails (a step can be long)
 
 
 def backend() -> str:

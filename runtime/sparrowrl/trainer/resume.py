@@ -281,17 +281,31 @@ class ShardedCheckpoints:
         """The newest version whole on this node: once `agree` has run, on every node."""
         return max(self._whole(), default=None)
 
-    def agree(self) -> int | None:
-        """The newest version whole on every node (collective). A newer one on some node (another
-        node died while writing it) is removed there, saying so, and is written again."""
+    def agree(self, fresh: bool) -> int | None:
+        """The newest version whole on every node (collective); `fresh`: node 0's state is new,
+        so no node may hold any. A newer one on some node (another died while writing it) is
+        removed there, saying so, and is written again. A node that lacks what the others hold
+        beyond v0 (its volume lost, or another run's) is refused by name: nothing is removed."""
         import torch.distributed as dist
 
         mine = self._whole()
         every: list = [None] * self.world
         dist.all_gather_object(every, (self.node, sorted(mine)))
-        newest = max(set.intersection(*(set(v) for _, v in every)), default=None)
+        held = {node: set(v) for node, v in every}
+        if fresh and (stale := [n for n, v in sorted(held.items()) if v]):
+            raise ResumeError(
+                f"node {stale[0]}'s state dir holds checkpoints (up to v{max(held[stale[0]])}) while node 0's is new: "
+                f"it is another run's; give node {stale[0]} an empty volume"
+            )
+        newest = max(set.intersection(*held.values()), default=None)
+        if newest is None and (beyond := [n for n, v in sorted(held.items()) if v - {0}]):
+            lacking = [n for n, v in sorted(held.items()) if not v & held[beyond[0]]]
+            raise ResumeError(
+                f"node {lacking[0]} holds none of the checkpoints node {beyond[0]} holds (up to "
+                f"v{max(held[beyond[0]])}): its volume was lost or replaced; restore it, or start the job afresh"
+            )
         if self.rank == 0:
-            for node, versions in sorted(dict(every).items()):
+            for node, versions in sorted(held.items()):
                 if ahead := [v for v in versions if newest is None or v > newest]:
                     log.warning(
                         f"trainer: v{max(ahead)} is whole on node {node} but not on every node (one stopped while "
@@ -339,8 +353,8 @@ class ShardedCheckpoints:
         self._write(
             tensors, {"version": str(version), "param_groups": json.dumps(osd["param_groups"])}, self._path(version)
         )
-        if self.first:
-            for old in sorted(self._whole())[: -self.keep]:
+        if self.first:  # only those before it: this one, and the `keep` - 1 before, stay
+            for old in sorted(v for v in self._whole() if v <= version)[: -self.keep]:
                 shutil.rmtree(self._path(old))
 
     def load(self, version: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
