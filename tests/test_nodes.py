@@ -1,7 +1,7 @@
 """A trainer of several nodes on one machine: `sparrowrl run` starts each node as its own process
 group on its own state dir (as each pod has its own volume), and they meet at node 0's TCP store
-(gloo). What the nodes publish is what one node with as many ranks publishes; each node keeps its
-own ranks' checkpoint shards, and a restart goes on from the newest version whole on every node.
+(gloo). Each node keeps its own ranks' checkpoint shards, and a restart goes on from the newest
+version whole on every node.
 A node that never joins, or runs another job, keeps the gang from starting and is named."""
 
 from __future__ import annotations
@@ -49,19 +49,19 @@ def published(run_dir) -> dict[int, str]:
 
 
 @pytest.mark.timeout(900)
-def test_two_nodes_publish_what_one_node_of_as_many_ranks_does(tmp_path):
-    """2 nodes × 1 rank against 1 node × 2 ranks, same job: every version hash-equal, every commit
-    verified. Each node's volume holds only its own ranks' shards. Then node 1 loses its newest
-    checkpoint (as if it died while writing it): the resumed run says so, goes on from the newest
-    version whole on both nodes, trains the steps since again, and finishes with every commit
-    verified and no published version rewritten."""
+def test_two_nodes_keep_their_own_shards_and_resume_from_the_newest_whole_on_both(tmp_path):
+    """2 nodes × 1 rank, every commit verified; each node's volume holds only its own ranks'
+    shards. (That they publish what 1 node × 2 ranks does, hash for hash, tests/test_operator_nodes.py
+    shows in a cluster, and hack/bench_shard.py's byte-equal deltas here.) Then node 1 loses its
+    newest checkpoint (as if it died while writing it): the resumed run says so, goes on from the
+    newest version whole on both nodes, trains the steps since again, and finishes with every
+    commit verified and no published version rewritten."""
     checkpoints = {"every": 2, "keep": 2}
-    one = run(tmp_path, "one", job(4, ranks=2, checkpoint=checkpoints))
-    assert one.returncode == 0, one.stderr[-3000:]
     two = run(tmp_path, "two", job(4, nodes=2, ranks=1, checkpoint=checkpoints))
     assert two.returncode == 0, two.stderr[-3000:]
     out = tmp_path / "two"
-    assert published(out) == published(tmp_path / "one") and len(published(out)) == 5
+    first = published(out)
+    assert len(first) == 5
     s = json.loads((out / "summary.json").read_text())
     assert s["weights_mismatch"] == 0 and s["weights_verified"] >= 5
 
@@ -80,7 +80,7 @@ def test_two_nodes_publish_what_one_node_of_as_many_ranks_does(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["final_version"] == 6 and s["weights_mismatch"] == 0 and s["steps_redone"] == 2
     versions = published(out)
-    assert sorted(versions)[-1] == 6 and all(versions[v] == h for v, h in published(tmp_path / "one").items())
+    assert sorted(versions)[-1] == 6 and all(versions[v] == h for v, h in first.items())
 
 
 @pytest.mark.timeout(600)
