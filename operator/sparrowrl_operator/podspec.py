@@ -126,17 +126,7 @@ def pod(
     mounts: list[dict] = []
     volumes: list[dict] = []
     if role.kind == "trainer":
-        mounts = [
-            # the file itself in the working folder: the job's relative paths (model.path: inputs/model) are
-            # relative to it, so to where a trainer.template mounts the user's volumes under WORKDIR
-            {"name": "job", "mountPath": f"{WORKDIR}/{JOB_KEY}", "subPath": JOB_KEY, "readOnly": True},
-            {"name": "state", "mountPath": f"{WORKDIR}/state"},
-        ]
-        volumes = [
-            {"name": "job", "configMap": {"name": config_name(job)}},
-            {"name": "state", "persistentVolumeClaim": {"claimName": claim_name(job)}},
-        ]
-        _shm(spec, mounts, volumes)
+        mounts, volumes = _trainer_volumes(job, spec, 0)
     elif role.kind == "relay":
         mounts = [{"name": "cache", "mountPath": f"{WORKDIR}/cache"}]
         volumes = [{"name": "cache", "emptyDir": {}}]
@@ -197,12 +187,32 @@ def pod(
         meta["labels"][SLOT_LABEL] = str(slot)
     if generation is not None:
         meta["annotations"] = {TOKEN_GENERATION_ANNOTATION: str(generation)}
+    manifest = _manifest(meta, container, volumes, sched)
+    if role.kind == "trainer" and spec.trainer.nodes > 1:  # where the other nodes meet it
+        meta["labels"][NODE_LABEL] = "0"
+        container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT})
+    if role.kind == "trainer":
+        # the end of its log, when it fails (a node that did not join), in its status
+        container["terminationMessagePolicy"] = "FallbackToLogsOnError"
+        # until it listens (imports, on a cold node); then it answers while it loads
+        container["startupProbe"] = {
+            "httpGet": {"path": "/healthz"} | get,
+            "periodSeconds": 10,
+            "failureThreshold": 60,
+        }
+    manifest = merge(manifest, template) if template else manifest
+    return with_check(manifest) if role.kind == "trainer" else manifest
+
+
+def _manifest(meta: dict, container: dict, volumes: list[dict], sched: Scheduling) -> dict:
+    """A pod of one container, as every role's is made: run once (the operator replaces a failed
+    pod, and counts it), as the image's user, on the nodes `sched` picks."""
     manifest: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": meta,
         "spec": {
-            "restartPolicy": "Never",  # the operator replaces a failed pod, and counts it
+            "restartPolicy": "Never",
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": 30,
             "securityContext": {
@@ -219,25 +229,26 @@ def pod(
         manifest["spec"]["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
-    if role.kind == "trainer" and spec.trainer.nodes > 1:  # where the other nodes meet it
-        meta["labels"][NODE_LABEL] = "0"
-        container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT})
-    if role.kind == "trainer":  # the end of its log, when it fails (a node that did not join), in its status
-        container["terminationMessagePolicy"] = "FallbackToLogsOnError"
-    if role.kind == "trainer":  # until it listens (imports, on a cold node); then it answers while it loads
-        container["startupProbe"] = {
-            "httpGet": {"path": "/healthz"} | get,
-            "periodSeconds": 10,
-            "failureThreshold": 60,
-        }
-    manifest = merge(manifest, template) if template else manifest
-    return with_check(manifest) if role.kind == "trainer" else manifest
+    return manifest
 
 
-def _shm(spec: JobSpec, mounts: list[dict], volumes: list[dict]) -> None:
-    if spec.trainer.ranks > 1:  # the ranks' shared memory (NCCL); a pod's own /dev/shm is 64 MiB
+def _trainer_volumes(job: JobRef, spec: JobSpec, node: int) -> tuple[list[dict], list[dict]]:
+    """A trainer node's mounts and volumes: the job, its node's state claim, and the ranks' shared
+    memory (NCCL; a pod's own /dev/shm is 64 MiB)."""
+    mounts: list[dict] = [
+        # the file itself in the working folder: the job's relative paths (model.path: inputs/model) are
+        # relative to it, so to where a trainer.template mounts the user's volumes under WORKDIR
+        {"name": "job", "mountPath": f"{WORKDIR}/{JOB_KEY}", "subPath": JOB_KEY, "readOnly": True},
+        {"name": "state", "mountPath": f"{WORKDIR}/state"},
+    ]
+    volumes: list[dict] = [
+        {"name": "job", "configMap": {"name": config_name(job)}},
+        {"name": "state", "persistentVolumeClaim": {"claimName": claim_name(job, node)}},
+    ]
+    if spec.trainer.ranks > 1:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
+    return mounts, volumes
 
 
 def _node_pod(
@@ -254,15 +265,7 @@ def _node_pod(
     """Node `node` (1..) of a trainer of several: its ranks only, on a state claim of its own. It
     serves nothing (no probes, no token, no certificate): it meets node 0 at the rendezvous, and
     its process ends with the gang's."""
-    mounts: list[dict] = [
-        {"name": "job", "mountPath": f"{WORKDIR}/{JOB_KEY}", "subPath": JOB_KEY, "readOnly": True},
-        {"name": "state", "mountPath": f"{WORKDIR}/state"},
-    ]
-    volumes: list[dict] = [
-        {"name": "job", "configMap": {"name": config_name(job)}},
-        {"name": "state", "persistentVolumeClaim": {"claimName": claim_name(job, node)}},
-    ]
-    _shm(spec, mounts, volumes)
+    mounts, volumes = _trainer_volumes(job, spec, node)
     container = {
         "name": role.kind,
         "image": image,
@@ -281,30 +284,7 @@ def _node_pod(
     }
     meta = metadata(job, pod_name(job, role, attempt), namespace, True, role=role.kind)
     meta["labels"] |= {ATTEMPT_LABEL: str(attempt), SLOT_LABEL: str(node), NODE_LABEL: str(node)}
-    manifest: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": meta,
-        "spec": {
-            "restartPolicy": "Never",  # the operator restarts the gang, and counts it
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": 30,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": USER,
-                "fsGroup": USER,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "containers": [container],
-            "volumes": volumes,
-        },
-    }
-    if spec.trainer.node_selector:
-        manifest["spec"]["nodeSelector"] = dict(spec.trainer.node_selector)
-    if spec.trainer.tolerations:
-        manifest["spec"]["tolerations"] = [
-            t.model_dump(by_alias=True, exclude_none=True) for t in spec.trainer.tolerations
-        ]
+    manifest = _manifest(meta, container, volumes, spec.trainer)
     return merge(manifest, template) if template else manifest
 
 

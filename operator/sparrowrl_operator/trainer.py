@@ -52,9 +52,7 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool
         )
         return
     if pod is None and any(p is not None for p in others):  # node 0 went: the gang starts again as a whole
-        for q in others:
-            if q is not None:
-                out.remove(None, q)
+        _remove(out, others)
         out.condition(
             "TrainerReady",
             False,
@@ -77,9 +75,7 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool
         return
     behind = _trains_for(c, pod)
     if phase != "Failed" and behind is not None and behind < c.spec.steps:
-        for q in gang:  # its successor, made once it is gone, reads the raised steps
-            if q is not None:
-                out.remove(None, q)
+        _remove(out, gang)  # its successor, made once it is gone, reads the raised steps
         out.condition(
             "TrainerReady",
             False,
@@ -123,9 +119,7 @@ def reconcile_trainer(c: Facts, out: Outcome, claim_going: bool, certified: bool
             if nodes == 1:  # its successor at once (another name)
                 out.create_pod(None, c.pod(None, ROLE, n + 1, None, template=c.spec.trainer.template))
             # a gang's are made once all of these are gone: no new node meets an old one
-            for q in gang:
-                if q is not None:
-                    out.remove(None, q)
+            _remove(out, gang)
             out.update(restarts=n + 1)
             whole = "" if nodes == 1 else f"; all {nodes} nodes restart, each resuming from its volume"
             out.event(
@@ -171,6 +165,12 @@ def _others(c: Facts, out: Outcome) -> list[dict | None]:
             out.remove(None, o)
         found.append(p)
     return found
+
+
+def _remove(out: Outcome, pods: list[dict | None]) -> None:
+    for p in pods:
+        if p is not None:
+            out.remove(None, p)
 
 
 def _create(c: Facts, out: Outcome, n: int) -> None:

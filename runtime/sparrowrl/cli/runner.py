@@ -249,7 +249,7 @@ class Tls:
         return ["--tls-cert", str(self.cert), "--tls-key", str(self.key)]
 
 
-class Gang:
+class LocalNodes:
     """The trainer's nodes on this machine, for a job with trainer.nodes above 1: node 0 is the
     `trainer` process, on the run dir; node K is `trainer-node-K`, on RUN/nodes/K (each node's
     state dir stands for its pod's volume). They meet on a loopback port, and all their ranks share
@@ -270,7 +270,7 @@ class Gang:
 
 
 def argv(
-    role: Process, spec: JobSpec, run_dir: Path, port: int, tls: Tls | None = None, gang: Gang | None = None
+    role: Process, spec: JobSpec, run_dir: Path, port: int, tls: Tls | None = None, gang: LocalNodes | None = None
 ) -> list[str]:
     """The role's command line, as a user would type it in a shell of its own (README)."""
     rate = ["--rate-mbit", str(role.rate_mbit)] if role.rate_mbit else []
@@ -362,7 +362,7 @@ def run(
 
     everyone = layout.processes(spec, url)
     origin = url("trainer")
-    gang = Gang(spec, run_dir) if spec.trainer.nodes > 1 else None
+    gang = LocalNodes(spec, run_dir) if spec.trainer.nodes > 1 else None
     pids: dict = {"trainer": None, "relays": {}, "workers": {}, "urls": {r.name: url(r.name) for r in everyone}}
     signal.signal(signal.SIGTERM, _exit)  # a terminated run stops its children too (the finally below)
     signal.signal(signal.SIGHUP, _exit)
