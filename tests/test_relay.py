@@ -40,7 +40,8 @@ class RelayServer:
 
     async def __aenter__(self):
         self.runner, self.url = await listen(make_relay_app(self.relay, TOKEN))
-        await asyncio.wait_for(self.relay.synced.wait(), 60)
+        async with asyncio.timeout(60):
+            await self.relay.synced.wait()
         return self
 
     async def __aexit__(self, *exc):
@@ -65,7 +66,8 @@ def test_a_worker_that_starts_before_its_relay_has_synced_waits_for_it(history, 
                     await until_async(lambda: worker.stats.requests >= 5, 60, "the worker's requests to the relay")
                     assert not relay.synced.is_set() and not fetch.done()
                     wan.faults.cuts = 0  # the upstream comes up
-                    state, _ = await asyncio.wait_for(fetch, 60)
+                    async with asyncio.timeout(60):
+                        state, _ = await fetch
                     assert same(state, states[6])
                     assert {server for _, server, _ in worker.stats.sources} == {url}  # nothing from the origin
                     assert worker.servers.server == 0

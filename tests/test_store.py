@@ -137,7 +137,8 @@ def test_a_store_written_in_this_process_tells_its_server(tmp_path):
         await asyncio.sleep(0)
         adding = threading.Thread(target=store.add, args=({"w": mutate(rng, state["w"], 0.1)},))
         adding.start()
-        await asyncio.wait_for(waiting, 20)  # the delta's first chunk, or the index: either tells
+        async with asyncio.timeout(20):  # the delta's first chunk, or the index: either tells
+            await waiting
         undo()
         adding.join()
 

@@ -528,7 +528,8 @@ class Emulator(kmock.KubernetesEmulator):
             while True:
                 left = None if deadline is None else deadline - asyncio.get_running_loop().time()
                 try:
-                    event = await asyncio.wait_for(anext(events), left)
+                    async with asyncio.timeout(left):
+                        event = await anext(events)
                 except TimeoutError:
                     return
                 if self._watched(request, event["object"]):

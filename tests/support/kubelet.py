@@ -321,8 +321,11 @@ class Kubelet:
             except Exception:
                 self.errors.append(traceback.format_exc())
             due = [r.restart_at - time.monotonic() for r in self._runs.values() if r.restart_at is not None]
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that meets a
+            # wake, and this loop would outlive stop().
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, min([1.0, *due])))
+                async with asyncio.timeout(max(0.0, min([1.0, *due]))):
+                    await self._wake.wait()
 
     async def _sync(self) -> None:
         pods = (await self._api("GET", "/api/v1/pods"))["items"]
@@ -472,10 +475,9 @@ class Kubelet:
             )
             _signal_group(run.process, signal.SIGCONT)
             _signal_group(run.process, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(run.process.wait(), min(float(spec_grace), GRACE_CAP))
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(float(spec_grace), GRACE_CAP)):
+                    await run.process.wait()
         if run.process is not None:
             _signal_group(run.process, signal.SIGKILL)
             await run.process.wait()
@@ -518,9 +520,8 @@ class Kubelet:
                 ):
                     return 200 <= resp.status < 400
             if tcp := probe.get("tcpSocket"):
-                _, writer = await asyncio.wait_for(
-                    asyncio.open_connection(run.ip, self._port(run, tcp["port"])), timeout
-                )
+                async with asyncio.timeout(timeout):
+                    _, writer = await asyncio.open_connection(run.ip, self._port(run, tcp["port"]))
                 writer.close()
                 return True
         except (OSError, TimeoutError, aiohttp.ClientError):

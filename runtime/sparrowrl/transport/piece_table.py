@@ -57,7 +57,8 @@ class PieceTable:
         loop = asyncio.get_running_loop()
         while len(self.pieces) <= after and not self.closed and loop.time() < deadline and not over(request):
             try:
-                await asyncio.wait_for(self.changed.wait(), min(1.0, deadline - loop.time()))  # 1 s: see over
+                async with asyncio.timeout(min(1.0, deadline - loop.time())):  # 1 s: see over
+                    await self.changed.wait()
             except TimeoutError:
                 pass
         self._failed()

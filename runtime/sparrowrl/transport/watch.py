@@ -59,7 +59,8 @@ class Watch:
             if self.polled and self._task is None:
                 self._task = asyncio.create_task(self._poll())
             try:
-                await asyncio.wait_for(event.wait(), max(0.0, seconds))
+                async with asyncio.timeout(max(0.0, seconds)):  # not wait_for: on 3.11 it can lose a cancel
+                    await event.wait()
             except TimeoutError:
                 return
             finally:
