@@ -81,13 +81,14 @@ def images() -> None:
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
 
 
+READ_ONLY = ["--read-only", "--tmpfs", "/tmp"]  # a read-only root and a /tmp of its own: an emptyDir
+
+
 def container(name: str, options: list[str], image: str, args: list[str]) -> list[str]:
-    """`ENGINE run` of a container on the host's network with a read-only root and a tmpfs /tmp
-    of its own (as the chart's emptyDir), removed when it ends; one of the name that a killed
-    test left is removed first."""
+    """`ENGINE run` of a container on the host's network, removed when it ends; one of the name
+    that a killed test left is removed first."""
     stop(name)
-    return [ENGINE, "run", "--rm", "--name", name, "--network", "host", "--read-only", "--tmpfs", "/tmp", *options,
-            image, *args]  # fmt: skip
+    return [ENGINE, "run", "--rm", "--name", name, "--network", "host", *options, image, *args]
 
 
 def stop(name: str) -> None:
@@ -103,8 +104,9 @@ def folder(path: Path, owner: int) -> Path:
 class Pod:
     """A pod the operator's builders make, as `ENGINE run` arguments: its user, security context,
     working folder, env (secrets and the downward API resolved) and mounts (host folders; a
-    Secret's volume written as the kubelet writes it, its items as files). On the host's network
-    the ports are free ones, and the Services' URLs loopback ones."""
+    Secret's volume written as the kubelet writes it, its items as files; an emptyDir not among
+    them a tmpfs). On the host's network the ports are free ones, and the Services' URLs loopback
+    ones."""
 
     def __init__(self, manifest: dict, secrets: dict[str, dict], mounts: dict[str, Path], ports: dict[str, int]):
         self.manifest, self.secrets, self.ports = manifest, secrets, ports
@@ -124,9 +126,14 @@ class Pod:
         out = ["--user", f"{sc['runAsUser']}:{sc['runAsUser']}", "--workdir", c["workingDir"]]
         out += ["--cap-drop", "ALL"] if "ALL" in csc.get("capabilities", {}).get("drop", []) else []
         out += ["--security-opt", "no-new-privileges"] if csc.get("allowPrivilegeEscalation") is False else []
+        out += ["--read-only"] if csc.get("readOnlyRootFilesystem") else []
         for e in c.get("env", []):
             out += ["--env", f"{e['name']}={self.value(e)}"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for m in c.get("volumeMounts", []):
+            if m["name"] not in self.mounts and "emptyDir" in volumes[m["name"]]:
+                out += ["--tmpfs", m["mountPath"]]
+                continue
             out += ["--volume", f"{self.mounts[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}"]
         return [*out, "--entrypoint", c["command"][0]]
 
@@ -175,7 +182,7 @@ def test_the_images_labels_name_this_checkouts_commit(images):
 def test_every_module_imports_in_the_runtime_image_as_its_user_without_a_word(images):
     """uid 65532, HOME=/, a read-only root: every module imports (CuPy's and matplotlib's caches
     go where the user may write), and nothing is said on stderr."""
-    options = ["--user", "65532:65532", "--entrypoint", "python"]
+    options = [*READ_ONLY, "--user", "65532:65532", "--entrypoint", "python"]
     p = subprocess.run(
         container("sparrowrl-e2e-imports", options, RUNTIME, ["-c", IMPORT_ALL]), env=ENV, capture_output=True,
         text=True, timeout=600,
@@ -193,9 +200,10 @@ JOB["metadata"]["namespace"] = "default"
 @pytest.mark.timeout(1800)
 def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(images, tmp_path):
     """The trainer (after `sparrowrl check`, its init container), a relay and a worker, each in a
-    container of the runtime image as uid 65532 on a read-only root, where only the trainer's
-    state and the relay's cache are writable: the job takes its 3 steps and every commit is
-    verified. A bad job is refused by the check with exit 3, before a trainer starts."""
+    container of the runtime image as uid 65532 on the read-only root their pods ask for, where
+    only the trainer's state, the relay's cache and each one's /tmp are writable: the job takes
+    its 3 steps and every commit is verified. A bad job is refused by the check with exit 3,
+    before a trainer starts."""
     spec = parse(JOB).spec
     job = builders.JobRef(name="img", namespace="default", uid="0123456789")
     ports = {p.name: {"http": free_port(), "metrics": free_port()} for p in processes(spec, lambda n, r: "")}
@@ -229,6 +237,7 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
                 p = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
                 assert p.returncode == 0 and "load here" in p.stdout + p.stderr, p.stdout + p.stderr
             (c,) = manifest["spec"]["containers"]
+            assert "--read-only" in pod.argv(c)  # as the pod asks, not as this test adds
             names.append(f"sparrowrl-e2e-{role.name}")
             argv = container(names[-1], pod.argv(c), c["image"], pod.args(c))
             procs[role.name] = subprocess.Popen(
@@ -272,7 +281,7 @@ def test_the_operator_image_answers_its_probe_as_the_charts_deployment_runs_it(i
         kube.chmod(0o755)
         (kube / "config").chmod(0o644)
         name = "sparrowrl-e2e-operator"
-        options = ["--user", f"{user}:{user}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+        options = [*READ_ONLY, "--user", f"{user}:{user}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
         options += ["--volume", f"{kube}:/kube:ro", "--env", "KUBECONFIG=/kube/config"]
         options += ["--env", f"SPARROWRL_RUNTIME_IMAGE={RUNTIME}", "--env", "POD_NAMESPACE=default"]
         port = free_port()  # on the host's network: the probe's 8080 may be another test's

@@ -732,6 +732,42 @@ def test_a_claim_outlives_its_pod(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_a_read_only_root_leaves_only_the_pods_volumes_and_its_tmp_writable(tmp_path: Path) -> None:
+    """readOnlyRootFilesystem: the machine's root is read-only in the pod's mount namespace, as an
+    image's would be; its claim and its /tmp emptyDir (TMPDIR here) are not."""
+    code = (
+        "import errno, os, pathlib, tempfile\n"
+        "pathlib.Path('state/kept').write_text('1')\n"
+        "with tempfile.NamedTemporaryFile() as f: print('tmp', f.name.startswith(os.environ['TMPDIR']))\n"
+        "for where in ('here', os.path.expanduser('~/sparrowrl-ro-check')):\n"
+        "    try: pathlib.Path(where).write_text('x'); print('wrote', where)\n"
+        "    except OSError as e: print('refused', where, e.errno == errno.EROFS)\n"
+    )
+    spec = {
+        "container": {
+            "workingDir": "/work",
+            "securityContext": {"readOnlyRootFilesystem": True},
+            "volumeMounts": [{"name": "state", "mountPath": "/work/state"}, {"name": "tmp", "mountPath": "/tmp"}],
+        },
+        "volumes": [{"name": "state", "persistentVolumeClaim": {"claimName": "s"}}, {"name": "tmp", "emptyDir": {}}],
+    }
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "s"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    with world(tmp_path) as (east, _, k_east, _):
+        east.create(claim)
+        east.create(python("ro", code, **spec))
+        phase(east, "ro", "Succeeded")
+        log = k_east.log("default", "ro")
+        assert "tmp True" in log and "wrote" not in log and log.count("refused") == 2, log
+        assert log.count(" True") == 3, log  # each refusal is the read-only file system's
+        assert not Path("~/sparrowrl-ro-check").expanduser().exists()
+
+
+@pytest.mark.timeout(90)
 def test_killed_paused_and_deleted_pods(tmp_path: Path) -> None:
     release = tmp_path / "release"
     # The handler holds on until the test has seen the pod Terminating, so

@@ -185,3 +185,51 @@ def test_an_environment_is_mounted_at_one_place_in_the_trainer_s_pod_and_every_w
         for c in spec["containers"] + spec.get("initContainers", []):
             assert c["workingDir"] == "/var/lib/sparrowrl"
             assert {"name": "env", "mountPath": "/var/lib/sparrowrl/envs", "readOnly": True} in c["volumeMounts"]
+
+
+def test_every_container_of_ours_writes_only_to_its_volumes_and_a_template_may_say_otherwise():
+    """Each role's container, a trainer node's and the check run on a read-only root with a /tmp
+    of their own; a template's own volume at /tmp replaces that one (two mounts at one path would
+    be refused), and a template may give a container a writable root back."""
+    job = body()
+    job["spec"]["trainer"] |= {"nodes": 2, "ranks": 1}
+    w = World(members={})
+    w.step(job, 0), w.step(job, 1)
+    pods = w.pods[None]
+    assert {"add-grpo-trainer-0", "add-grpo-trainer-node1-0", "add-grpo-relay-us-0"} <= set(pods)
+    for name, pod in pods.items():
+        kubernetes_validate.validate(pod, latest_version(), strict=True)
+        spec = pod["spec"]
+        assert {"name": "tmp", "emptyDir": {}} in spec["volumes"], name
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert [m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp"] == ["tmp"], (name, c["name"])
+
+    scratch = {"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
+    template = {
+        "spec": {
+            "volumes": [scratch],
+            "containers": [
+                {
+                    "name": "worker",
+                    "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
+                    "securityContext": {"readOnlyRootFilesystem": False},
+                }
+            ],
+        }
+    }
+    w = World(members={})
+    w.step(body(placements=[{"region": "us", "template": template}]), 0)
+    worker = w.pods[None]["add-grpo-worker-us-0-0"]
+    kubernetes_validate.validate(worker, latest_version(), strict=True)
+    (c,) = worker["spec"]["containers"]
+    assert [m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp"] == ["scratch"]
+    assert scratch in worker["spec"]["volumes"] and "tmp" not in {v["name"] for v in worker["spec"]["volumes"]}
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": False,
+    }
+    relay = w.pods[None]["add-grpo-relay-us-0"]["spec"]  # the workers' template is theirs alone
+    assert relay["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True

@@ -51,6 +51,10 @@ from sparrowrl_operator.constants import (
 PORTS = {"trainer": TRAINER_PORT, "relay": RELAY_PORT, "worker": WORKER_PORT}
 TLS_KEYS = (CERT_KEY, KEY_KEY)  # a serving Secret's files in a pod
 USER = 65532  # the runtime image's user
+# What a role's container may do: write only to its volumes (a read-only root; /tmp an emptyDir of
+# its own, where numba's kernels and a data set's cache go), and gain nothing.
+SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+TMP = "tmp"  # that volume's name: a template's volume of this name replaces it
 
 
 def _items(keys: list[str] | tuple[str, ...]) -> list[dict]:
@@ -175,7 +179,7 @@ def pod(
         "livenessProbe": {"httpGet": {"path": "/healthz"} | get, "periodSeconds": 10, "failureThreshold": 6},
         "volumeMounts": mounts,
         "resources": _resources(sched),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": copy.deepcopy(SECURITY),
     }
     meta = metadata(job, pod_name(job, role, attempt), namespace, home, role=role.kind, region=role.region)
     meta["labels"][ATTEMPT_LABEL] = str(attempt)
@@ -200,13 +204,15 @@ def pod(
             "periodSeconds": 10,
             "failureThreshold": 60,
         }
-    manifest = merge(manifest, template) if template else manifest
+    manifest = _templated(manifest, template)
     return with_check(manifest) if role.kind == "trainer" else manifest
 
 
 def _manifest(meta: dict, container: dict, volumes: list[dict], sched: Scheduling) -> dict:
     """A pod of one container, as every role's is made: run once (the operator replaces a failed
-    pod, and counts it), as the image's user, on the nodes `sched` picks."""
+    pod, and counts it), as the image's user, with a /tmp of its own, on the nodes `sched` picks."""
+    container["volumeMounts"] = [*container["volumeMounts"], {"name": TMP, "mountPath": "/tmp"}]
+    volumes = [*volumes, {"name": TMP, "emptyDir": {}}]
     manifest: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -230,6 +236,22 @@ def _manifest(meta: dict, container: dict, volumes: list[dict], sched: Schedulin
     if sched.tolerations:
         manifest["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
     return manifest
+
+
+def _templated(manifest: dict, template: dict | None) -> dict:
+    """The pod with the user's template merged in. A template that mounts a volume of its own at
+    /tmp has it instead of the pod's: two mounts at one path would be refused."""
+    if not template:
+        return manifest
+    out = merge(manifest, template)
+    for c in out["spec"]["containers"]:
+        mounts = c.get("volumeMounts") or []
+        if any(m.get("mountPath") == "/tmp" and m.get("name") != TMP for m in mounts):
+            c["volumeMounts"] = [m for m in mounts if m.get("name") != TMP]
+    used = {m.get("name") for c in out["spec"]["containers"] for m in c.get("volumeMounts") or []}
+    if TMP not in used:
+        out["spec"]["volumes"] = [v for v in out["spec"]["volumes"] if v.get("name") != TMP]
+    return out
 
 
 def _trainer_volumes(job: JobRef, spec: JobSpec, node: int) -> tuple[list[dict], list[dict]]:
@@ -280,12 +302,11 @@ def _node_pod(
         "volumeMounts": mounts,
         "resources": _resources(spec.trainer),
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": copy.deepcopy(SECURITY),
     }
     meta = metadata(job, pod_name(job, role, attempt), namespace, True, role=role.kind)
     meta["labels"] |= {ATTEMPT_LABEL: str(attempt), SLOT_LABEL: str(node), NODE_LABEL: str(node)}
-    manifest = _manifest(meta, container, volumes, spec.trainer)
-    return merge(manifest, template) if template else manifest
+    return _templated(_manifest(meta, container, volumes, spec.trainer), template)
 
 
 def with_check(manifest: dict) -> dict:

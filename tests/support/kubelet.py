@@ -392,6 +392,9 @@ class Kubelet:
             script.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))}")
             if read_only:
                 script.append(f"mount -o remount,bind,ro {shlex.quote(str(target))}")
+        if (run.container.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+            # the host's root read-only for this container: only its mounts (bound above) stay writable
+            script.append("mount -o remount,bind,ro /")
         script.append('exec "$@"')
         argv = [expand(a, env) for a in run.container.get("command", []) + run.container.get("args", [])]
         environ = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "HOSTNAME": run.key[1], **env}
@@ -632,6 +635,13 @@ class Kubelet:
             if mount["mountPath"] == "/dev/shm" and "emptyDir" in volumes[mount["name"]]:  # the pod's own, shared
                 source, _ = await self._volume(run, volumes[mount["name"]])  # memory: a fresh folder over it
                 mounts.append((source, Path("/dev/shm"), False))
+                continue
+            if mount["mountPath"] == "/tmp" and "emptyDir" in volumes[mount["name"]]:
+                # the pod's own temporary folder: TMPDIR, since a folder over the host's /tmp would
+                # hide the run's own folders (a read-only root leaves it writable, as a mount)
+                source, _ = await self._volume(run, volumes[mount["name"]])
+                env.setdefault("TMPDIR", str(source))
+                mounts.append((source, source, False))
                 continue
             try:
                 relative = PurePosixPath(mount["mountPath"]).relative_to(workdir)
