@@ -189,8 +189,9 @@ def test_an_environment_is_mounted_at_one_place_in_the_trainer_s_pod_and_every_w
 
 def test_every_container_of_ours_writes_only_to_its_volumes_and_a_template_may_say_otherwise():
     """Each role's container, a trainer node's and the check run on a read-only root with a /tmp
-    of their own; a template's own volume at /tmp replaces that one (two mounts at one path would
-    be refused), and a template may give a container a writable root back."""
+    of their own, in pods that get no service account token; a template's own volume at /tmp
+    replaces that one (two mounts at one path would be refused), a template may give a container
+    a writable root back, and one that names a service account gets its token as it says."""
     job = body()
     job["spec"]["trainer"] |= {"nodes": 2, "ranks": 1}
     w = World(members={})
@@ -201,6 +202,7 @@ def test_every_container_of_ours_writes_only_to_its_volumes_and_a_template_may_s
         kubernetes_validate.validate(pod, latest_version(), strict=True)
         spec = pod["spec"]
         assert {"name": "tmp", "emptyDir": {}} in spec["volumes"], name
+        assert spec["automountServiceAccountToken"] is False, name  # no role calls the Kubernetes API
         for c in spec["containers"] + spec.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, (name, c["name"])
@@ -233,3 +235,13 @@ def test_every_container_of_ours_writes_only_to_its_volumes_and_a_template_may_s
     }
     relay = w.pods[None]["add-grpo-relay-us-0"]["spec"]  # the workers' template is theirs alone
     assert relay["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+    pod, _ = trainer_pod("job-image.yaml")  # a service account named: its own setting decides
+    assert (
+        pod["spec"]["serviceAccountName"] == "sparrowrl-trainer" and "automountServiceAccountToken" not in pod["spec"]
+    )
+    job = body()
+    job["spec"]["trainer"]["template"] = {"spec": {"serviceAccountName": "sa", "automountServiceAccountToken": True}}
+    w = World(members={})
+    w.step(job, 0)
+    assert w.pods[None]["add-grpo-trainer-0"]["spec"]["automountServiceAccountToken"] is True

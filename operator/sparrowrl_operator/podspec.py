@@ -220,6 +220,7 @@ def _manifest(meta: dict, container: dict, volumes: list[dict], sched: Schedulin
         "spec": {
             "restartPolicy": "Never",
             "enableServiceLinks": False,
+            "automountServiceAccountToken": False,  # no role calls the Kubernetes API
             "terminationGracePeriodSeconds": 30,
             "securityContext": {
                 "runAsNonRoot": True,
@@ -240,10 +241,14 @@ def _manifest(meta: dict, container: dict, volumes: list[dict], sched: Schedulin
 
 def _templated(manifest: dict, template: dict | None) -> dict:
     """The pod with the user's template merged in. A template that mounts a volume of its own at
-    /tmp has it instead of the pod's: two mounts at one path would be refused."""
+    /tmp has it instead of the pod's: two mounts at one path would be refused. One that names a
+    service account gets its token as that account says, unless the template says otherwise."""
     if not template:
         return manifest
     out = merge(manifest, template)
+    spec = template.get("spec") or {}
+    if "serviceAccountName" in spec and "automountServiceAccountToken" not in spec:
+        del out["spec"]["automountServiceAccountToken"]
     for c in out["spec"]["containers"]:
         mounts = c.get("volumeMounts") or []
         if any(m.get("mountPath") == "/tmp" and m.get("name") != TMP for m in mounts):
