@@ -105,8 +105,8 @@ class Pod:
     """A pod the operator's builders make, as `ENGINE run` arguments: its user, security context,
     working folder, env (secrets and the downward API resolved) and mounts (host folders; a
     Secret's volume written as the kubelet writes it, its items as files; an emptyDir not among
-    them a tmpfs). On the host's network the ports are free ones, and the Services' URLs loopback
-    ones."""
+    them a folder of its own). On the host's network the ports are free ones, and the Services'
+    URLs loopback ones."""
 
     def __init__(self, manifest: dict, secrets: dict[str, dict], mounts: dict[str, Path], ports: dict[str, int]):
         self.manifest, self.secrets, self.ports = manifest, secrets, ports
@@ -132,7 +132,11 @@ class Pod:
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for m in c.get("volumeMounts", []):
             if m["name"] not in self.mounts and "emptyDir" in volumes[m["name"]]:
-                out += ["--tmpfs", m["mountPath"]]
+                # a folder as a kubelet makes one: anyone may write it, not sticky, setgid (an fsGroup)
+                where = next(iter(self.mounts.values())).parent / "emptyDirs" / self.manifest["metadata"]["name"]
+                (where / m["name"]).mkdir(parents=True, exist_ok=True)
+                (where / m["name"]).chmod(0o2777)
+                out += ["--volume", f"{where / m['name']}:{m['mountPath']}"]
                 continue
             out += ["--volume", f"{self.mounts[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}"]
         return [*out, "--entrypoint", c["command"][0]]
@@ -191,8 +195,23 @@ def test_every_module_imports_in_the_runtime_image_as_its_user_without_a_word(im
     assert int(p.stdout) > 70
 
 
+# its data set read with `datasets`, which caches under HOME: in a pod, the pod's /tmp
+INPUTS = {"name": "inputs", "mountPath": "/var/lib/sparrowrl/inputs", "readOnly": True}
 JOB = jobs.job(
-    "img", steps=3, grpo=jobs.GRPO, rollout={"groupsPerLease": 2}, topology={"regions": [{"name": "a", "workers": 1}]}
+    "img",
+    steps=3,
+    task={"dataset": {"path": "inputs/sums.jsonl"}},
+    grpo=jobs.GRPO,
+    rollout={"groupsPerLease": 2},
+    topology={"regions": [{"name": "a", "workers": 1}]},
+    trainer={
+        "template": {
+            "spec": {
+                "volumes": [{"name": "inputs", "configMap": {"name": "sums"}}],
+                "containers": [{"name": "trainer", "volumeMounts": [INPUTS]}],
+            }
+        }
+    },
 )
 JOB["metadata"]["namespace"] = "default"
 
@@ -226,10 +245,18 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
     tmp_path.chmod(0o755)
     mounts = {"job": tmp_path / "job.yaml", "state": folder(tmp_path / "state", 65532)}
     mounts["cache"] = folder(tmp_path / "cache", 65532)
+    mounts["inputs"] = tmp_path / "inputs"  # the ConfigMap's files
+    mounts["inputs"].mkdir()
+    (mounts["inputs"] / "sums.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(32))
+    )
     procs, names = {}, []
     try:
         for role in roles:
-            manifest = podspec.pod(job, role, spec, namespace="default", attempt=0, image=RUNTIME, home=True)
+            template = spec.trainer.template if role.kind == "trainer" else None
+            manifest = podspec.pod(
+                job, role, spec, namespace="default", attempt=0, image=RUNTIME, home=True, template=template
+            )
             pod = Pod(manifest, secrets, mounts, ports[role.name])
             for c in manifest["spec"].get("initContainers", []):  # sparrowrl check
                 names.append(f"sparrowrl-e2e-{c['name']}")
@@ -258,7 +285,9 @@ def test_a_jobs_roles_run_in_their_containers_as_the_operator_makes_their_pods(i
 
     bad = dict(JOB, spec=dict(JOB["spec"], grpo=dict(JOB["spec"]["grpo"], groupSize=1)))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(bad))
-    manifest = podspec.pod(job, roles[0], spec, namespace="default", attempt=0, image=RUNTIME, home=True)
+    manifest = podspec.pod(
+        job, roles[0], spec, namespace="default", attempt=0, image=RUNTIME, home=True, template=spec.trainer.template
+    )
     (c,) = manifest["spec"]["initContainers"]
     pod = Pod(manifest, secrets, mounts, ports["trainer"])
     argv = container("sparrowrl-e2e-bad-check", pod.argv(c), c["image"], pod.args(c))

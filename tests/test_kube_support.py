@@ -733,13 +733,13 @@ def test_a_claim_outlives_its_pod(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_read_only_root_leaves_only_the_pods_volumes_and_its_tmp_writable(tmp_path: Path) -> None:
-    """readOnlyRootFilesystem: the machine's root is read-only in the pod's mount namespace, as an
-    image's would be; its claim and its /tmp emptyDir (TMPDIR here) are not."""
+    """readOnlyRootFilesystem: the machine's root mount is read-only in the pod's mount namespace,
+    as an image's would be; its claim and its /tmp emptyDir (TMPDIR here) are not."""
     code = (
         "import errno, os, pathlib, tempfile\n"
         "pathlib.Path('state/kept').write_text('1')\n"
         "with tempfile.NamedTemporaryFile() as f: print('tmp', f.name.startswith(os.environ['TMPDIR']))\n"
-        "for where in ('here', os.path.expanduser('~/sparrowrl-ro-check')):\n"
+        "for where in ('here', '/sparrowrl-ro-check'):\n"
         "    try: pathlib.Path(where).write_text('x'); print('wrote', where)\n"
         "    except OSError as e: print('refused', where, e.errno == errno.EROFS)\n"
     )
@@ -764,7 +764,7 @@ def test_a_read_only_root_leaves_only_the_pods_volumes_and_its_tmp_writable(tmp_
         log = k_east.log("default", "ro")
         assert "tmp True" in log and "wrote" not in log and log.count("refused") == 2, log
         assert log.count(" True") == 3, log  # each refusal is the read-only file system's
-        assert not Path("~/sparrowrl-ro-check").expanduser().exists()
+        assert not Path("/sparrowrl-ro-check").exists()
 
 
 @pytest.mark.timeout(90)

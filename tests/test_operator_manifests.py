@@ -233,6 +233,15 @@ def test_every_container_of_ours_writes_only_to_its_volumes_and_a_template_may_s
         "capabilities": {"drop": ["ALL"]},
         "readOnlyRootFilesystem": False,
     }
+    in_memory = {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
+    w = World(members={})
+    w.step(body(placements=[{"region": "us", "template": {"spec": {"volumes": [in_memory]}}}]), 0)
+    worker = w.pods[None]["add-grpo-worker-us-0-0"]
+    kubernetes_validate.validate(worker, latest_version(), strict=True)
+    assert [v for v in worker["spec"]["volumes"] if v["name"] == "tmp"] == [in_memory]
+    assert {"name": "tmp", "mountPath": "/tmp"} in worker["spec"]["containers"][0]["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
+    assert env["HOME"] == "/tmp" and env["NUMBA_CACHE_DIR"] == "/tmp/numba"  # caches where it can write
     relay = w.pods[None]["add-grpo-relay-us-0"]["spec"]  # the workers' template is theirs alone
     assert relay["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 

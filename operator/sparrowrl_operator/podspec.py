@@ -55,6 +55,11 @@ USER = 65532  # the runtime image's user
 # its own, where numba's kernels and a data set's cache go), and gain nothing.
 SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
 TMP = "tmp"  # that volume's name: a template's volume of this name replaces it
+# Caches in that /tmp. An emptyDir is writable by all and not sticky (2777 with fsGroup), where
+# sparrowrl.cachedir makes no folder of its own (another user could swap it): so they are named
+# outright, in a folder only this pod's containers reach. Under HOME: `datasets`', matplotlib's,
+# CuPy's, and vLLM's, Triton's and FlashInfer's kernels.
+CACHES = [{"name": "HOME", "value": "/tmp"}, {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba"}]
 
 
 def _items(keys: list[str] | tuple[str, ...]) -> list[dict]:
@@ -212,6 +217,7 @@ def _manifest(meta: dict, container: dict, volumes: list[dict], sched: Schedulin
     """A pod of one container, as every role's is made: run once (the operator replaces a failed
     pod, and counts it), as the image's user, with a /tmp of its own, on the nodes `sched` picks."""
     container["volumeMounts"] = [*container["volumeMounts"], {"name": TMP, "mountPath": "/tmp"}]
+    container["env"] = [*container["env"], *copy.deepcopy(CACHES)]
     volumes = [*volumes, {"name": TMP, "emptyDir": {}}]
     manifest: dict[str, Any] = {
         "apiVersion": "v1",
@@ -240,20 +246,25 @@ def _manifest(meta: dict, container: dict, volumes: list[dict], sched: Schedulin
 
 
 def _templated(manifest: dict, template: dict | None) -> dict:
-    """The pod with the user's template merged in. A template that mounts a volume of its own at
-    /tmp has it instead of the pod's: two mounts at one path would be refused. One that names a
-    service account gets its token as that account says, unless the template says otherwise."""
+    """The pod with the user's template merged in. A template's volume named `tmp`, or one it
+    mounts at /tmp, takes the place of the pod's own /tmp (merged, the two would be one invalid
+    volume, or two mounts at one path). One that names a service account gets its token as that
+    account says, unless the template says otherwise."""
     if not template:
         return manifest
-    out = merge(manifest, template)
     spec = template.get("spec") or {}
+    if any(isinstance(v, dict) and v.get("name") == TMP for v in spec.get("volumes") or []):
+        manifest = copy.deepcopy(manifest)
+        manifest["spec"]["volumes"] = [v for v in manifest["spec"]["volumes"] if v["name"] != TMP]
+    out = merge(manifest, template)
     if "serviceAccountName" in spec and "automountServiceAccountToken" not in spec:
         del out["spec"]["automountServiceAccountToken"]
-    for c in out["spec"]["containers"]:
+    containers = out["spec"]["containers"] + out["spec"].get("initContainers", [])
+    for c in containers:
         mounts = c.get("volumeMounts") or []
         if any(m.get("mountPath") == "/tmp" and m.get("name") != TMP for m in mounts):
             c["volumeMounts"] = [m for m in mounts if m.get("name") != TMP]
-    used = {m.get("name") for c in out["spec"]["containers"] for m in c.get("volumeMounts") or []}
+    used = {m.get("name") for c in containers for m in c.get("volumeMounts") or []}
     if TMP not in used:
         out["spec"]["volumes"] = [v for v in out["spec"]["volumes"] if v.get("name") != TMP]
     return out

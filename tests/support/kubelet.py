@@ -63,12 +63,17 @@ from typing import Any, Self
 
 import aiohttp
 
+from sparrowrl.cachedir import own
 from support.kube import ApiError, Cluster, Gate, now, path
 
 PROBE_EVERY = 0.25
 REFRESH = 1.0  # seconds between a running pod's syncs of its Secret and ConfigMap volumes (a kubelet: ~60)
 GRACE_CAP = 2.0
 BIN = str(Path(sys.executable).parent)
+# numba's compiled kernels, kept where this machine's own runs keep them and shared by every pod:
+# a compile per pod (seconds each) would cost CI minutes and show nothing. The one departure from
+# a pod's env (tests/test_images.py runs the pods' own).
+NUMBA_CACHE = own("numba")
 
 
 class Unsupported(Exception):
@@ -398,6 +403,8 @@ class Kubelet:
         script.append('exec "$@"')
         argv = [expand(a, env) for a in run.container.get("command", []) + run.container.get("args", [])]
         environ = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "HOSTNAME": run.key[1], **env}
+        if NUMBA_CACHE is not None:
+            environ["NUMBA_CACHE_DIR"] = str(NUMBA_CACHE)
         self._commands.setdefault(run.log.name, []).append(f"{now()} start {run.restarts}: {shlex.join(argv)}")
         with run.log.open("ab") as log:
             run.log_from = log.tell()
@@ -637,9 +644,13 @@ class Kubelet:
                 mounts.append((source, Path("/dev/shm"), False))
                 continue
             if mount["mountPath"] == "/tmp" and "emptyDir" in volumes[mount["name"]]:
-                # the pod's own temporary folder: TMPDIR, since a folder over the host's /tmp would
-                # hide the run's own folders (a read-only root leaves it writable, as a mount)
+                # the pod's own temporary folder: TMPDIR, and the env's paths in /tmp mapped into
+                # it, since a folder over the host's /tmp would hide the run's own folders (a
+                # read-only root leaves it writable, as a mount)
                 source, _ = await self._volume(run, volumes[mount["name"]])
+                for k, v in env.items():  # the pod's own values
+                    if v == "/tmp" or v.startswith("/tmp/"):
+                        env[k] = str(source) + v.removeprefix("/tmp")
                 env.setdefault("TMPDIR", str(source))
                 mounts.append((source, source, False))
                 continue
@@ -659,6 +670,8 @@ class Kubelet:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.touch()
             mounts.append((source, target, read_only or mount.get("readOnly", False)))
+        if NUMBA_CACHE is not None:  # writable under a read-only root
+            mounts.append((NUMBA_CACHE, NUMBA_CACHE, False))
         return env, mounts
 
     async def _value_from(self, run: Run, source: dict[str, Any]) -> str | None:
@@ -704,6 +717,8 @@ class Kubelet:
         directory = run.root / "volumes" / volume["name"]
         if "emptyDir" in volume:
             directory.mkdir(parents=True, exist_ok=True)
+            # as a kubelet makes one: anyone may write it, it is not sticky; setgid with an fsGroup
+            directory.chmod(0o2777 if (run.pod["spec"].get("securityContext") or {}).get("fsGroup") else 0o777)
             return directory, False
         if claim := volume.get("persistentVolumeClaim"):
             pvc = await self._api("GET", path("v1/persistentvolumeclaims", namespace, claim["claimName"]))
