@@ -242,6 +242,14 @@ def test_every_container_of_ours_writes_only_to_its_volumes_and_a_template_may_s
     assert {"name": "tmp", "mountPath": "/tmp"} in worker["spec"]["containers"][0]["volumeMounts"]
     env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
     assert env["HOME"] == "/tmp" and env["NUMBA_CACHE_DIR"] == "/tmp/numba"  # caches where it can write
+    home = {"name": "HOME", "valueFrom": {"configMapKeyRef": {"name": "paths", "key": "home"}}}
+    w = World(members={})
+    w.step(
+        body(placements=[{"region": "us", "template": {"spec": {"containers": [{"name": "worker", "env": [home]}]}}}]),
+        0,
+    )
+    env = w.pods[None]["add-grpo-worker-us-0-0"]["spec"]["containers"][0]["env"]
+    assert [e for e in env if e["name"] == "HOME"] == [home]  # whole: a value beside it would be refused
     relay = w.pods[None]["add-grpo-relay-us-0"]["spec"]  # the workers' template is theirs alone
     assert relay["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 

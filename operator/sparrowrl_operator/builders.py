@@ -449,7 +449,9 @@ def stored(manifest: dict) -> dict:
 
 def merge(base: Any, patch: Any) -> Any:
     """A JSON merge patch (RFC 7386), except that lists of named items (containers, env, volumes,
-    ports, volumeMounts) merge by name, so a template can add one variable to a container."""
+    ports, volumeMounts) merge by name, so a template can add one variable to a container. A
+    variable of the same name replaces ours whole: its `valueFrom` beside our `value` would be
+    refused."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = copy.deepcopy(base)
         for k, v in patch.items():
@@ -462,7 +464,9 @@ def merge(base: Any, patch: Any) -> Any:
         items = [copy.deepcopy(x) for x in base]
         at = {x["name"]: i for i, x in enumerate(items)}
         for item in patch:
-            if item["name"] in at:
+            if item["name"] in at and ("value" in item or "valueFrom" in item):  # an env variable
+                items[at[item["name"]]] = copy.deepcopy(item)
+            elif item["name"] in at:
                 items[at[item["name"]]] = merge(items[at[item["name"]]], item)
             else:
                 items.append(copy.deepcopy(item))
