@@ -101,6 +101,10 @@ def test_a_native_sidecar_is_added_to_workers_and_relays_get_their_template():
         ({"metadata": {"annotations": {"sparrowrl.dev/steps": "9"}}}, "metadata.annotations['sparrowrl.dev/steps']"),
         ({"metadata": {"name": "mine"}}, "metadata.name: the operator sets it"),
         ({"spec": {"restartPolicy": "OnFailure"}}, "spec.restartPolicy: the operator sets it"),
+        (
+            {"spec": {"containers": [{"name": "worker", "volumeMounts": [{"name": "tmp", "mountPath": "/scratch"}]}]}},
+            "spec.containers[0] ('worker'): volume 'tmp' is the pod's /tmp",
+        ),
     ],
 )
 def test_a_template_that_would_break_the_pods_fails_the_job(template, why):

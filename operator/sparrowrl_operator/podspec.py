@@ -257,7 +257,7 @@ def _templated(manifest: dict, template: dict | None) -> dict:
         manifest = copy.deepcopy(manifest)
         manifest["spec"]["volumes"] = [v for v in manifest["spec"]["volumes"] if v["name"] != TMP]
     out = merge(manifest, template)
-    if "serviceAccountName" in spec and "automountServiceAccountToken" not in spec:
+    if ("serviceAccountName" in spec or "serviceAccount" in spec) and "automountServiceAccountToken" not in spec:
         del out["spec"]["automountServiceAccountToken"]
     containers = out["spec"]["containers"] + out["spec"].get("initContainers", [])
     for c in containers:

@@ -162,6 +162,14 @@ def _template(patch: dict[str, Any], container: str) -> dict[str, Any]:
                 )
             if key == "initContainers" and not c.get("image"):
                 raise ValueError(f"{where} ({c['name']!r}): an init container needs its image")
+            mounts = c.get("volumeMounts") if key == "containers" else None
+            if any(
+                isinstance(m, dict) and m.get("name") == "tmp" and m.get("mountPath") != "/tmp" for m in mounts or []
+            ):
+                raise ValueError(
+                    f"{where} ({c['name']!r}): volume 'tmp' is the pod's /tmp, and its mount merges by name with the "
+                    "operator's: mount it at /tmp, or give yours another name"
+                )
     return patch
 
 
