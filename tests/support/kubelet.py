@@ -403,8 +403,6 @@ class Kubelet:
         script.append('exec "$@"')
         argv = [expand(a, env) for a in run.container.get("command", []) + run.container.get("args", [])]
         environ = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "HOSTNAME": run.key[1], **env}
-        if NUMBA_CACHE is not None:
-            environ["NUMBA_CACHE_DIR"] = str(NUMBA_CACHE)
         self._commands.setdefault(run.log.name, []).append(f"{now()} start {run.restarts}: {shlex.join(argv)}")
         with run.log.open("ab") as log:
             run.log_from = log.tell()
@@ -670,7 +668,8 @@ class Kubelet:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.touch()
             mounts.append((source, target, read_only or mount.get("readOnly", False)))
-        if NUMBA_CACHE is not None:  # writable under a read-only root
+        if NUMBA_CACHE is not None:  # in place of the pod's own, and writable under a read-only root
+            env["NUMBA_CACHE_DIR"] = str(NUMBA_CACHE)
             mounts.append((NUMBA_CACHE, NUMBA_CACHE, False))
         return env, mounts
 
